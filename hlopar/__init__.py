@@ -1,0 +1,1 @@
+"""hlopar: automatic parallelization of JAX programs on StableHLO."""

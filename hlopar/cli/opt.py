@@ -1,0 +1,159 @@
+"""`hlopar-opt`: mlir-opt for hlopar. Reads a module, runs a pipeline, prints the result.
+
+The parent process only parses arguments and forks: the work happens in a child, so
+that a crash inside jaxlib's C++ (its verifier dies with SIGFPE on some invalid
+programs) becomes an error message and exit status 1 rather than a dead process, and
+`-o FILE` is replaced only when everything succeeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+
+
+class _OptArgumentParser(argparse.ArgumentParser):
+    def format_help(self) -> str:
+        # The pass list needs jaxlib; build it only when help is asked for.
+        from hlopar.passes.registry import passes_help
+
+        self.epilog = passes_help()
+        return super().format_help()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OptArgumentParser(
+        prog="hlopar-opt",
+        description="Parse StableHLO/sdy/mpmd modules, run hlopar and MLIR passes, print the result.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("input", nargs="?", default="-", help="input .mlir/.mlirbc file, or - for stdin (default)")
+    parser.add_argument("-o", dest="output", default="-", help="output file (default: stdout)")
+    parser.add_argument("--pass-pipeline", "-p", default="", metavar="PIPELINE",
+                        help="pipeline in MLIR syntax, e.g. 'builtin.module(hlopar-import,canonicalize)'")
+    parser.add_argument("--split-input-file", nargs="?", const="// -----", default=None, metavar="MARKER",
+                        help="split the input at '// -----' lines and process each part on its own")
+    parser.add_argument("--verify-diagnostics", action="store_true",
+                        help="check diagnostics against expected-error/warning/note/remark comments")
+    parser.add_argument("--mlir-print-ir-after-all", action="store_true", help="print the IR to stderr after every step")
+    parser.add_argument("--mlir-timing", action="store_true", help="print the wall time of parsing, each step and printing")
+    parser.add_argument("--mlir-print-debuginfo", action="store_true", help="print locations")
+    parser.add_argument("--mlir-print-op-generic", action="store_true", help="print ops in generic form")
+    parser.add_argument("--emit-bytecode", action="store_true", help="write MLIR bytecode instead of text")
+    parser.add_argument("--no-verify-each", dest="verify_each", action="store_false",
+                        help="skip the verifier after each hlopar pass")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    staging = _staging_file(args.output)
+    try:
+        if os.environ.get("HLOPAR_NO_FORK") or not hasattr(os, "fork"):
+            return _run_guarded(args, staging)
+        return _run_in_child(args, staging)
+    finally:
+        if staging and os.path.exists(staging):
+            os.unlink(staging)
+
+
+def _run_in_child(args: argparse.Namespace, staging: str | None) -> int:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            status = _run_guarded(args, staging)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+    _, wait_status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(wait_status):
+        number = os.WTERMSIG(wait_status)
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        sys.stderr.write(
+            f"{args.input}: error: jaxlib's MLIR crashed ({name}) while processing this input; "
+            f"the input is likely invalid in a way its verifier does not check\n"
+        )
+        return 1
+    return os.WEXITSTATUS(wait_status)
+
+
+def _staging_file(output: str) -> str | None:
+    """A temporary file beside the output, renamed over it only on success."""
+    if output == "-":
+        return None
+    directory = os.path.dirname(os.path.abspath(output))
+    try:
+        handle, path = tempfile.mkstemp(prefix=".hlopar-opt-", dir=directory)
+    except OSError as error:
+        sys.stderr.write(f"{output}: error: cannot write output: {error.strerror}\n")
+        sys.exit(1)
+    os.close(handle)
+    return path
+
+
+def _run_guarded(args: argparse.Namespace, staging: str | None) -> int:
+    from hlopar.ir.diagnostics import DiagnosticError
+
+    try:
+        return _run(args, staging)
+    except DiagnosticError as error:
+        for diagnostic in error.diagnostics:
+            sys.stderr.write(diagnostic.format(args.input) + "\n")
+        return 1
+    except BrokenPipeError:
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as error:  # noqa: BLE001 - the CLI never shows a traceback
+        if os.environ.get("HLOPAR_DEBUG"):
+            raise
+        sys.stderr.write(
+            f"{args.input}: error: internal error in hlopar: {type(error).__name__}: {error} "
+            f"(run with HLOPAR_DEBUG=1 HLOPAR_NO_FORK=1 for the traceback)\n"
+        )
+        return 1
+
+
+def _run(args: argparse.Namespace, staging: str | None) -> int:
+    from hlopar.cli.opt_driver import OptDriver
+
+    driver = OptDriver(
+        pipeline=args.pass_pipeline,
+        split_marker=args.split_input_file,
+        verify_diagnostics=args.verify_diagnostics,
+        print_ir_after_all=args.mlir_print_ir_after_all,
+        timing=args.mlir_timing,
+        debug_info=args.mlir_print_debuginfo,
+        generic=args.mlir_print_op_generic,
+        bytecode=args.emit_bytecode,
+        verify_each=args.verify_each,
+    )
+    result = driver.process_file(args.input)
+    for diagnostic in result.diagnostics:
+        sys.stderr.write(diagnostic.format(args.input) + "\n")
+    if result.timing_report:
+        sys.stderr.write(result.timing_report)
+    if not result.ok:
+        return 1
+    if staging is None:
+        sys.stdout.buffer.write(result.output)
+        sys.stdout.flush()
+    else:
+        with open(staging, "wb") as out:
+            out.write(result.output)
+        os.replace(staging, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

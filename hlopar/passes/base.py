@@ -1,0 +1,180 @@
+"""The pass base class: a dataclass whose fields are its options.
+
+Options are written in MLIR pipeline syntax, `hlopar-x{mesh-shape=2x4 report=plan.json}`:
+a field `mesh_shape` is the option `mesh-shape`, parsed according to its annotation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from jaxlib.mlir import ir
+
+from hlopar.ir.diagnostics import Diagnostic, DiagnosticError, source_location
+
+
+def option(default: Any, help: str, *, parse: typing.Callable[[str], Any] | None = None) -> Any:
+    """Declares a pass option: a dataclass field with its help text and, if needed, a parser."""
+    return field(default=default, metadata={"help": help, "parse": parse})
+
+
+class OptionError(ValueError):
+    """A pass option that does not exist or whose value does not parse."""
+
+
+@dataclass
+class PassContext:
+    """What a running pass may use besides the module: where to send warnings."""
+
+    diagnostics: list[Diagnostic] = field(default_factory=list)
+
+    def warn(self, op_or_location: Any, message: str) -> None:
+        location = getattr(op_or_location, "location", op_or_location)
+        self.diagnostics.append(Diagnostic("warning", message, source_location(location)))
+
+
+@dataclass
+class ModulePass:
+    """Base of hlopar's passes. Subclasses set `name`, `summary` and implement `run`."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+
+    def run(self, module: ir.Operation, context: PassContext) -> None:
+        raise NotImplementedError
+
+    def fail(self, op_or_location: Any, message: str) -> typing.NoReturn:
+        """Stops the pipeline with an error located at an op."""
+        location = getattr(op_or_location, "location", op_or_location)
+        raise DiagnosticError([Diagnostic("error", f"{self.name}: {message}", source_location(location))])
+
+    @classmethod
+    def option_fields(cls) -> list[dataclasses.Field]:
+        return [f for f in dataclasses.fields(cls) if f.init]
+
+    @classmethod
+    def option_name(cls, f: dataclasses.Field) -> str:
+        return f.name.replace("_", "-")
+
+    @classmethod
+    def from_options(cls, text: str) -> ModulePass:
+        """Builds the pass from the text between braces in a pipeline string."""
+        hints = typing.get_type_hints(cls)
+        by_name = {cls.option_name(f): f for f in cls.option_fields()}
+        values: dict[str, Any] = {}
+        try:
+            words = shlex.split(text)
+        except ValueError as error:
+            raise OptionError(f"pass '{cls.name}': malformed options '{{{text}}}': {error}") from None
+        for word in words:
+            key, has_value, raw = word.partition("=")
+            if key not in by_name:
+                known = ", ".join(sorted(by_name)) or "none"
+                raise OptionError(f"pass '{cls.name}' has no option '{key}' (options: {known})")
+            f = by_name[key]
+            if not has_value:
+                if hints[f.name] is not bool:
+                    raise OptionError(f"option '{key}' of pass '{cls.name}' needs a value")
+                raw = "true"
+            try:
+                values[f.name] = (f.metadata.get("parse") or _parser_for(hints[f.name]))(raw)
+            except (ValueError, TypeError) as error:
+                raise OptionError(f"option '{key}' of pass '{cls.name}': invalid value '{raw}': {error}") from None
+        return cls(**values)
+
+    def pipeline_text(self) -> str:
+        """This pass with its non-default options, in pipeline syntax."""
+        parts = []
+        for f in self.option_fields():
+            value = getattr(self, f.name)
+            if value != f.default:
+                parts.append(f"{self.option_name(f)}={_format_value(value)}")
+        return self.name + ("{" + " ".join(parts) + "}" if parts else "")
+
+    @classmethod
+    def help_lines(cls) -> list[str]:
+        hints = typing.get_type_hints(cls)
+        lines = [f"  {cls.name:<34} {cls.summary}"]
+        for f in cls.option_fields():
+            default = "" if f.default is None else f" (default: {_format_value(f.default)})"
+            lines.append(f"      {cls.option_name(f)}=<{_type_name(hints[f.name])}>  {f.metadata.get('help', '')}{default}")
+        return lines
+
+
+def parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("true", "1", "on", "yes"):
+        return True
+    if lowered in ("false", "0", "off", "no"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def parse_int_tuple(text: str) -> tuple[int, ...]:
+    """`2x4`, `2,4` or `[2, 4]` → (2, 4)."""
+    body = text.strip().strip("[]()")
+    parts = [p for p in body.replace("x", ",").split(",") if p.strip()]
+    if not parts:
+        raise ValueError("expected sizes such as 2x4")
+    return tuple(int(p) for p in parts)
+
+
+def parse_str_tuple(text: str) -> tuple[str, ...]:
+    body = text.strip().strip("[]()")
+    return tuple(p.strip().strip("'\"") for p in body.split(",") if p.strip())
+
+
+def _optional_inner(annotation: Any) -> Any:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(inner) == 1:
+            return inner[0]
+    return annotation
+
+
+def _parser_for(annotation: Any) -> typing.Callable[[str], Any]:
+    inner = _optional_inner(annotation)
+    optional = inner is not annotation
+    if inner is bool:
+        base = parse_bool
+    elif inner in (int, float, str, Path):
+        base = inner
+    elif typing.get_origin(inner) is Literal:
+        choices = typing.get_args(inner)
+
+        def base(text: str) -> str:
+            if text not in choices:
+                raise ValueError(f"expected one of {', '.join(map(str, choices))}")
+            return text
+    elif typing.get_origin(inner) is tuple and typing.get_args(inner)[0] is int:
+        base = parse_int_tuple
+    elif typing.get_origin(inner) is tuple and typing.get_args(inner)[0] is str:
+        base = parse_str_tuple
+    else:
+        raise TypeError(f"no parser for option type {annotation}")
+    if not optional:
+        return base
+    return lambda text: None if text in ("", "none") else base(text)
+
+
+def _type_name(annotation: Any) -> str:
+    inner = _optional_inner(annotation)
+    if typing.get_origin(inner) is Literal:
+        return "|".join(map(str, typing.get_args(inner)))
+    if typing.get_origin(inner) is tuple:
+        return f"{typing.get_args(inner)[0].__name__}x..."
+    return getattr(inner, "__name__", str(inner))
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return "x".join(map(str, value)) if all(isinstance(v, int) for v in value) else ",".join(map(str, value))
+    return str(value)

@@ -1,0 +1,21 @@
+"""The table of hlopar's passes, by pipeline name."""
+
+from __future__ import annotations
+
+from hlopar.passes.base import ModulePass
+from hlopar.passes.import_program import ImportPass
+
+HLOPAR_PASSES: dict[str, type[ModulePass]] = {cls.name: cls for cls in (ImportPass,)}
+
+
+def passes_help() -> str:
+    """The pass list `hlopar-opt --help` prints."""
+    lines = ["hlopar passes (in --pass-pipeline as name{option=value ...}):"]
+    for name in sorted(HLOPAR_PASSES):
+        lines += HLOPAR_PASSES[name].help_lines()
+    lines += [
+        "",
+        "Any pass registered in jaxlib's MLIR can appear in the same pipeline, e.g. canonicalize,",
+        "cse, inline, symbol-dce, func.func(chlo-legalize-to-stablehlo), and the sdy-* passes.",
+    ]
+    return "\n".join(lines)
