@@ -99,6 +99,7 @@ def module_bytecode(module: ir.Operation) -> bytes:
 
 
 _ALIAS_OR_TRIVIA = re.compile(r"\s*($|//|[#!][\w.$-]*\s*=)")
+_ALIAS = re.compile(r"\s*[#!][\w.$-]*\s*=")
 
 
 def _parse_text(text: str, source_name: str) -> ir.Operation:
@@ -115,22 +116,33 @@ def _parse_text(text: str, source_name: str) -> ir.Operation:
 def _wrap_in_module(text: str) -> str:
     """Wraps several top-level ops in `module { }` as mlir-opt does, keeping line numbers.
 
-    The opening brace replaces a blank or comment line before the first op (after any
-    alias definitions), the closing one goes on a new line after the last op; only
-    when no such line exists does line 1 shift by a few columns.
+    Alias definitions (`!t = ...`, `#a = ...`) must stay outside the module: they move,
+    all on one line, in front of `module {`, and their own lines are left blank. The
+    opening brace takes the place of a blank or comment line before the first op when
+    there is one (else line 1 shifts right); the closing one goes after the last op.
     """
     lines = text.split("\n")
+    aliases = [i for i, line in enumerate(lines) if _ALIAS.match(line) and not _continues(lines, i)]
+    hoisted = " ".join(lines[i].strip() for i in aliases)
+    for i in aliases:
+        lines[i] = ""
     op_lines = [i for i, line in enumerate(lines) if not _ALIAS_OR_TRIVIA.match(line)]
     if not op_lines:
         return text
     first, last = op_lines[0], op_lines[-1]
     lines.insert(last + 1, "}")
     spare = [i for i in range(first) if not lines[i].strip() or lines[i].lstrip().startswith("//")]
-    if spare and not any(_ALIAS_OR_TRIVIA.match(lines[i]).group(1) not in ("", "//") for i in range(spare[-1], first)):
-        lines[spare[-1]] = "module {"
+    if spare:
+        lines[spare[-1]] = f"{hoisted} module {{"
     else:
-        lines[first] = "module { " + lines[first]
+        lines[first] = f"{hoisted} module {{ {lines[first]}"
     return "\n".join(lines)
+
+
+def _continues(lines: list[str], index: int) -> bool:
+    """Whether a line that looks like an alias is really inside an op (an attribute dict)."""
+    previous = next((line for line in reversed(lines[:index]) if line.strip() and not line.lstrip().startswith("//")), "")
+    return previous.rstrip().endswith(("{", ",", "("))
 
 
 def _parse_bytecode(data: bytes) -> ir.Operation:

@@ -72,8 +72,11 @@ def inline_calls(module: ir.Operation) -> int:
     for caller, callee, _ in calls:
         graph.setdefault(caller, []).append(callee)
     keep = recursive_functions(graph)
+    def inlinable(callee: str, call: ir.Operation) -> bool:
+        return callee in functions and callee not in keep and not _feeds_call_only_op(call)
+
     inlined = 0
-    pending = [call for _, callee, call in calls if callee in functions and callee not in keep]
+    pending = [call for _, callee, call in calls if inlinable(callee, call)]
     while pending:
         for call in pending:
             callee = functions[_callee(call)]
@@ -84,8 +87,16 @@ def inline_calls(module: ir.Operation) -> int:
             call.erase()
             inlined += 1
         # The inlined bodies may hold calls of their own: scan again until none is left.
-        pending = [call for _, name, call in _call_sites(module) if name in functions and name not in keep]
+        pending = [call for _, name, call in _call_sites(module) if inlinable(name, call)]
     return inlined
+
+
+# Ops whose verifier requires their operand to be the result of a call.
+_CALL_RESULT_CONSUMERS = ("sdy.func_data_flow_edge",)
+
+
+def _feeds_call_only_op(call: ir.Operation) -> bool:
+    return any(use.owner.name in _CALL_RESULT_CONSUMERS for result in call.results for use in result.uses)
 
 
 def _call_sites(module: ir.Operation) -> list[tuple[str, str, ir.Operation]]:
