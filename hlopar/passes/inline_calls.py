@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from jaxlib.mlir import ir
 from jaxlib.mlir._mlir_libs import _jax_mlir_ext
+from jaxlib.mlir.dialects import sdy
 
 
 def recursive_functions(calls: Mapping[str, Sequence[str]]) -> set[str]:
@@ -81,7 +82,9 @@ def inline_calls(module: ir.Operation) -> int:
         for call in pending:
             callee = functions[_callee(call)]
             with ir.InsertionPoint(call), call.location:
-                results = _jax_mlir_ext.inlined_func_call(callee.operation, list(call.operands), call.location)
+                arguments = _constrained(list(call.operands), _shardings(callee, "arg_attrs"))
+                results = _jax_mlir_ext.inlined_func_call(callee.operation, arguments, call.location)
+                results = _constrained(list(results), _shardings(callee, "res_attrs"))
             for old, new in zip(call.results, results):
                 old.replace_all_uses_with(new)
             call.erase()
@@ -89,6 +92,25 @@ def inline_calls(module: ir.Operation) -> int:
         # The inlined bodies may hold calls of their own: scan again until none is left.
         pending = [call for _, name, call in _call_sites(module) if inlinable(name, call)]
     return inlined
+
+
+def _shardings(func, key: str) -> list[ir.Attribute | None]:
+    """The `sdy.sharding` of each argument or result of a function (None where it has none)."""
+    if key not in func.operation.attributes:
+        return []
+    found = []
+    for attrs in ir.ArrayAttr(func.operation.attributes[key]):
+        attrs = ir.DictAttr(attrs)
+        found.append(attrs["sdy.sharding"] if "sdy.sharding" in attrs else None)
+    return found
+
+
+def _constrained(values: list[ir.Value], shardings: list[ir.Attribute | None]) -> list[ir.Value]:
+    """A callee's argument and result shardings are constraints: they outlive inlining."""
+    return [
+        sdy.ShardingConstraintOp(value, sharding).result if sharding is not None else value
+        for value, sharding in zip(values, shardings + [None] * (len(values) - len(shardings)))
+    ]
 
 
 # Ops whose verifier requires their operand to be the result of a call.

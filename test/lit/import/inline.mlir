@@ -71,3 +71,24 @@ func.func private @pong(%arg0: tensor<f32>) -> tensor<f32> {
   %0 = call @ping(%arg0) : (tensor<f32>) -> tensor<f32>
   return %0 : tensor<f32>
 }
+
+// -----
+
+// Shardings on a callee's arguments and results are constraints: they survive inlining.
+
+// CHECK:       sdy.mesh @mesh = <["x"=2]>
+// CHECK-LABEL: func.func public @main
+// CHECK-NEXT:    %[[A:.*]] = sdy.sharding_constraint %arg0 <@mesh, [{"x"}]>
+// CHECK-NEXT:    %[[N:.*]] = stablehlo.negate %[[A]]
+// CHECK-NEXT:    %[[R:.*]] = sdy.sharding_constraint %[[N]] <@mesh, [{}]>
+// CHECK-NEXT:    return %[[R]]
+sdy.mesh @mesh = <["x"=2]>
+func.func public @main(%arg0: tensor<4xf32>) -> tensor<4xf32> {
+  %0 = call @f(%arg0) : (tensor<4xf32>) -> tensor<4xf32>
+  return %0 : tensor<4xf32>
+}
+func.func private @f(%arg0: tensor<4xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"x"}]>})
+    -> (tensor<4xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}]>}) {
+  %0 = stablehlo.negate %arg0 : tensor<4xf32>
+  return %0 : tensor<4xf32>
+}

@@ -1,0 +1,118 @@
+"""The pass manager: option parsing, pipeline strings, mixing with upstream passes, diagnostics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import re
+
+import pytest
+
+from hlopar.ir.context import make_context
+from hlopar.ir.diagnostics import DiagnosticError
+from hlopar.ir.module import parse_module, print_module
+from hlopar.passes.base import ModulePass, OptionError, PassContext, option
+from hlopar.passes.pipeline import Instrumentation, Pipeline, PipelineError, parse_elements
+
+
+@dataclass
+class ExamplePass(ModulePass):
+    name = "example"
+    summary = "a pass to test option parsing"
+
+    mesh_shape: tuple[int, ...] = option((1,), "mesh shape")
+    axis_names: tuple[str, ...] = option(("x",), "axis names")
+    time_limit: float = option(10.0, "seconds")
+    schedule: Literal["gpipe", "1f1b"] = option("1f1b", "schedule")
+    report: str | None = option(None, "report path")
+    verbose: bool = option(False, "print more")
+
+
+def test_options_parse_by_type():
+    parsed = ExamplePass.from_options("mesh-shape=2x4 axis-names=x,y time-limit=2.5 schedule=gpipe report='a b.json' verbose")
+    assert parsed == ExamplePass((2, 4), ("x", "y"), 2.5, "gpipe", "a b.json", True)
+    assert parsed.pipeline_text() == "example{mesh-shape=2x4 axis-names=x,y time-limit=2.5 schedule=gpipe report=a b.json verbose=true}"
+    assert ExamplePass.from_options("") == ExamplePass()
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("nope=1", "has no option 'nope'"),
+        ("schedule=eager", "expected one of gpipe, 1f1b"),
+        ("mesh-shape=2xq", "invalid value '2xq'"),
+        ("time-limit", "needs a value"),
+        ("verbose=maybe", "expected true or false"),
+    ],
+)
+def test_bad_options_are_explained(text, message):
+    with pytest.raises(OptionError, match=message):
+        ExamplePass.from_options(text)
+
+
+def test_pipeline_elements_nest_and_keep_their_text():
+    (anchor,) = parse_elements("builtin.module(hlopar-import{inline=false}, canonicalize,func.func(cse,canonicalize{max-iterations=2}))")
+    assert anchor.name == "builtin.module"
+    assert [e.text for e in anchor.nested] == [
+        "hlopar-import{inline=false}", "canonicalize", "func.func(cse,canonicalize{max-iterations=2})"]
+    assert anchor.nested[2].nested[1].options == "max-iterations=2"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("builtin.module(canonicalize", "expected ')'"),
+        ("builtin.module(frobnicate)", "unknown pass or pipeline 'frobnicate'"),
+        ("builtin.module(func.func(hlopar-import))", "runs on the whole module"),
+        ("builtin.module(hlopar-import(cse))", "takes no nested pipeline"),
+        ("builtin.module(hlopar-import{x=1})", "has no option 'x'"),
+        ("builtin.module(cse,,cse)", "expected a pass name"),
+    ],
+)
+def test_bad_pipelines_are_explained(text, message):
+    with pytest.raises(PipelineError, match=re.escape(message)):
+        Pipeline.parse(text, make_context())
+
+
+def test_mixed_pipeline_runs_with_ir_printing_and_timing():
+    import io
+
+    module = parse_module(
+        "func.func private @g(%a: tensor<2xf32>) -> tensor<2xf32> {\n"
+        "  %0 = stablehlo.add %a, %a : tensor<2xf32>\n  return %0 : tensor<2xf32>\n}\n"
+        "func.func @main(%a: tensor<2xf32>) -> tensor<2xf32> {\n"
+        "  %0 = call @g(%a) : (tensor<2xf32>) -> tensor<2xf32>\n"
+        "  %1 = call @g(%a) : (tensor<2xf32>) -> tensor<2xf32>\n"
+        "  %2 = stablehlo.multiply %0, %1 : tensor<2xf32>\n  return %2 : tensor<2xf32>\n}\n"
+    )
+    printed, timings = io.StringIO(), []
+    pipeline = Pipeline.parse("builtin.module(hlopar-import{canonicalize=false},func.func(cse),symbol-dce)", module.context)
+    pipeline.run(module, PassContext(), Instrumentation(print_ir_after_all=printed, timings=timings))
+    text = print_module(module)
+    assert text.count("stablehlo.add") == 1  # inlined twice, then CSE'd into one
+    assert "@g" not in text
+    assert [name for name, _ in timings] == ["hlopar-import{canonicalize=false}", "func.func(cse)", "symbol-dce"]
+    assert printed.getvalue().count("// -----// IR Dump After") == 3
+
+
+@dataclass
+class FailingPass(ModulePass):
+    name = "failing"
+    summary = "fails at the first multiply"
+
+    def run(self, module, context):
+        for op in module.regions[0].blocks[0].operations[0].regions[0].blocks[0].operations:
+            if op.operation.name == "stablehlo.multiply":
+                self.fail(op, "cannot handle multiply")
+
+
+def test_pass_failures_are_located_at_the_op():
+    module = parse_module(
+        "func.func @main(%a: tensor<2xf32>) -> tensor<2xf32> {\n"
+        "  %0 = stablehlo.multiply %a, %a : tensor<2xf32>\n  return %0 : tensor<2xf32>\n}\n",
+        source_name="in.mlir",
+    )
+    with pytest.raises(DiagnosticError) as error:
+        FailingPass().run(module, PassContext())
+    assert error.value.diagnostics[0].format() == "in.mlir:2:8: error: failing: cannot handle multiply"
