@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from hlopar.passes.base import ModulePass
+from hlopar.passes.auto_sharding import AutoShardingPass
 from hlopar.passes.import_program import ImportPass
 
-HLOPAR_PASSES: dict[str, type[ModulePass]] = {cls.name: cls for cls in (ImportPass,)}
+HLOPAR_PASSES: dict[str, type[ModulePass]] = {cls.name: cls for cls in (ImportPass, AutoShardingPass)}
 
 
 def passes_help() -> str:

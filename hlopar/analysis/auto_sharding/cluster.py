@@ -1,0 +1,249 @@
+"""The cluster as the intra-op planner sees it: a logical mesh with per-axis link costs.
+
+Alpa (§4.1) views a set of devices as an N-D *logical mesh* whose axes may have different
+bandwidths: on 2 hosts × 8 GPUs the 2×8 view has a slow inter-host axis and a fast NVLink
+axis, while the 4×4 view has one axis that crosses hosts. The cost model (`collectives`) reads
+only what is here: per axis its size, latency (alpha) and bandwidth (beta), plus per device
+its peak FLOP/s and memory. Everything is a frozen value, passed in; no global config.
+
+Bandwidths are *per device, one direction*: the bytes per second one device can send while
+it also receives as much, when every device of the mesh communicates at once (the SPMD
+case). That is the rate NCCL's "bus bandwidth" is compared with, and what the ring formulas
+of `collectives` divide by.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hlopar.analysis.mesh import DeviceMesh
+
+__all__ = ["CLUSTER_PRESETS", "ClusterPreset", "LogicalMesh", "MeshAxis", "logical_mesh"]
+
+_GIB = 2**30
+_GBIT = 1e9 / 8  # bytes per second in one Gbit/s
+_DEFAULT_NAMES = ("x", "y", "z", "w")
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+    """One axis of a logical mesh: its size and the alpha-beta cost of its links."""
+
+    name: str
+    size: int
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"mesh axis names are non-empty strings, got {self.name!r}")
+        if isinstance(self.size, bool) or not isinstance(self.size, (int, np.integer)) or self.size < 1:
+            raise ValueError(f"mesh axis {self.name!r} must have a positive integer size, got {self.size!r}")
+        if not self.latency_s >= 0 or math.isinf(self.latency_s):
+            raise ValueError(f"mesh axis {self.name!r} needs a finite latency >= 0 s, got {self.latency_s!r}")
+        if not self.bandwidth_bytes_per_s > 0 or math.isinf(self.bandwidth_bytes_per_s):
+            raise ValueError(
+                f"mesh axis {self.name!r} needs a finite bandwidth > 0 B/s, got {self.bandwidth_bytes_per_s!r}"
+            )
+        object.__setattr__(self, "size", int(self.size))
+        object.__setattr__(self, "latency_s", float(self.latency_s))
+        object.__setattr__(self, "bandwidth_bytes_per_s", float(self.bandwidth_bytes_per_s))
+
+
+@dataclass(frozen=True)
+class LogicalMesh:
+    """Mesh axes (major first) plus what every device of the mesh has: peak FLOP/s and memory.
+
+    Devices are homogeneous within a mesh (Alpa §4, SPMD). Hashable, so it can key caches.
+    """
+
+    axes: tuple[MeshAxis, ...]
+    device_flops: float
+    device_memory_bytes: float
+
+    def __post_init__(self) -> None:
+        axes = tuple(self.axes)
+        for axis in axes:
+            if not isinstance(axis, MeshAxis):
+                raise ValueError(f"LogicalMesh axes are MeshAxis values, got {axis!r}")
+        names = [axis.name for axis in axes]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate mesh axis names: {duplicates}")
+        if not self.device_flops > 0 or math.isinf(self.device_flops):
+            raise ValueError(f"device_flops must be finite and > 0, got {self.device_flops!r}")
+        if not self.device_memory_bytes > 0:
+            raise ValueError(f"device_memory_bytes must be > 0, got {self.device_memory_bytes!r}")
+        object.__setattr__(self, "axes", axes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(axis.size for axis in self.axes)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(axis.name for axis in self.axes)
+
+    @property
+    def size(self) -> int:
+        """Number of devices."""
+        return math.prod(self.shape)
+
+    def axis(self, name: str) -> MeshAxis:
+        for axis in self.axes:
+            if axis.name == name:
+                return axis
+        raise ValueError(f"mesh {self.axis_names} has no axis {name!r}")
+
+    def axes_size(self, names: Iterable[str]) -> int:
+        """How many pieces splitting over all of `names` makes (1 for none)."""
+        return math.prod(self.axis(name).size for name in names)
+
+    def to_device_mesh(self) -> DeviceMesh:
+        """The same axes as a `DeviceMesh` on devices 0..n-1 in row-major order."""
+        return DeviceMesh(tuple((axis.name, axis.size) for axis in self.axes))
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(f"{a.name}={a.size}" for a in self.axes) + "]"
+
+
+@dataclass(frozen=True)
+class ClusterPreset:
+    """Link and device numbers of a kind of node, from vendor specs (see `CLUSTER_PRESETS`).
+
+    Bandwidths follow the module's convention (per device, one direction, all devices busy);
+    latencies are the order of magnitude of one small collective's start-up time.
+    """
+
+    name: str
+    intra_host_latency_s: float
+    intra_host_bandwidth: float
+    inter_host_latency_s: float
+    inter_host_bandwidth: float
+    device_flops: float
+    device_memory_bytes: float
+    devices_per_host: int
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if self.devices_per_host < 1:
+            raise ValueError(f"preset {self.name!r}: devices_per_host must be >= 1, got {self.devices_per_host}")
+
+
+def _gpu_node(
+    name: str, nvlink: float, nic_per_gpu: float, nic_latency_s: float, flops: float, memory_gib: int, description: str
+) -> ClusterPreset:
+    """8 GPUs on NVLink (one-way B/s per GPU), each with `nic_per_gpu` B/s to other nodes."""
+    return ClusterPreset(name, 10e-6, nvlink, nic_latency_s, nic_per_gpu, flops, memory_gib * _GIB, 8, description)
+
+
+CLUSTER_PRESETS: dict[str, ClusterPreset] = {
+    preset.name: preset
+    for preset in (
+        # Rough: XLA's CPU collectives copy through host memory. A single-threaded numpy memcpy on
+        # the 2-core development machine runs at ~3-10 GB/s; the 8 forced host devices
+        # (`--xla_force_host_platform_device_count=8`) share those cores. Inter-host is 10 GbE.
+        # FLOP/s: ~180 GFLOP/s measured for a 1024² f32 matmul on the whole machine, over its 8
+        # devices; memory: its 24 GiB over 8. Calibrate on the machine at hand when it matters.
+        ClusterPreset(
+            name="cpu",
+            intra_host_latency_s=10e-6,
+            intra_host_bandwidth=5e9,
+            inter_host_latency_s=50e-6,
+            inter_host_bandwidth=10 * _GBIT / 8,
+            device_flops=20e9,
+            device_memory_bytes=3 * _GIB,
+            devices_per_host=8,
+            description="host CPU devices of one machine (rough, measured-ish numbers)",
+        ),
+        # Alpa's testbed (§8): AWS p3.16xlarge, 8 V100-SXM2 16 GB per node on NVLink, 25 Gbps
+        # between nodes. NVIDIA V100 datasheet: NVLink 2.0 300 GB/s total per GPU (150 GB/s each
+        # way), 125 TFLOPS fp16 tensor cores. The node's one 25 Gbps NIC is shared by its 8 GPUs
+        # when they all communicate: 25/8 Gbit/s per device; TCP, so a larger latency.
+        _gpu_node(
+            "v100-p3.16xlarge", 150e9, 25 * _GBIT / 8, 50e-6, 125e12, 16,
+            "AWS p3.16xlarge: 8x V100 16GB, NVLink 2.0, 25 Gbps between nodes (Alpa §8)",
+        ),
+        # NVIDIA DGX A100 / A100 datasheet: 8x A100-SXM4 80GB behind NVSwitch, NVLink 3.0 600 GB/s
+        # total per GPU (300 GB/s each way); 312 TFLOPS dense bf16/fp16; one 200 Gb/s HDR
+        # InfiniBand adapter per GPU (25 GB/s per device between nodes).
+        _gpu_node(
+            "a100-80g-nvlink", 300e9, 200 * _GBIT, 20e-6, 312e12, 80,
+            "8x A100 80GB SXM, NVLink 3.0 + NVSwitch, 8x 200 Gb/s HDR InfiniBand per node",
+        ),
+        # NVIDIA DGX H100 / H100 datasheet: 8x H100-SXM5 80GB behind NVSwitch, NVLink 4.0 900 GB/s
+        # total per GPU (450 GB/s each way); 989 TFLOPS dense bf16; one 400 Gb/s NDR InfiniBand
+        # adapter per GPU (50 GB/s per device between nodes).
+        _gpu_node(
+            "h100-80g-nvlink", 450e9, 400 * _GBIT, 20e-6, 989e12, 80,
+            "8x H100 80GB SXM, NVLink 4.0 + NVSwitch, 8x 400 Gb/s NDR InfiniBand per node",
+        ),
+    )
+}
+
+
+def logical_mesh(
+    shape: Sequence[int],
+    axis_names: Sequence[str] | None = None,
+    *,
+    preset: str = "cpu",
+    latencies: Sequence[float] | None = None,
+    bandwidths: Sequence[float] | None = None,
+    memory_budget: float | None = None,
+) -> LogicalMesh:
+    """A logical mesh over devices 0..n-1 laid out row-major, with link costs from `preset`.
+
+    Devices `h*k .. h*k + h-1` share host k (h = the preset's devices per host). An axis whose
+    every group (devices differing only along it) stays within one host gets the intra-host
+    numbers; an axis with a group that crosses hosts is as slow as its slowest link, the
+    inter-host one. `latencies` / `bandwidths` (one per axis) override the preset, and
+    `memory_budget` the device memory. Names default to x, y, z, w (axis_0, ... past 4-D).
+    """
+    shape = tuple(shape)
+    for size in shape:
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"mesh shape {shape} must be positive integers")
+    if axis_names is None:
+        axis_names = _DEFAULT_NAMES[: len(shape)] if len(shape) <= 4 else [f"axis_{i}" for i in range(len(shape))]
+    axis_names = tuple(axis_names)
+    if len(axis_names) != len(shape):
+        raise ValueError(f"mesh shape {shape} and axis names {axis_names} differ in length")
+    try:
+        cluster = CLUSTER_PRESETS[preset]
+    except KeyError:
+        raise ValueError(f"unknown cluster preset {preset!r}; known presets: {', '.join(CLUSTER_PRESETS)}") from None
+    for what, values in (("latencies", latencies), ("bandwidths", bandwidths)):
+        if values is not None and len(values) != len(shape):
+            raise ValueError(f"{what} {tuple(values)} give {len(values)} values for a {len(shape)}-D mesh {shape}")
+    if memory_budget is not None and not memory_budget > 0:
+        raise ValueError(f"memory_budget must be > 0 bytes, got {memory_budget!r}")
+
+    crossing = _axes_crossing_hosts(shape, cluster.devices_per_host)
+    axes = []
+    for i, (name, size) in enumerate(zip(axis_names, shape)):
+        latency = cluster.inter_host_latency_s if crossing[i] else cluster.intra_host_latency_s
+        bandwidth = cluster.inter_host_bandwidth if crossing[i] else cluster.intra_host_bandwidth
+        axes.append(
+            MeshAxis(
+                name,
+                int(size),
+                latency if latencies is None else latencies[i],
+                bandwidth if bandwidths is None else bandwidths[i],
+            )
+        )
+    memory = cluster.device_memory_bytes if memory_budget is None else memory_budget
+    return LogicalMesh(tuple(axes), cluster.device_flops, memory)
+
+
+def _axes_crossing_hosts(shape: tuple[int, ...], devices_per_host: int) -> tuple[bool, ...]:
+    """Per axis, whether some group along it spans more than one host (row-major device ids)."""
+    if not shape:
+        return ()
+    hosts = np.arange(math.prod(shape)).reshape(shape) // devices_per_host
+    return tuple(
+        bool((hosts != hosts.take([0], axis=i)).any()) for i in range(len(shape))
+    )

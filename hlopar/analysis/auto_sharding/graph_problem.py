@@ -1,0 +1,336 @@
+"""From a function's graph view to the ILP of Eq. 1: nodes, their strategies, edges.
+
+Nodes are the function's arguments, its top-level ops and its constrained results. Each
+node gets its strategies (`strategies.enumerate_strategies` over the op's sdy rule), and each
+operand an edge from the node producing it, whose matrix is the resharding cost from every
+producer strategy's layout to every consumer strategy's required layout. Cheap ops
+(elementwise, transpose, reshape, reductions, ...) follow their deepest operand (Alpa §4.2):
+their strategy list mirrors that operand's producer, strategy for strategy, so the ILP can
+fold them into it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from hlopar.analysis.auto_sharding import ilp
+from hlopar.analysis.auto_sharding.cluster import LogicalMesh
+from hlopar.analysis.auto_sharding.resharding import per_device_bytes, resharding_cost
+from hlopar.analysis.auto_sharding.rules import OpRule
+from hlopar.analysis.auto_sharding.strategies import (
+    Strategy,
+    TensorInfo,
+    enumerate_strategies,
+    is_expressible,
+    replicated_strategy,
+    strategy_for,
+)
+from hlopar.analysis.sharding import ShardingSpec
+from hlopar.ir.graph import FuncGraph, OpNode
+
+# Ops with real work or data movement of their own: they choose; the rest follow.
+HEAVY_OPS = frozenset(
+    {
+        "stablehlo.dot_general",
+        "stablehlo.dot",
+        "stablehlo.convolution",
+        "stablehlo.gather",
+        "stablehlo.scatter",
+        "stablehlo.dynamic_slice",
+        "stablehlo.dynamic_update_slice",
+        "stablehlo.custom_call",
+        "stablehlo.sort",
+        "stablehlo.reduce_window",
+        "stablehlo.select_and_scatter",
+        "stablehlo.fft",
+        "stablehlo.while",
+        "stablehlo.case",
+        "stablehlo.if",
+    }
+)
+# Ops that make a value from nothing: any layout is free (each device builds its own tile).
+SOURCE_OPS = frozenset({"stablehlo.constant", "stablehlo.iota", "stablehlo.rng_bit_generator"})
+CONSTRAINT_OP = "sdy.sharding_constraint"
+
+
+@dataclass
+class PlanNode:
+    kind: str  # "arg", "op" or "result"
+    index: int  # argument number, top-level op index, or result number
+    name: str
+    strategies: list[Strategy]
+    leader: int | None = None
+    fixed: int | None = None
+
+
+@dataclass
+class ShardingProblem:
+    nodes: list[PlanNode]
+    problem: ilp.Problem
+    op_node: dict[int, int] = field(default_factory=dict)  # top-level op index -> node
+    arg_node: dict[int, int] = field(default_factory=dict)
+    warnings: list[tuple[OpNode, str]] = field(default_factory=list)
+
+
+def build_problem(
+    graph: FuncGraph,
+    rules: Mapping[int, OpRule | None],
+    mesh: LogicalMesh,
+    *,
+    arg_shardings: Mapping[int, ShardingSpec] = {},
+    result_shardings: Mapping[int, ShardingSpec] = {},
+    constraint_specs: Mapping[int, ShardingSpec] = {},
+    memory_budget: float | None = None,
+    merge: bool = True,
+    strategy_filter: Callable[[list, Strategy], bool] | None = None,
+    tied_results: Mapping[int, int] = {},
+) -> ShardingProblem:
+    """The ILP for one function. `rules` maps top-level op indices to their sdy rules;
+    `constraint_specs` the layout each `sdy.sharding_constraint` op (by index) imposes;
+    `strategy_filter(result_shapes, strategy)` can veto strategies of nodes that choose
+    (a node keeps all of its strategies if the filter would leave none); `tied_results` maps
+    a result to the argument it replaces in a training loop (new parameters for old): the
+    two then get the same layout, so the next step needs no resharding."""
+
+    def filtered(strategies: list[Strategy], infos) -> list[Strategy]:
+        if strategy_filter is None:
+            return strategies
+        shapes = [info.shape for info in infos]
+        return [s for s in strategies if strategy_filter(shapes, s)] or strategies
+
+    nodes: list[PlanNode] = []
+    producer: dict[int, tuple[int, int]] = {}  # value id -> (node, result number)
+    depth: list[int] = []
+    warnings: list[tuple[OpNode, str]] = []
+    out = ShardingProblem(nodes, ilp.Problem((), ()), warnings=warnings)
+
+    def add(node: PlanNode, node_depth: int) -> int:
+        nodes.append(node)
+        depth.append(node_depth)
+        return len(nodes) - 1
+
+    for position, value_id in enumerate(graph.args):
+        info = tensor_info(graph, value_id)
+        strategies = filtered(_free_layouts(info, mesh), [info])
+        fixed = _index_of_layout(strategies, arg_shardings.get(position), info, mesh)
+        out.arg_node[position] = add(PlanNode("arg", position, f"arg{position}", strategies, fixed=fixed), 0)
+        producer[value_id] = (out.arg_node[position], 0)
+
+    for op in graph.ops:
+        operands = [tensor_info(graph, v) for v in op.operands]
+        results = [tensor_info(graph, v) for v in op.results]
+        operand_nodes = [producer.get(v) for v in op.operands]
+        node_depth = 1 + max((depth[p[0]] for p in operand_nodes if p is not None), default=0)
+        rule = rules.get(op.index)
+        leader = None
+        if op.name == CONSTRAINT_OP and op.index in constraint_specs:
+            spec = constraint_specs[op.index]
+            strategies = [_pinned(spec, operands, results, mesh)]
+        elif op.name in SOURCE_OPS or (not op.operands and all(r.is_tensor for r in results)):
+            strategies = _free_layouts(results[0], mesh) if len(results) == 1 else [replicated_strategy(operands, results, mesh)]
+        elif rule is None:
+            strategies = [replicated_strategy(operands, results, mesh, _flops(op.name, rule, results))]
+            if rule is None and op.name not in ("func.return",):
+                warnings.append((op, f"no sharding rule for '{op.name}': it runs replicated"))
+        else:
+            flops = _flops(op.name, rule, results)
+            leader_operand = _leader_operand(op, operand_nodes, depth, operands, results) if merge and op.name not in HEAVY_OPS else None
+            if leader_operand is not None:
+                leader, result_number = operand_nodes[leader_operand]
+                strategies = _mirror(rule, leader_operand, nodes[leader].strategies, result_number, operands, results, mesh, flops)
+            else:
+                strategies = filtered(enumerate_strategies(rule, operands, results, mesh, flops=flops), results)
+        index = add(PlanNode("op", op.index, op.name, strategies, leader=leader), node_depth)
+        out.op_node[op.index] = index
+        for number, value_id in enumerate(op.results):
+            producer[value_id] = (index, number)
+
+    for number, value_id in enumerate(graph.results):
+        spec = result_shardings.get(number)
+        if value_id not in producer:
+            continue
+        info = tensor_info(graph, value_id)
+        if spec is not None:
+            add(PlanNode("result", number, f"result{number}", [_pinned(spec, [info], [], mesh)]), 0)
+        elif number in tied_results and info.is_tensor:
+            arg = out.arg_node[tied_results[number]]
+            layouts = [_pinned(s.result_specs[0], [info], [], mesh) for s in nodes[arg].strategies]
+            add(PlanNode("result", number, f"result{number}", layouts, leader=arg), 0)
+
+    edges = _edges(graph, nodes, producer, out, mesh)
+    live_sets = _live_sets(graph, producer, out) if memory_budget is not None else ()
+    out.problem = ilp.Problem(
+        nodes=tuple(
+            ilp.Node(
+                costs=tuple(s.cost for s in node.strategies),
+                memory=tuple(s.memory for s in node.strategies),
+                fixed=node.fixed,
+                follows=node.leader,
+                name=node.name,
+            )
+            for node in nodes
+        ),
+        edges=tuple(edges),
+        memory_budget=memory_budget,
+        live_sets=live_sets,
+    )
+    return out
+
+
+def tensor_info(graph: FuncGraph, value_id: int) -> TensorInfo:
+    value = graph.values[value_id]
+    shape = value.shape
+    if shape is None or not value.nbytes or any(d is None for d in shape):
+        return TensorInfo(tuple(shape) if shape is not None and all(d is not None for d in shape) else None, 0)
+    elements = math.prod(shape)
+    return TensorInfo(tuple(shape), max(1, value.nbytes // elements) if elements else 0)
+
+
+def _flops(name: str, rule: OpRule | None, results) -> float:
+    if rule is not None and name in ("stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"):
+        return 2.0 * math.prod(rule.factor_sizes)
+    return float(sum(math.prod(r.shape) for r in results if r.is_tensor))
+
+
+def _free_layouts(info: TensorInfo, mesh: LogicalMesh) -> list[Strategy]:
+    """Every layout of a value that costs nothing to produce (an argument, a constant)."""
+    if not info.is_tensor:
+        return [replicated_strategy([], [info], mesh)]
+    return enumerate_strategies(OpRule.elementwise(info.shape, 0, 1), [], [info], mesh)
+
+
+def _pinned(spec: ShardingSpec, operands, results, mesh: LogicalMesh) -> Strategy:
+    """A single strategy that keeps one layout (a user constraint)."""
+    def specs(infos) -> tuple[ShardingSpec | None, ...]:
+        return tuple(spec if info.is_tensor else None for info in infos)
+
+    memory = sum(per_device_bytes(r.shape, r.dtype_bytes, spec, mesh) for r in results if r.is_tensor)
+    return Strategy((), specs(operands), specs(results), (), 0.0, 0.0, float(memory))
+
+
+def _index_of_layout(strategies: list[Strategy], spec: ShardingSpec | None, info: TensorInfo, mesh) -> int | None:
+    if spec is None:
+        return None
+    for i, strategy in enumerate(strategies):
+        if strategy.result_specs[0] == spec:
+            return i
+    strategies.append(_pinned(spec, [], [info], mesh))
+    return len(strategies) - 1
+
+
+def _leader_operand(op: OpNode, operand_nodes, depth, operands, results) -> int | None:
+    """The deepest operand (Alpa §4.2) among those as large as the result: following a
+    smaller one (the scalar of a broadcast, a bias) would pin the op to that operand's few
+    layouts. None when no operand qualifies: the op then chooses its own strategy."""
+    size = max((math.prod(r.shape) for r in results if r.is_tensor), default=0)
+    best = None
+    for k, p in enumerate(operand_nodes):
+        if p is None or not operands[k].is_tensor or math.prod(operands[k].shape) < size:
+            continue
+        if best is None or depth[p[0]] > depth[operand_nodes[best][0]]:
+            best = k
+    return best
+
+
+def _mirror(rule, k, leader_strategies, result_number, operands, results, mesh, flops) -> list[Strategy]:
+    """One strategy per leader strategy: the one that takes operand `k` in the layout the
+    leader produces it (or, where no strategy can, the replicated one)."""
+    fallback = None
+    mirrored = []
+    for leader_strategy in leader_strategies:
+        spec = leader_strategy.result_specs[result_number]
+        factor_axes = _factor_axes_for(rule, k, spec, mesh) if spec is not None else None
+        if factor_axes is None:
+            fallback = fallback or strategy_for(rule, tuple(() for _ in rule.factor_sizes), operands, results, mesh, flops)
+            mirrored.append(fallback)
+        else:
+            mirrored.append(strategy_for(rule, factor_axes, operands, results, mesh, flops))
+    return mirrored
+
+
+def _factor_axes_for(rule: OpRule, k: int, spec: ShardingSpec, mesh: LogicalMesh):
+    factor_axes: list[tuple[str, ...]] = [() for _ in rule.factor_sizes]
+    blocked = rule.need_replication | rule.permutation
+    present = rule.result_factors() | rule.reduction
+    for dim, axes in zip(rule.operands[k], spec.dims):
+        if not axes:
+            continue
+        if not dim:
+            return None
+        factor = dim[0]
+        if factor in blocked or factor not in present or rule.factor_sizes[factor] % mesh.axes_size(axes):
+            return None
+        factor_axes[factor] = tuple(axes)
+    if not all(is_expressible(t, factor_axes, rule.factor_sizes, mesh) for t in (*rule.operands, *rule.results)):
+        return None
+    return tuple(factor_axes)
+
+
+def _edges(graph, nodes, producer, out, mesh) -> list[ilp.Edge]:
+    edges = []
+    consumers = [(out.op_node[op.index], op.operands) for op in graph.ops]
+    result_nodes = {node.index: i for i, node in enumerate(nodes) if node.kind == "result"}
+    consumers += [(result_nodes[n], (graph.results[n],)) for n in result_nodes]
+    for consumer, operands in consumers:
+        for k, value_id in enumerate(operands):
+            if value_id not in producer:
+                continue
+            source, number = producer[value_id]
+            info = tensor_info(graph, value_id)
+            if not info.is_tensor:
+                continue
+            matrix = _cost_matrix(info, [s.result_specs[number] for s in nodes[source].strategies],
+                                  [s.operand_specs[k] for s in nodes[consumer].strategies], mesh)
+            if matrix.any():
+                edges.append(ilp.Edge(source, consumer, tuple(map(tuple, matrix.tolist()))))
+    return edges
+
+
+def _cost_matrix(info: TensorInfo, sources, targets, mesh) -> np.ndarray:
+    """Resharding costs, computed once per distinct (source, target) layout pair."""
+    source_ids, unique_sources = _intern(sources)
+    target_ids, unique_targets = _intern(targets)
+    unique = np.array(
+        [[0.0 if src is None or dst is None or src == dst else resharding_cost(info.shape, info.dtype_bytes, src, dst, mesh)
+          for dst in unique_targets] for src in unique_sources],
+        dtype=float,
+    ).reshape(len(unique_sources), len(unique_targets))
+    return unique[np.ix_(source_ids, target_ids)]
+
+
+def _intern(specs) -> tuple[list[int], list]:
+    ids: dict = {}
+    return [ids.setdefault(spec, len(ids)) for spec in specs], list(ids)
+
+
+def _live_sets(graph, producer, out) -> tuple[tuple[int, ...], ...]:
+    """The nodes whose outputs are alive just before each op that frees something: memory
+    peaks there (it only grows between frees), so these sets bound every program point."""
+    last_use: dict[int, int] = {}
+    for op in graph.ops:
+        for value_id in op.operands:
+            if value_id in producer:
+                last_use[producer[value_id][0]] = op.index
+    end = len(graph.ops)
+    for value_id in graph.results:
+        if value_id in producer:
+            last_use[producer[value_id][0]] = end
+    dying: dict[int, list[int]] = {}
+    for node, index in last_use.items():
+        dying.setdefault(index, []).append(node)
+    live = set(out.arg_node.values())
+    sets = []
+    for op in graph.ops:
+        node = out.op_node[op.index]
+        live.add(node)
+        if node not in last_use:  # never used: freed right after it is made
+            dying.setdefault(op.index, []).append(node)
+        if op.index in dying:
+            sets.append(tuple(sorted(live)))
+            live.difference_update(dying[op.index])
+    sets.append(tuple(sorted(live)))
+    return tuple(sets)

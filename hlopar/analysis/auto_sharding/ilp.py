@@ -1,0 +1,377 @@
+"""Eq. 1 of the Alpa paper (§4.2) in CP-SAT: pick one strategy per node, minimizing node costs
+plus resharding costs on edges, under a per-device memory budget and the user's fixed shardings.
+
+The pass turns a module into a `Problem` (plain data: per node its strategies' costs and memory,
+per edge a resharding matrix, the live sets of a liveness analysis); `solve` returns a choice for
+every node. Nothing here knows MLIR.
+
+How the model is built:
+
+1. `merging.reduce_problem` applies exact simplifications (followers collapsed into their leaders,
+   parallel edges added, edge matrices reparametrized and dropped when additive, memory-infeasible
+   and dominated strategies removed, nodes of degree <= 2 outside the live sets eliminated by
+   dynamic programming, one-strategy nodes made constants). Each keeps the optimum.
+2. The core left is encoded with one boolean per (node, strategy) and `ExactlyOne` per node, and
+   each edge is linearized tightly ("marginal" or local-polytope encoding): booleans `e[p, q]`
+   whose row sums equal the source's one-hot and whose column sums equal the destination's.
+   Strategies with identical rows in an edge's matrix share a row (`p` is a class of rows, its
+   marginal the sum of their booleans), likewise for columns, so an edge costs
+   `#distinct rows x #distinct columns` booleans rather than `k_src x k_dst`. This keeps the
+   LP relaxation of Alpa's `e_vu` formulation (the tightest pairwise one, which CP-SAT's LP uses
+   to prove optimality fast) at a fraction of its size; a table or element constraint per edge
+   is smaller still but its relaxation is weak, and proofs of optimality get much slower.
+3. CP-SAT needs integers: every cost coefficient of the core is multiplied by
+   `RESOLUTION / (largest core coefficient)` and rounded, i.e. costs are kept to
+   1e-9 of the largest one. A plan the ILP ranks first is then optimal in float up to
+   `(#core nodes + #core edges) * 0.5e-9 * largest cost`. The objective reported is recomputed
+   from the choices in float (`evaluate`). Memory is counted in whole bytes: coefficients are
+   rounded up and the budget down, so a plan the ILP accepts always fits.
+
+Determinism: the model is built in a fixed order, and CP-SAT runs with a fixed `random_seed`,
+`randomize_search` off, and a *deterministic* time limit (`max_deterministic_time`, CP-SAT's
+work counter, "close to a second" of a typical machine) instead of a wall-clock one, so a limit
+hit on a busy machine gives the same answer as on an idle one. With one worker that is enough.
+CP-SAT's parallel portfolio (several workers sharing solutions and bounds as they come) is not
+reproducible, so `num_workers > 1` turns on `interleave_search`, which runs the subsolvers in
+batches and synchronizes between batches: deterministic for a given model, whatever the
+machine and load.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from hlopar.analysis.auto_sharding.merging import Infeasible, Reduced, Simplify, follows_from, reduce_problem
+
+__all__ = [
+    "Node",
+    "Edge",
+    "Problem",
+    "Solution",
+    "solve",
+    "evaluate",
+    "violations",
+    "brute_force",
+    "follows_from",
+    "Simplify",
+    "RESOLUTION",
+]
+
+# Costs are integers in units of (largest core coefficient) / RESOLUTION.
+RESOLUTION = 1e9
+
+
+@dataclass(frozen=True)
+class Node:
+    """An op (or a value) with its strategies; costs in seconds, memory in bytes per device."""
+
+    costs: tuple[float, ...]
+    memory: tuple[float, ...] = ()
+    fixed: int | None = None
+    follows: int | None = None
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Edge:
+    """Resharding cost from `src`'s output under each of its strategies (rows) to the layout
+    `dst` wants under each of its strategies (columns)."""
+
+    src: int
+    dst: int
+    costs: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
+class Problem:
+    nodes: tuple[Node, ...]
+    edges: tuple[Edge, ...]
+    memory_budget: float | None = None
+    live_sets: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class Solution:
+    """The plan. `solve_seconds` and `timings` (seconds spent simplifying, building the model,
+    in CP-SAT) are wall times, which differ between runs, so they take no part in equality."""
+
+    choices: tuple[int, ...]
+    objective: float
+    status: str
+    gap: float
+    solve_seconds: float = field(compare=False)
+    sizes: dict = field(default_factory=dict)
+    message: str = ""
+    timings: dict = field(default_factory=dict, compare=False)
+
+
+def evaluate(problem: Problem, choices: Sequence[int]) -> float:
+    """Eq. 1 for the given strategy of every node (memory and fixed strategies not checked)."""
+    total = 0.0
+    for node, c in zip(problem.nodes, choices, strict=True):
+        total += node.costs[c]
+    for edge in problem.edges:
+        total += edge.costs[choices[edge.src]][choices[edge.dst]]
+    return total
+
+
+def violations(problem: Problem, choices: Sequence[int]) -> list[str]:
+    """What `choices` breaks: fixed strategies, `follows`, the memory budget (empty if none)."""
+    found = []
+    for v, node in enumerate(problem.nodes):
+        if node.fixed is not None and choices[v] != node.fixed:
+            found.append(f"node {v} is fixed to {node.fixed}, got {choices[v]}")
+        if node.follows is not None and choices[v] != choices[node.follows]:
+            found.append(f"node {v} follows node {node.follows} but differs")
+    if problem.memory_budget is not None:
+        for s, live in enumerate(problem.live_sets):
+            used = _live_memory(problem, live, choices)
+            if used > problem.memory_budget * (1 + 1e-9):
+                found.append(f"live set {s} uses {used:.6g} bytes > budget {problem.memory_budget:.6g}")
+    return found
+
+
+def _live_memory(problem: Problem, live: Sequence[int], choices: Sequence[int]) -> float:
+    return sum(problem.nodes[v].memory[choices[v]] for v in sorted(set(live)) if problem.nodes[v].memory)
+
+
+def _eq1_sizes(problem: Problem) -> dict:
+    """Sizes of Alpa's plain formulation: s_v and e_vu booleans, one-hot and marginal rows."""
+    ks = [len(node.costs) for node in problem.nodes]
+    budget = problem.memory_budget is not None
+    return {
+        "nodes": len(problem.nodes),
+        "edges": len(problem.edges),
+        "live_sets": len(problem.live_sets) if budget else 0,
+        "variables_eq1": sum(ks) + sum(ks[e.src] * ks[e.dst] for e in problem.edges),
+        "constraints_eq1": len(ks)
+        + sum(ks[e.src] + ks[e.dst] for e in problem.edges)
+        + (len(problem.live_sets) if budget else 0),
+    }
+
+
+def brute_force(problem: Problem) -> Solution:
+    """The optimum by enumerating every plan of the leaders (ties: lexicographically first).
+
+    For tests on tiny problems; refuses more than a million plans.
+    """
+    start = time.perf_counter()
+    sizes = _eq1_sizes(problem)
+    n = len(problem.nodes)
+    leaders = [v for v in range(n) if problem.nodes[v].follows is None]
+    plans = math.prod(len(problem.nodes[v].costs) for v in leaders)
+    if plans > 1_000_000:
+        raise ValueError(f"{plans} plans are too many to enumerate")
+    best, best_cost = None, math.inf
+    for combo in itertools.product(*(range(len(problem.nodes[v].costs)) for v in leaders)):
+        choices = [-1] * n
+        for v, c in zip(leaders, combo):
+            choices[v] = c
+        for v in range(n):
+            u = v
+            while choices[u] < 0:
+                u = problem.nodes[u].follows
+            choices[v] = choices[u]
+        if violations(problem, choices):
+            continue
+        cost = evaluate(problem, choices)
+        if cost < best_cost:
+            best, best_cost = tuple(choices), cost
+    elapsed = time.perf_counter() - start
+    if best is None:
+        return Solution((), math.inf, "INFEASIBLE", 0.0, elapsed, sizes, "no plan is feasible")
+    return Solution(best, best_cost, "OPTIMAL", 0.0, elapsed, sizes)
+
+
+class _ProtoBuilder:
+    """Writes the CP-SAT model proto directly: the Python expression layer costs several times
+    more per variable, which matters at hundreds of thousands of edge booleans."""
+
+    def __init__(self) -> None:
+        self.model = cp_model.CpModel()
+        self.proto = self.model.proto
+        self.num_vars = 0
+        self.objective: dict[int, int] = {}
+
+    def booleans(self, count: int) -> range:
+        variables = self.proto.variables
+        for _ in range(count):
+            variables.add().domain.extend((0, 1))
+        first = self.num_vars
+        self.num_vars += count
+        return range(first, first + count)
+
+    def exactly_one(self, literals: Sequence[int]) -> None:
+        self.proto.constraints.add().exactly_one.literals.extend(literals)
+
+    def linear(self, variables: Sequence[int], coeffs: Sequence[int], low: int, high: int) -> None:
+        linear = self.proto.constraints.add().linear
+        linear.vars.extend(variables)
+        linear.coeffs.extend(coeffs)
+        linear.domain.extend((low, high))
+
+    def minimize(self, variables: Sequence[int], coeffs: Sequence[int]) -> None:
+        objective = self.proto.objective
+        objective.vars.extend(variables)
+        objective.coeffs.extend(coeffs)
+
+
+@dataclass
+class _Core:
+    """The CP-SAT model of a reduced problem, and where each group's booleans are."""
+
+    builder: _ProtoBuilder
+    groups: list[int]
+    first_var: dict[int, int]
+    scale: float
+
+
+def _build(reduced: Reduced) -> _Core:
+    groups = sorted(reduced.costs)
+    costs = {g: reduced.costs[g] - reduced.costs[g].min() for g in groups}
+    largest = max([float(c.max()) for c in costs.values()] + [float(m.max()) for m in reduced.edges.values()])
+    scale = RESOLUTION / largest if largest > 0 else 1.0
+
+    builder = _ProtoBuilder()
+    first_var = {}
+    obj_vars: list[int] = []
+    obj_coeffs: list[int] = []
+    for g in groups:
+        xs = builder.booleans(len(reduced.domains[g]))
+        first_var[g] = xs.start
+        builder.exactly_one(xs)
+        for x, c in zip(xs, np.rint(costs[g] * scale).astype(np.int64).tolist()):
+            if c:
+                obj_vars.append(x)
+                obj_coeffs.append(c)
+    for (a, b), matrix in sorted(reduced.edges.items()):
+        ints = np.rint(matrix * scale).astype(np.int64)
+        if not ints.any():
+            continue
+        rows, row_class = np.unique(ints, axis=0, return_inverse=True)
+        table, col_class = np.unique(rows, axis=1, return_inverse=True)
+        n_rows, n_cols = table.shape
+        es = builder.booleans(n_rows * n_cols)
+        for (p, q), c in zip(itertools.product(range(n_rows), range(n_cols)), table.ravel().tolist()):
+            if c:
+                obj_vars.append(es[p * n_cols + q])
+                obj_coeffs.append(c)
+        for p in range(n_rows):
+            members = [first_var[a] + i for i in np.flatnonzero(row_class == p).tolist()]
+            cells = list(es[p * n_cols : (p + 1) * n_cols])
+            builder.linear(cells + members, [1] * n_cols + [-1] * len(members), 0, 0)
+        for q in range(n_cols):
+            members = [first_var[b] + j for j in np.flatnonzero(col_class == q).tolist()]
+            cells = list(es[q::n_cols])
+            builder.linear(cells + members, [1] * n_rows + [-1] * len(members), 0, 0)
+    for live in reduced.lives:
+        variables, coeffs = [], []
+        for g in sorted(live.vecs):
+            ints = np.ceil(live.vecs[g] - 1e-6).astype(np.int64).tolist()
+            for i, c in enumerate(ints):
+                if c > 0:
+                    variables.append(first_var[g] + i)
+                    coeffs.append(c)
+        builder.linear(variables, coeffs, 0, math.floor(reduced.budget - live.const + 1e-6))
+    builder.minimize(obj_vars, obj_coeffs)
+    return _Core(builder, groups, first_var, scale)
+
+
+def _hint(core: _Core, reduced: Reduced) -> None:
+    """Each core node's locally best strategy, improved by a few rounds of coordinate descent
+    (iterated conditional modes): CP-SAT starts from a good plan instead of searching for one."""
+    choice = {g: int(np.argmin(reduced.costs[g])) for g in core.groups}
+    neighbours: dict[int, list[tuple[int, np.ndarray]]] = {g: [] for g in core.groups}
+    for (a, b), matrix in sorted(reduced.edges.items()):
+        neighbours[a].append((b, matrix))
+        neighbours[b].append((a, matrix.T))
+    for _ in range(3):
+        for g in core.groups:
+            local = reduced.costs[g].copy()
+            for n, matrix in neighbours[g]:
+                local += matrix[:, choice[n]]
+            choice[g] = int(np.argmin(local))
+    hint = core.builder.proto.solution_hint
+    for g in core.groups:
+        x = core.first_var[g] + choice[g]
+        hint.vars.append(x)
+        hint.values.append(1)
+
+
+def solve(
+    problem: Problem,
+    *,
+    time_limit: float = 60.0,
+    num_workers: int = 2,
+    seed: int = 0,
+    simplify: Simplify = Simplify(),
+    log: bool = False,
+) -> Solution:
+    """The plan of least Eq. 1 cost that fits the memory budget and keeps fixed strategies.
+
+    `time_limit` is in CP-SAT's deterministic seconds (see the module docstring); when it is hit,
+    the best plan found so far comes back with status FEASIBLE and its relative gap to the best
+    bound. INFEASIBLE and UNKNOWN (no plan found in time) come back with no choices and a
+    message.
+    """
+    start = time.perf_counter()
+    sizes = _eq1_sizes(problem)
+    try:
+        reduced = reduce_problem(problem, simplify)
+    except Infeasible as exc:
+        return Solution((), math.inf, "INFEASIBLE", 0.0, time.perf_counter() - start, sizes, str(exc))
+    sizes.update(reduced.stats)
+    timings = {"simplify": time.perf_counter() - start, "build": 0.0, "cpsat": 0.0}
+    if not reduced.costs:
+        choices = reduced.expand({})
+        sizes.update(variables=0, constraints=0)
+        elapsed = time.perf_counter() - start
+        return Solution(choices, evaluate(problem, choices), "OPTIMAL", 0.0, elapsed, sizes, timings=timings)
+
+    core = _build(reduced)
+    _hint(core, reduced)
+    sizes.update(variables=core.builder.num_vars, constraints=len(core.builder.proto.constraints))
+    timings["build"] = time.perf_counter() - start - timings["simplify"]
+    solver = cp_model.CpSolver()
+    params = solver.parameters
+    params.num_workers = num_workers
+    params.interleave_search = num_workers > 1
+    params.random_seed = seed
+    params.randomize_search = False
+    params.max_deterministic_time = time_limit
+    params.log_search_progress = log
+    status = solver.status_name(solver.solve(core.builder.model))
+    elapsed = time.perf_counter() - start
+    timings["cpsat"] = solver.wall_time
+    if status not in ("OPTIMAL", "FEASIBLE"):
+        if status == "INFEASIBLE":
+            message = (
+                f"no plan fits the memory budget of {problem.memory_budget:.6g} bytes per device "
+                "with the fixed strategies"
+            )
+        elif status == "UNKNOWN":
+            message = "no plan found within the time limit"
+        else:
+            raise RuntimeError(f"CP-SAT rejected the model: {status}")
+        return Solution((), math.inf, status, 0.0, elapsed, sizes, message, timings)
+
+    values = np.asarray(solver.response_proto.solution, dtype=np.int64)
+    picked = {}
+    for g in core.groups:
+        first = core.first_var[g]
+        local = int(np.argmax(values[first : first + len(reduced.domains[g])]))
+        picked[g] = int(reduced.domains[g][local])
+    choices = reduced.expand(picked)
+    objective = evaluate(problem, choices)
+    gap = 0.0
+    if status == "FEASIBLE":
+        missing = (solver.objective_value - solver.best_objective_bound) / core.scale
+        gap = missing / abs(objective) if objective else (0.0 if missing <= 0 else math.inf)
+    return Solution(choices, objective, status, gap, elapsed, sizes, timings=timings)

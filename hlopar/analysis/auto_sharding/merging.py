@@ -1,0 +1,485 @@
+"""Shrinking the auto-sharding ILP before CP-SAT sees it, without changing its optimum.
+
+Two things live here:
+
+- `follows_from`: Alpa's merging of computationally trivial ops (§4.2). The pass gives a trivial
+  op a strategy list that mirrors one operand's, and this picks that operand: the deepest by BFS
+  depth, so that a chain of elementwise ops all follow the heavy op that feeds them.
+- `reduce_problem`: exact simplifications of Eq. 1 over a factor graph (a node per group of
+  merged ops, an edge per pair of groups with a nonzero resharding matrix):
+
+  * followers are collapsed into their leader (costs added, edges re-targeted, an edge between a
+    follower and its own leader becomes its diagonal, added to the node's costs);
+  * edges between the same pair of groups are added into one matrix;
+  * every edge matrix is reparametrized: its row minima move into the source's costs and its
+    column minima into the destination's; a matrix that becomes all-zero (every additive one)
+    is dropped;
+  * strategies that the memory budget alone rules out are removed, and live sets that can never
+    exceed the budget are dropped;
+  * a strategy `a` of a node is removed when another strategy `b` is never worse:
+    `cost[b] - cost[a] + sum over incident edges of max_j (M[b, j] - M[a, j]) <= 0` and
+    `b` uses no more memory in any live set. Switching any plan from `a` to `b` then costs
+    nothing more and stays feasible, so the optimum over the remaining strategies is unchanged;
+  * a node outside every live set with at most two neighbours is eliminated by dynamic
+    programming: a leaf adds `min_i (cost[i] + M[i, j])` to its neighbour, a node between two
+    neighbours becomes the edge `N[j, k] = min_i (cost[i] + A[i, j] + B[i, k])`; the argmin
+    tables bring its choice back after the solve. Nodes with one strategy left are constants.
+
+  What remains (the core) is what the ILP has to decide; on transformer-like graphs it is a small
+  fraction of the input.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from hlopar.analysis.auto_sharding.ilp import Problem
+
+__all__ = ["follows_from", "reduce_problem", "Reduced", "Infeasible", "Simplify"]
+
+
+@dataclass(frozen=True)
+class Simplify:
+    """Which simplifications `reduce_problem` applies (all by default; tests turn them off one
+    by one to check that each keeps the optimum). Collapsing followers and adding parallel
+    edges always happen: the model is built over groups."""
+
+    normalize_edges: bool = True  # reparametrize matrices, drop additive ones
+    memory: bool = True  # drop strategies that cannot fit, and live sets that cannot bind
+    dominance: bool = True  # drop dominated strategies
+    eliminate: bool = True  # one-strategy nodes and nodes of degree <= 2 folded away
+
+
+def follows_from(
+    parents: Sequence[Sequence[int]],
+    depth: Sequence[int],
+    mergeable: Sequence[bool],
+    strategy_counts: Sequence[int],
+) -> list[int | None]:
+    """For each mergeable node, the operand it follows (Alpa §4.2), or None.
+
+    Among the node's operands with as many strategies as the node (the pass builds a trivial
+    op's strategies as a mirror of its operand's, so the counts match exactly for the operand it
+    can follow), the deepest by BFS depth wins; ties go to the first operand. Merging into the
+    deepest operand keeps the node next to the value it most recently depends on, which is the
+    one whose layout it can take without resharding in a chain of elementwise ops. Operands
+    are earlier in a topological order, so the result has no cycles.
+    """
+    result: list[int | None] = []
+    for node, operands in enumerate(parents):
+        best = None
+        if mergeable[node]:
+            for p in operands:
+                if p != node and strategy_counts[p] == strategy_counts[node]:
+                    if best is None or depth[p] > depth[best]:
+                        best = p
+        result.append(best)
+    return result
+
+
+class Infeasible(Exception):
+    """No choice of strategies satisfies the fixed strategies and the memory budget."""
+
+
+@dataclass
+class _Live:
+    """One live set over groups: sum of vec[g][choice of g] + const <= budget."""
+
+    vecs: dict[int, np.ndarray]
+    const: float
+    active: bool = True
+
+
+@dataclass
+class Reduced:
+    """The core left for the ILP, and how to bring the eliminated nodes' choices back.
+
+    `domains[g]` lists the original strategy indices still allowed for group `g` (its leader's
+    node index), and `costs[g]`, the edge matrices and live-set vectors are indexed like it.
+    """
+
+    leader: list[int]
+    domains: dict[int, np.ndarray]
+    costs: dict[int, np.ndarray]
+    edges: dict[tuple[int, int], np.ndarray]
+    lives: list[_Live]
+    budget: float | None
+    constant: float
+    steps: list[tuple] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+    def expand(self, core_choice: dict[int, int]) -> tuple[int, ...]:
+        """Original strategy per node from the choice (original index) of each core group."""
+        chosen = dict(core_choice)
+        for step in reversed(self.steps):
+            kind, g = step[0], step[1]
+            if kind == "fixed":
+                chosen[g] = step[2]
+            elif kind == "leaf":
+                _, _, n, table = step
+                chosen[g] = table[chosen[n]]
+            else:  # "series"
+                _, _, n1, n2, table = step
+                chosen[g] = table[chosen[n1], chosen[n2]]
+        return tuple(int(chosen[self.leader[v]]) for v in range(len(self.leader)))
+
+
+def _leaders(problem: Problem) -> list[int]:
+    """The root of every node's `follows` chain; rejects cycles and count mismatches."""
+    nodes = problem.nodes
+    leader = [-1] * len(nodes)
+    for v in range(len(nodes)):
+        path = []
+        u = v
+        while leader[u] < 0 and nodes[u].follows is not None:
+            if u in path:
+                raise ValueError(f"node {v}: `follows` chain has a cycle through node {u}")
+            path.append(u)
+            u = nodes[u].follows
+            if not 0 <= u < len(nodes):
+                raise ValueError(f"node {path[-1]}: follows unknown node {u}")
+            if len(nodes[u].costs) != len(nodes[path[-1]].costs):
+                raise ValueError(
+                    f"node {path[-1]} ({len(nodes[path[-1]].costs)} strategies) follows node {u} "
+                    f"({len(nodes[u].costs)} strategies): counts must match"
+                )
+        root = u if leader[u] < 0 else leader[u]
+        for w in path + [u]:
+            leader[w] = root
+    return leader
+
+
+def _validate(problem: Problem) -> None:
+    for v, node in enumerate(problem.nodes):
+        k = len(node.costs)
+        if k == 0:
+            raise ValueError(f"node {v} ({node.name}) has no strategy")
+        if node.memory and len(node.memory) != k:
+            raise ValueError(f"node {v} ({node.name}): {len(node.memory)} memory values for {k} strategies")
+        if node.fixed is not None and not 0 <= node.fixed < k:
+            raise ValueError(f"node {v} ({node.name}): fixed strategy {node.fixed} out of range")
+    n = len(problem.nodes)
+    for e, edge in enumerate(problem.edges):
+        if not (0 <= edge.src < n and 0 <= edge.dst < n):
+            raise ValueError(f"edge {e}: node out of range ({edge.src} -> {edge.dst})")
+        ks, kd = len(problem.nodes[edge.src].costs), len(problem.nodes[edge.dst].costs)
+        if len(edge.costs) != ks or any(len(row) != kd for row in edge.costs):
+            raise ValueError(f"edge {e} ({edge.src} -> {edge.dst}): cost matrix is not {ks}x{kd}")
+    for s, live in enumerate(problem.live_sets):
+        if any(not 0 <= v < n for v in live):
+            raise ValueError(f"live set {s}: node out of range")
+
+
+class _Reducer:
+    """The worklist that applies the simplifications of this module's docstring to a fixpoint."""
+
+    def __init__(self, problem: Problem, options: Simplify):
+        _validate(problem)
+        self.options = options
+        self.leader = _leaders(problem)
+        self.nbrs: dict[int, set[int]] = {}
+        self.edges: dict[tuple[int, int], np.ndarray] = {}
+        self.costs: dict[int, np.ndarray] = {}
+        self.domains: dict[int, np.ndarray] = {}
+        self.constant = 0.0
+        self.steps: list[tuple] = []
+        self.stats = {"strategies_removed": 0, "eliminated": 0, "constants": 0}
+        self.budget = problem.memory_budget
+        self.group_queue: deque[int] = deque()
+        self.live_queue: deque[int] = deque()
+        self.queued_groups: set[int] = set()
+        self.queued_lives: set[int] = set()
+
+        fixed: dict[int, int] = {}
+        for v, node in enumerate(problem.nodes):
+            g = self.leader[v]
+            cost = np.asarray(node.costs, dtype=np.float64)
+            if g in self.costs:
+                self.costs[g] = self.costs[g] + cost
+            else:
+                self.costs[g] = cost.copy()
+                self.domains[g] = np.arange(len(cost))
+                self.nbrs[g] = set()
+            if node.fixed is not None:
+                if fixed.setdefault(g, node.fixed) != node.fixed:
+                    raise Infeasible(
+                        f"node {v} ({node.name}) is fixed to strategy {node.fixed} but follows a node "
+                        f"fixed to strategy {fixed[g]}"
+                    )
+        for edge in problem.edges:
+            a, b = self.leader[edge.src], self.leader[edge.dst]
+            matrix = np.asarray(edge.costs, dtype=np.float64)
+            if a == b:
+                self.costs[a] = self.costs[a] + np.diagonal(matrix)
+            else:
+                self._add_edge(a, b, matrix, normalize=False)
+        self.stats["nodes_merged"] = len(self.costs)
+        self.stats["edges_merged"] = len(self.edges)
+
+        self.lives: list[_Live] = []
+        self.lives_of: dict[int, set[int]] = {g: set() for g in self.costs}
+        if self.budget is not None:
+            for members in problem.live_sets:
+                vecs: dict[int, np.ndarray] = {}
+                for v in sorted(set(members)):
+                    memory = problem.nodes[v].memory
+                    if memory:
+                        g = self.leader[v]
+                        vec = np.asarray(memory, dtype=np.float64)
+                        vecs[g] = vecs[g] + vec if g in vecs else vec
+                c = len(self.lives)
+                self.lives.append(_Live(vecs, 0.0))
+                for g in vecs:
+                    self.lives_of[g].add(c)
+                self._queue_live(c)
+
+        for g, choice in fixed.items():
+            self._restrict(g, self.domains[g] == choice)
+        if options.normalize_edges:
+            for key in list(self.edges):
+                if key in self.edges:
+                    self._normalize(*key)
+        for g in self.costs:
+            self._queue_group(g)
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def _queue_group(self, g: int) -> None:
+        if g not in self.queued_groups:
+            self.queued_groups.add(g)
+            self.group_queue.append(g)
+
+    def _queue_live(self, c: int) -> None:
+        if c not in self.queued_lives:
+            self.queued_lives.add(c)
+            self.live_queue.append(c)
+
+    def _matrix(self, a: int, b: int) -> np.ndarray:
+        """The edge between a and b, rows indexed by a's strategies."""
+        return self.edges[(a, b)] if a < b else self.edges[(b, a)].T
+
+    def _drop_edge(self, a: int, b: int) -> None:
+        del self.edges[(min(a, b), max(a, b))]
+        self.nbrs[a].discard(b)
+        self.nbrs[b].discard(a)
+        self._queue_group(a)
+        self._queue_group(b)
+
+    def _add_edge(self, a: int, b: int, matrix: np.ndarray, normalize: bool = True) -> None:
+        """Adds `matrix` (rows: a) to the edge a-b, creating it if needed."""
+        if a > b:
+            a, b, matrix = b, a, matrix.T
+        if (a, b) in self.edges:
+            self.edges[(a, b)] = self.edges[(a, b)] + matrix
+        else:
+            self.edges[(a, b)] = np.array(matrix, dtype=np.float64)
+            self.nbrs[a].add(b)
+            self.nbrs[b].add(a)
+        if normalize and self.options.normalize_edges:
+            self._normalize(a, b)
+
+    def _normalize(self, a: int, b: int) -> None:
+        """Moves row minima into a's costs and column minima into b's; drops a zero matrix."""
+        matrix = self.edges[(a, b)]
+        rows = matrix.min(axis=1)
+        matrix = matrix - rows[:, None]
+        cols = matrix.min(axis=0)
+        matrix = matrix - cols[None, :]
+        self.costs[a] = self.costs[a] + rows
+        self.costs[b] = self.costs[b] + cols
+        if not matrix.any():
+            self._drop_edge(a, b)
+        else:
+            self.edges[(a, b)] = matrix
+            self._queue_group(a)
+            self._queue_group(b)
+
+    def _restrict(self, g: int, keep: np.ndarray) -> None:
+        """Keeps only the strategies of g where `keep` is true."""
+        if keep.all():
+            return
+        if not keep.any():
+            raise Infeasible(f"node {g}: no strategy is left that fits the memory budget")
+        self.stats["strategies_removed"] += int((~keep).sum())
+        self.domains[g] = self.domains[g][keep]
+        self.costs[g] = self.costs[g][keep]
+        for n in sorted(self.nbrs[g]):
+            key = (min(g, n), max(g, n))
+            self.edges[key] = self.edges[key][keep] if g < n else self.edges[key][:, keep]
+        if self.options.normalize_edges:
+            for n in sorted(self.nbrs[g]):
+                self._normalize(min(g, n), max(g, n))
+        for c in sorted(self.lives_of[g]):
+            live = self.lives[c]
+            live.vecs[g] = live.vecs[g][keep]
+            self._queue_live(c)
+        self._queue_group(g)
+
+    def _remove_group(self, g: int) -> None:
+        for n in self.nbrs.pop(g):
+            del self.edges[(min(g, n), max(g, n))]
+            self.nbrs[n].discard(g)
+            self._queue_group(n)
+        del self.costs[g]
+        del self.domains[g]
+
+    # -- the simplifications -----------------------------------------------------------------
+
+    def _refresh_live(self, c: int) -> None:
+        """Moves per-group minima into the constant, drops never-binding live sets, and
+        removes strategies that cannot fit even with every other member at its minimum."""
+        live = self.lives[c]
+        if not live.active or not self.options.memory:
+            return
+        for g in list(live.vecs):
+            vec = live.vecs[g]
+            low = vec.min()
+            live.const += float(low)
+            vec = vec - low
+            if vec.any():
+                live.vecs[g] = vec
+            else:
+                del live.vecs[g]
+                self.lives_of[g].discard(c)
+                self._queue_group(g)
+        slack = self.budget - live.const
+        tol = 1e-9 * max(abs(self.budget), 1.0)
+        if slack < -tol:
+            raise Infeasible(
+                f"live set {c} needs at least {live.const:.6g} bytes per device, over the memory "
+                f"budget of {self.budget:.6g}"
+            )
+        if sum(float(v.max()) for v in live.vecs.values()) <= slack + tol:
+            live.active = False
+            for g in live.vecs:
+                self.lives_of[g].discard(c)
+                self._queue_group(g)
+            return
+        for g in sorted(live.vecs):
+            if g in live.vecs:
+                self._restrict(g, live.vecs[g] <= slack + tol)
+
+    def _remove_dominated(self, g: int) -> None:
+        k = len(self.domains[g])
+        if k < 2:
+            return
+        cost = self.costs[g]
+        worse = cost[None, :] - cost[:, None]  # [a, b]: what switching a -> b adds at most
+        for n in self.nbrs[g]:
+            m = self._matrix(g, n)
+            worse = worse + (m[None, :, :] - m[:, None, :]).max(axis=2)
+        ok = worse <= 0.0
+        for c in self.lives_of[g]:
+            vec = self.lives[c].vecs[g]
+            ok &= vec[None, :] <= vec[:, None]
+        np.fill_diagonal(ok, False)
+        if not ok.any():
+            return
+        keep = np.ones(k, dtype=bool)
+        for a in range(k):
+            if (ok[a] & keep).any():
+                keep[a] = False
+        self._restrict(g, keep)
+
+    def _eliminate(self, g: int) -> bool:
+        """Folds g into its neighbours when it has one strategy, or at most two neighbours
+        and no binding live set; returns whether it did."""
+        domain, cost = self.domains[g], self.costs[g]
+        nbrs = sorted(self.nbrs[g])
+        if len(domain) == 1:
+            for n in nbrs:
+                self.costs[n] = self.costs[n] + self._matrix(g, n)[0]
+            self.constant += float(cost[0])
+            self.steps.append(("fixed", g, int(domain[0])))
+            self.stats["constants"] += 1
+            for c in sorted(self.lives_of.pop(g)):
+                self.lives[c].const += float(self.lives[c].vecs.pop(g)[0])
+                self._queue_live(c)
+            self._remove_group(g)
+            return True
+        if self.lives_of[g] or len(nbrs) > 2:
+            return False
+        if not nbrs:
+            i = int(np.argmin(cost))
+            self.constant += float(cost[i])
+            self.steps.append(("fixed", g, int(domain[i])))
+        elif len(nbrs) == 1:
+            (n,) = nbrs
+            total = cost[:, None] + self._matrix(g, n)
+            best = total.argmin(axis=0)
+            self.costs[n] = self.costs[n] + total.min(axis=0)
+            self.steps.append(("leaf", g, n, _table(domain[best], self.domains[n])))
+        else:
+            n1, n2 = nbrs
+            total = cost[:, None, None] + self._matrix(g, n1)[:, :, None] + self._matrix(g, n2)[:, None, :]
+            best = total.argmin(axis=0)
+            self.steps.append(("series", g, n1, n2, _table(domain[best], self.domains[n1], self.domains[n2])))
+            self._remove_group(g)
+            self._add_edge(n1, n2, total.min(axis=0))
+            self.stats["eliminated"] += 1
+            del self.lives_of[g]
+            return True
+        self.stats["eliminated"] += 1
+        del self.lives_of[g]
+        self._remove_group(g)
+        return True
+
+    def run(self) -> Reduced:
+        while self.live_queue or self.group_queue:
+            if self.live_queue:
+                c = self.live_queue.popleft()
+                self.queued_lives.discard(c)
+                self._refresh_live(c)
+                continue
+            g = self.group_queue.popleft()
+            self.queued_groups.discard(g)
+            if g not in self.costs:
+                continue
+            before = len(self.domains[g])
+            if self.options.dominance:
+                self._remove_dominated(g)
+            if self.options.eliminate and (len(self.domains[g]) == before or len(self.domains[g]) == 1):
+                self._eliminate(g)
+        lives = []
+        for c, live in enumerate(self.lives):
+            if live.active and live.vecs:
+                lives.append(live)
+            elif live.active and live.const > self.budget * (1 + 1e-9):
+                raise Infeasible(
+                    f"live set {c} needs {live.const:.6g} bytes per device, over the memory budget "
+                    f"of {self.budget:.6g}"
+                )
+        self.stats["nodes_core"] = len(self.costs)
+        self.stats["edges_core"] = len(self.edges)
+        self.stats["live_sets_core"] = len(lives)
+        return Reduced(
+            leader=self.leader,
+            domains=self.domains,
+            costs=self.costs,
+            edges=self.edges,
+            lives=lives,
+            budget=self.budget,
+            constant=self.constant,
+            steps=self.steps,
+            stats=self.stats,
+        )
+
+
+def _table(values: np.ndarray, *axes: np.ndarray) -> np.ndarray:
+    """An array indexed by the original strategy indices of the neighbours in `axes`."""
+    shape = tuple(int(a.max()) + 1 for a in axes)
+    table = np.full(shape, -1, dtype=np.int64)
+    table[np.ix_(*axes)] = values
+    return table
+
+
+def reduce_problem(problem: Problem, options: Simplify = Simplify()) -> Reduced:
+    """The core of `problem` after the simplifications `options` asks for; raises `Infeasible`
+    when the fixed strategies or the memory budget leave no plan."""
+    return _Reducer(problem, options).run()

@@ -1,0 +1,74 @@
+"""Each op's factor structure, decoded from Shardy's `sdy.op_sharding_rule`.
+
+A rule names the op's factors (its loop dimensions: `i`, `j`, `k`, ... with sizes), says
+which factors each operand and result dimension is made of (several, major first, for a
+reshaped dim), and which factors are reductions (sharding them leaves partial sums), need
+replication, or can only be sharded by permuting data. jaxlib's `sdy-populate-op-sharding-rules`
+pass writes a rule on every op Shardy knows; this module turns one into plain data, so that
+strategies can be enumerated the same way for every op: a strategy assigns mesh axes to factors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import sdy
+
+RULE_ATTRIBUTE = "sdy.sharding_rule"
+
+# Per tensor dimension, the factors it is made of (major first); per tensor, its dims.
+TensorFactors = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class OpRule:
+    factor_sizes: tuple[int, ...]
+    operands: tuple[TensorFactors, ...]
+    results: tuple[TensorFactors, ...]
+    reduction: frozenset[int] = frozenset()
+    need_replication: frozenset[int] = frozenset()
+    permutation: frozenset[int] = frozenset()
+    blocked: frozenset[int] = frozenset()
+    is_custom: bool = False
+
+    @property
+    def num_factors(self) -> int:
+        return len(self.factor_sizes)
+
+    def result_factors(self) -> frozenset[int]:
+        return frozenset(f for tensor in self.results for dim in tensor for f in dim)
+
+    @staticmethod
+    def elementwise(shape: tuple[int, ...], num_operands: int, num_results: int = 1) -> OpRule:
+        """The rule of an op whose every operand and result is indexed like its output."""
+        dims = tuple((d,) for d in range(len(shape)))
+        return OpRule(tuple(shape), (dims,) * num_operands, (dims,) * num_results)
+
+
+def decode_rule(attr: ir.Attribute) -> OpRule:
+    rule = sdy.OpShardingRuleAttr(attr)
+
+    def tensors(mappings) -> tuple[TensorFactors, ...]:
+        return tuple(
+            tuple(tuple(sdy.DimMappingAttr(dim).factor_indices) for dim in sdy.TensorMappingAttr(m).dim_mappings)
+            for m in mappings
+        )
+
+    return OpRule(
+        factor_sizes=tuple(rule.factor_sizes),
+        operands=tensors(rule.operand_mappings),
+        results=tensors(rule.result_mappings),
+        reduction=frozenset(rule.reduction_factors),
+        need_replication=frozenset(rule.need_replication_factors),
+        permutation=frozenset(rule.permutation_factors),
+        blocked=frozenset(rule.blocked_propagation_factors),
+        is_custom=rule.is_custom,
+    )
+
+
+def rule_of(op: ir.Operation) -> OpRule | None:
+    """The op's rule, if `sdy-populate-op-sharding-rules` (or the user) wrote one."""
+    if RULE_ATTRIBUTE not in op.attributes:
+        return None
+    return decode_rule(op.attributes[RULE_ATTRIBUTE])

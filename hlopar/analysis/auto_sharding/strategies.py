@@ -1,0 +1,175 @@
+"""The parallel algorithms of an op, for every op at once: mesh axes assigned to its factors.
+
+An op's rule (`rules.OpRule`) lists its factors: the loops of its computation. Sharding a
+factor over some mesh axes splits that loop across devices. A strategy gives each mesh axis
+to at most one factor; from that follow the layout every operand must have and every result
+gets (a tensor dim takes the axes of its factors, major factor first), and the
+communication the op needs itself: an all-reduce of the partial results when a reduction
+factor is split (Alpa Table 3, rows 2, 3, 5 and 7). This is Table 3 of the Alpa paper
+generalized to any op and any N-D mesh; Table 3's batched matmul is the rule
+`([b, i, k], [b, k, j]) -> ([b, i, j]) reduction={k}`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hlopar.analysis.auto_sharding.cluster import LogicalMesh
+from hlopar.analysis.auto_sharding.collectives import Collective
+from hlopar.analysis.auto_sharding.resharding import per_device_bytes
+from hlopar.analysis.auto_sharding.rules import OpRule, TensorFactors
+from hlopar.analysis.sharding import ShardingSpec
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What strategies need of a value: its shape and element size (None: not a tensor)."""
+
+    shape: Shape | None
+    dtype_bytes: int
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.shape is not None
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One parallel algorithm of one op."""
+
+    factor_axes: tuple[tuple[str, ...], ...]  # per factor, the mesh axes it is split over
+    operand_specs: tuple[ShardingSpec | None, ...]
+    result_specs: tuple[ShardingSpec | None, ...]
+    collectives: tuple[Collective, ...]  # the op's own communication (partial-sum all-reduces)
+    communication_cost: float
+    compute_cost: float
+    memory: float  # bytes of the results on each device
+
+    @property
+    def cost(self) -> float:
+        return self.communication_cost + self.compute_cost
+
+    def describe(self, factor_names: str = "ijklmnopqrstuvwxyzabcdefgh") -> str:
+        parts = [
+            f"{factor_names[f] if f < len(factor_names) else f'f{f}'}->{''.join(axes)}"
+            for f, axes in enumerate(self.factor_axes)
+            if axes
+        ]
+        return ", ".join(parts) or "replicated"
+
+
+def spec_of(tensor: TensorFactors, factor_axes: Sequence[tuple[str, ...]]) -> ShardingSpec:
+    return ShardingSpec(tuple(tuple(a for f in dim for a in factor_axes[f]) for dim in tensor))
+
+
+def is_expressible(tensor: TensorFactors, factor_axes: Sequence[tuple[str, ...]], sizes: Sequence[int], mesh: LogicalMesh) -> bool:
+    """Whether each dim's tiles stay contiguous: in a dim made of several factors (a reshape),
+    only the major factors may be split, each fully except the last split one."""
+    for dim in tensor:
+        if len(dim) < 2:
+            continue
+        partial_seen = False
+        for f in dim:
+            shards = mesh.axes_size(factor_axes[f]) if factor_axes[f] else 1
+            if partial_seen and shards > 1:
+                return False
+            if shards != sizes[f]:
+                partial_seen = True
+    return True
+
+
+def enumerate_strategies(
+    rule: OpRule,
+    operands: Sequence[TensorInfo],
+    results: Sequence[TensorInfo],
+    mesh: LogicalMesh,
+    *,
+    flops: float = 0.0,
+) -> list[Strategy]:
+    """Every strategy of an op on the mesh, replicated first, without duplicates.
+
+    A mesh axis goes to at most one factor; axes on one factor are used in mesh order; a
+    factor's shard count must divide its size (no padding); factors that need replication or
+    permutation stay whole, as do factors that appear only in operands without being
+    reductions (nothing would combine their pieces).
+    """
+    present_in_results = rule.result_factors()
+    shardable = [
+        f
+        for f, size in enumerate(rule.factor_sizes)
+        if size > 1
+        and f not in rule.need_replication
+        and f not in rule.permutation
+        and (f in present_in_results or f in rule.reduction)
+    ]
+    axes = [a for a in mesh.axes if a.size > 1]
+    strategies: dict[tuple, Strategy] = {}
+    for owners in itertools.product([None, *shardable], repeat=len(axes)):
+        factor_axes: list[tuple[str, ...]] = [() for _ in rule.factor_sizes]
+        for axis, owner in zip(axes, owners):
+            if owner is not None:
+                factor_axes[owner] += (axis.name,)
+        if any(axes_ and rule.factor_sizes[f] % mesh.axes_size(axes_) for f, axes_ in enumerate(factor_axes)):
+            continue
+        tensors = [*rule.operands, *rule.results]
+        if not all(is_expressible(t, factor_axes, rule.factor_sizes, mesh) for t in tensors):
+            continue
+        strategy = strategy_for(rule, tuple(factor_axes), operands, results, mesh, flops)
+        key = (strategy.operand_specs, strategy.result_specs)
+        if key not in strategies or strategy.cost < strategies[key].cost:
+            strategies[key] = strategy
+    return list(strategies.values())
+
+
+def replicated_strategy(operands: Sequence[TensorInfo], results: Sequence[TensorInfo], mesh: LogicalMesh, flops: float = 0.0) -> Strategy:
+    """The safe strategy for an op nobody knows how to split: everything whole on every device."""
+    def spec(info: TensorInfo) -> ShardingSpec | None:
+        return ShardingSpec.replicated(len(info.shape)) if info.is_tensor else None
+
+    result_specs = tuple(spec(r) for r in results)
+    return Strategy(
+        factor_axes=(),
+        operand_specs=tuple(spec(o) for o in operands),
+        result_specs=result_specs,
+        collectives=(),
+        communication_cost=0.0,
+        compute_cost=flops / mesh.device_flops,
+        memory=float(sum(per_device_bytes(r.shape, r.dtype_bytes, s, mesh) for r, s in zip(results, result_specs) if s)),
+    )
+
+
+def strategy_for(
+    rule: OpRule,
+    factor_axes: tuple[tuple[str, ...], ...],
+    operands: Sequence[TensorInfo],
+    results: Sequence[TensorInfo],
+    mesh: LogicalMesh,
+    flops: float = 0.0,
+) -> Strategy:
+    """The strategy that splits each factor over the given axes (assumed valid)."""
+    operand_specs = tuple(spec_of(t, factor_axes) if info.is_tensor else None for t, info in zip(rule.operands, operands))
+    result_specs = tuple(spec_of(t, factor_axes) if info.is_tensor else None for t, info in zip(rule.results, results))
+    reduced_over = tuple(a for f in sorted(rule.reduction) for a in factor_axes[f])
+    reduced_over = tuple(a.name for a in mesh.axes if a.name in reduced_over)  # mesh order
+    result_bytes = [
+        per_device_bytes(info.shape, info.dtype_bytes, spec, mesh)
+        for info, spec in zip(results, result_specs)
+        if spec is not None
+    ]
+    collectives = tuple(Collective("all-reduce", reduced_over, nbytes) for nbytes in result_bytes) if reduced_over else ()
+    used = {a for axes in factor_axes for a in axes}
+    parallelism = math.prod(mesh.axis(a).size for a in used) if used else 1
+    return Strategy(
+        factor_axes=factor_axes,
+        operand_specs=operand_specs,
+        result_specs=result_specs,
+        collectives=collectives,
+        communication_cost=sum(c.cost(mesh) for c in collectives),
+        compute_cost=flops / parallelism / mesh.device_flops,
+        memory=float(sum(result_bytes)),
+    )

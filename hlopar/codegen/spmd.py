@@ -1,0 +1,90 @@
+"""Compile an sdy-annotated module with stock jaxlib for a set of devices, and run it.
+
+The module's `@main` arguments and results carry `sdy.sharding`s on one `sdy.mesh`; inputs
+are placed by those shardings, XLA's Shardy partitioner turns the module into one SPMD
+program, and the outputs are reassembled into global arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.extend import backend
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxlib import _jax
+from jaxlib.mlir import ir
+
+from hlopar.analysis.mesh import DeviceMesh
+from hlopar.analysis.sharding import TensorSharding
+from hlopar.ir.module import print_module
+
+
+@dataclass
+class SpmdExecutable:
+    executable: object
+    input_shardings: list[NamedSharding]
+    output_shardings: list[NamedSharding]
+    output_shapes: list[tuple[int, ...]]
+
+    def __call__(self, *args) -> list[np.ndarray]:
+        placed = [jax.device_put(np.asarray(a), s) for a, s in zip(args, self.input_shardings)]
+        per_output = self.executable.execute_sharded(placed).disassemble_into_single_device_arrays()
+        results = []
+        for shards, sharding, shape in zip(per_output, self.output_shardings, self.output_shapes):
+            results.append(np.asarray(jax.make_array_from_single_device_arrays(shape, sharding, shards)))
+        return results
+
+
+def compile_spmd(module: ir.Operation, devices: Sequence[jax.Device]) -> SpmdExecutable:
+    """Compiles `module` (its `@main`) for `devices`, in the order of the module's mesh."""
+    mesh = _jax_mesh(module, devices)
+    func = _main(module)
+    options = backend.get_compile_options(
+        num_replicas=1, num_partitions=len(devices), device_assignment=np.array([[d.id for d in devices]])
+    )
+    options.executable_build_options.use_shardy_partitioner = True
+    options.executable_build_options.use_spmd_partitioning = len(devices) > 1
+    executable = backend.get_backend().compile_and_load(print_module(module), _jax.DeviceList(tuple(devices)), options)
+    function_type = ir.FunctionType(ir.TypeAttr(func.attributes["function_type"]).value)
+    return SpmdExecutable(
+        executable,
+        [_named(attrs, mesh) for attrs in _value_attrs(func, "arg_attrs", len(function_type.inputs))],
+        [_named(attrs, mesh) for attrs in _value_attrs(func, "res_attrs", len(function_type.results))],
+        [tuple(ir.RankedTensorType(t).shape) for t in function_type.results],
+    )
+
+
+def _main(module: ir.Operation) -> ir.Operation:
+    for op in module.regions[0].blocks[0].operations:
+        if op.operation.name == "func.func" and ir.StringAttr(op.operation.attributes["sym_name"]).value == "main":
+            return op.operation
+    raise ValueError("the module has no @main")
+
+
+def _jax_mesh(module: ir.Operation, devices: Sequence[jax.Device]) -> Mesh:
+    meshes = [DeviceMesh.from_sdy(str(op.operation.attributes["mesh"]))
+              for op in module.regions[0].blocks[0].operations if op.operation.name == "sdy.mesh"]
+    meshes = [m for m in meshes if m.axes]
+    if not meshes:
+        return Mesh(np.array(devices).reshape(len(devices)), ("_replicated",))
+    mesh = meshes[0]
+    if mesh.size != len(devices):
+        raise ValueError(f"the module's mesh has {mesh.size} devices, {len(devices)} were given")
+    ordered = np.array(devices)[mesh.devices().reshape(-1)].reshape(mesh.shape)
+    return Mesh(ordered, mesh.axis_names)
+
+
+def _value_attrs(func: ir.Operation, key: str, count: int) -> list[dict]:
+    if key not in func.attributes:
+        return [{} for _ in range(count)]
+    return [{n.name: n.attr for n in ir.DictAttr(a)} for a in ir.ArrayAttr(func.attributes[key])]
+
+
+def _named(attrs: dict, mesh: Mesh) -> NamedSharding:
+    if "sdy.sharding" not in attrs:
+        return NamedSharding(mesh, PartitionSpec())
+    spec = TensorSharding.parse(str(attrs["sdy.sharding"])).to_spec()
+    return NamedSharding(mesh, PartitionSpec(*[(axes if len(axes) > 1 else axes[0]) if axes else None for axes in spec.dims]))

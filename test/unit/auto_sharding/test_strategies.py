@@ -1,0 +1,85 @@
+"""Strategies from op rules: Table 3 of the Alpa paper, compound (reshaped) dims, N-D meshes."""
+
+from __future__ import annotations
+
+from hlopar.analysis.auto_sharding.cluster import logical_mesh
+from hlopar.analysis.auto_sharding.collectives import Collective
+from hlopar.analysis.auto_sharding.rules import OpRule
+from hlopar.analysis.auto_sharding.strategies import TensorInfo, enumerate_strategies
+from hlopar.analysis.sharding import ShardingSpec
+
+# C[b,i,j] = sum_k A[b,i,k] B[b,k,j]: factors b=0, i=1, j=2, k=3 (Table 3's batched matmul).
+BMM = OpRule(
+    factor_sizes=(8, 16, 32, 64),
+    operands=(((0,), (1,), (3,)), ((0,), (3,), (2,))),
+    results=(((0,), (1,), (2,)),),
+    reduction=frozenset({3}),
+)
+A, B, C = TensorInfo((8, 16, 64), 4), TensorInfo((8, 64, 32), 4), TensorInfo((8, 16, 32), 4)
+
+
+def spec(*dims: str) -> ShardingSpec:
+    return ShardingSpec(tuple(tuple(d) for d in dims))
+
+
+def by_specs(strategies):
+    return {(s.operand_specs, s.result_specs): s for s in strategies}
+
+
+def test_table_3_rows_are_all_there_with_their_costs():
+    mesh = logical_mesh((2, 2), ("x", "y"))
+    found = by_specs(enumerate_strategies(BMM, [A, B], [C], mesh, flops=2 * 8 * 16 * 32 * 64))
+    m = 8 * 16 * 32 * 4  # bytes of C
+    rows = [
+        # (lhs, rhs, out, expected collectives): rows 1-7 of Table 3 with mesh axes 0 = x, 1 = y
+        ((spec("", "x", ""), spec("", "", "y")), spec("", "x", "y"), ()),
+        ((spec("", "x", "y"), spec("", "y", "")), spec("", "x", ""), (Collective("all-reduce", ("y",), m // 2),)),
+        ((spec("", "", "y"), spec("", "y", "x")), spec("", "", "x"), (Collective("all-reduce", ("y",), m // 2),)),
+        ((spec("x", "y", ""), spec("x", "", "")), spec("x", "y", ""), ()),
+        ((spec("x", "", "y"), spec("x", "y", "")), spec("x", "", ""), (Collective("all-reduce", ("y",), m // 2),)),
+        ((spec("", "xy", ""), spec("", "", "")), spec("", "xy", ""), ()),
+        ((spec("", "", "xy"), spec("", "xy", "")), spec("", "", ""), (Collective("all-reduce", ("x", "y"), m),)),
+    ]
+    for operand_specs, result_spec, collectives in rows:
+        strategy = found[(operand_specs, (result_spec,))]
+        assert strategy.collectives == collectives
+        # Every row splits the work over all 4 devices: equal compute cost.
+        assert strategy.compute_cost == found[((spec("", "x", ""), spec("", "", "y")), (spec("", "x", "y"),))].compute_cost
+
+
+def test_replicated_is_first_and_costs_the_full_compute():
+    mesh = logical_mesh((2, 2), ("x", "y"))
+    strategies = enumerate_strategies(BMM, [A, B], [C], mesh, flops=1e9)
+    assert strategies[0].describe() == "replicated"
+    full = max(s.compute_cost for s in strategies)
+    assert strategies[0].compute_cost == full
+    assert min(s.compute_cost for s in strategies) == full / 4  # split over both axes
+    # 5 choices (none, b, i, j, k) per axis, minus none: 24 distinct strategies.
+    assert len(strategies) == 25
+
+
+def test_factors_that_do_not_divide_are_not_split():
+    rule = OpRule.elementwise((3, 8), 1)
+    mesh = logical_mesh((2,), ("x",))
+    strategies = enumerate_strategies(rule, [TensorInfo((3, 8), 4)], [TensorInfo((3, 8), 4)], mesh)
+    assert {s.result_specs[0] for s in strategies} == {spec("", ""), spec("", "x")}
+
+
+def test_reshape_splits_only_the_major_factor_of_a_merged_dim():
+    # (4, 6) -> (24,): factors i=4, j=6; the result dim is made of [i, j].
+    rule = OpRule((4, 6), (((0,), (1,)),), (((0, 1),),))
+    mesh = logical_mesh((2,), ("x",))
+    strategies = enumerate_strategies(rule, [TensorInfo((4, 6), 4)], [TensorInfo((24,), 4)], mesh)
+    results = {s.result_specs[0] for s in strategies}
+    assert results == {spec(""), spec("x")}  # splitting j alone would not give contiguous tiles
+    (split,) = [s for s in strategies if s.result_specs[0] == spec("x")]
+    assert split.operand_specs == (spec("x", ""),)
+
+
+def test_need_replication_and_three_axis_meshes():
+    rule = OpRule((8, 8), (((0,), (1,)),), (((0,), (1,)),), need_replication=frozenset({1}))
+    mesh = logical_mesh((2, 2, 2), ("x", "y", "z"))
+    info = TensorInfo((8, 8), 4)
+    strategies = enumerate_strategies(rule, [info], [info], mesh)
+    assert all(not s.result_specs[0].dims[1] for s in strategies)
+    assert spec("xyz", "") in {s.result_specs[0] for s in strategies}
