@@ -34,6 +34,12 @@ MLP_CONFIGS: dict[str, MLPConfig] = {
     "tiny": MLPConfig(in_dim=8, hidden_dims=(16, 16), out_dim=4, batch_size=8),
     "small": MLPConfig(in_dim=1024, hidden_dims=(4096, 4096, 4096), out_dim=1024,
                        batch_size=1024),
+    # Shapes that call for textbook plans (the auto-sharding tests pin them): activations
+    # far larger than weights favour data parallelism; weights far larger than activations
+    # favour Megatron-style operator parallelism; both large favour a 2-D mix.
+    "large-batch": MLPConfig(in_dim=1024, hidden_dims=(1024, 1024, 1024), out_dim=1024, batch_size=16384),
+    "large-hidden": MLPConfig(in_dim=4096, hidden_dims=(16384, 4096, 16384), out_dim=4096, batch_size=64),
+    "large-both": MLPConfig(in_dim=4096, hidden_dims=(16384, 4096, 16384), out_dim=4096, batch_size=8192),
 }
 
 

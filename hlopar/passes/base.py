@@ -83,6 +83,9 @@ class ModulePass:
                     raise OptionError(f"option '{key}' of pass '{cls.name}' needs a value")
                 raw = "true"
             try:
+                if raw in ("", "none") and _optional_inner(hints[f.name]) is not hints[f.name]:
+                    values[f.name] = None
+                    continue
                 values[f.name] = (f.metadata.get("parse") or _parser_for(hints[f.name]))(raw)
             except (ValueError, TypeError) as error:
                 raise OptionError(f"option '{key}' of pass '{cls.name}': invalid value '{raw}': {error}") from None

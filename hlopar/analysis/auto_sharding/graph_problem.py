@@ -55,6 +55,10 @@ HEAVY_OPS = frozenset(
 # Ops that make a value from nothing: any layout is free (each device builds its own tile).
 SOURCE_OPS = frozenset({"stablehlo.constant", "stablehlo.iota", "stablehlo.rng_bit_generator"})
 CONSTRAINT_OP = "sdy.sharding_constraint"
+# Seconds charged per byte a device holds: far below any communication or compute cost, it
+# only breaks ties toward the plan that uses less memory (e.g. an input that could be sent
+# whole to every device and sliced there for free is sent already split).
+MEMORY_TIE_BREAK = 1e-15
 
 
 @dataclass
@@ -166,7 +170,7 @@ def build_problem(
     out.problem = ilp.Problem(
         nodes=tuple(
             ilp.Node(
-                costs=tuple(s.cost for s in node.strategies),
+                costs=tuple(s.cost + MEMORY_TIE_BREAK * s.memory for s in node.strategies),
                 memory=tuple(s.memory for s in node.strategies),
                 fixed=node.fixed,
                 follows=node.leader,
