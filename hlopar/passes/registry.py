@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from hlopar.passes.base import ModulePass
 from hlopar.passes.auto_sharding import AutoShardingPass
+from hlopar.passes.cross_mesh_resharding import CrossMeshReshardingPass
 from hlopar.passes.import_program import ImportPass
 
-HLOPAR_PASSES: dict[str, type[ModulePass]] = {cls.name: cls for cls in (ImportPass, AutoShardingPass)}
+HLOPAR_PASSES: dict[str, type[ModulePass]] = {cls.name: cls for cls in (ImportPass, AutoShardingPass, CrossMeshReshardingPass)}
 
 
 def passes_help() -> str:

@@ -1,0 +1,230 @@
+"""`hlopar-cross-mesh-resharding`: every inter-mesh `mpmd.transfer` becomes explicit unit ops.
+
+For each transfer between two different meshes of a function's `topology`, the pass plans
+the transfer (`hlopar.analysis.resharding.plan_transfer`: unit tasks, a strategy, sender
+choice and order under the host model of the cross-mesh resharding paper, §3) and replaces
+the transfer by a `hlopar.cross_mesh_transfer` op holding one op per unit task. Physical
+devices come from the module's `hlopar.devices` attribute; without it, meshes get
+consecutive device ids in topology order, and the pass writes that attribute. Transfers
+within one mesh are left alone (they are reshards, done with collectives).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from jaxlib.mlir import ir
+
+from hlopar.analysis.mesh import DeviceMesh
+from hlopar.analysis.mpmd import MeshTensorType, parse_topology
+from hlopar.analysis.resharding import PRESETS, HostModel, MeshLayout, SearchBudget, plan_transfer
+from hlopar.analysis.resharding.host_model import GBPS
+from hlopar.analysis.sharding import ShardingPerValue, ShardingSpec, TensorSharding
+from hlopar.ir.diagnostics import source_location
+from hlopar.ir.graph import _bit_width
+from hlopar.passes.base import ModulePass, PassContext, option
+from hlopar.passes.transfer_ops import build_transfer_op
+
+__all__ = ["CrossMeshReshardingPass", "DEVICES_ATTR"]
+
+DEVICES_ATTR = "hlopar.devices"
+
+
+@dataclass
+class CrossMeshReshardingPass(ModulePass):
+    name = "hlopar-cross-mesh-resharding"
+    summary = "rewrite inter-mesh mpmd.transfer ops as explicit, load-balanced unit ops (one per unit task)"
+
+    strategy: Literal["broadcast", "send-recv", "alpa-local-allgather"] = option(
+        "broadcast", "how a unit task is sent: chunked pipelined broadcast, plain send/recv, or Alpa's local all-gather")
+    algorithm: Literal["naive", "load-balance", "dfs", "randomized-greedy", "ensemble"] = option(
+        "ensemble", "sender choice and order of unit tasks")
+    chunks: int = option(0, "broadcast chunks per unit task; 0 picks them per op from the cluster model")
+    cluster: Literal["paper", "8gpu-100g"] = option("paper", "cluster preset (paper: 4 GPUs per host over NVLink, 10 Gbps)")
+    devices_per_host: int | None = option(None, "overrides the preset's devices per host")
+    inter_host_gbps: float | None = option(None, "overrides the preset's NIC bandwidth per host and direction, Gbit/s")
+    intra_host_gbps: float | None = option(None, "overrides the preset's device link bandwidth inside a host, Gbit/s")
+    inter_host_latency_us: float | None = option(None, "overrides the preset's cross-host latency, microseconds")
+    intra_host_latency_us: float | None = option(None, "overrides the preset's intra-host latency, microseconds")
+    search_seconds: float = option(0.25, "time budget of the depth-first search, per transfer")
+    seed: int = option(0, "seed of the randomized greedy search")
+    report: str | None = option(None, "write a JSON report of every planned transfer to this path")
+
+    def host_model(self) -> HostModel:
+        model = PRESETS[self.cluster]
+        overrides: dict[str, Any] = {}
+        if self.devices_per_host is not None:
+            overrides["devices_per_host"] = self.devices_per_host
+        if self.inter_host_gbps is not None:
+            overrides["inter_host_bandwidth"] = self.inter_host_gbps * GBPS
+        if self.intra_host_gbps is not None:
+            overrides["intra_host_bandwidth"] = self.intra_host_gbps * GBPS
+        if self.inter_host_latency_us is not None:
+            overrides["inter_host_latency"] = self.inter_host_latency_us * 1e-6
+        if self.intra_host_latency_us is not None:
+            overrides["intra_host_latency"] = self.intra_host_latency_us * 1e-6
+        return replace(model, **overrides)
+
+    def run(self, module: ir.Operation, context: PassContext) -> None:
+        try:
+            model = self.host_model()
+        except ValueError as error:
+            self.fail(module, f"invalid cluster: {error}")
+        budget = SearchBudget(dfs_seconds=self.search_seconds, seed=self.seed)
+        work, topology_meshes = self._collect(module)
+        physical, given = self._physical_devices(module, topology_meshes)
+        reports = []
+        with module.context:
+            module.context.allow_unregistered_dialects = True
+            for func, transfer, meshes in work:
+                planned = self._rewrite(transfer, meshes, physical, model, budget)
+                if planned is not None:
+                    reports.append({"func": ir.StringAttr(func.attributes["sym_name"]).value, **planned})
+            if reports and not given:
+                module.attributes[DEVICES_ATTR] = ir.DictAttr.get(
+                    {name: ir.DenseI64ArrayAttr.get(list(ids)) for name, ids in physical.items()})
+        if self.report:
+            try:
+                self._write_report(reports, model)
+            except OSError as error:
+                self.fail(module, f"cannot write the report to '{self.report}': {error.strerror}")
+
+    # --- reading the module --------------------------------------------------------------
+
+    def _collect(self, module: ir.Operation):
+        """(func, transfer, the func's topology) for every `mpmd.transfer` in program order,
+        and every mesh of every function's topology, by name."""
+        work: list[tuple[ir.Operation, ir.Operation, dict[str, DeviceMesh]]] = []
+        all_meshes: dict[str, DeviceMesh] = {}
+        for func in module.regions[0].blocks[0].operations:
+            func = func.operation
+            if func.name != "func.func":
+                continue
+            meshes: dict[str, DeviceMesh] = {}
+            if "topology" in func.attributes:
+                try:
+                    meshes = parse_topology(str(func.attributes["topology"]))
+                except ValueError as error:
+                    self.fail(func, str(error))
+            for name, mesh in meshes.items():
+                if all_meshes.setdefault(name, mesh) != mesh:
+                    self.fail(func, f"mesh '{name}' is {mesh} here but {all_meshes[name]} in another topology")
+            transfers: list[ir.Operation] = []
+
+            def visit(op: ir.Operation) -> ir.WalkResult:
+                if op.name == "mpmd.transfer":
+                    transfers.append(op.operation)
+                return ir.WalkResult.ADVANCE
+
+            func.walk(visit)
+            if transfers and "topology" not in func.attributes:
+                self.fail(transfers[0], "mpmd.transfer in a function without a 'topology' attribute")
+            work += [(func, transfer, meshes) for transfer in transfers]
+        return work, all_meshes
+
+    def _physical_devices(
+        self, module: ir.Operation, meshes: dict[str, DeviceMesh]
+    ) -> tuple[dict[str, tuple[int, ...]], bool]:
+        """Physical device ids per mesh, and whether the module said them (`hlopar.devices`)."""
+        if DEVICES_ATTR not in module.attributes:
+            physical, next_id = {}, 0
+            for name, mesh in meshes.items():
+                physical[name] = tuple(range(next_id, next_id + mesh.size))
+                next_id += mesh.size
+            return physical, False
+        attr = module.attributes[DEVICES_ATTR]
+        if not isinstance(attr, ir.DictAttr):
+            self.fail(module, f"'{DEVICES_ATTR}' must map mesh names to array<i64: ...>, got {attr}")
+        physical = {}
+        for i in range(len(attr)):
+            entry = attr[i]
+            if not isinstance(entry.attr, ir.DenseI64ArrayAttr):
+                self.fail(module, f"'{DEVICES_ATTR}' entry '{entry.name}' must be an array<i64: ...>, got {entry.attr}")
+            ids = tuple(entry.attr)
+            if entry.name not in meshes:
+                known = ", ".join(f"'{n}'" for n in meshes) or "none"
+                self.fail(module, f"'{DEVICES_ATTR}' names mesh '{entry.name}', which is in no topology (meshes: {known})")
+            if len(ids) != meshes[entry.name].size:
+                self.fail(module, f"'{DEVICES_ATTR}' gives {len(ids)} devices to mesh '{entry.name}' "
+                                  f"of {meshes[entry.name].size} devices")
+            if len(set(ids)) != len(ids) or min(ids, default=0) < 0:
+                self.fail(module, f"'{DEVICES_ATTR}' entry '{entry.name}' needs distinct non-negative ids, got {list(ids)}")
+            physical[entry.name] = ids
+        return physical, True
+
+    # --- one transfer -------------------------------------------------------------------
+
+    def _rewrite(self, transfer, meshes, physical, model, budget) -> dict[str, Any] | None:
+        src_type = MeshTensorType.parse(str(transfer.operands[0].type))
+        dst_type = MeshTensorType.parse(str(transfer.results[0].type))
+        if src_type.mesh_name == dst_type.mesh_name:
+            return None
+        for side in (src_type, dst_type):
+            if side.mesh_name not in physical:
+                self.fail(transfer, f"mesh '{side.mesh_name}' has no physical devices in '{DEVICES_ATTR}'")
+        shared = sorted(set(physical[src_type.mesh_name]) & set(physical[dst_type.mesh_name]))
+        if shared:
+            self.fail(transfer, f"meshes '{src_type.mesh_name}' and '{dst_type.mesh_name}' share physical devices "
+                                f"{shared}; a cross-mesh transfer needs disjoint meshes")
+        tensor = ir.RankedTensorType(ir.Type.parse(src_type.tensor_type))
+        width = _bit_width(tensor.element_type)
+        if width is None:
+            self.fail(transfer, f"cannot size elements of {src_type.tensor_type}")
+        shape = tuple(tensor.shape)
+        src_sharding = src_type.sharding or _argument_sharding(transfer.operands[0]) or ShardingSpec.replicated(len(shape))
+        dst_sharding = dst_type.sharding or _op_sharding(transfer) or ShardingSpec.replicated(len(shape))
+        try:
+            src = MeshLayout(meshes[src_type.mesh_name], src_sharding, physical[src_type.mesh_name])
+            dst = MeshLayout(meshes[dst_type.mesh_name], dst_sharding, physical[dst_type.mesh_name])
+            plan = plan_transfer(shape, (width + 7) // 8, src, dst, model, strategy=self.strategy,
+                                 algorithm=self.algorithm, chunks=self.chunks, budget=budget)
+        except ValueError as error:
+            self.fail(transfer, str(error))
+        where = source_location(transfer.location)
+        build_transfer_op(plan, transfer)
+        return {
+            "location": str(where) if where else None,
+            "src_mesh": src_type.mesh_name,
+            "dst_mesh": dst_type.mesh_name,
+            "src_sharding": str(src_sharding),
+            "dst_sharding": str(dst_sharding),
+            **plan.report(),
+        }
+
+    def _write_report(self, transfers: list[dict[str, Any]], model: HostModel) -> None:
+        report = {
+            "pass": self.name,
+            "options": self.pipeline_text(),
+            "cluster": {
+                "devices_per_host": model.devices_per_host,
+                "inter_host_bandwidth_bytes_per_s": model.inter_host_bandwidth,
+                "intra_host_bandwidth_bytes_per_s": model.intra_host_bandwidth,
+                "inter_host_latency_s": model.inter_host_latency,
+                "intra_host_latency_s": model.intra_host_latency,
+            },
+            "transfers": transfers,
+        }
+        Path(self.report).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _argument_sharding(value: ir.Value) -> TensorSharding | None:
+    """The `sdy.sharding` of a function argument, when the value is one."""
+    if not isinstance(value, ir.BlockArgument):
+        return None
+    parent = value.owner.owner
+    parent = parent.operation if parent is not None else None
+    if parent is None or parent.name != "func.func" or "arg_attrs" not in parent.attributes:
+        return None
+    arg_attrs = ir.ArrayAttr(parent.attributes["arg_attrs"])
+    attrs = ir.DictAttr(arg_attrs[value.arg_number])
+    return TensorSharding.parse(str(attrs["sdy.sharding"])) if "sdy.sharding" in attrs else None
+
+
+def _op_sharding(op: ir.Operation) -> TensorSharding | None:
+    """The result sharding an `sdy.sharding` attribute on the transfer asks for."""
+    if "sdy.sharding" not in op.attributes:
+        return None
+    return ShardingPerValue.parse(str(op.attributes["sdy.sharding"]))[0]

@@ -1,0 +1,174 @@
+"""Carry out a planned cross-mesh transfer on the local jax devices, to prove plans correct.
+
+Each unit op moves data the way it says, device to device: a broadcast sends its box chunk
+by chunk down its chain, each receiver forwarding the chunk *it received*; send/recv sends
+the whole box to each receiver; Alpa's scatter/all-gather sends one part per receiver and
+then rotates the parts around the receivers' ring. Copies are `jax.device_put` of the data a
+device holds (read as numpy) onto the next device; receivers assemble their shards on the
+host and put them on their device. Physical device ids are positions in `jax.devices()`
+unless a mapping is given.
+
+The executor checks the plan as it runs: a sender must hold the box it sends, a receiver
+must need it, and at the end every element of every destination shard must have arrived.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from hlopar.analysis.device_slices import all_device_slices
+from hlopar.analysis.resharding.plan import TransferPlan
+from hlopar.analysis.resharding.simulator import UnitOp
+from hlopar.analysis.resharding.unit_tasks import Box, MeshLayout, box_of
+from hlopar.analysis.sharding import ShardingSpec, TensorSharding
+
+__all__ = ["TransferError", "assemble", "execute_ops", "execute_plan", "local_devices", "shard_array"]
+
+
+class TransferError(RuntimeError):
+    """A plan that cannot be carried out, or that leaves a destination shard incomplete."""
+
+
+def local_devices() -> dict[int, jax.Device]:
+    return dict(enumerate(jax.devices()))
+
+
+def _layout_boxes(shape: Sequence[int], layout: MeshLayout) -> dict[int, Box]:
+    return {layout.physical(d): box_of(index) for d, index in all_device_slices(shape, layout.sharding, layout.mesh).items()}
+
+
+def shard_array(
+    array: np.ndarray, layout: MeshLayout, devices: Mapping[int, jax.Device] | None = None
+) -> dict[int, jax.Array]:
+    """Each physical device of the layout gets its slice of `array`, on that device."""
+    devices = devices or local_devices()
+    boxes = _layout_boxes(array.shape, layout)
+    return {d: jax.device_put(array[_local(box, None)], devices[d]) for d, box in boxes.items()}
+
+
+def _local(box: Box, origin: Box | None) -> tuple[slice, ...]:
+    """`box` as slices of an array whose element 0 is at `origin` (None: the global array)."""
+    if origin is None:
+        return tuple(slice(lo, hi) for lo, hi in box)
+    return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin))
+
+
+def _contains(outer: Box, inner: Box) -> bool:
+    return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner))
+
+
+def _split(box: Box, dim: int, parts: int) -> list[Box]:
+    lo, hi = box[dim]
+    step = (hi - lo) // parts
+    return [box[:dim] + ((lo + i * step, lo + (i + 1) * step),) + box[dim + 1 :] for i in range(parts)]
+
+
+class _Receivers:
+    """Destination shards being filled on the host, with a mask of what has arrived."""
+
+    def __init__(self, boxes: Mapping[int, Box], dtype):
+        self.boxes = dict(boxes)
+        self.data = {d: np.zeros([hi - lo for lo, hi in b], dtype) for d, b in boxes.items()}
+        self.seen = {d: np.zeros(self.data[d].shape, bool) for d in boxes}
+
+    def store(self, device: int, box: Box, values: np.ndarray, op: UnitOp) -> None:
+        if device not in self.boxes:
+            raise TransferError(f"op of task {op.task}: device {device} is not in the destination mesh")
+        if not _contains(self.boxes[device], box):
+            raise TransferError(f"op of task {op.task}: device {device} does not need box {list(box)}")
+        where = _local(box, self.boxes[device])
+        self.data[device][where] = values.reshape(self.data[device][where].shape)
+        self.seen[device][where] = True
+
+
+def execute_ops(
+    ops: Sequence[UnitOp],
+    shape: Sequence[int],
+    src: MeshLayout,
+    dst: MeshLayout,
+    src_shards: Mapping[int, jax.Array],
+    devices: Mapping[int, jax.Device] | None = None,
+) -> dict[int, jax.Array]:
+    """Runs the ops in order; returns each destination device's shard, on that device."""
+    devices = devices or local_devices()
+    shape = tuple(shape)
+    src_boxes = _layout_boxes(shape, src)
+    dst_boxes = _layout_boxes(shape, dst)
+    dtype = next(iter(src_shards.values())).dtype
+    sink = _Receivers(dst_boxes, dtype)
+
+    def read(device: int, box: Box, op: UnitOp) -> jax.Array:
+        if device not in src_shards or not _contains(src_boxes[device], box):
+            raise TransferError(f"op of task {op.task}: device {device} does not hold box {list(box)}")
+        return jax.device_put(np.ascontiguousarray(np.asarray(src_shards[device])[_local(box, src_boxes[device])]),
+                              devices[device])
+
+    def move(data: jax.Array, device: int) -> jax.Array:
+        return jax.device_put(np.asarray(data), devices[device])
+
+    for op in ops:
+        if op.kind == "broadcast":
+            packed = np.asarray(read(op.sender, op.box, op)).reshape(-1)
+            bounds = np.linspace(0, packed.shape[0], op.chunks + 1).round().astype(int)
+            received: dict[int, list[np.ndarray]] = {r: [] for r in op.receivers}
+            for lo, hi in zip(bounds, bounds[1:]):
+                chunk = packed[lo:hi]
+                for receiver in op.receivers:  # down the chain: each hop copies what the last one got
+                    chunk = move(chunk, receiver)
+                    received[receiver].append(np.asarray(chunk))
+            for receiver, chunks in received.items():
+                sink.store(receiver, op.box, np.concatenate(chunks), op)
+        elif op.kind == "send_recv":
+            data = read(op.sender, op.box, op)
+            for receiver in op.receivers:
+                sink.store(receiver, op.box, np.asarray(move(data, receiver)), op)
+        elif op.kind == "scatter_allgather":
+            parts = _split(op.box, op.split_dim, len(op.receivers))
+            held = {r: {i: move(read(op.sender, part, op), r)} for i, (r, part) in enumerate(zip(op.receivers, parts))}
+            ring = len(op.receivers)
+            for step in range(ring - 1):  # receiver i passes part (i - step) to receiver i + 1
+                sends = [(op.receivers[i], op.receivers[(i + 1) % ring], (i - step) % ring) for i in range(ring)]
+                for giver, taker, part in sends:
+                    held[taker][part] = move(held[giver][part], taker)
+            for receiver, pieces in held.items():
+                for i, data in pieces.items():
+                    sink.store(receiver, parts[i], np.asarray(data), op)
+        else:
+            raise TransferError(f"unknown unit op kind {op.kind!r}")
+
+    for device, seen in sink.seen.items():
+        if not seen.all():
+            missing = int(seen.size - seen.sum())
+            raise TransferError(f"device {device} is missing {missing} of its {seen.size} elements after the transfer")
+    return {d: jax.device_put(sink.data[d], devices[d]) for d in sink.data}
+
+
+def execute_plan(
+    plan: TransferPlan, src_shards: Mapping[int, jax.Array], devices: Mapping[int, jax.Device] | None = None
+) -> dict[int, jax.Array]:
+    """Runs a plan's ops in slot order (see `execute_ops`)."""
+    return execute_ops([p.op for p in plan.ops], plan.shape, plan.src, plan.dst, src_shards, devices)
+
+
+def assemble(
+    shards: Mapping[int, jax.Array], shape: Sequence[int], layout: MeshLayout,
+    devices: Mapping[int, jax.Device] | None = None,
+) -> jax.Array:
+    """The destination shards as one global `jax.Array` with the layout's `NamedSharding`.
+
+    Only for layouts jax can express: whole mesh axes (no sub-axes) and dimensions the
+    shard counts divide.
+    """
+    devices = devices or local_devices()
+    spec = layout.sharding.to_spec() if isinstance(layout.sharding, TensorSharding) else layout.sharding
+    assert isinstance(spec, ShardingSpec)
+    grid = np.array([devices[layout.physical(d)] for d in layout.mesh.device_list], dtype=object)
+    mesh = Mesh(grid.reshape(layout.mesh.shape), layout.mesh.axis_names)
+    sharding = NamedSharding(mesh, PartitionSpec(*(axes or None for axes in spec.dims)))
+    by_device = {devices[d]: array for d, array in shards.items()}
+    arrays = [by_device[device] for device in sharding.addressable_devices_indices_map(tuple(shape))]
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
