@@ -43,7 +43,7 @@ def sample(files: list[Path], count: int | None) -> list[Path]:
     return [files[int(i * step)] for i in range(count)]
 
 
-def check_part(source: str | bytes, name: str, pipeline: str) -> tuple[str, str]:
+def check_part(source: str | bytes, name: str, pipeline: str, compile_output: bool = False) -> tuple[str, str]:
     """(outcome, detail) for one program; runs in a forked child."""
     from hlopar.ir.context import make_context
     from hlopar.ir.diagnostics import DiagnosticError
@@ -62,19 +62,40 @@ def check_part(source: str | bytes, name: str, pipeline: str) -> tuple[str, str]
     except DiagnosticError as error:
         return "FAILED", error.diagnostics[0].format(name)
     try:
-        parse_module(printed, source_name=f"{name} (output)", context=make_context(allow_unregistered=True))
+        reparsed = parse_module(printed, source_name=f"{name} (output)", context=make_context(allow_unregistered=True))
     except DiagnosticError as error:
         return "FAILED", "output does not parse again: " + error.diagnostics[0].format(name)
+    if compile_output:
+        return _check_compiles(source, name, reparsed)
     return "ok", ""
 
 
-def run_forked(source: str | bytes, name: str, pipeline: str) -> tuple[str, str]:
+def _check_compiles(source, name: str, output) -> tuple[str, str]:
+    """The output must compile for its mesh's devices wherever the input compiles on one."""
+    import jax
+
+    from hlopar.codegen.spmd import compile_spmd, mesh_size
+    from hlopar.ir.module import parse_module
+
+    not_compilable = (jax.errors.JaxRuntimeError, ValueError)
+    try:
+        compile_spmd(parse_module(source, source_name=name), jax.devices()[:1])
+    except not_compilable:  # the input does not compile here (GPU custom calls, no @main, ...)
+        return "ok", ""
+    try:
+        compile_spmd(output, jax.devices()[: mesh_size(output)])
+    except not_compilable as error:
+        return "FAILED", f"{name}: the output does not compile: {str(error).splitlines()[0][:300]}"
+    return "ok (compiled)", ""
+
+
+def run_forked(source: str | bytes, name: str, pipeline: str, compile_output: bool = False) -> tuple[str, str]:
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(read_end)
         try:
-            outcome, detail = check_part(source, name, pipeline)
+            outcome, detail = check_part(source, name, pipeline, compile_output)
         except Exception as error:  # noqa: BLE001 - reported as a failure, not raised
             outcome, detail = "FAILED", f"internal error: {type(error).__name__}: {error}"
         os.write(write_end, f"{outcome}\n{detail}".encode())
@@ -105,23 +126,31 @@ def main() -> int:
     parser.add_argument("--sample", type=int, default=None, help="check a fixed sample of N files")
     parser.add_argument("--pipeline", default="builtin.module(hlopar-import)")
     parser.add_argument("--verbose", "-v", action="store_true", help="print every rejected part too")
+    parser.add_argument("--compile", action="store_true",
+                        help="also compile the output (on 8 CPU devices) wherever the input compiles on one")
     args = parser.parse_args()
     if not args.corpus.is_dir():
         print(f"error: corpus directory not found: {args.corpus}", file=sys.stderr)
         return 2
+    if args.compile:
+        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # no per-process device banner
     import hlopar.passes.registry  # noqa: F401 - load jaxlib once, before forking
 
     files = sample(corpus_files(args.corpus), args.sample)
     start = time.perf_counter()
     by_folder: dict[str, Counter] = {}
     failures = []
+    compiled = 0
     for path in files:
         folder = path.relative_to(args.corpus).parts[0]
         counts = by_folder.setdefault(folder, Counter())
-        outcomes = [run_forked(source, name, args.pipeline) for source, name in parts_of(path)]
+        outcomes = [run_forked(source, name, args.pipeline, args.compile) for source, name in parts_of(path)]
         file_outcome = "FAILED" if any(o == "FAILED" for o, _ in outcomes) else (
-            "ok" if all(o == "ok" for o, _ in outcomes) else "rejected")
+            "ok" if all(o.startswith("ok") for o, _ in outcomes) else "rejected")
         counts[file_outcome] += 1
+        compiled += any(o == "ok (compiled)" for o, _ in outcomes)
         for outcome, detail in outcomes:
             if outcome == "FAILED" or (args.verbose and outcome == "rejected"):
                 failures.append(f"{outcome}: {detail}")
@@ -137,6 +166,8 @@ def main() -> int:
     print(f"{'total':<22} {n:>6} {total['ok']:>6} {total['rejected']:>9} {total['FAILED']:>7}")
     print(f"pass rate: {100.0 * (n - total['FAILED']) / max(n, 1):.2f}% of {n} files "
           f"({total['ok']} imported, {total['rejected']} cleanly rejected) in {elapsed:.1f} s")
+    if args.compile:
+        print(f"compiled: {compiled} outputs compiled for their mesh (the other inputs do not compile on one CPU device)")
     return 1 if total["FAILED"] else 0
 
 

@@ -57,6 +57,13 @@ def compile_spmd(module: ir.Operation, devices: Sequence[jax.Device]) -> SpmdExe
     )
 
 
+def mesh_size(module: ir.Operation) -> int:
+    """How many devices the module's (first, non-trivial) mesh has; 1 without one."""
+    meshes = [DeviceMesh.from_sdy(str(op.operation.attributes["mesh"]))
+              for op in module.regions[0].blocks[0].operations if op.operation.name == "sdy.mesh"]
+    return next((m.size for m in meshes if m.axes), 1)
+
+
 def _main(module: ir.Operation) -> ir.Operation:
     for op in module.regions[0].blocks[0].operations:
         if op.operation.name == "func.func" and ir.StringAttr(op.operation.attributes["sym_name"]).value == "main":

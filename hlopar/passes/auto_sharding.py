@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from jaxlib.mlir import ir, passmanager
@@ -20,6 +20,7 @@ from jaxlib.mlir.dialects import sdy
 from hlopar.analysis.auto_sharding import ilp
 from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS, LogicalMesh, logical_mesh
 from hlopar.analysis.auto_sharding.graph_problem import ShardingProblem, build_problem
+from hlopar.analysis.auto_sharding.resharding import resharding_collectives
 from hlopar.analysis.auto_sharding.rules import rule_of
 from hlopar.analysis.mesh import DeviceMesh
 from hlopar.analysis.sharding import ShardingPerValue, ShardingSpec, TensorSharding
@@ -45,6 +46,19 @@ def parse_float_tuple(text: str) -> tuple[float, ...]:
 
 
 @dataclass
+class _UserShardings:
+    args: dict[int, ShardingSpec] = field(default_factory=dict)
+    results: dict[int, ShardingSpec] = field(default_factory=dict)
+    constraint_ops: dict[int, ShardingSpec] = field(default_factory=dict)
+    op_results: dict[int, tuple[ShardingSpec, ...]] = field(default_factory=dict)
+    kept_ops: set[int] = field(default_factory=set)  # ops whose own sdy.sharding stays
+    # Shardings on a mesh whose axes all have size 1 say "replicated": they are rewritten
+    # onto the planning mesh (argument and result positions, constraint op indices).
+    rewritten_args: set[int] = field(default_factory=set)
+    rewritten_results: set[int] = field(default_factory=set)
+
+
+@dataclass
 class AutoShardingPass(ModulePass):
     name = "hlopar-auto-sharding"
     summary = "choose a sharding for every op on one device mesh (Alpa's intra-op ILP) and write it as sdy"
@@ -63,19 +77,34 @@ class AutoShardingPass(ModulePass):
     report: str | None = option(None, "write a JSON report of the plan to this path")
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
-        mesh = self._mesh()
-        func = entry_function(module)
-        if func is None:
-            self.fail(module, "no entry function: expected @main or a single public function")
+        with module.context, ir.Location.unknown():
+            self._run(module, context)
+
+    def _run(self, module: ir.Operation, context: PassContext) -> None:
+        funcs = planned_functions(module)
+        if not funcs:
+            return  # only private functions: nothing is an entry point
+        mesh, mesh_name = self._planning_mesh(module, context)
+        analysable = [f for f in funcs if _analysable(f)]
+        for func in funcs:
+            if func not in analysable:
+                context.warn(func, f"{self.name}: '{_symbol(func)}' has dynamic shapes or tuple values, which "
+                                   f"Shardy's sharding rules do not cover: it runs replicated")
+        _run_upstream_on(module, analysable, "sdy-populate-op-sharding-rules")
+        reports = [self._plan_function(module, func, func in analysable, mesh, mesh_name, context) for func in funcs]
+        _run_upstream_on(module, analysable, "sdy-drop-sharding-rules")
+        if self.report:
+            _write_report(Path(self.report), self, mesh, reports)
+
+    def _plan_function(self, module, func, analysable: bool, mesh: LogicalMesh, mesh_name: str, context: PassContext):
         start = time.perf_counter()
-        _run_upstream(module, "func.func(sdy-populate-op-sharding-rules)")
         graph = FuncGraph.from_func(func)
-        mesh_name = _mesh_name(module, mesh)
-        rules = {op.index: rule_of(op.mlir_op) for op in graph.ops}
-        arg_specs, result_specs, constraint_specs = self._user_shardings(module, graph, mesh, mesh_name)
+        rules = {op.index: rule_of(op.mlir_op) for op in graph.ops} if analysable else {}
+        constraints = self._user_shardings(module, graph, mesh_name, context)
         problem = build_problem(
             graph, rules, mesh,
-            arg_shardings=arg_specs, result_shardings=result_specs, constraint_specs=constraint_specs,
+            arg_shardings=constraints.args, result_shardings=constraints.results,
+            constraint_specs=constraints.constraint_ops, op_result_shardings=constraints.op_results,
             memory_budget=self.memory_budget, merge=self.merge, strategy_filter=self._batch_filter(graph),
             tied_results=_tied_results(func) if self.tie_outputs else {},
         )
@@ -84,52 +113,89 @@ class AutoShardingPass(ModulePass):
         build_seconds = time.perf_counter() - start
         solution = ilp.solve(problem.problem, time_limit=self.time_limit)
         if solution.status not in ("OPTIMAL", "FEASIBLE"):
-            detail = f": {solution.message}" if getattr(solution, "message", "") else ""
+            detail = f": {solution.message}" if solution.message else ""
             self.fail(func, f"no sharding plan fits ({solution.status}){detail}")
-        _run_upstream(module, "func.func(sdy-drop-sharding-rules)")
-        with module.context, ir.Location.unknown():
-            _write_plan(module, func, graph, problem, solution.choices, mesh, mesh_name)
-        if self.report:
-            _write_report(Path(self.report), self, mesh, graph, problem, solution, build_seconds)
+        _write_plan(module, func, graph, problem, solution.choices, mesh, mesh_name, constraints)
+        return _function_report(graph, problem, solution, build_seconds, mesh)
 
-    def _mesh(self) -> LogicalMesh:
+    def _planning_mesh(self, module: ir.Operation, context: PassContext) -> tuple[LogicalMesh, str]:
+        """The mesh asked for, unless the input's shardings already live on a mesh of another
+        shape: the user's constraints win over the option, with a warning."""
+        requested = self._mesh()
+        user = _user_meshes(module)
+        for name, device_mesh in user.items():
+            if device_mesh.shape == requested.shape and device_mesh.device_ids is None:
+                return self._mesh(device_mesh.axis_names), name
+        if len(user) == 1:
+            (name, device_mesh), = user.items()
+            if device_mesh.device_ids is None:
+                context.warn(module, f"{self.name}: the input's shardings are on mesh @{name} = {device_mesh.to_sdy()}; "
+                                     f"planning on it instead of mesh-shape={'x'.join(map(str, self.mesh_shape))}")
+                return self._mesh(device_mesh.axis_names, device_mesh.shape), name
+        return requested, _fresh_mesh_name(module)
+
+    def _mesh(self, names=None, shape=None) -> LogicalMesh:
         try:
             return logical_mesh(
-                self.mesh_shape, self.axis_names or None, preset=self.preset,
+                shape or self.mesh_shape, names or self.axis_names or None, preset=self.preset,
                 latencies=self.latency or None, bandwidths=self.bandwidth or None,
                 memory_budget=self.memory_budget,
             )
         except ValueError as error:
             raise DiagnosticError([Diagnostic("error", f"{self.name}: {error}")]) from None
 
-    def _user_shardings(self, module, graph: FuncGraph, mesh: LogicalMesh, mesh_name: str):
-        """Shardings in the input, as specs on our mesh: hard constraints for the ILP."""
+    def _user_shardings(self, module, graph: FuncGraph, mesh_name: str, context: PassContext) -> _UserShardings:
+        """Shardings in the input: on the planning mesh they are hard constraints of the ILP;
+        others (another mesh, sub-axes, unreduced axes) are kept as they are, unplanned."""
         func = graph.mlir_func
+        found = _UserShardings()
 
-        def spec_of(attr: ir.Attribute, where) -> ShardingSpec:
-            sharding = TensorSharding.parse(str(attr))
-            if sharding.mesh_name != mesh_name:
-                self.fail(where, f"sharding {attr} is on mesh @{sharding.mesh_name}, not the planned mesh @{mesh_name}")
+        trivial = _trivial_meshes(module)
+
+        def spec_of(attr: ir.Attribute, where) -> ShardingSpec | None:
+            text = str(attr)
             try:
+                sharding = TensorSharding.parse(text)
+                if sharding.mesh_name in trivial:
+                    return ShardingSpec.replicated(sharding.rank)
+                if sharding.mesh_name != mesh_name:
+                    raise ValueError(f"it is on mesh @{sharding.mesh_name}, not the planned mesh @{mesh_name}")
                 return sharding.to_spec()
             except ValueError as error:
-                self.fail(where, f"cannot plan around sharding {attr}: {error}")
+                context.warn(where, f"{self.name}: sharding {text} kept as it is, not planned around: {error}")
+                return None
 
-        def from_attrs(key: str) -> dict[int, ShardingSpec]:
+        for key, target, rewritten in (("arg_attrs", found.args, found.rewritten_args),
+                                       ("res_attrs", found.results, found.rewritten_results)):
             if key not in func.attributes:
-                return {}
-            found = {}
+                continue
             for i, attrs in enumerate(ir.ArrayAttr(func.attributes[key])):
                 attrs = ir.DictAttr(attrs)
-                if SDY_SHARDING in attrs:
-                    found[i] = spec_of(attrs[SDY_SHARDING], func)
-            return found
-
-        constraints = {}
+                if SDY_SHARDING in attrs and (spec := spec_of(attrs[SDY_SHARDING], func)) is not None:
+                    target[i] = spec
+                    if TensorSharding.parse(str(attrs[SDY_SHARDING])).mesh_name in trivial:
+                        rewritten.add(i)
         for op in graph.ops:
+            operation = op.mlir_op
             if op.name == "sdy.sharding_constraint":
-                constraints[op.index] = spec_of(op.mlir_op.attributes["sharding"], op.mlir_op)
-        return from_attrs("arg_attrs"), from_attrs("res_attrs"), constraints
+                spec = spec_of(operation.attributes["sharding"], operation)
+                if spec is not None:
+                    found.constraint_ops[op.index] = spec
+                    if TensorSharding.parse(str(operation.attributes["sharding"])).mesh_name in trivial:
+                        operation.attributes["sharding"] = ir.Attribute.parse(
+                            TensorSharding.from_spec(mesh_name, spec).format())
+            elif SDY_SHARDING in operation.attributes:
+                found.kept_ops.add(op.index)
+                text = str(operation.attributes[SDY_SHARDING])
+                try:
+                    per_value = ShardingPerValue.parse(text)
+                except ValueError as error:
+                    context.warn(operation, f"{self.name}: sharding {text} kept as it is: {error}")
+                    continue
+                specs = [spec_of(ir.Attribute.parse(s.format()), operation) for s in per_value]
+                if all(spec is not None for spec in specs):
+                    found.op_results[op.index] = tuple(specs)
+        return found
 
     def _batch_filter(self, graph: FuncGraph):
         """With `force-batch-dim`, strategies must split dim 0 of batch-sized values over the
@@ -159,19 +225,66 @@ def _tied_results(func: ir.Operation) -> dict[int, int]:
     return {i: i for i in range(min(len(inputs), len(results))) if inputs[i] == results[i]}
 
 
-def entry_function(module: ir.Operation) -> ir.Operation | None:
-    """`@main`, else the only public function."""
+def planned_functions(module: ir.Operation) -> list[ir.Operation]:
+    """`@main` when there is one (the rest are its callees), else every public function."""
     public = []
     for op in module.regions[0].blocks[0].operations:
         if op.operation.name != "func.func":
             continue
-        name = ir.StringAttr(op.operation.attributes["sym_name"]).value
-        if name == "main":
-            return op.operation
+        if _symbol(op.operation) == "main":
+            return [op.operation]
         visibility = op.operation.attributes["sym_visibility"] if "sym_visibility" in op.operation.attributes else None
         if visibility is None or ir.StringAttr(visibility).value == "public":
             public.append(op.operation)
-    return public[0] if len(public) == 1 else None
+    return public
+
+
+def _symbol(func: ir.Operation) -> str:
+    return ir.StringAttr(func.attributes["sym_name"]).value
+
+
+def _analysable(func: ir.Operation) -> bool:
+    """Whether Shardy's rule pass can look at the function: every value has a static shape
+    and none is a tuple (jaxlib's `sdy-populate-op-sharding-rules` rejects the first and
+    crashes on the second)."""
+    found = []
+
+    def visit(op: ir.Operation) -> ir.WalkResult:
+        for value in (*op.results, *(a for r in op.regions for b in r.blocks for a in b.arguments)):
+            type_ = value.type
+            if isinstance(type_, ir.TupleType) or (
+                isinstance(type_, ir.ShapedType) and not (type_.has_rank and type_.has_static_shape)
+            ):
+                found.append(op)
+                return ir.WalkResult.INTERRUPT
+        return ir.WalkResult.ADVANCE
+
+    func.walk(visit)
+    return not found
+
+
+def _run_upstream_on(module: ir.Operation, funcs: list[ir.Operation], pass_name: str) -> None:
+    """Runs a function pass on some functions only (the others may not satisfy it)."""
+    for func in funcs:
+        manager = passmanager.PassManager.parse(f"func.func({pass_name})", context=module.context)
+        try:
+            manager.run(func)
+        except ir.MLIRError as error:
+            raise DiagnosticError.from_mlir_error(error) from None
+
+
+def _user_meshes(module: ir.Operation) -> dict[str, DeviceMesh]:
+    """The module's meshes with axes (not empty, not maximal)."""
+    found = {}
+    for op in module.regions[0].blocks[0].operations:
+        if op.operation.name == "sdy.mesh":
+            try:
+                mesh = DeviceMesh.from_sdy(str(op.operation.attributes["mesh"]))
+            except ValueError:
+                continue
+            if mesh.axes and not all(size == 1 for _, size in mesh.axes):
+                found[ir.StringAttr(op.operation.attributes["sym_name"]).value] = mesh
+    return found
 
 
 def _run_upstream(module: ir.Operation, pipeline: str) -> None:
@@ -182,19 +295,9 @@ def _run_upstream(module: ir.Operation, pipeline: str) -> None:
         raise DiagnosticError.from_mlir_error(error) from None
 
 
-def _mesh_name(module: ir.Operation, mesh: LogicalMesh) -> str:
-    """The name of the module's mesh equal to ours, or a fresh name for a new one."""
-    wanted = mesh.to_device_mesh()
-    names = set()
-    for op in module.regions[0].blocks[0].operations:
-        if op.operation.name == "sdy.mesh":
-            name = ir.StringAttr(op.operation.attributes["sym_name"]).value
-            names.add(name)
-            try:
-                if DeviceMesh.from_sdy(str(op.operation.attributes["mesh"])) == wanted:
-                    return name
-            except ValueError:
-                pass
+def _fresh_mesh_name(module: ir.Operation) -> str:
+    names = {ir.StringAttr(op.operation.attributes["sym_name"]).value
+             for op in module.regions[0].blocks[0].operations if op.operation.name == "sdy.mesh"}
     name, counter = "mesh", 0
     while name in names:
         counter += 1
@@ -202,7 +305,8 @@ def _mesh_name(module: ir.Operation, mesh: LogicalMesh) -> str:
     return name
 
 
-def _write_plan(module, func, graph: FuncGraph, problem: ShardingProblem, choices, mesh: LogicalMesh, mesh_name: str) -> None:
+def _write_plan(module, func, graph: FuncGraph, problem: ShardingProblem, choices, mesh: LogicalMesh, mesh_name: str,
+                constraints: _UserShardings) -> None:
     body = module.regions[0].blocks[0]
     if not any(op.operation.name == "sdy.mesh" and ir.StringAttr(op.operation.attributes["sym_name"]).value == mesh_name
                for op in body.operations):
@@ -223,28 +327,42 @@ def _write_plan(module, func, graph: FuncGraph, problem: ShardingProblem, choice
         for value_id, spec in zip(op.results, strategy.result_specs):
             if spec is not None:
                 value_spec[value_id] = spec
-        if op.name == "sdy.sharding_constraint" or not op.results:
+        node = problem.nodes[problem.op_node[op.index]]
+        if op.name == "sdy.sharding_constraint" or not op.results or op.index in constraints.kept_ops or not node.planned:
             continue
         if all(spec is not None for spec in strategy.result_specs):
             per_value = ShardingPerValue(tuple(TensorSharding.from_spec(mesh_name, s) for s in strategy.result_specs))
             op.mlir_op.attributes[SDY_SHARDING] = ir.Attribute.parse(per_value.format())
-    _set_value_attrs(func, "arg_attrs", [value_spec.get(v) for v in graph.args], sharding)
-    _set_value_attrs(func, "res_attrs", [value_spec.get(v) for v in graph.results], sharding)
+    _set_value_attrs(func, "arg_attrs", [value_spec.get(v) for v in graph.args], sharding, constraints.rewritten_args)
+    _set_value_attrs(func, "res_attrs", [value_spec.get(v) for v in graph.results], sharding, constraints.rewritten_results)
 
 
-def _set_value_attrs(func, key: str, specs, sharding) -> None:
+def _trivial_meshes(module: ir.Operation) -> set[str]:
+    """Meshes whose axes all have size 1 (or none): shardings on them mean "replicated"."""
+    names = set()
+    for op in module.regions[0].blocks[0].operations:
+        if op.operation.name == "sdy.mesh":
+            try:
+                mesh = DeviceMesh.from_sdy(str(op.operation.attributes["mesh"]))
+            except ValueError:
+                continue
+            if mesh.size == 1 and mesh.device_ids is None:
+                names.add(ir.StringAttr(op.operation.attributes["sym_name"]).value)
+    return names
+
+
+def _set_value_attrs(func, key: str, specs, sharding, rewritten: set[int]) -> None:
     if key in func.attributes:
         dicts = [{n.name: n.attr for n in ir.DictAttr(a)} for a in ir.ArrayAttr(func.attributes[key])]
     else:
         dicts = [{} for _ in specs]
-    for attrs, spec in zip(dicts, specs):
-        if spec is not None and SDY_SHARDING not in attrs:
+    for i, (attrs, spec) in enumerate(zip(dicts, specs)):
+        if spec is not None and (SDY_SHARDING not in attrs or i in rewritten):
             attrs[SDY_SHARDING] = sharding(spec)
     func.attributes[key] = ir.ArrayAttr.get([ir.DictAttr.get(d) for d in dicts])
 
 
-def _write_report(path: Path, options: AutoShardingPass, mesh: LogicalMesh, graph: FuncGraph, problem: ShardingProblem,
-                  solution, build_seconds: float) -> None:
+def _function_report(graph: FuncGraph, problem: ShardingProblem, solution, build_seconds: float, mesh: LogicalMesh) -> dict:
     ops = []
     for node, choice in zip(problem.nodes, solution.choices):
         strategy = node.strategies[choice]
@@ -265,11 +383,19 @@ def _write_report(path: Path, options: AutoShardingPass, mesh: LogicalMesh, grap
             location = graph.ops[node.index].location
             entry["location"] = f"{location.file}:{location.line}:{location.col}" if location and location.file else None
         ops.append(entry)
-    report = {
-        "pass": options.pipeline_text(),
-        "mesh": {"shape": list(mesh.shape), "axes": list(mesh.axis_names),
-                 "bandwidth_bytes_per_s": [a.bandwidth_bytes_per_s for a in mesh.axes],
-                 "latency_s": [a.latency_s for a in mesh.axes]},
+    reshards = []
+    for edge, (info, number, k) in zip(problem.problem.edges, problem.edge_values):
+        src = problem.nodes[edge.src].strategies[solution.choices[edge.src]].result_specs[number]
+        dst = problem.nodes[edge.dst].strategies[solution.choices[edge.dst]].operand_specs[k]
+        if src is None or dst is None or src == dst:
+            continue
+        collectives = resharding_collectives(info.shape, info.dtype_bytes, src, dst, mesh)
+        if collectives:
+            reshards.append({"from": problem.nodes[edge.src].name, "to": problem.nodes[edge.dst].name,
+                             "from_spec": str(src), "to_spec": str(dst), "collectives": [str(c) for c in collectives],
+                             "cost_s": sum(c.cost(mesh) for c in collectives)})
+    return {
+        "function": graph.name,
         "objective_s": solution.objective,
         "status": solution.status,
         "gap": solution.gap,
@@ -277,5 +403,19 @@ def _write_report(path: Path, options: AutoShardingPass, mesh: LogicalMesh, grap
         "build_s": build_seconds,
         "ilp_sizes": solution.sizes,
         "ops": ops,
+        "reshards": reshards,
+    }
+
+
+def _write_report(path: Path, options: AutoShardingPass, mesh: LogicalMesh, functions: list[dict]) -> None:
+    """The plan as JSON (schema: docs/auto_sharding_report.md). Top-level fields summarize the
+    first planned function (`@main`); `functions` has every planned function."""
+    report = {
+        "pass": options.pipeline_text(),
+        "mesh": {"shape": list(mesh.shape), "axes": list(mesh.axis_names),
+                 "bandwidth_bytes_per_s": [a.bandwidth_bytes_per_s for a in mesh.axes],
+                 "latency_s": [a.latency_s for a in mesh.axes]},
+        **{k: v for k, v in functions[0].items() if k != "function"},
+        "functions": [{k: v for k, v in f.items() if k not in ("ops", "reshards")} for f in functions],
     }
     path.write_text(json.dumps(report, indent=1))

@@ -55,6 +55,7 @@ HEAVY_OPS = frozenset(
 # Ops that make a value from nothing: any layout is free (each device builds its own tile).
 SOURCE_OPS = frozenset({"stablehlo.constant", "stablehlo.iota", "stablehlo.rng_bit_generator"})
 CONSTRAINT_OP = "sdy.sharding_constraint"
+UNANNOTATED_OPS = frozenset({"stablehlo.custom_call"})
 # Seconds charged per byte a device holds: far below any communication or compute cost, it
 # only breaks ties toward the plan that uses less memory (e.g. an input that could be sent
 # whole to every device and sliced there for free is sent already split).
@@ -66,9 +67,10 @@ class PlanNode:
     kind: str  # "arg", "op" or "result"
     index: int  # argument number, top-level op index, or result number
     name: str
-    strategies: list[Strategy]
+    strategies: tuple[Strategy, ...]
     leader: int | None = None
     fixed: int | None = None
+    planned: bool = True  # False for ops run replicated only because no rule says how to split them
 
 
 @dataclass
@@ -77,6 +79,8 @@ class ShardingProblem:
     problem: ilp.Problem
     op_node: dict[int, int] = field(default_factory=dict)  # top-level op index -> node
     arg_node: dict[int, int] = field(default_factory=dict)
+    # Per ILP edge: the value it carries, the producer's result number, the consumer's operand.
+    edge_values: list[tuple[TensorInfo, int, int]] = field(default_factory=list)
     warnings: list[tuple[OpNode, str]] = field(default_factory=list)
 
 
@@ -88,6 +92,7 @@ def build_problem(
     arg_shardings: Mapping[int, ShardingSpec] = {},
     result_shardings: Mapping[int, ShardingSpec] = {},
     constraint_specs: Mapping[int, ShardingSpec] = {},
+    op_result_shardings: Mapping[int, tuple[ShardingSpec, ...]] = {},
     memory_budget: float | None = None,
     merge: bool = True,
     strategy_filter: Callable[[list, Strategy], bool] | None = None,
@@ -95,16 +100,20 @@ def build_problem(
 ) -> ShardingProblem:
     """The ILP for one function. `rules` maps top-level op indices to their sdy rules;
     `constraint_specs` the layout each `sdy.sharding_constraint` op (by index) imposes;
+    `op_result_shardings` the result layouts the input fixed on other ops;
     `strategy_filter(result_shapes, strategy)` can veto strategies of nodes that choose
     (a node keeps all of its strategies if the filter would leave none); `tied_results` maps
     a result to the argument it replaces in a training loop (new parameters for old): the
     two then get the same layout, so the next step needs no resharding."""
 
-    def filtered(strategies: list[Strategy], infos) -> list[Strategy]:
+    memo = _Memo(mesh)
+
+    def filtered(strategies: tuple[Strategy, ...], infos) -> tuple[Strategy, ...]:
         if strategy_filter is None:
             return strategies
         shapes = [info.shape for info in infos]
-        return [s for s in strategies if strategy_filter(shapes, s)] or strategies
+        return memo.once(("filter", id(strategies), tuple(map(tuple, filter(None, shapes)))),
+                         lambda: tuple(s for s in strategies if strategy_filter(shapes, s)) or strategies)
 
     nodes: list[PlanNode] = []
     producer: dict[int, tuple[int, int]] = {}  # value id -> (node, result number)
@@ -119,8 +128,8 @@ def build_problem(
 
     for position, value_id in enumerate(graph.args):
         info = tensor_info(graph, value_id)
-        strategies = filtered(_free_layouts(info, mesh), [info])
-        fixed = _index_of_layout(strategies, arg_shardings.get(position), info, mesh)
+        strategies = filtered(memo.free_layouts(info), [info])
+        strategies, fixed = _index_of_layout(strategies, arg_shardings.get(position), info, mesh)
         out.arg_node[position] = add(PlanNode("arg", position, f"arg{position}", strategies, fixed=fixed), 0)
         producer[value_id] = (out.arg_node[position], 0)
 
@@ -133,22 +142,31 @@ def build_problem(
         leader = None
         if op.name == CONSTRAINT_OP and op.index in constraint_specs:
             spec = constraint_specs[op.index]
-            strategies = [_pinned(spec, operands, results, mesh)]
+            strategies = (_pinned(spec, operands, results, mesh),)
         elif op.name in SOURCE_OPS or (not op.operands and all(r.is_tensor for r in results)):
-            strategies = _free_layouts(results[0], mesh) if len(results) == 1 else [replicated_strategy(operands, results, mesh)]
+            strategies = memo.free_layouts(results[0]) if len(results) == 1 else (replicated_strategy(operands, results, mesh),)
         elif rule is None:
-            strategies = [replicated_strategy(operands, results, mesh, _flops(op.name, rule, results))]
+            strategies = (replicated_strategy(operands, results, mesh, _flops(op.name, rule, results)),)
             if rule is None and op.name not in ("func.return",):
                 warnings.append((op, f"no sharding rule for '{op.name}': it runs replicated"))
+        elif op.index in op_result_shardings:
+            wanted = op_result_shardings[op.index]
+            choices = memo.enumerate(rule, operands, results, _flops(op.name, rule, results))
+            strategies = tuple(c for c in choices if c.result_specs == wanted) or (
+                _pinned_results(wanted, operands, results, mesh),)
         else:
             flops = _flops(op.name, rule, results)
             leader_operand = _leader_operand(op, operand_nodes, depth, operands, results) if merge and op.name not in HEAVY_OPS else None
             if leader_operand is not None:
                 leader, result_number = operand_nodes[leader_operand]
-                strategies = _mirror(rule, leader_operand, nodes[leader].strategies, result_number, operands, results, mesh, flops)
+                strategies = memo.mirror(rule, leader_operand, nodes[leader].strategies, result_number, operands, results, flops)
             else:
-                strategies = filtered(enumerate_strategies(rule, operands, results, mesh, flops=flops), results)
-        index = add(PlanNode("op", op.index, op.name, strategies, leader=leader), node_depth)
+                strategies = filtered(memo.enumerate(rule, operands, results, flops), results)
+        # Custom calls are opaque to XLA: some reject a sharding outright. Their neighbours
+        # carry the plan; XLA places the call itself.
+        planned = op.name not in UNANNOTATED_OPS and (
+            rule is not None or op.name in SOURCE_OPS or op.name == CONSTRAINT_OP or not op.operands)
+        index = add(PlanNode("op", op.index, op.name, strategies, leader=leader, planned=planned), node_depth)
         out.op_node[op.index] = index
         for number, value_id in enumerate(op.results):
             producer[value_id] = (index, number)
@@ -159,13 +177,13 @@ def build_problem(
             continue
         info = tensor_info(graph, value_id)
         if spec is not None:
-            add(PlanNode("result", number, f"result{number}", [_pinned(spec, [info], [], mesh)]), 0)
+            add(PlanNode("result", number, f"result{number}", (_pinned(spec, [info], [], mesh),)), 0)
         elif number in tied_results and info.is_tensor:
             arg = out.arg_node[tied_results[number]]
-            layouts = [_pinned(s.result_specs[0], [info], [], mesh) for s in nodes[arg].strategies]
+            layouts = tuple(_pinned(s.result_specs[0], [info], [], mesh) for s in nodes[arg].strategies)
             add(PlanNode("result", number, f"result{number}", layouts, leader=arg), 0)
 
-    edges = _edges(graph, nodes, producer, out, mesh)
+    edges = _edges(graph, nodes, producer, out, memo)
     live_sets = _live_sets(graph, producer, out) if memory_budget is not None else ()
     out.problem = ilp.Problem(
         nodes=tuple(
@@ -200,11 +218,38 @@ def _flops(name: str, rule: OpRule | None, results) -> float:
     return float(sum(math.prod(r.shape) for r in results if r.is_tensor))
 
 
-def _free_layouts(info: TensorInfo, mesh: LogicalMesh) -> list[Strategy]:
-    """Every layout of a value that costs nothing to produce (an argument, a constant)."""
-    if not info.is_tensor:
-        return [replicated_strategy([], [info], mesh)]
-    return enumerate_strategies(OpRule.elementwise(info.shape, 0, 1), [], [info], mesh)
+class _Memo:
+    """Work shared between identical ops of one build: a GPT's layers repeat, and so do their
+    ops' strategy lists and edge matrices. Keys use the identity of strategy tuples, which
+    are never mutated and stay alive in the nodes that hold them."""
+
+    def __init__(self, mesh: LogicalMesh):
+        self.mesh = mesh
+        self.cache: dict = {}
+
+    def once(self, key, make):
+        if key not in self.cache:
+            self.cache[key] = make()
+        return self.cache[key]
+
+    def enumerate(self, rule, operands, results, flops) -> tuple[Strategy, ...]:
+        key = ("enumerate", rule, tuple(operands), tuple(results), flops)
+        return self.once(key, lambda: tuple(enumerate_strategies(rule, operands, results, self.mesh, flops=flops)))
+
+    def free_layouts(self, info: TensorInfo) -> tuple[Strategy, ...]:
+        """Every layout of a value that costs nothing to produce (an argument, a constant)."""
+        if not info.is_tensor:
+            return (replicated_strategy([], [info], self.mesh),)
+        return self.enumerate(OpRule.elementwise(info.shape, 0, 1), (), (info,), 0.0)
+
+    def mirror(self, rule, k, leader_strategies, result_number, operands, results, flops) -> tuple[Strategy, ...]:
+        key = ("mirror", rule, k, id(leader_strategies), result_number, tuple(operands), tuple(results), flops)
+        return self.once(key, lambda: tuple(_mirror(rule, k, leader_strategies, result_number, operands, results, self.mesh, flops)))
+
+    def matrix(self, info: TensorInfo, sources, number: int, targets, k: int) -> np.ndarray:
+        key = ("matrix", info, id(sources), number, id(targets), k)
+        return self.once(key, lambda: _cost_matrix(
+            info, [s.result_specs[number] for s in sources], [s.operand_specs[k] for s in targets], self.mesh))
 
 
 def _pinned(spec: ShardingSpec, operands, results, mesh: LogicalMesh) -> Strategy:
@@ -216,14 +261,21 @@ def _pinned(spec: ShardingSpec, operands, results, mesh: LogicalMesh) -> Strateg
     return Strategy((), specs(operands), specs(results), (), 0.0, 0.0, float(memory))
 
 
-def _index_of_layout(strategies: list[Strategy], spec: ShardingSpec | None, info: TensorInfo, mesh) -> int | None:
+def _pinned_results(specs, operands, results, mesh: LogicalMesh) -> Strategy:
+    """Results in the layouts the user gave, from whole operands (no strategy of the op gives them)."""
+    base = replicated_strategy(operands, results, mesh)
+    memory = sum(per_device_bytes(r.shape, r.dtype_bytes, s, mesh) for r, s in zip(results, specs) if r.is_tensor)
+    return Strategy((), base.operand_specs, tuple(specs), (), 0.0, base.compute_cost, float(memory))
+
+
+def _index_of_layout(strategies, spec: ShardingSpec | None, info: TensorInfo, mesh):
+    """(strategies, index of the one with this layout), adding it if it is missing."""
     if spec is None:
-        return None
+        return strategies, None
     for i, strategy in enumerate(strategies):
         if strategy.result_specs[0] == spec:
-            return i
-    strategies.append(_pinned(spec, [], [info], mesh))
-    return len(strategies) - 1
+            return strategies, i
+    return (*strategies, _pinned(spec, [], [info], mesh)), len(strategies)
 
 
 def _leader_operand(op: OpNode, operand_nodes, depth, operands, results) -> int | None:
@@ -274,7 +326,7 @@ def _factor_axes_for(rule: OpRule, k: int, spec: ShardingSpec, mesh: LogicalMesh
     return tuple(factor_axes)
 
 
-def _edges(graph, nodes, producer, out, mesh) -> list[ilp.Edge]:
+def _edges(graph, nodes, producer, out, memo: _Memo) -> list[ilp.Edge]:
     edges = []
     consumers = [(out.op_node[op.index], op.operands) for op in graph.ops]
     result_nodes = {node.index: i for i, node in enumerate(nodes) if node.kind == "result"}
@@ -287,15 +339,15 @@ def _edges(graph, nodes, producer, out, mesh) -> list[ilp.Edge]:
             info = tensor_info(graph, value_id)
             if not info.is_tensor:
                 continue
-            matrix = _cost_matrix(info, [s.result_specs[number] for s in nodes[source].strategies],
-                                  [s.operand_specs[k] for s in nodes[consumer].strategies], mesh)
-            if matrix.any():
-                edges.append(ilp.Edge(source, consumer, tuple(map(tuple, matrix.tolist()))))
+            matrix = memo.matrix(info, nodes[source].strategies, number, nodes[consumer].strategies, k)
+            if matrix is not None:
+                edges.append(ilp.Edge(source, consumer, matrix))
+                out.edge_values.append((info, number, k))
     return edges
 
 
-def _cost_matrix(info: TensorInfo, sources, targets, mesh) -> np.ndarray:
-    """Resharding costs, computed once per distinct (source, target) layout pair."""
+def _cost_matrix(info: TensorInfo, sources, targets, mesh) -> tuple[tuple[float, ...], ...] | None:
+    """Resharding costs, computed once per distinct (source, target) layout pair; None if all zero."""
     source_ids, unique_sources = _intern(sources)
     target_ids, unique_targets = _intern(targets)
     unique = np.array(
@@ -303,7 +355,8 @@ def _cost_matrix(info: TensorInfo, sources, targets, mesh) -> np.ndarray:
           for dst in unique_targets] for src in unique_sources],
         dtype=float,
     ).reshape(len(unique_sources), len(unique_targets))
-    return unique[np.ix_(source_ids, target_ids)]
+    matrix = unique[np.ix_(source_ids, target_ids)]
+    return tuple(map(tuple, matrix.tolist())) if matrix.any() else None
 
 
 def _intern(specs) -> tuple[list[int], list]:

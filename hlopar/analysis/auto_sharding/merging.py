@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hlopar.analysis.auto_sharding.dual import decode, diffuse, energy, lower_bound, reduced_costs
+
 if TYPE_CHECKING:
     from hlopar.analysis.auto_sharding.ilp import Problem
 
@@ -54,6 +56,9 @@ class Simplify:
     memory: bool = True  # drop strategies that cannot fit, and live sets that cannot bind
     dominance: bool = True  # drop dominated strategies
     eliminate: bool = True  # one-strategy nodes and nodes of degree <= 2 folded away
+    bound: bool = True  # reduced-cost fixing with a min-sum diffusion bound (`dual.py`)
+    sweeps: int = 8  # diffusion sweeps between two rounds of fixing
+    rounds: int = 8  # rounds of fixing at most
 
 
 def follows_from(
@@ -113,6 +118,8 @@ class Reduced:
     constant: float
     steps: list[tuple] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    incumbent: dict[int, int] = field(default_factory=dict)  # best plan seen (original indices)
+    lower_bound: float = -np.inf  # on the whole objective, from the dual (when computed)
 
     def expand(self, core_choice: dict[int, int]) -> tuple[int, ...]:
         """Original strategy per node from the choice (original index) of each core group."""
@@ -189,7 +196,9 @@ class _Reducer:
         self.domains: dict[int, np.ndarray] = {}
         self.constant = 0.0
         self.steps: list[tuple] = []
-        self.stats = {"strategies_removed": 0, "eliminated": 0, "constants": 0}
+        self.stats = {"strategies_removed": 0, "eliminated": 0, "constants": 0, "fixed_by_bound": 0, "sweeps": 0}
+        self.incumbent: dict[int, int] = {}
+        self.lower_bound = -np.inf
         self.budget = problem.memory_budget
         self.group_queue: deque[int] = deque()
         self.live_queue: deque[int] = deque()
@@ -430,7 +439,7 @@ class _Reducer:
         self._remove_group(g)
         return True
 
-    def run(self) -> Reduced:
+    def _drain(self) -> None:
         while self.live_queue or self.group_queue:
             if self.live_queue:
                 c = self.live_queue.popleft()
@@ -446,6 +455,115 @@ class _Reducer:
                 self._remove_dominated(g)
             if self.options.eliminate and (len(self.domains[g]) == before or len(self.domains[g]) == 1):
                 self._eliminate(g)
+
+    def _repair(self, choice: dict[int, int]) -> dict[int, int] | None:
+        """`choice` (local indices) changed until every live set fits, greedily: in the live
+        set most over budget, the switch that costs least per byte saved and breaks no other
+        live set. None when that gets stuck. A plan that fits is what reduced-cost fixing
+        needs as its upper bound."""
+        lives = [live for live in self.lives if live.active and live.vecs]
+        if not lives:
+            return choice
+        choice = dict(choice)
+        limit = self.budget * (1 + 1e-9)
+        used = [live.const + sum(float(v[choice[g]]) for g, v in live.vecs.items()) for live in lives]
+        member: dict[int, list[int]] = {}
+        for c, live in enumerate(lives):
+            for g in live.vecs:
+                member.setdefault(g, []).append(c)
+        for _ in range(sum(len(d) for d in self.domains.values())):
+            over = max(range(len(lives)), key=lambda c: used[c])
+            if used[over] <= limit:
+                return choice
+            best = None
+            for g in sorted(lives[over].vecs):
+                i = choice[g]
+                local = self.costs[g].copy()
+                for n in self.nbrs[g]:
+                    local += self._matrix(g, n)[:, choice[n]]
+                change = {c: lives[c].vecs[g] - lives[c].vecs[g][i] for c in member[g]}
+                for j in np.flatnonzero(change[over] < 0).tolist():
+                    if any(used[c] + change[c][j] > limit and change[c][j] > 0 for c in member[g]):
+                        continue
+                    score = (local[j] - local[i]) / -change[over][j]
+                    if best is None or score < best[0]:
+                        best = (score, g, j)
+            if best is None:
+                return None
+            _, g, j = best
+            for c in member[g]:
+                used[c] += float(lives[c].vecs[g][j] - lives[c].vecs[g][choice[g]])
+            choice[g] = j
+        return None
+
+    def _penalties(self, prices: np.ndarray) -> dict[int, np.ndarray]:
+        """Per group, the memory it uses in each live set, priced (Lagrange multipliers)."""
+        extra: dict[int, np.ndarray] = {}
+        for c in np.flatnonzero(prices).tolist():
+            for g, vec in self.lives[c].vecs.items():
+                extra[g] = extra[g] + prices[c] * vec if g in extra else prices[c] * vec
+        return extra
+
+    def _fix_by_bound(self) -> None:
+        """Rounds of diffusion, then reduced-cost fixing against the best plan found so far,
+        then the exact simplifications again on what is left (see `dual.py`).
+
+        Live sets that can bind are priced into the node costs (Lagrangian relaxation: for
+        prices >= 0 the bound minus `sum price * (budget - const)` stays a bound for every plan
+        that fits), the prices moving by subgradient steps toward the tightest bound.
+        """
+        prices = np.zeros(len(self.lives))
+        best_total = np.inf
+        for _ in range(self.options.rounds):
+            binding = [c for c, live in enumerate(self.lives) if live.active and live.vecs]
+            if not self.edges and not binding:
+                return
+            order = sorted(self.costs)
+            extra = self._penalties(prices)
+            for g, pen in extra.items():
+                self.costs[g] += pen
+            diffuse(order, self.costs, self.edges, self.options.sweeps)
+            self.stats["sweeps"] += self.options.sweeps
+            low = lower_bound(self.costs, self.edges)
+            low -= sum(prices[c] * (self.budget - self.lives[c].const) for c in binding)
+            priced = decode(order, self.costs, self.edges)
+            margins = reduced_costs(order, self.costs, self.edges)
+            # The subgradient of the bound in the prices: how far over budget the priced plan is.
+            step = np.zeros(len(self.lives))
+            for c in binding:
+                live = self.lives[c]
+                step[c] = live.const - self.budget + sum(float(v[priced[g]]) for g, v in live.vecs.items())
+            norm = float(step @ step)
+            for g, pen in extra.items():
+                self.costs[g] -= pen
+            choice = self._repair(priced)
+            if choice is not None:
+                high = energy(self.costs, self.edges, choice)
+                if high + self.constant < best_total:
+                    best_total = high + self.constant
+                    self.incumbent = {g: int(self.domains[g][i]) for g, i in choice.items()}
+            self.lower_bound = max(self.lower_bound, low + self.constant)
+            if best_total == np.inf:
+                continue
+            high = best_total - self.constant
+            magnitude = sum(float(np.abs(c).max()) for c in self.costs.values())
+            magnitude += sum(float(np.abs(m).max()) for m in self.edges.values())
+            tol = 1e-9 * (magnitude + abs(high))
+            removed = self.stats["strategies_removed"]
+            for g, rc in margins.items():
+                self._restrict(g, rc <= high - low + tol)
+            self.stats["fixed_by_bound"] += self.stats["strategies_removed"] - removed
+            if high - low <= tol:
+                self._drain()
+                return
+            self._drain()
+            if norm > 0:  # Polyak's step size
+                prices = np.maximum(0.0, prices + (high - low) / norm * step)
+
+    def run(self) -> Reduced:
+        self._drain()
+        if self.options.bound:
+            self._fix_by_bound()
         lives = []
         for c, live in enumerate(self.lives):
             if live.active and live.vecs:
@@ -468,6 +586,8 @@ class _Reducer:
             constant=self.constant,
             steps=self.steps,
             stats=self.stats,
+            incumbent={g: i for g, i in self.incumbent.items() if g in self.costs},
+            lower_bound=self.lower_bound,
         )
 
 
