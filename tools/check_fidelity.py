@@ -144,9 +144,21 @@ def check(model: str, config: str, mesh: str, preset: str, options: str) -> tupl
     unmatched_predicted = Counter(predicted) - Counter(compiled)
     unmatched_compiled = Counter(compiled) - Counter(predicted)
     matched = sum((Counter(predicted) & Counter(compiled)).values())
-    notes = [f"  predicted, not compiled: {k}({n} B, {','.join(a)}) x{c}" for (k, a, n), c in unmatched_predicted.items()]
-    notes += [f"  compiled, not predicted: {k}({n} B, {','.join(a)}) x{c}" for (k, a, n), c in unmatched_compiled.items()]
+    notes = [f"  predicted, not compiled: {k}({n} B, {','.join(a)}) x{c}{_explain(k, a, n, unmatched_compiled, compiled)}"
+             for (k, a, n), c in unmatched_predicted.items()]
+    notes += [f"  compiled, not predicted: {k}({n} B, {','.join(a)}) x{c}{_explain(k, a, n, unmatched_predicted, predicted)}"
+              for (k, a, n), c in unmatched_compiled.items()]
     return len(predicted), len(compiled), matched, notes
+
+
+def _explain(kind: str, axes, nbytes: int, other_side: Counter, other_all: list) -> str:
+    """Known reasons for a mismatch, recognised from the pattern on the other side."""
+    swapped = {"all-reduce": "reduce-scatter", "reduce-scatter": "all-reduce"}.get(kind)
+    if swapped and other_side.get((swapped, axes, nbytes)):
+        return "  <- XLA's CPU backend decomposes reduce-scatter into all-reduce + dynamic-slice"
+    if kind == "all-gather" and (kind, axes, nbytes) in other_all:
+        return "  <- XLA reuses one all-gather for several consumers of the same value (CSE); the ILP charges each use"
+    return ""
 
 
 def main() -> int:

@@ -70,7 +70,9 @@ class AutoShardingPass(ModulePass):
     bandwidth: tuple[float, ...] = option((), "per-axis bandwidth in bytes/s (overrides the preset)", parse=parse_float_tuple)
     memory_budget: float | None = option(None, "bytes per device, e.g. 16GiB (none: no limit)", parse=parse_bytes)
     time_limit: float = option(60.0, "solver time limit in seconds (keeps the best plan found)")
-    prefer_reduce_scatter: bool = option(False, "shard weight updates (ZeRO-like): reduce-scatter gradients")
+    prefer_reduce_scatter: bool = option(
+        False, "weight-update sharding (ZeRO-like): keep the training state split over the mesh, "
+               "so gradients are reduce-scattered and parameters all-gathered where used")
     force_batch_dim: str | None = option(None, "split the batch dimension over this mesh axis")
     merge: bool = option(True, "fold cheap ops into their deepest operand before solving (Alpa §4.2)")
     tie_outputs: bool = option(True, "give result i the layout of argument i when their types match (a training step's new and old state)")
@@ -101,12 +103,14 @@ class AutoShardingPass(ModulePass):
         graph = FuncGraph.from_func(func)
         rules = {op.index: rule_of(op.mlir_op) for op in graph.ops} if analysable else {}
         constraints = self._user_shardings(module, graph, mesh_name, context)
+        tied = _tied_results(func) if self.tie_outputs or self.prefer_reduce_scatter else {}
         problem = build_problem(
             graph, rules, mesh,
             arg_shardings=constraints.args, result_shardings=constraints.results,
             constraint_specs=constraints.constraint_ops, op_result_shardings=constraints.op_results,
             memory_budget=self.memory_budget, merge=self.merge, strategy_filter=self._batch_filter(graph),
-            tied_results=_tied_results(func) if self.tie_outputs else {},
+            tied_results=tied,
+            split_args=frozenset(tied.values()) if self.prefer_reduce_scatter else frozenset(),
         )
         for op, message in problem.warnings:
             context.warn(op.mlir_op, message)

@@ -97,6 +97,7 @@ def build_problem(
     merge: bool = True,
     strategy_filter: Callable[[list, Strategy], bool] | None = None,
     tied_results: Mapping[int, int] = {},
+    split_args: frozenset[int] = frozenset(),
 ) -> ShardingProblem:
     """The ILP for one function. `rules` maps top-level op indices to their sdy rules;
     `constraint_specs` the layout each `sdy.sharding_constraint` op (by index) imposes;
@@ -104,7 +105,9 @@ def build_problem(
     `strategy_filter(result_shapes, strategy)` can veto strategies of nodes that choose
     (a node keeps all of its strategies if the filter would leave none); `tied_results` maps
     a result to the argument it replaces in a training loop (new parameters for old): the
-    two then get the same layout, so the next step needs no resharding."""
+    two then get the same layout, so the next step needs no resharding; `split_args` are
+    arguments that must be split over the mesh where their shape allows (weight-update
+    sharding)."""
 
     memo = _Memo(mesh)
 
@@ -129,6 +132,8 @@ def build_problem(
     for position, value_id in enumerate(graph.args):
         info = tensor_info(graph, value_id)
         strategies = filtered(memo.free_layouts(info), [info])
+        if position in split_args:
+            strategies = tuple(s for s in strategies if not s.result_specs[0].is_replicated) or strategies
         strategies, fixed = _index_of_layout(strategies, arg_shardings.get(position), info, mesh)
         out.arg_node[position] = add(PlanNode("arg", position, f"arg{position}", strategies, fixed=fixed), 0)
         producer[value_id] = (out.arg_node[position], 0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hlopar.analysis.auto_sharding.cluster import LogicalMesh
 from hlopar.analysis.auto_sharding.collectives import Collective
@@ -49,6 +49,7 @@ class Strategy:
     communication_cost: float
     compute_cost: float
     memory: float  # bytes of the results on each device
+    scattered_dim: int | None = None  # the result dim a reduce-scatter splits (None: all-reduce)
 
     @property
     def cost(self) -> float:
@@ -60,7 +61,10 @@ class Strategy:
             for f, axes in enumerate(self.factor_axes)
             if axes
         ]
-        return ", ".join(parts) or "replicated"
+        described = ", ".join(parts) or "replicated"
+        if self.scattered_dim is not None:
+            described += f", reduce-scatter->dim{self.scattered_dim}"
+        return described
 
 
 def spec_of(tensor: TensorFactors, factor_axes: Sequence[tuple[str, ...]]) -> ShardingSpec:
@@ -120,10 +124,38 @@ def enumerate_strategies(
         if not all(is_expressible(t, factor_axes, rule.factor_sizes, mesh) for t in tensors):
             continue
         strategy = strategy_for(rule, tuple(factor_axes), operands, results, mesh, flops)
-        key = (strategy.operand_specs, strategy.result_specs)
-        if key not in strategies or strategy.cost < strategies[key].cost:
-            strategies[key] = strategy
+        for candidate in (strategy, *reduce_scatter_variants(strategy, results, mesh)):
+            key = (candidate.operand_specs, candidate.result_specs)
+            if key not in strategies or candidate.cost < strategies[key].cost:
+                strategies[key] = candidate
     return list(strategies.values())
+
+
+def reduce_scatter_variants(strategy: Strategy, results: Sequence[TensorInfo], mesh: LogicalMesh) -> list[Strategy]:
+    """The same split with its partial sums reduce-scattered instead of all-reduced: the
+    result comes out split over the reduced axes along one more dimension (Alpa's post-ILP
+    rewrite for weight-update sharding, offered to the ILP itself so it can weigh it)."""
+    if len(results) != 1 or not strategy.collectives or strategy.result_specs[0] is None:
+        return []
+    (all_reduce,) = strategy.collectives
+    reduced = all_reduce.axes
+    spec, info = strategy.result_specs[0], results[0]
+    variants = []
+    for dim, size in enumerate(info.shape):
+        axes = spec.dims[dim] + reduced
+        if size % mesh.axes_size(axes):
+            continue
+        scattered = ShardingSpec(spec.dims[:dim] + (axes,) + spec.dims[dim + 1:])
+        collective = Collective("reduce-scatter", reduced, all_reduce.nbytes)
+        variants.append(replace(
+            strategy,
+            result_specs=(scattered,),
+            collectives=(collective,),
+            communication_cost=collective.cost(mesh),
+            memory=float(per_device_bytes(info.shape, info.dtype_bytes, scattered, mesh)),
+            scattered_dim=dim,
+        ))
+    return variants
 
 
 def replicated_strategy(operands: Sequence[TensorInfo], results: Sequence[TensorInfo], mesh: LogicalMesh, flops: float = 0.0) -> Strategy:

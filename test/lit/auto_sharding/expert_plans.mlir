@@ -49,3 +49,12 @@
 // REPLICATED-80: {{^ *}}1{{$}}
 // RUN: not hlopar-opt %t.batch.mlir -p 'builtin.module(hlopar-import,hlopar-auto-sharding{mesh-shape=8 memory-budget=60MiB})' 2>&1 | FileCheck %s --check-prefix=TOO-SMALL
 // TOO-SMALL: error: hlopar-auto-sharding: no sharding plan fits (INFEASIBLE): {{.*}} over the memory budget
+
+// Weight-update sharding (prefer-reduce-scatter, ZeRO-like): the training state (weights and
+// Adam moments) stays split over the data-parallel axis; each weight gradient is
+// reduce-scattered instead of all-reduced, and weights are all-gathered where used.
+// RUN: hlopar-opt %t.batch.mlir -p 'builtin.module(hlopar-import,hlopar-auto-sharding{mesh-shape=8 preset=v100-p3.16xlarge prefer-reduce-scatter report=%t.zero.json})' | grep -o -E 'tensor<1024x1024xf32> \{sdy.sharding = #sdy.sharding<@mesh, \[(\{"x"\}, \{\}|\{\}, \{"x"\})\]>\}' | wc -l | FileCheck %s --check-prefix=ZERO-SPLIT
+// ZERO-SPLIT: {{^ *}}12{{$}}
+// RUN: FileCheck %s --check-prefix=ZERO < %t.zero.json
+// ZERO-COUNT-4: "reduce-scatter(4.0 MiB, x)"
+// ZERO-NOT: "all-reduce({{.*}} MiB

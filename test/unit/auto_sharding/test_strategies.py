@@ -54,8 +54,22 @@ def test_replicated_is_first_and_costs_the_full_compute():
     full = max(s.compute_cost for s in strategies)
     assert strategies[0].compute_cost == full
     assert min(s.compute_cost for s in strategies) == full / 4  # split over both axes
-    # 5 choices (none, b, i, j, k) per axis, minus none: 24 distinct strategies.
-    assert len(strategies) == 25
+    # 5 choices (none, b, i, j, k) per axis: 25 distinct strategies, plus reduce-scatter variants.
+    assert len([s for s in strategies if s.scattered_dim is None]) == 25
+
+
+def test_partial_sums_can_be_reduce_scattered():
+    mesh = logical_mesh((2, 2), ("x", "y"))
+    found = by_specs(enumerate_strategies(BMM, [A, B], [C], mesh))
+    m = 8 * 16 * 32 * 4
+    # Table 3 row 2 (i -> x, k -> y), its all-reduce over y replaced by a reduce-scatter that
+    # leaves the result split over y along j: half the communication.
+    row_2 = found[((spec("", "x", "y"), spec("", "y", "")), (spec("", "x", ""),))]
+    scattered = found[((spec("", "x", "y"), spec("", "y", "")), (spec("", "x", "y"),))]
+    assert scattered.collectives == (Collective("reduce-scatter", ("y",), m // 2),)
+    assert scattered.scattered_dim == 2
+    assert scattered.communication_cost < row_2.communication_cost
+    assert scattered.memory == row_2.memory / 2
 
 
 def test_factors_that_do_not_divide_are_not_split():
