@@ -316,7 +316,7 @@ def _type_info(type_: ir.Type) -> _TypeInfo:
     if isinstance(type_, ir.RankedTensorType):
         shape = tuple(None if d == _DYNAMIC else d for d in type_.shape)
         element = type_.element_type
-        width = _bit_width(element)
+        width = bit_width(element)
         nbytes = None
         if width is not None and None not in shape:
             count = 1
@@ -329,10 +329,10 @@ def _type_info(type_: ir.Type) -> _TypeInfo:
     return _TypeInfo(text, None, text, None)
 
 
-def _bit_width(element: ir.Type) -> int | None:
+def bit_width(element: ir.Type) -> int | None:
     """Storage bits of one element, as XLA lays tensors out (i1 and i4 take a byte)."""
     if isinstance(element, ir.ComplexType):
-        inner = _bit_width(element.element_type)
+        inner = bit_width(element.element_type)
         return None if inner is None else 2 * inner
     if isinstance(element, ir.IndexType):
         return 64

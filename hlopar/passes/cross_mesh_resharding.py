@@ -24,7 +24,7 @@ from hlopar.analysis.resharding import PRESETS, HostModel, MeshLayout, SearchBud
 from hlopar.analysis.resharding.host_model import GBPS
 from hlopar.analysis.sharding import ShardingPerValue, ShardingSpec, TensorSharding
 from hlopar.ir.diagnostics import source_location
-from hlopar.ir.graph import _bit_width
+from hlopar.ir.graph import bit_width
 from hlopar.passes.base import ModulePass, PassContext, option
 from hlopar.passes.transfer_ops import build_transfer_op
 
@@ -170,7 +170,7 @@ class CrossMeshReshardingPass(ModulePass):
             self.fail(transfer, f"meshes '{src_type.mesh_name}' and '{dst_type.mesh_name}' share physical devices "
                                 f"{shared}; a cross-mesh transfer needs disjoint meshes")
         tensor = ir.RankedTensorType(ir.Type.parse(src_type.tensor_type))
-        width = _bit_width(tensor.element_type)
+        width = bit_width(tensor.element_type)
         if width is None:
             self.fail(transfer, f"cannot size elements of {src_type.tensor_type}")
         shape = tuple(tensor.shape)
