@@ -5,7 +5,10 @@
 - `resharding`: the collectives (and cost) that turn one sharding spec into another.
 - `rules`: each op's factor structure, decoded from Shardy's `sdy.op_sharding_rule`.
 - `strategies`: the parallel algorithms of an op: mesh axes assigned to its factors.
-- `ilp`: Eq. 1 in CP-SAT, with merging of cheap nodes and the memory constraint.
+- `graph_problem`: from a function's graph view to the ILP's nodes, strategies and edges.
+- `ilp`: Eq. 1 in CP-SAT, with the memory constraint; `merging` holds its exact
+  simplifications (followers folded into leaders, dominated strategies, small nodes eliminated),
+  `dual` the LP lower bound that proves most plans optimal before CP-SAT is needed.
 
 `hlopar.passes.auto_sharding` adapts a module to these and writes the chosen plan back.
 """

@@ -23,10 +23,15 @@ Two things live here:
   * a node outside every live set with at most two neighbours is eliminated by dynamic
     programming: a leaf adds `min_i (cost[i] + M[i, j])` to its neighbour, a node between two
     neighbours becomes the edge `N[j, k] = min_i (cost[i] + A[i, j] + B[i, k])`; the argmin
-    tables bring its choice back after the solve. Nodes with one strategy left are constants.
+    tables bring its choice back after the solve. Nodes with one strategy left are constants;
+  * then rounds of reduced-cost fixing (`dual.py`): a lower bound from message passing on the
+    LP dual (with the live sets that can bind priced in, Lagrangian style), a plan that fits as
+    upper bound, and every strategy that the bound proves worse than that plan goes, after
+    which the steps above run again on what is left.
 
-  What remains (the core) is what the ILP has to decide; on transformer-like graphs it is a small
-  fraction of the input.
+  What remains (the core) is what CP-SAT has to decide. On transformer-like graphs the LP
+  relaxation is tight, the bound meets the plan, and the core is usually empty: the
+  optimum is then proven without a search.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hlopar.analysis.auto_sharding.dual import decode, diffuse, energy, lower_bound, reduced_costs
+from hlopar.analysis.auto_sharding.dual import decode, diffuse, energy, lower_bound, reduced_costs, trws
 
 if TYPE_CHECKING:
     from hlopar.analysis.auto_sharding.ilp import Problem
@@ -56,8 +61,8 @@ class Simplify:
     memory: bool = True  # drop strategies that cannot fit, and live sets that cannot bind
     dominance: bool = True  # drop dominated strategies
     eliminate: bool = True  # one-strategy nodes and nodes of degree <= 2 folded away
-    bound: bool = True  # reduced-cost fixing with a min-sum diffusion bound (`dual.py`)
-    sweeps: int = 8  # diffusion sweeps between two rounds of fixing
+    bound: bool = True  # reduced-cost fixing with a message-passing bound (`dual.py`)
+    sweeps: int = 6  # message-passing sweeps between two rounds of fixing
     rounds: int = 8  # rounds of fixing at most
 
 
@@ -162,6 +167,27 @@ def _leaders(problem: Problem) -> list[int]:
     return leader
 
 
+def _matrices(problem: Problem) -> list[np.ndarray]:
+    """Every edge's matrix as an array, checked against its nodes' strategy counts. The pass
+    shares one matrix object between the many edges with the same shapes and layouts, so
+    each object is converted once (on GPT-1.3B, 1.5k conversions instead of 17k)."""
+    converted: dict[int, np.ndarray] = {}
+    result = []
+    for e, edge in enumerate(problem.edges):
+        shape = (len(problem.nodes[edge.src].costs), len(problem.nodes[edge.dst].costs))
+        matrix = converted.get(id(edge.costs))
+        if matrix is None:
+            try:
+                matrix = np.asarray(edge.costs, dtype=np.float64)
+            except ValueError:
+                matrix = np.zeros(0)
+            converted[id(edge.costs)] = matrix
+        if matrix.shape != shape:
+            raise ValueError(f"edge {e} ({edge.src} -> {edge.dst}): cost matrix is not {shape[0]}x{shape[1]}")
+        result.append(matrix)
+    return result
+
+
 def _validate(problem: Problem) -> None:
     for v, node in enumerate(problem.nodes):
         k = len(node.costs)
@@ -175,9 +201,6 @@ def _validate(problem: Problem) -> None:
     for e, edge in enumerate(problem.edges):
         if not (0 <= edge.src < n and 0 <= edge.dst < n):
             raise ValueError(f"edge {e}: node out of range ({edge.src} -> {edge.dst})")
-        ks, kd = len(problem.nodes[edge.src].costs), len(problem.nodes[edge.dst].costs)
-        if len(edge.costs) != ks or any(len(row) != kd for row in edge.costs):
-            raise ValueError(f"edge {e} ({edge.src} -> {edge.dst}): cost matrix is not {ks}x{kd}")
     for s, live in enumerate(problem.live_sets):
         if any(not 0 <= v < n for v in live):
             raise ValueError(f"live set {s}: node out of range")
@@ -204,6 +227,10 @@ class _Reducer:
         self.live_queue: deque[int] = deque()
         self.queued_groups: set[int] = set()
         self.queued_lives: set[int] = set()
+        # Groups whose dominance check may find something new: the criterion is unchanged by
+        # reparametrization, so only a neighbour losing strategies, an edge added, a folded
+        # neighbour or a live set let go calls for another look.
+        self.dirty: set[int] = set()
 
         fixed: dict[int, int] = {}
         for v, node in enumerate(problem.nodes):
@@ -221,9 +248,8 @@ class _Reducer:
                         f"node {v} ({node.name}) is fixed to strategy {node.fixed} but follows a node "
                         f"fixed to strategy {fixed[g]}"
                     )
-        for edge in problem.edges:
+        for edge, matrix in zip(problem.edges, _matrices(problem)):
             a, b = self.leader[edge.src], self.leader[edge.dst]
-            matrix = np.asarray(edge.costs, dtype=np.float64)
             if a == b:
                 self.costs[a] = self.costs[a] + np.diagonal(matrix)
             else:
@@ -256,6 +282,7 @@ class _Reducer:
                     self._normalize(*key)
         for g in self.costs:
             self._queue_group(g)
+        self.dirty.update(self.costs)
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -290,6 +317,7 @@ class _Reducer:
             self.edges[(a, b)] = np.array(matrix, dtype=np.float64)
             self.nbrs[a].add(b)
             self.nbrs[b].add(a)
+        self.dirty.update((a, b))
         if normalize and self.options.normalize_edges:
             self._normalize(a, b)
 
@@ -321,6 +349,8 @@ class _Reducer:
         for n in sorted(self.nbrs[g]):
             key = (min(g, n), max(g, n))
             self.edges[key] = self.edges[key][keep] if g < n else self.edges[key][:, keep]
+            self.dirty.add(n)
+            self._queue_group(n)
         if self.options.normalize_edges:
             for n in sorted(self.nbrs[g]):
                 self._normalize(min(g, n), max(g, n))
@@ -331,10 +361,12 @@ class _Reducer:
         self._queue_group(g)
 
     def _remove_group(self, g: int) -> None:
-        for n in self.nbrs.pop(g):
+        for n in sorted(self.nbrs.pop(g)):
             del self.edges[(min(g, n), max(g, n))]
             self.nbrs[n].discard(g)
+            self.dirty.add(n)
             self._queue_group(n)
+        self.dirty.discard(g)
         del self.costs[g]
         del self.domains[g]
 
@@ -356,45 +388,62 @@ class _Reducer:
             else:
                 del live.vecs[g]
                 self.lives_of[g].discard(c)
+                self.dirty.add(g)
                 self._queue_group(g)
         slack = self.budget - live.const
         tol = 1e-9 * max(abs(self.budget), 1.0)
         if slack < -tol:
-            raise Infeasible(
-                f"live set {c} needs at least {live.const:.6g} bytes per device, over the memory "
-                f"budget of {self.budget:.6g}"
-            )
+            raise self._over_budget(c)
         if sum(float(v.max()) for v in live.vecs.values()) <= slack + tol:
             live.active = False
             for g in live.vecs:
                 self.lives_of[g].discard(c)
+                self.dirty.add(g)
                 self._queue_group(g)
             return
         for g in sorted(live.vecs):
             if g in live.vecs:
                 self._restrict(g, live.vecs[g] <= slack + tol)
 
+    def _over_budget(self, c: int) -> Infeasible:
+        return Infeasible(
+            f"live set {c} needs at least {self.lives[c].const:.6g} bytes per device, over the "
+            f"memory budget of {self.budget:.6g}"
+        )
+
     def _remove_dominated(self, g: int) -> None:
         k = len(self.domains[g])
         if k < 2:
             return
         cost = self.costs[g]
-        worse = cost[None, :] - cost[:, None]  # [a, b]: what switching a -> b adds at most
-        for n in self.nbrs[g]:
-            m = self._matrix(g, n)
-            worse = worse + (m[None, :, :] - m[:, None, :]).max(axis=2)
-        ok = worse <= 0.0
+        matrices = [self._matrix(g, n) for n in sorted(self.nbrs[g])]
+        # Necessary conditions first, cheap in k: max_j (x - y) is at least max x - max y,
+        # min x - min y and mean x - mean y, so `b` can only beat `a` where it does on all three.
+        cheap = np.zeros((3, k)) + cost
+        for m in matrices:
+            cheap += (m.max(axis=1), m.min(axis=1), m.mean(axis=1))
+        ok = (cheap[:, None, :] <= cheap[:, :, None]).all(axis=0)  # [a, b]
         for c in self.lives_of[g]:
             vec = self.lives[c].vecs[g]
             ok &= vec[None, :] <= vec[:, None]
         np.fill_diagonal(ok, False)
-        if not ok.any():
+        losers, winners = np.nonzero(ok)
+        if not len(losers):
             return
-        keep = np.ones(k, dtype=bool)
-        for a in range(k):
-            if (ok[a] & keep).any():
-                keep[a] = False
-        self._restrict(g, keep)
+        if matrices:
+            # The exact test on the candidate pairs; incident matrices side by side, the max
+            # over each one's columns in one call.
+            joined = np.concatenate(matrices, axis=1)
+            starts = np.cumsum([0] + [m.shape[1] for m in matrices[:-1]])
+            rise = np.maximum.reduceat(joined[winners] - joined[losers], starts, axis=1).sum(axis=1)
+            ok[losers, winners] = cost[winners] - cost[losers] + rise <= 0.0
+        np.fill_diagonal(ok, True)
+        # `ok` is a preorder (transitive: the bounds add up). Its strict part, with ties broken
+        # towards the lower index, is a strict order: every strategy it dominates has an
+        # undominated one above it, so all dominated strategies can go at once.
+        beaten = ok & (~ok.T | (np.arange(k)[None, :] < np.arange(k)[:, None]))
+        np.fill_diagonal(beaten, False)
+        self._restrict(g, ~beaten.any(axis=1))
 
     def _eliminate(self, g: int) -> bool:
         """Folds g into its neighbours when it has one strategy, or at most two neighbours
@@ -451,7 +500,8 @@ class _Reducer:
             if g not in self.costs:
                 continue
             before = len(self.domains[g])
-            if self.options.dominance:
+            if self.options.dominance and g in self.dirty:
+                self.dirty.discard(g)
                 self._remove_dominated(g)
             if self.options.eliminate and (len(self.domains[g]) == before or len(self.domains[g]) == 1):
                 self._eliminate(g)
@@ -505,7 +555,7 @@ class _Reducer:
         return extra
 
     def _fix_by_bound(self) -> None:
-        """Rounds of diffusion, then reduced-cost fixing against the best plan found so far,
+        """Rounds of message passing, then reduced-cost fixing against the best plan found so far,
         then the exact simplifications again on what is left (see `dual.py`).
 
         Live sets that can bind are priced into the node costs (Lagrangian relaxation: for
@@ -519,14 +569,22 @@ class _Reducer:
             if not self.edges and not binding:
                 return
             order = sorted(self.costs)
+            active = np.zeros(len(self.lives), dtype=bool)
+            active[binding] = True
+            prices[~active] = 0.0  # a live set dropped since can no longer be priced
             extra = self._penalties(prices)
             for g, pen in extra.items():
                 self.costs[g] += pen
-            diffuse(order, self.costs, self.edges, self.options.sweeps)
-            self.stats["sweeps"] += self.options.sweeps
+            trws(order, self.costs, self.edges, self.options.sweeps)
+            diffuse(order, self.costs, self.edges, 1)
+            self.stats["sweeps"] += self.options.sweeps + 1
             low = lower_bound(self.costs, self.edges)
             low -= sum(prices[c] * (self.budget - self.lives[c].const) for c in binding)
-            priced = decode(order, self.costs, self.edges)
+            # Greedy decoding depends on its order: program order and its reverse, the better.
+            priced = min(
+                (decode(sequence, self.costs, self.edges) for sequence in (order, order[::-1])),
+                key=lambda plan: energy(self.costs, self.edges, plan),
+            )
             margins = reduced_costs(order, self.costs, self.edges)
             # The subgradient of the bound in the prices: how far over budget the priced plan is.
             step = np.zeros(len(self.lives))
@@ -543,7 +601,10 @@ class _Reducer:
                     best_total = high + self.constant
                     self.incumbent = {g: int(self.domains[g][i]) for g, i in choice.items()}
             self.lower_bound = max(self.lower_bound, low + self.constant)
-            if best_total == np.inf:
+            if best_total == np.inf:  # no plan that fits yet: no fixing, a guessed step
+                if norm > 0:
+                    prices = np.maximum(0.0, prices + 0.1 * max(abs(low), 1e-12) / norm * step)
+                self._drain()
                 continue
             high = best_total - self.constant
             magnitude = sum(float(np.abs(c).max()) for c in self.costs.values())
@@ -562,6 +623,8 @@ class _Reducer:
 
     def run(self) -> Reduced:
         self._drain()
+        self.stats["nodes_simplified"] = len(self.costs)
+        self.stats["edges_simplified"] = len(self.edges)
         if self.options.bound:
             self._fix_by_bound()
         lives = []
@@ -569,10 +632,7 @@ class _Reducer:
             if live.active and live.vecs:
                 lives.append(live)
             elif live.active and live.const > self.budget * (1 + 1e-9):
-                raise Infeasible(
-                    f"live set {c} needs {live.const:.6g} bytes per device, over the memory budget "
-                    f"of {self.budget:.6g}"
-                )
+                raise self._over_budget(c)
         self.stats["nodes_core"] = len(self.costs)
         self.stats["edges_core"] = len(self.edges)
         self.stats["live_sets_core"] = len(lives)
