@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -89,7 +91,8 @@ def _check_compiles(source, name: str, output) -> tuple[str, str]:
     return "ok (compiled)", ""
 
 
-def run_forked(source: str | bytes, name: str, pipeline: str, compile_output: bool = False) -> tuple[str, str]:
+def run_forked(source: str | bytes, name: str, pipeline: str, compile_output: bool = False,
+               timeout: float = 600.0) -> tuple[str, str]:
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -101,10 +104,16 @@ def run_forked(source: str | bytes, name: str, pipeline: str, compile_output: bo
         os.write(write_end, f"{outcome}\n{detail}".encode())
         os._exit(0)
     os.close(write_end)
+    timer = threading.Timer(timeout, os.kill, (pid, signal.SIGKILL))
+    timer.start()
     with os.fdopen(read_end, "rb") as pipe:
         message = pipe.read().decode()
     _, status = os.waitpid(pid, 0)
+    timed_out = not timer.is_alive()
+    timer.cancel()
     if os.WIFSIGNALED(status):
+        if timed_out and os.WTERMSIG(status) == signal.SIGKILL:
+            return "FAILED", f"{name}: took more than {timeout:.0f} s"
         return "FAILED", f"{name}: crashed with signal {os.WTERMSIG(status)}"
     outcome, _, detail = message.partition("\n")
     return outcome, detail
@@ -126,6 +135,7 @@ def main() -> int:
     parser.add_argument("--sample", type=int, default=None, help="check a fixed sample of N files")
     parser.add_argument("--pipeline", default="builtin.module(hlopar-import)")
     parser.add_argument("--verbose", "-v", action="store_true", help="print every rejected part too")
+    parser.add_argument("--part-timeout", type=float, default=600.0, help="seconds allowed per program")
     parser.add_argument("--compile", action="store_true",
                         help="also compile the output (on 8 CPU devices) wherever the input compiles on one")
     args = parser.parse_args()
@@ -146,7 +156,8 @@ def main() -> int:
     for path in files:
         folder = path.relative_to(args.corpus).parts[0]
         counts = by_folder.setdefault(folder, Counter())
-        outcomes = [run_forked(source, name, args.pipeline, args.compile) for source, name in parts_of(path)]
+        outcomes = [run_forked(source, name, args.pipeline, args.compile, args.part_timeout)
+                    for source, name in parts_of(path)]
         file_outcome = "FAILED" if any(o == "FAILED" for o, _ in outcomes) else (
             "ok" if all(o.startswith("ok") for o, _ in outcomes) else "rejected")
         counts[file_outcome] += 1
