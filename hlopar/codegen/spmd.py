@@ -7,6 +7,7 @@ program, and the outputs are reassembled into global arrays.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ class SpmdExecutable:
     input_shardings: list[NamedSharding]
     output_shardings: list[NamedSharding]
     output_shapes: list[tuple[int, ...]]
+    input_types: list[tuple[tuple[int, ...], np.dtype]]
 
     def __call__(self, *args) -> list[np.ndarray]:
         placed = [jax.device_put(np.asarray(a), s) for a, s in zip(args, self.input_shardings)]
@@ -54,7 +56,24 @@ def compile_spmd(module: ir.Operation, devices: Sequence[jax.Device]) -> SpmdExe
         [_named(attrs, mesh) for attrs in _value_attrs(func, "arg_attrs", len(function_type.inputs))],
         [_named(attrs, mesh) for attrs in _value_attrs(func, "res_attrs", len(function_type.results))],
         [tuple(ir.RankedTensorType(t).shape) for t in function_type.results],
+        [(tuple(ir.RankedTensorType(t).shape), _numpy_dtype(ir.RankedTensorType(t).element_type))
+         for t in function_type.inputs],
     )
+
+
+def _numpy_dtype(element: ir.Type) -> np.dtype:
+    """The numpy type of an MLIR element type (f32, bf16, i32, i1, ui8, complex<f32>, ...)."""
+    text = str(element)
+    if text == "i1":
+        return np.dtype(bool)
+    if text.startswith("complex<"):
+        return np.dtype(np.complex64 if text == "complex<f32>" else np.complex128)
+    if text == "bf16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    kind = {"f": "float", "i": "int", "ui": "uint"}[re.match(r"[a-z]+", text).group()]
+    return np.dtype(f"{kind}{re.search(r'[0-9]+', text).group()}")
 
 
 def mesh_size(module: ir.Operation) -> int:
