@@ -101,7 +101,7 @@ class AutoShardingPass(ModulePass):
     def _plan_function(self, module, func, analysable: bool, mesh: LogicalMesh, mesh_name: str, context: PassContext):
         start = time.perf_counter()
         graph = FuncGraph.from_func(func)
-        rules = {op.index: rule_of(op.mlir_op) for op in graph.ops} if analysable else {}
+        rules = {op.id: rule_of(op.mlir_op) for op in graph.walk()} if analysable else {}
         constraints = self._user_shardings(module, graph, mesh_name, context)
         tied = _tied_results(func) if self.tie_outputs or self.prefer_reduce_scatter else {}
         problem = build_problem(
@@ -179,17 +179,17 @@ class AutoShardingPass(ModulePass):
                     target[i] = spec
                     if TensorSharding.parse(str(attrs[SDY_SHARDING])).mesh_name in trivial:
                         rewritten.add(i)
-        for op in graph.ops:
+        for op in graph.walk():
             operation = op.mlir_op
             if op.name == "sdy.sharding_constraint":
                 spec = spec_of(operation.attributes["sharding"], operation)
                 if spec is not None:
-                    found.constraint_ops[op.index] = spec
+                    found.constraint_ops[op.id] = spec
                     if TensorSharding.parse(str(operation.attributes["sharding"])).mesh_name in trivial:
                         operation.attributes["sharding"] = ir.Attribute.parse(
                             TensorSharding.from_spec(mesh_name, spec).format())
             elif SDY_SHARDING in operation.attributes:
-                found.kept_ops.add(op.index)
+                found.kept_ops.add(op.id)
                 text = str(operation.attributes[SDY_SHARDING])
                 try:
                     per_value = ShardingPerValue.parse(text)
@@ -198,7 +198,7 @@ class AutoShardingPass(ModulePass):
                     continue
                 specs = [spec_of(ir.Attribute.parse(s.format()), operation) for s in per_value]
                 if all(spec is not None for spec in specs):
-                    found.op_results[op.index] = tuple(specs)
+                    found.op_results[op.id] = tuple(specs)
         return found
 
     def _batch_filter(self, graph: FuncGraph):
@@ -321,22 +321,27 @@ def _write_plan(module, func, graph: FuncGraph, problem: ShardingProblem, choice
         return ir.Attribute.parse(TensorSharding.from_spec(mesh_name, spec).format())
 
     chosen = [node.strategies[c] for node, c in zip(problem.nodes, choices)]
-    value_spec: dict[int, ShardingSpec] = {}
-    for position, node_index in problem.arg_node.items():
-        spec = chosen[node_index].result_specs[0]
-        if spec is not None:
-            value_spec[graph.args[position]] = spec
-    for op in graph.ops:
-        strategy = chosen[problem.op_node[op.index]]
-        for value_id, spec in zip(op.results, strategy.result_specs):
-            if spec is not None:
-                value_spec[value_id] = spec
-        node = problem.nodes[problem.op_node[op.index]]
-        if op.name == "sdy.sharding_constraint" or not op.results or op.index in constraints.kept_ops or not node.planned:
+
+    def spec_of_value(value_id: int) -> ShardingSpec | None:
+        if value_id not in problem.producer:
+            return None
+        node, number = problem.producer[value_id]
+        return chosen[node].result_specs[number]
+
+    def annotate(operation: ir.Operation, specs) -> None:
+        if specs and all(spec is not None for spec in specs):
+            per_value = ShardingPerValue(tuple(TensorSharding.from_spec(mesh_name, s) for s in specs))
+            operation.attributes[SDY_SHARDING] = ir.Attribute.parse(per_value.format())
+
+    for op_id, node_index in problem.op_node.items():
+        op, node = graph.op(op_id), problem.nodes[node_index]
+        if op.name == "sdy.sharding_constraint" or not op.results or op_id in constraints.kept_ops or not node.planned:
             continue
-        if all(spec is not None for spec in strategy.result_specs):
-            per_value = ShardingPerValue(tuple(TensorSharding.from_spec(mesh_name, s) for s in strategy.result_specs))
-            op.mlir_op.attributes[SDY_SHARDING] = ir.Attribute.parse(per_value.format())
+        annotate(op.mlir_op, chosen[node_index].result_specs)
+    # The `while` ops themselves stay unannotated: XLA's importer miscounts the elements of
+    # a sharding written on a while (it expects one more than the op has results). The ops
+    # that produce the loop's operands and the body's ops carry the plan.
+    value_spec = {v: spec_of_value(v) for v in (*graph.args, *graph.results)}
     _set_value_attrs(func, "arg_attrs", [value_spec.get(v) for v in graph.args], sharding, constraints.rewritten_args)
     _set_value_attrs(func, "res_attrs", [value_spec.get(v) for v in graph.results], sharding, constraints.rewritten_results)
 
@@ -384,7 +389,7 @@ def _function_report(graph: FuncGraph, problem: ShardingProblem, solution, build
             "follows": problem.nodes[node.leader].name if node.leader is not None else None,
         }
         if node.kind == "op":
-            location = graph.ops[node.index].location
+            location = graph.op(node.index).location
             entry["location"] = f"{location.file}:{location.line}:{location.col}" if location and location.file else None
         ops.append(entry)
     reshards = []

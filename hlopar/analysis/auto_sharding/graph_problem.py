@@ -47,7 +47,6 @@ HEAVY_OPS = frozenset(
         "stablehlo.reduce_window",
         "stablehlo.select_and_scatter",
         "stablehlo.fft",
-        "stablehlo.while",
         "stablehlo.case",
         "stablehlo.if",
     }
@@ -55,6 +54,7 @@ HEAVY_OPS = frozenset(
 # Ops that make a value from nothing: any layout is free (each device builds its own tile).
 SOURCE_OPS = frozenset({"stablehlo.constant", "stablehlo.iota", "stablehlo.rng_bit_generator"})
 CONSTRAINT_OP = "sdy.sharding_constraint"
+WHILE_OP = "stablehlo.while"
 UNANNOTATED_OPS = frozenset({"stablehlo.custom_call"})
 # Seconds charged per byte a device holds: far below any communication or compute cost, it
 # only breaks ties toward the plan that uses less memory (e.g. an input that could be sent
@@ -71,13 +71,16 @@ class PlanNode:
     leader: int | None = None
     fixed: int | None = None
     planned: bool = True  # False for ops run replicated only because no rule says how to split them
+    scale: float = 1.0  # how many times it runs per step (the trip count of enclosing loops)
 
 
 @dataclass
 class ShardingProblem:
     nodes: list[PlanNode]
     problem: ilp.Problem
-    op_node: dict[int, int] = field(default_factory=dict)  # top-level op index -> node
+    op_node: dict[int, int] = field(default_factory=dict)  # op id (graph-wide) -> node
+    loops: dict[int, tuple[int, ...]] = field(default_factory=dict)  # while op id -> its carried-value nodes
+    producer: dict[int, tuple[int, int]] = field(default_factory=dict)  # value id -> (node, result number)
     arg_node: dict[int, int] = field(default_factory=dict)
     # Per ILP edge: the value it carries, the producer's result number, the consumer's operand.
     edge_values: list[tuple[TensorInfo, int, int]] = field(default_factory=list)
@@ -122,7 +125,8 @@ def build_problem(
     producer: dict[int, tuple[int, int]] = {}  # value id -> (node, result number)
     depth: list[int] = []
     warnings: list[tuple[OpNode, str]] = []
-    out = ShardingProblem(nodes, ilp.Problem((), ()), warnings=warnings)
+    consumers: list[tuple[int, tuple[int, ...], float]] = []  # (node, operand value ids, cost scale)
+    out = ShardingProblem(nodes, ilp.Problem((), ()), warnings=warnings, producer=producer)
 
     def add(node: PlanNode, node_depth: int) -> int:
         nodes.append(node)
@@ -138,24 +142,26 @@ def build_problem(
         out.arg_node[position] = add(PlanNode("arg", position, f"arg{position}", strategies, fixed=fixed), 0)
         producer[value_id] = (out.arg_node[position], 0)
 
-    for op in graph.ops:
+    def visit(op: OpNode, scale: float) -> None:
+        if op.name == WHILE_OP and rules_cover_loop(op):
+            visit_loop(op, scale)
+            return
         operands = [tensor_info(graph, v) for v in op.operands]
         results = [tensor_info(graph, v) for v in op.results]
         operand_nodes = [producer.get(v) for v in op.operands]
         node_depth = 1 + max((depth[p[0]] for p in operand_nodes if p is not None), default=0)
-        rule = rules.get(op.index)
+        rule = rules.get(op.id)
         leader = None
-        if op.name == CONSTRAINT_OP and op.index in constraint_specs:
-            spec = constraint_specs[op.index]
+        if op.name == CONSTRAINT_OP and op.id in constraint_specs:
+            spec = constraint_specs[op.id]
             strategies = (_pinned(spec, operands, results, mesh),)
         elif op.name in SOURCE_OPS or (not op.operands and all(r.is_tensor for r in results)):
             strategies = memo.free_layouts(results[0]) if len(results) == 1 else (replicated_strategy(operands, results, mesh),)
         elif rule is None:
             strategies = (replicated_strategy(operands, results, mesh, _flops(op.name, rule, results)),)
-            if rule is None and op.name not in ("func.return",):
-                warnings.append((op, f"no sharding rule for '{op.name}': it runs replicated"))
-        elif op.index in op_result_shardings:
-            wanted = op_result_shardings[op.index]
+            warnings.append((op, f"no sharding rule for '{op.name}': it runs replicated"))
+        elif op.id in op_result_shardings:
+            wanted = op_result_shardings[op.id]
             choices = memo.enumerate(rule, operands, results, _flops(op.name, rule, results))
             strategies = tuple(c for c in choices if c.result_specs == wanted) or (
                 _pinned_results(wanted, operands, results, mesh),)
@@ -171,10 +177,45 @@ def build_problem(
         # carry the plan; XLA places the call itself.
         planned = op.name not in UNANNOTATED_OPS and (
             rule is not None or op.name in SOURCE_OPS or op.name == CONSTRAINT_OP or not op.operands)
-        index = add(PlanNode("op", op.index, op.name, strategies, leader=leader, planned=planned), node_depth)
-        out.op_node[op.index] = index
+        if leader is not None and nodes[leader].scale != scale:
+            leader = None  # a node inside a loop cannot share a choice with one outside: costs differ
+            strategies = filtered(memo.enumerate(rule, operands, results, _flops(op.name, rule, results)), results)
+        index = add(PlanNode("op", op.id, op.name, strategies, leader=leader, planned=planned, scale=scale), node_depth)
+        out.op_node[op.id] = index
+        consumers.append((index, op.operands, scale))
         for number, value_id in enumerate(op.results):
             producer[value_id] = (index, number)
+
+    def rules_cover_loop(op: OpNode) -> bool:
+        """A loop is planned inside when every value it carries is a tensor or a token."""
+        return len(op.regions) == 2 and all(len(region) == 1 for region in op.regions)
+
+    def visit_loop(op: OpNode, scale: float) -> None:
+        """A `while`: each carried value is one node, whose layout holds at entry, in every
+        iteration and at exit; body ops are nodes whose costs count once per iteration."""
+        (cond,), (body,) = op.regions
+        trips = trip_count(graph, op)
+        entry_depth = 1 + max((depth[producer[v][0]] for v in op.operands if v in producer), default=0)
+        carried = []
+        for i, (operand, result) in enumerate(zip(op.operands, op.results)):
+            info = tensor_info(graph, result)
+            index = add(PlanNode("loop", op.id, f"{op.name}#{i}", memo.carried(info), planned=False, scale=scale), entry_depth)
+            carried.append(index)
+            consumers.append((index, (operand,), scale))
+            producer[result] = producer[cond.args[i]] = producer[body.args[i]] = (index, 0)
+        out.loops[op.id] = tuple(carried)
+        inner = scale * trips
+        for block in (cond, body):
+            for inner_op in block.ops:
+                if inner_op.name == "stablehlo.return":
+                    if block is body:  # the next iteration's values: resharded every iteration
+                        for j, value in enumerate(inner_op.operands):
+                            consumers.append((carried[j], (value,), inner))
+                    continue
+                visit(inner_op, inner)
+
+    for op in graph.ops:
+        visit(op, 1.0)
 
     for number, value_id in enumerate(graph.results):
         spec = result_shardings.get(number)
@@ -188,12 +229,14 @@ def build_problem(
             layouts = tuple(_pinned(s.result_specs[0], [info], [], mesh) for s in nodes[arg].strategies)
             add(PlanNode("result", number, f"result{number}", layouts, leader=arg), 0)
 
-    edges = _edges(graph, nodes, producer, out, memo)
+    result_nodes = {node.index: i for i, node in enumerate(nodes) if node.kind == "result"}
+    consumers += [(result_nodes[n], (graph.results[n],), 1.0) for n in result_nodes]
+    edges = _edges(graph, nodes, producer, consumers, out, memo)
     live_sets = _live_sets(graph, producer, out) if memory_budget is not None else ()
     out.problem = ilp.Problem(
         nodes=tuple(
             ilp.Node(
-                costs=tuple(s.cost + MEMORY_TIE_BREAK * s.memory for s in node.strategies),
+                costs=tuple(node.scale * s.cost + MEMORY_TIE_BREAK * s.memory for s in node.strategies),
                 memory=tuple(s.memory for s in node.strategies),
                 fixed=node.fixed,
                 follows=node.leader,
@@ -206,6 +249,41 @@ def build_problem(
         live_sets=live_sets,
     )
     return out
+
+
+def trip_count(graph: FuncGraph, loop: OpNode) -> int:
+    """Iterations of a `while` counting from a constant to a constant (JAX's `fori_loop`:
+    `compare LT, counter, bound`); 1 when the pattern is not there."""
+    (cond,), _ = loop.regions
+    if not cond.ops or cond.ops[-1].name != "stablehlo.return":
+        return 1
+    (predicate,) = cond.ops[-1].operands or (None,)
+    compare = graph.defining_op(predicate) if predicate is not None else None
+    if compare is None or compare.name != "stablehlo.compare" or compare.attrs is None:
+        return 1
+    direction = getattr(compare.attrs, "direction", None)
+    lhs, rhs = compare.operands
+    if lhs not in cond.args or direction not in ("LT", "LE", "GT", "GE"):
+        return 1
+    start = _constant_int(graph, loop.operands[cond.args.index(lhs)])
+    bound = _constant_int(graph, rhs)
+    if start is None or bound is None:
+        return 1
+    count = {"LT": bound - start, "LE": bound - start + 1, "GT": start - bound, "GE": start - bound + 1}[direction]
+    return max(1, count)
+
+
+def _constant_int(graph: FuncGraph, value_id: int) -> int | None:
+    op = graph.defining_op(value_id)
+    if op is None or op.name != "stablehlo.constant":
+        return None
+    try:
+        from jaxlib.mlir import ir
+
+        attr = ir.DenseIntElementsAttr(op.mlir_op.attributes["value"])
+        return int(attr[0]) if len(attr) >= 1 else None
+    except (ValueError, TypeError, IndexError):
+        return None
 
 
 def tensor_info(graph: FuncGraph, value_id: int) -> TensorInfo:
@@ -246,6 +324,12 @@ class _Memo:
         if not info.is_tensor:
             return (replicated_strategy([], [info], self.mesh),)
         return self.enumerate(OpRule.elementwise(info.shape, 0, 1), (), (info,), 0.0)
+
+    def carried(self, info: TensorInfo) -> tuple[Strategy, ...]:
+        """Layouts of a loop-carried value: the same going in and coming out."""
+        if not info.is_tensor:
+            return (replicated_strategy([info], [info], self.mesh),)
+        return self.enumerate(OpRule.elementwise(info.shape, 1, 1), (info,), (info,), 0.0)
 
     def mirror(self, rule, k, leader_strategies, result_number, operands, results, flops) -> tuple[Strategy, ...]:
         key = ("mirror", rule, k, id(leader_strategies), result_number, tuple(operands), tuple(results), flops)
@@ -331,21 +415,20 @@ def _factor_axes_for(rule: OpRule, k: int, spec: ShardingSpec, mesh: LogicalMesh
     return tuple(factor_axes)
 
 
-def _edges(graph, nodes, producer, out, memo: _Memo) -> list[ilp.Edge]:
+def _edges(graph, nodes, producer, consumers, out, memo: _Memo) -> list[ilp.Edge]:
     edges = []
-    consumers = [(out.op_node[op.index], op.operands) for op in graph.ops]
-    result_nodes = {node.index: i for i, node in enumerate(nodes) if node.kind == "result"}
-    consumers += [(result_nodes[n], (graph.results[n],)) for n in result_nodes]
-    for consumer, operands in consumers:
+    for consumer, operands, scale in consumers:
         for k, value_id in enumerate(operands):
             if value_id not in producer:
                 continue
             source, number = producer[value_id]
             info = tensor_info(graph, value_id)
-            if not info.is_tensor:
+            if not info.is_tensor or source == consumer:
                 continue
             matrix = memo.matrix(info, nodes[source].strategies, number, nodes[consumer].strategies, k)
             if matrix is not None:
+                if scale != 1.0:
+                    matrix = tuple(tuple(scale * c for c in row) for row in matrix)
                 edges.append(ilp.Edge(source, consumer, matrix))
                 out.edge_values.append((info, number, k))
     return edges
@@ -387,9 +470,9 @@ def _live_sets(graph, producer, out) -> tuple[tuple[int, ...], ...]:
     live = set(out.arg_node.values())
     sets = []
     for op in graph.ops:
-        node = out.op_node[op.index]
-        live.add(node)
-        if node not in last_use:  # never used: freed right after it is made
+        made = {producer[v][0] for v in op.results if v in producer}
+        live |= made
+        for node in made - set(last_use):  # never used: freed right after it is made
             dying.setdefault(op.index, []).append(node)
         if op.index in dying:
             sets.append(tuple(sorted(live)))
