@@ -47,7 +47,6 @@ HEAVY_OPS = frozenset(
         "stablehlo.reduce_window",
         "stablehlo.select_and_scatter",
         "stablehlo.fft",
-        "stablehlo.case",
         "stablehlo.if",
     }
 )
@@ -55,6 +54,7 @@ HEAVY_OPS = frozenset(
 SOURCE_OPS = frozenset({"stablehlo.constant", "stablehlo.iota", "stablehlo.rng_bit_generator"})
 CONSTRAINT_OP = "sdy.sharding_constraint"
 WHILE_OP = "stablehlo.while"
+CASE_OP = "stablehlo.case"
 UNANNOTATED_OPS = frozenset({"stablehlo.custom_call"})
 # Seconds charged per byte a device holds: far below any communication or compute cost, it
 # only breaks ties toward the plan that uses less memory (e.g. an input that could be sent
@@ -79,7 +79,7 @@ class ShardingProblem:
     nodes: list[PlanNode]
     problem: ilp.Problem
     op_node: dict[int, int] = field(default_factory=dict)  # op id (graph-wide) -> node
-    loops: dict[int, tuple[int, ...]] = field(default_factory=dict)  # while op id -> its carried-value nodes
+    loops: dict[int, tuple[int, ...]] = field(default_factory=dict)  # while/case op id -> its result nodes
     producer: dict[int, tuple[int, int]] = field(default_factory=dict)  # value id -> (node, result number)
     arg_node: dict[int, int] = field(default_factory=dict)
     # Per ILP edge: the value it carries, the producer's result number, the consumer's operand.
@@ -145,6 +145,9 @@ def build_problem(
     def visit(op: OpNode, scale: float) -> None:
         if op.name == WHILE_OP and rules_cover_loop(op):
             visit_loop(op, scale)
+            return
+        if op.name == CASE_OP and op.regions and all(len(branch) == 1 for branch in op.regions):
+            visit_case(op, scale)
             return
         operands = [tensor_info(graph, v) for v in op.operands]
         results = [tensor_info(graph, v) for v in op.results]
@@ -213,6 +216,26 @@ def build_problem(
                             consumers.append((carried[j], (value,), inner))
                     continue
                 visit(inner_op, inner)
+
+    def visit_case(op: OpNode, scale: float) -> None:
+        """A `case`: each result is one node that every branch's yield feeds; one branch runs,
+        so each branch's costs count 1/branches (the expected cost, branches equally likely)."""
+        entry_depth = 1 + max((depth[producer[v][0]] for v in op.operands if v in producer), default=0)
+        merged = []
+        for i, result in enumerate(op.results):
+            info = tensor_info(graph, result)
+            index = add(PlanNode("case", op.id, f"{op.name}#{i}", memo.carried(info), planned=False, scale=scale), entry_depth)
+            merged.append(index)
+            producer[result] = (index, 0)
+        weight = scale / len(op.regions)
+        for (branch,) in op.regions:
+            for inner_op in branch.ops:
+                if inner_op.name == "stablehlo.return":
+                    for j, value in enumerate(inner_op.operands):
+                        consumers.append((merged[j], (value,), weight))
+                    continue
+                visit(inner_op, weight)
+        out.loops[op.id] = tuple(merged)
 
     for op in graph.ops:
         visit(op, 1.0)
