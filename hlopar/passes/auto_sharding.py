@@ -277,18 +277,23 @@ def _run_upstream_on(module: ir.Operation, funcs: list[ir.Operation], pass_name:
             raise DiagnosticError.from_mlir_error(error) from None
 
 
-def _user_meshes(module: ir.Operation) -> dict[str, DeviceMesh]:
-    """The module's meshes with axes (not empty, not maximal)."""
+def _module_meshes(module: ir.Operation) -> dict[str, DeviceMesh]:
+    """The module's `sdy.mesh` symbols that hlopar's mesh model can read, by name."""
     found = {}
     for op in module.regions[0].blocks[0].operations:
         if op.operation.name == "sdy.mesh":
             try:
-                mesh = DeviceMesh.from_sdy(str(op.operation.attributes["mesh"]))
+                found[ir.StringAttr(op.operation.attributes["sym_name"]).value] = DeviceMesh.from_sdy(
+                    str(op.operation.attributes["mesh"]))
             except ValueError:
                 continue
-            if mesh.axes and not all(size == 1 for _, size in mesh.axes):
-                found[ir.StringAttr(op.operation.attributes["sym_name"]).value] = mesh
     return found
+
+
+def _user_meshes(module: ir.Operation) -> dict[str, DeviceMesh]:
+    """The module's meshes with axes (not empty, not maximal)."""
+    return {name: mesh for name, mesh in _module_meshes(module).items()
+            if mesh.axes and not all(size == 1 for _, size in mesh.axes)}
 
 
 def _run_upstream(module: ir.Operation, pipeline: str) -> None:
@@ -348,16 +353,7 @@ def _write_plan(module, func, graph: FuncGraph, problem: ShardingProblem, choice
 
 def _trivial_meshes(module: ir.Operation) -> set[str]:
     """Meshes whose axes all have size 1 (or none): shardings on them mean "replicated"."""
-    names = set()
-    for op in module.regions[0].blocks[0].operations:
-        if op.operation.name == "sdy.mesh":
-            try:
-                mesh = DeviceMesh.from_sdy(str(op.operation.attributes["mesh"]))
-            except ValueError:
-                continue
-            if mesh.size == 1 and mesh.device_ids is None:
-                names.add(ir.StringAttr(op.operation.attributes["sym_name"]).value)
-    return names
+    return {name for name, mesh in _module_meshes(module).items() if mesh.size == 1 and mesh.device_ids is None}
 
 
 def _set_value_attrs(func, key: str, specs, sharding, rewritten: set[int]) -> None:
