@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxlib import _jax
 from jaxlib.mlir import ir
 
-from hlopar.analysis.mesh import DeviceMesh
+from hlopar.analysis.module_meshes import module_meshes
 from hlopar.analysis.sharding import TensorSharding
 from hlopar.ir.module import print_module
 
@@ -78,9 +78,7 @@ def _numpy_dtype(element: ir.Type) -> np.dtype:
 
 def mesh_size(module: ir.Operation) -> int:
     """How many devices the module's (first, non-trivial) mesh has; 1 without one."""
-    meshes = [DeviceMesh.from_sdy(str(op.operation.attributes["mesh"]))
-              for op in module.regions[0].blocks[0].operations if op.operation.name == "sdy.mesh"]
-    return next((m.size for m in meshes if m.axes), 1)
+    return next((m.size for m in module_meshes(module).values() if m is not None and m.axes), 1)
 
 
 def _main(module: ir.Operation) -> ir.Operation:
@@ -91,9 +89,7 @@ def _main(module: ir.Operation) -> ir.Operation:
 
 
 def _jax_mesh(module: ir.Operation, devices: Sequence[jax.Device]) -> Mesh:
-    meshes = [DeviceMesh.from_sdy(str(op.operation.attributes["mesh"]))
-              for op in module.regions[0].blocks[0].operations if op.operation.name == "sdy.mesh"]
-    meshes = [m for m in meshes if m.axes]
+    meshes = [m for m in module_meshes(module).values() if m is not None and m.axes]
     if not meshes:
         return Mesh(np.array(devices).reshape(len(devices)), ("_replicated",))
     mesh = meshes[0]

@@ -23,6 +23,7 @@ from hlopar.analysis.auto_sharding.graph_problem import ShardingProblem, build_p
 from hlopar.analysis.auto_sharding.resharding import resharding_collectives
 from hlopar.analysis.auto_sharding.rules import rule_of
 from hlopar.analysis.mesh import DeviceMesh
+from hlopar.analysis.module_meshes import module_meshes
 from hlopar.analysis.sharding import ShardingPerValue, ShardingSpec, TensorSharding
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError
 from hlopar.ir.graph import FuncGraph
@@ -277,23 +278,10 @@ def _run_upstream_on(module: ir.Operation, funcs: list[ir.Operation], pass_name:
             raise DiagnosticError.from_mlir_error(error) from None
 
 
-def _module_meshes(module: ir.Operation) -> dict[str, DeviceMesh]:
-    """The module's `sdy.mesh` symbols that hlopar's mesh model can read, by name."""
-    found = {}
-    for op in module.regions[0].blocks[0].operations:
-        if op.operation.name == "sdy.mesh":
-            try:
-                found[ir.StringAttr(op.operation.attributes["sym_name"]).value] = DeviceMesh.from_sdy(
-                    str(op.operation.attributes["mesh"]))
-            except ValueError:
-                continue
-    return found
-
-
 def _user_meshes(module: ir.Operation) -> dict[str, DeviceMesh]:
     """The module's meshes with axes (not empty, not maximal)."""
-    return {name: mesh for name, mesh in _module_meshes(module).items()
-            if mesh.axes and not all(size == 1 for _, size in mesh.axes)}
+    return {name: mesh for name, mesh in module_meshes(module).items()
+            if mesh is not None and mesh.axes and not all(size == 1 for _, size in mesh.axes)}
 
 
 def _run_upstream(module: ir.Operation, pipeline: str) -> None:
@@ -305,8 +293,7 @@ def _run_upstream(module: ir.Operation, pipeline: str) -> None:
 
 
 def _fresh_mesh_name(module: ir.Operation) -> str:
-    names = {ir.StringAttr(op.operation.attributes["sym_name"]).value
-             for op in module.regions[0].blocks[0].operations if op.operation.name == "sdy.mesh"}
+    names = set(module_meshes(module))
     name, counter = "mesh", 0
     while name in names:
         counter += 1
@@ -353,7 +340,8 @@ def _write_plan(module, func, graph: FuncGraph, problem: ShardingProblem, choice
 
 def _trivial_meshes(module: ir.Operation) -> set[str]:
     """Meshes whose axes all have size 1 (or none): shardings on them mean "replicated"."""
-    return {name for name, mesh in _module_meshes(module).items() if mesh.size == 1 and mesh.device_ids is None}
+    return {name for name, mesh in module_meshes(module).items()
+            if mesh is not None and mesh.size == 1 and mesh.device_ids is None}
 
 
 def _set_value_attrs(func, key: str, specs, sharding, rewritten: set[int]) -> None:

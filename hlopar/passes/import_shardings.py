@@ -23,6 +23,7 @@ from jaxlib.mlir.dialects import sdy
 from hlopar.analysis.common_mesh import common_mesh
 from hlopar.analysis.gspmd import GspmdSharding, ManualSharding, gspmd_to_sdy
 from hlopar.analysis.mesh import DeviceMesh
+from hlopar.analysis.module_meshes import module_meshes
 from hlopar.analysis.sharding import TensorSharding
 from hlopar.passes.base import PassContext
 
@@ -41,16 +42,9 @@ class _Meshes:
 
     def __init__(self, module: ir.Operation):
         self.body = module.regions[0].blocks[0]
-        self.by_name: dict[str, DeviceMesh | None] = {}
+        self.by_name: dict[str, DeviceMesh | None] = module_meshes(module)
         self.replicated_mesh = DeviceMesh()
         self.on_common_mesh: dict[str, tuple[DeviceMesh, TensorSharding]] = {}
-        for op in self.body.operations:
-            if op.operation.name == "sdy.mesh":
-                name = ir.StringAttr(op.operation.attributes["sym_name"]).value
-                try:
-                    self.by_name[name] = DeviceMesh.from_sdy(str(op.operation.attributes["mesh"]))
-                except ValueError:
-                    self.by_name[name] = None
 
     def plan_gspmd(self, texts: list[str]) -> None:
         """Puts all tiled GSPMD shardings on one mesh when possible (see `common_mesh`);
