@@ -19,7 +19,11 @@ The first call (per argument signature: pytree structure, shapes, dtypes):
    - `"shard"`: pure intra-operator parallelism, one stage on one mesh of every device
      (num_hosts × devices_per_host), planned by hlopar-auto-sharding;
    then codegen (`codegen.pipeline_program`) and the bundle (`codegen.bundle.write_bundle`);
-3. starts one Ray worker per mesh (`runtime.ray_runtime`), which compiles its fragments.
+3. starts one Ray worker per (mesh, host) (`runtime.ray_runtime`), which compiles its
+   fragments.
+
+With `verbose`, these phases show on stderr (`progress.Progress`: one line redrawn in place
+on a terminal, a line per phase otherwise); `verbose=False` prints nothing.
 
 Later calls only run. The bundle is cached on disk under `$HLOPAR_CACHE_DIR` (default
 `~/.cache/hlopar`), in `plans/<key>/`, the key a hash of the program text, the cluster and the
@@ -51,7 +55,6 @@ import os
 import pickle
 import re
 import shutil
-import sys
 import tempfile
 import time
 import weakref
@@ -62,6 +65,8 @@ from typing import Any, Literal
 
 import jax
 import numpy as np
+
+from hlopar.progress import Progress
 
 __all__ = ["Cluster", "ParallelizedFunction", "PlannedStep", "parallelize", "plan_step"]
 
@@ -326,15 +331,14 @@ class ParallelizedFunction:
         self.timeout = timeout
         self.cache = cache
         self.verbose = verbose
+        self._progress = Progress(verbose)
         self._compiled: _Compiled | None = None
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", "parallelized")
         self.__doc__ = getattr(fn, "__doc__", None)
 
     def _log(self, message: str) -> None:
-        if self.verbose:
-            sys.stderr.write(f"hlopar: {message}\n")
-            sys.stderr.flush()
+        self._progress.message(message)
 
     # -- building
 
@@ -355,29 +359,40 @@ class ParallelizedFunction:
         from hlopar.runtime.ray_runtime import RayRuntime, placement_of
 
         cluster = (self.cluster or Cluster.local()).resolved()
-        clock = time.perf_counter()
-        abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), args)
-        lowered = jax.jit(self.fn, keep_unused=True).lower(*abstract)
-        text = lowered.as_text()
-        self._log(f"lowered {self.__name__} in {time.perf_counter() - clock:.1f} s; planning for "
-                  f"{cluster.num_hosts} host(s) x {cluster.devices_per_host} {cluster.device_kind} device(s), "
-                  f"method {self.method}, schedule {self.schedule}")
-        planned = plan_step(text, cluster, num_microbatches=self.num_microbatches, schedule=self.schedule,
-                            method=self.method, batch_args=self._batch_leaves(args), cache=self.cache, log=self._log)
-        self._log(describe_plan(planned))
-        placement = placement_of(planned.program, cluster.devices_per_host, local=cluster.is_local,
-                                 device_kind=cluster.device_kind)
-        _connect(cluster, len(planned.program.meshes))
-        runtime = RayRuntime(planned.program, self.schedule, placement, timeout=self.timeout,
-                             worker_timeout=self.timeout, log=self._log)
-        self._compiled = _Compiled(signature, lowered.out_tree, planned, runtime, cluster)
-        self._log(f"starting {len(planned.program.meshes)} Ray worker(s)")
-        runtime.start()
+        self._progress = progress = Progress(self.verbose)
+        try:
+            progress.phase("lowering")
+            clock = time.perf_counter()
+            abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), args)
+            lowered = jax.jit(self.fn, keep_unused=True).lower(*abstract)
+            text = lowered.as_text()
+            self._log(f"lowered {self.__name__} in {time.perf_counter() - clock:.1f} s; planning for "
+                      f"{cluster.num_hosts} host(s) x {cluster.devices_per_host} {cluster.device_kind} device(s), "
+                      f"method {self.method}, schedule {self.schedule}")
+            progress.phase("planning")
+            planned = plan_step(text, cluster, num_microbatches=self.num_microbatches, schedule=self.schedule,
+                                method=self.method, batch_args=self._batch_leaves(args), cache=self.cache,
+                                log=self._log)
+            self._log(describe_plan(planned))
+            placement = placement_of(planned.program, cluster.devices_per_host, local=cluster.is_local,
+                                     device_kind=cluster.device_kind)
+            workers = len(placement.workers.slots)
+            _connect(cluster, workers)
+            runtime = RayRuntime(planned.program, self.schedule, placement, timeout=self.timeout,
+                                 worker_timeout=self.timeout, log=self._log, phase=progress.phase)
+            self._compiled = _Compiled(signature, lowered.out_tree, planned, runtime, cluster)
+            self._log(f"starting {workers} Ray worker(s)")
+            runtime.start()
+        finally:
+            progress.done()
         return self._compiled
 
     def _restart(self) -> None:
         self._log("restarting the workers")
-        self._compiled.runtime.start()
+        try:
+            self._compiled.runtime.start()
+        finally:
+            self._progress.done()
 
     def _batch_leaves(self, args: tuple) -> list[int] | None:
         if self.batch_argnums is ...:
@@ -504,7 +519,8 @@ def parallelize(fn: Callable | None = None, *, cluster: Cluster | None = None, n
                 schedule: str = "eager-1f1b", batch_argnums=..., donate_argnums: Sequence[int] | int = (),
                 method: str = "auto", timeout: float = 300.0, cache: bool = True, verbose: bool = True):
     """`fn` (a pure JAX function, e.g. a training step) run over a cluster: a callable with
-    `fn`'s signature and results. Usable as a decorator, with or without arguments. Module
+    `fn`'s signature and results. Usable as a decorator, with or without arguments.
+    `verbose=False` silences the first call's progress display and messages. Module
     docstring."""
     def wrap(function: Callable) -> ParallelizedFunction:
         return ParallelizedFunction(function, cluster=cluster, num_microbatches=num_microbatches, schedule=schedule,

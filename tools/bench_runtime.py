@@ -5,14 +5,16 @@
                                   [--microbatches 2] [--schedule 1f1b] [--sizes 1,16,64]
 
 1. Overhead. A GPT (the zoo's model at the given size) trains through `hlopar.parallelize`
-   on 2 simulated hosts x 4 CPU devices (two Ray workers, Ray started here). For each step
-   after the first (warm-up: planning, worker start, compilation) it reports:
+   on 2 simulated hosts x 4 CPU devices (two Ray workers: one per mesh and host, Ray started
+   here). For each step after the first (warm-up: planning, worker start, compilation) it
+   reports:
    - `wall_s`: the call as the user sees it (arguments sent, the step, every result back on
      the driver as jax arrays);
    - `runtime_s`: the driver's `RayRuntime.run` (the same minus turning the results into jax
      arrays);
-   - `executables_s`: the sum, over both workers, of the time their executables ran
-     (measured by the workers in the same run, each execution waited for);
+   - `executables_s`: the sum, over the meshes, of the time their executables ran
+     (measured by the workers in the same run, each execution waited for; a mesh across
+     both hosts: its slower worker's, the two run the same SPMD program together);
    - `critical_s`: the slowest worker's own step time (`run_step`, the stream and the
      updates, without the driver's calls);
    and the ratios wall / executables and runtime / executables. With 2 cores shared by two

@@ -1,4 +1,4 @@
-"""The MPMD runtime on Ray: a driver and one mesh worker (a Ray actor) per mesh.
+"""The MPMD runtime on Ray: a driver and one mesh worker (a Ray actor) per (mesh, host).
 
 Alpa §6: each worker holds a static instruction list and runs a whole training step without
 round trips to the driver. Here the program is what codegen made
@@ -21,18 +21,18 @@ one process:
   keeps them: the next call passes them back as arguments (new parameters, optimizer
   state), and the driver then sends nothing for them (`resident`).
 
-Devices. A worker owns the devices of its mesh: on CPU its process is started with
-`XLA_FLAGS=--xla_force_host_platform_device_count=<mesh size>` (its own CPU devices), on GPU
-Ray gives it `num_gpus=<mesh size>` (`CUDA_VISIBLE_DEVICES`). Physical device ids of the
-plan map to the worker's local devices in increasing order.
+Devices. A worker owns the devices of its mesh on its host: on CPU its process is started
+with `XLA_FLAGS=--xla_force_host_platform_device_count=<its devices>` (its own CPU devices),
+on GPU Ray gives it `num_gpus=<its devices>` (`CUDA_VISIBLE_DEVICES`). Physical device ids
+of the plan map to the worker's local devices in increasing order. A mesh spanning hosts
+has one worker per host, joined into one multi-process jax runtime (`mesh_processes`):
+each compiles the mesh's fragments for the global mesh, runs the same stream, and holds its
+own devices' shards; unit ops go from the worker owning their sending device to the workers
+owning their receivers, results and saves leave each worker as its shards.
 
 Placement. One placement-group bundle per host of the cluster, holding that host's workers
 (STRICT_SPREAD over the nodes of a real cluster, PACK on the local machine, where hosts are
-simulated). LIMITATION (v1): one worker per mesh. A mesh that spans hosts would need one
-worker per (mesh, host) joined by multi-process XLA (`jax.distributed` with gloo/NCCL
-collectives), which is not implemented: on the local machine such a mesh gets one worker
-with all its devices (the hosts are simulated anyway); on a real multi-node cluster it is
-refused (`RuntimeError`), so plan with meshes inside a host there.
+simulated by separate processes exactly as on a real cluster).
 
 Faults. Every wait is bounded: the driver waits for a step with `ray.wait` and a deadline
 and notices a dead worker (`RayActorError`) as soon as Ray does, a worker waits for a
@@ -55,7 +55,9 @@ import numpy as np
 from hlopar.codegen.pipeline_program import UPDATE, PipelineProgram, ProgramFragment, ProgramTransfer
 from hlopar.codegen.schedules import FREE, RECV, RUN, SEND, PipelineStreams
 from hlopar.codegen.schedules.instructions import MeshStream
-from hlopar.runtime.transports import Mailbox, TransportError, pack, transport_for, unpack
+from hlopar.runtime.mesh_processes import (Pieces, WorkerLayout, coordinator_address, gather_pieces, host_value,
+                                           join_mesh, local_pieces, mesh_devices, routes, worker_layout)
+from hlopar.runtime.transports import Mailbox, TransportError, pack, transport_for, unpack, unpack_shards
 
 __all__ = ["MeshWorker", "Placement", "RayRuntime", "WorkerError", "WorkerProgram", "placement_of",
            "worker_programs"]
@@ -71,8 +73,9 @@ class WorkerError(RuntimeError):
 
 @dataclass
 class WorkerProgram:
-    """What one mesh's worker needs: the program (fragment modules left out), its own
-    fragments' module text, its stream, the arguments it reads and the results it returns."""
+    """What one mesh's workers need: the program (fragment modules left out), its own
+    fragments' module text, its stream, the arguments it reads, the results it returns, and
+    every worker's devices."""
 
     mesh: str
     devices: tuple[int, ...]  # physical ids, the mesh's logical order
@@ -81,6 +84,7 @@ class WorkerProgram:
     stream: MeshStream
     arguments: tuple[int, ...]  # argument numbers read here (directly or through a transfer chain)
     results: tuple[int, ...]  # positions in `program.results` of the values living on this mesh
+    layout: WorkerLayout  # every worker of the program (mesh_processes)
 
 
 def _argument_origin(program: PipelineProgram, v: int) -> int | None:
@@ -91,8 +95,10 @@ def _argument_origin(program: PipelineProgram, v: int) -> int | None:
     return values[v].argument
 
 
-def worker_programs(program: PipelineProgram, streams: PipelineStreams) -> dict[str, WorkerProgram]:
-    """Per mesh, its `WorkerProgram`."""
+def worker_programs(program: PipelineProgram, streams: PipelineStreams,
+                    layout: WorkerLayout | None = None) -> dict[str, WorkerProgram]:
+    """Per mesh, its `WorkerProgram` (`layout` default: one worker per mesh)."""
+    layout = layout or worker_layout(program.devices)
     bare = replace(program, fragments=[replace(f, module=None) for f in program.fragments])
     by_mesh = {s.mesh: s for s in streams.streams}
     out = {}
@@ -104,7 +110,7 @@ def worker_programs(program: PipelineProgram, streams: PipelineStreams) -> dict[
         stream = by_mesh.get(mesh, MeshStream(mesh, -1, ()))
         out[mesh] = WorkerProgram(mesh, tuple(program.devices[mesh]), bare,
                                   {f.name: f.text for f in program.fragments if f.mesh == mesh},
-                                  stream, tuple(arguments), results)
+                                  stream, tuple(arguments), results, layout)
     stray = [r for r, v in enumerate(program.results) if program.values[v].mesh not in out]
     if stray:
         raise ValueError(f"results {stray} live on no mesh of the program")
@@ -113,36 +119,29 @@ def worker_programs(program: PipelineProgram, streams: PipelineStreams) -> dict[
 
 @dataclass(frozen=True)
 class Placement:
-    """Where workers go: mesh -> host index, and whether hosts are simulated on this machine."""
+    """Where workers go: one per (mesh, host), and whether hosts are simulated on this machine."""
 
-    host_of_mesh: dict[str, int]
+    workers: WorkerLayout
     local: bool
     device_kind: str  # cpu or gpu
 
 
 def placement_of(program: PipelineProgram, devices_per_host: int, *, local: bool, device_kind: str) -> Placement:
-    """Each mesh on the host of its devices; a mesh spanning hosts only on a local cluster
-    (module docstring)."""
-    hosts = {}
-    for mesh in program.meshes:
-        spanned = sorted({d // devices_per_host for d in program.devices[mesh]})
-        if len(spanned) > 1 and not local:
-            raise RuntimeError(f"mesh {mesh} spans hosts {spanned}: a mesh across hosts needs multi-process XLA, "
-                               "which this runtime does not implement (v1: one worker per mesh); plan meshes "
-                               "inside one host")
-        hosts[mesh] = spanned[0]
-    return Placement(hosts, local, device_kind)
+    """One worker per (mesh, host of its devices) (module docstring)."""
+    return Placement(worker_layout(program.devices, devices_per_host), local, device_kind)
 
 
 # --------------------------------------------------------------------------- the worker
 
 
 class MeshWorker:
-    """One mesh's worker (a threaded Ray actor: `run_step` runs the stream while `deliver`
-    and `fetch` serve the peers). Module docstring."""
+    """One worker of a mesh (a threaded Ray actor: `run_step` runs the stream while
+    `deliver` and `fetch` serve the peers). Module docstring."""
 
-    def __init__(self, mesh: str, device_kind: str = "cpu", timeout: float = 120.0):
+    def __init__(self, mesh: str, device_kind: str = "cpu", timeout: float = 120.0, name: str | None = None):
         self.mesh = mesh
+        self.name = name or mesh
+        self.device_kind = device_kind
         self.timeout = timeout
         self.transport = transport_for(device_kind)
         self.mailbox = Mailbox()
@@ -157,6 +156,10 @@ class MeshWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def coordinator(self) -> str:
+        """An address for the mesh's multi-process runtime, this worker its coordinator."""
+        return coordinator_address()
+
     def set_peers(self, peers: Mapping) -> None:
         self.peers = dict(peers)
 
@@ -164,28 +167,30 @@ class MeshWorker:
         """Tests: each step first sleeps this long (to kill a worker during a step)."""
         self.delay = seconds
 
-    def setup(self, wp: WorkerProgram) -> dict:
-        """Compiles the mesh's fragments for this worker's devices."""
-        import jax
+    def setup(self, wp: WorkerProgram, coordinator: str | None = None) -> dict:
+        """Joins the mesh's multi-process runtime (a mesh spanning hosts) and compiles the
+        mesh's fragments for its devices."""
+        clock = time.perf_counter()
+        self.wp = wp
+        self.program = wp.program
+        self.slot = wp.layout.slots[self.name]
+        self.spans = wp.layout.spans(wp.mesh)
+        if self.spans:
+            join_mesh(coordinator, self.slot, len(wp.layout.of_mesh(wp.mesh)), self.device_kind, self.timeout)
 
         from hlopar.codegen.executables import compile_executable
         from hlopar.ir.module import parse_module
 
-        clock = time.perf_counter()
-        self.wp = wp
-        self.program = wp.program
-        local = jax.devices()
-        if len(local) < len(wp.devices):
-            raise RuntimeError(f"mesh {wp.mesh} needs {len(wp.devices)} devices, the worker has {len(local)}")
-        order = sorted(wp.devices)
-        self.mesh_devices = [local[order.index(d)] for d in wp.devices]
+        self.devices = mesh_devices(wp.layout, wp.mesh)  # plan id -> jax device, the whole mesh
+        self.plan_id = {device: d for d, device in self.devices.items()}
+        self.mesh_devices = [self.devices[d] for d in wp.devices]
         compiled: dict[str, object] = {}
         self.executables = {}
         for name, text in wp.texts.items():
             if text not in compiled:
                 compiled[text] = compile_executable(parse_module(text), self.mesh_devices)
             self.executables[name] = compiled[text]
-        self.landing = {}
+        self.landing, self.made = {}, {}  # value -> sharding its first reader reads / its maker writes
         for fragment in self.program.fragments:
             if fragment.mesh != wp.mesh:
                 continue
@@ -193,10 +198,23 @@ class MeshWorker:
             offset = len(fragment.accumulate)
             for position, v in enumerate(fragment.operands):
                 self.landing.setdefault(v, ex.input_shardings[offset + position])
+            for position, v in enumerate(fragment.results):
+                self.made.setdefault(v, ex.output_shardings[position])
         self.fragments = {f.name: f for f in self.program.fragments}
         self.transfers = {t.name: t for t in self.program.transfers}
-        return {"mesh": wp.mesh, "pid": os.getpid(), "devices": [str(d) for d in self.mesh_devices],
+        self.routes = {t.name: routes(t.plan, wp.layout, t.src_mesh, t.dst_mesh) for t in self.program.transfers
+                       if wp.mesh in (t.src_mesh, t.dst_mesh)}
+        return {"worker": self.name, "mesh": wp.mesh, "pid": os.getpid(), "host": self.slot.host,
+                "devices": [str(self.devices[d]) for d in self.slot.devices],
                 "executables": len(compiled), "compile_s": time.perf_counter() - clock}
+
+    def senders(self, transfer: str) -> list[str]:
+        """The workers that send this worker unit ops of a transfer."""
+        return [src for src, dst in self.routes[transfer] if dst == self.name]
+
+    def source(self, value):
+        """What `pack` cuts a sent value from: this worker's shards of it on a spanning mesh."""
+        return local_pieces(value) if self.spans else value
 
     # -- a step
 
@@ -214,7 +232,7 @@ class MeshWorker:
             args[i] = ray.get(value, timeout=self.timeout) if isinstance(value, ray.ObjectRef) else value
         for i, r in resident.items():
             if r not in self.carry:
-                raise RuntimeError(f"argument {i}: the worker of {self.mesh} does not hold result {r}")
+                raise RuntimeError(f"argument {i}: the worker {self.name} does not hold result {r}")
             args[i] = self.carry[r]
         run = _WorkerRun(self, step, args)
         with self.changed:
@@ -230,47 +248,68 @@ class MeshWorker:
         for r in self.wp.results:
             value = run.read(self.program.results[r], last, once=True)
             carry[r] = value
-            results[r] = np.asarray(value)
+            results[r] = host_value(value)
         self.carry = carry
         run.timing["step_s"] = time.perf_counter() - clock
         return {"results": results, "timing": run.timing}
 
     def deliver(self, step: int, items: Mapping) -> None:
-        """A peer's SEND: payloads by (transfer, microbatch)."""
-        for (name, m), payload in items.items():
-            self.mailbox.put((step, name, m), payload)
+        """A peer's SEND: payloads by (transfer, microbatch, sending worker)."""
+        for key, payload in items.items():
+            self.mailbox.put((step, *key), payload)
 
-    def fetch(self, step: int, name: str, m: int, once: bool):
-        """A peer pulls a transfer made on this mesh (a value moved once): its payload, once
-        the value exists."""
+    def fetch(self, step: int, name: str, m: int, once: bool, to: str | None = None):
+        """A peer worker (`to`) pulls a transfer made on this mesh (a value moved once): the
+        unit ops this worker sends it, once the value exists."""
         deadline = time.monotonic() + self.timeout
         with self.changed:
             while step not in self.runs:
                 if time.monotonic() > deadline:
-                    raise TransportError(f"{self.mesh}: step {step} did not start in {self.timeout:g} s")
+                    raise TransportError(f"{self.name}: step {step} did not start in {self.timeout:g} s")
                 self.changed.wait(deadline - time.monotonic())
             run = self.runs[step]
         transfer = self.transfers[name]
-        return pack(transfer.plan, run.read(transfer.source, m, once, wait=True))
+        ops = self.routes[name][(self.name, to or transfer.dst_mesh)]
+        return pack(transfer.plan, self.source(run.read(transfer.source, m, once, wait=True)), ops)
 
     # -- saving the state
 
     def save(self, directory: str) -> str:
         """Writes the results this worker keeps (its shards of the training state) to
-        `directory/<mesh>.npz`."""
-        path = Path(directory) / f"{self.mesh}.npz"
-        np.savez(path, **{f"r{r}": np.asarray(v) for r, v in self.carry.items()})
+        `directory/<worker>.npz`: whole, or per device where the mesh spans hosts."""
+        arrays = {}
+        for r, value in self.carry.items():
+            if getattr(value, "is_fully_addressable", True):
+                arrays[f"r{r}"] = np.asarray(value)
+                continue
+            arrays[f"r{r}.shape"] = np.array(value.shape, np.int64)
+            for shard in value.addressable_shards:
+                arrays[f"r{r}@{self.plan_id[shard.device]}"] = np.asarray(shard.data)
+        path = Path(directory) / f"{self.name}.npz"
+        np.savez(path, **arrays)
         return str(path)
 
-    def load(self, directory: str) -> dict[int, np.ndarray]:
-        """Reads back what `save` wrote and keeps it as the last step's results."""
-        with np.load(Path(directory) / f"{self.mesh}.npz") as data:
-            carry = {int(k[1:]): np.array(data[k]) for k in data.files}
+    def load(self, directory: str) -> dict[int, object]:
+        """Reads back what `save` wrote and keeps it as the last step's results; returns them
+        as `run_step` does."""
+        import jax
+
+        carry = {}
+        with np.load(Path(directory) / f"{self.name}.npz") as data:
+            for r in self.wp.results:
+                if f"r{r}" in data.files:
+                    carry[r] = np.array(data[f"r{r}"])
+                elif f"r{r}.shape" in data.files:
+                    shape = tuple(int(n) for n in data[f"r{r}.shape"])
+                    sharding = self.made.get(self.program.results[r]) or self.landing[self.program.results[r]]
+                    shards = [jax.device_put(data[f"r{r}@{self.plan_id[device]}"], device)
+                              for device in sharding.addressable_devices_indices_map(shape)]
+                    carry[r] = jax.make_array_from_single_device_arrays(shape, sharding, shards)
         missing = set(self.wp.results) - set(carry)
         if missing:
-            raise RuntimeError(f"{self.mesh}: the save holds no results {sorted(missing)}")
+            raise RuntimeError(f"{self.name}: the save holds no results {sorted(missing)}")
         self.carry = carry
-        return carry
+        return {r: host_value(v) for r, v in carry.items()}
 
 
 class _WorkerRun:
@@ -319,9 +358,9 @@ class _WorkerRun:
             array = self.place(transfer.result, self.read(transfer.source, m, once))
         elif transfer is not None and (summed or not transfer.streamed):
             clock = time.perf_counter()
-            payload = self.w.transport.pull(self.w.peers[transfer.src_mesh], self.step, transfer.name, m, once,
-                                            self.w.timeout)
-            array = self.place(transfer.result, unpack(transfer.plan, payload))
+            payloads = [self.w.transport.pull(self.w.peers[src], self.step, transfer.name, m, once, self.w.timeout,
+                                              self.w.name) for src in self.w.senders(transfer.name)]
+            array = self.receive(transfer, payloads)
             self.timing["pull_s"] += time.perf_counter() - clock
         else:  # made on this mesh by a fragment or a RECV
             self._wait(lambda: key in self.store, wait, f"microbatch {m}'s value %{v}")
@@ -333,12 +372,12 @@ class _WorkerRun:
         if ready():
             return
         if not wait:
-            raise RuntimeError(f"{self.w.mesh}: {what} is read before it is made")
+            raise RuntimeError(f"{self.w.name}: {what} is read before it is made")
         deadline = time.monotonic() + self.w.timeout
         with self.w.changed:
             while not ready():
                 if time.monotonic() > deadline:
-                    raise TransportError(f"{self.w.mesh}: {what} was not made in {self.w.timeout:g} s")
+                    raise TransportError(f"{self.w.name}: {what} was not made in {self.w.timeout:g} s")
                 self.w.changed.wait(min(1.0, deadline - time.monotonic()))
 
     def _made(self) -> None:
@@ -351,6 +390,19 @@ class _WorkerRun:
 
         landing = self.w.landing.get(v)
         return array if landing is None else jax.device_put(array, landing)
+
+    def receive(self, t: ProgramTransfer, payloads):
+        """A transfer's value from the payloads of its senders to this worker: the whole
+        value, or on a spanning mesh this worker's shards of the global one."""
+        if not self.w.spans:
+            return self.place(t.result, unpack(t.plan, payloads))
+        import jax
+
+        from hlopar.runtime.local_transfer import assemble
+
+        shards = unpack_shards(t.plan, payloads, self.w.slot.devices)
+        placed = {d: jax.device_put(shard, self.w.devices[d]) for d, shard in shards.items()}
+        return self.place(t.result, assemble(placed, t.plan.shape, t.plan.dst, self.w.devices))
 
     def run_fragment(self, fragment: ProgramFragment, m: int) -> None:
         import jax
@@ -399,21 +451,26 @@ class _WorkerRun:
                 self.run_fragment(self.w.fragments[name], inst.microbatch)
         elif inst.op == SEND:
             clock = time.perf_counter()
-            items = {}
+            items: dict[str, dict] = {}  # receiving worker -> its payloads
             for name in inst.transfers:
                 t: ProgramTransfer = self.w.transfers[name]
-                payload = pack(t.plan, self.read(t.source, inst.microbatch))
-                items[(name, inst.microbatch)] = payload
-                self.timing["sent_bytes"] += payload.nbytes
-            self.w.transport.send(self.w.peers[inst.peer], self.step, items)
+                source = self.w.source(self.read(t.source, inst.microbatch))
+                for (src, dst), ops in self.w.routes[name].items():
+                    if src == self.w.name:
+                        payload = pack(t.plan, source, ops)
+                        items.setdefault(dst, {})[(name, inst.microbatch, src)] = payload
+                        self.timing["sent_bytes"] += payload.nbytes
+            for dst, payloads in items.items():
+                self.w.transport.send(self.w.peers[dst], self.step, payloads)
             self.timing["send_s"] += time.perf_counter() - clock
         elif inst.op == RECV:
             clock = time.perf_counter()
             for name in inst.transfers:
                 t = self.w.transfers[name]
-                payload = self.w.mailbox.take((self.step, name, inst.microbatch), self.w.timeout,
-                                              f"{inst.id} RECV {name} mb={inst.microbatch} <- {inst.peer}")
-                self.store[(t.result, inst.microbatch)] = self.place(t.result, unpack(t.plan, payload))
+                payloads = [self.w.mailbox.take((self.step, name, inst.microbatch, src), self.w.timeout,
+                                                f"{inst.id} RECV {name} mb={inst.microbatch} <- {src}")
+                            for src in self.w.senders(name)]
+                self.store[(t.result, inst.microbatch)] = self.receive(t, payloads)
             self.timing["recv_wait_s"] += time.perf_counter() - clock
             self._made()
         elif inst.op == FREE:
@@ -446,33 +503,41 @@ class StepStats:
     """What one step took: the driver's wall time and each worker's timing."""
 
     wall_s: float
-    workers: dict[str, dict] = field(default_factory=dict)  # per mesh: the worker's timing
-    sent: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per mesh: arguments the driver sent
-    kept: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per mesh: arguments the worker kept
+    workers: dict[str, dict] = field(default_factory=dict)  # per worker: its timing
+    sent: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per worker: arguments the driver sent
+    kept: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per worker: arguments it kept
+    mesh_of: dict[str, str] = field(default_factory=dict)  # worker -> its mesh
 
     @property
     def executable_s(self) -> float:
-        """Sum over workers of the time spent running executables."""
-        return sum(w.get("run_s", 0.0) for w in self.workers.values())
+        """Sum over meshes of the time spent running executables (the workers of a spanning
+        mesh run them together: its slowest worker's)."""
+        per_mesh: dict[str, float] = {}
+        for name, w in self.workers.items():
+            mesh = self.mesh_of.get(name, name)
+            per_mesh[mesh] = max(per_mesh.get(mesh, 0.0), w.get("run_s", 0.0))
+        return sum(per_mesh.values())
 
 
 class RayRuntime:
-    """The driver: starts one `MeshWorker` per mesh, feeds steps, collects results."""
+    """The driver: starts one `MeshWorker` per (mesh, host), feeds steps, collects results."""
 
     def __init__(self, program: PipelineProgram, schedule: str, placement: Placement, *,
-                 timeout: float = 300.0, worker_timeout: float = 120.0, log=None):
+                 timeout: float = 300.0, worker_timeout: float = 120.0, log=None, phase=None):
         self.program = program
         self.schedule = schedule
         self.placement = placement
+        self.layout = placement.workers
         self.timeout = timeout
         self.worker_timeout = worker_timeout
         self.streams = program.streams(schedule)
-        self.programs = worker_programs(program, self.streams)
+        self.programs = worker_programs(program, self.streams, self.layout)
         self.actors: dict = {}
         self.group = None
         self.step_id = 0
         self.generation = 0  # increases with each start: results kept by older workers are gone
         self.log = log or (lambda message: None)
+        self.phase = phase or (lambda name: None)  # "starting workers", "compiling" (a progress display)
         self.setup_info: dict[str, dict] = {}
         self.last_stats: StepStats | None = None
 
@@ -483,6 +548,10 @@ class RayRuntime:
     def result_mesh(self, r: int) -> str:
         return self.program.values[self.program.results[r]].mesh
 
+    def _who(self, name: str) -> str:
+        slot = self.layout.slots[name]
+        return f"mesh {slot.mesh}" + (f" (host {slot.host})" if self.layout.spans(slot.mesh) else "")
+
     # -- life cycle
 
     def start(self) -> None:
@@ -492,15 +561,17 @@ class RayRuntime:
 
         self.shutdown()
         self.generation += 1
+        self.phase("starting workers")
         kind = self.placement.device_kind
-        hosts = sorted(set(self.placement.host_of_mesh.values()))
+        slots = self.layout.slots
+        hosts = sorted({s.host for s in slots.values()})
         bundle_of_host = {h: k for k, h in enumerate(hosts)}
         bundles = []
         for h in hosts:
-            meshes = [m for m, host in self.placement.host_of_mesh.items() if host == h]
-            bundle = {"CPU": float(len(meshes))}
+            here = [s for s in slots.values() if s.host == h]
+            bundle = {"CPU": float(len(here))}
             if kind == "gpu":
-                bundle["GPU"] = float(sum(len(self.programs[m].devices) for m in meshes))
+                bundle["GPU"] = float(sum(len(s.devices) for s in here))
             bundles.append(bundle)
         strategy = "PACK" if self.placement.local else "STRICT_SPREAD"
         have = ray.cluster_resources()
@@ -518,24 +589,29 @@ class RayRuntime:
             raise WorkerError(f"Ray could not place the workers ({bundles}, {strategy}) in {self.timeout:g} s: "
                               f"the cluster has {ray.cluster_resources()}") from None
         clock = time.perf_counter()
-        for mesh, wp in self.programs.items():
+        for name, slot in slots.items():
             options = {"num_cpus": 1, "max_concurrency": 16, "max_restarts": 0,
                        "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                           self.group, placement_group_bundle_index=bundle_of_host[self.placement.host_of_mesh[mesh]])}
+                           self.group, placement_group_bundle_index=bundle_of_host[slot.host])}
             if kind == "gpu":
-                options["num_gpus"] = len(wp.devices)
+                options["num_gpus"] = len(slot.devices)
                 options["runtime_env"] = {"env_vars": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}}
             else:
                 options["runtime_env"] = {"env_vars": {
-                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={len(wp.devices)}",
+                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={len(slot.devices)}",
                     "JAX_PLATFORMS": "cpu"}}
-            self.actors[mesh] = ray.remote(MeshWorker).options(**options).remote(mesh, kind, self.worker_timeout)
-        self._gather({m: a.set_peers.remote(self.actors) for m, a in self.actors.items()}, "start")
-        self.setup_info = self._gather({m: a.setup.remote(self.programs[m]) for m, a in self.actors.items()},
-                                       "compile")
+            self.actors[name] = ray.remote(MeshWorker).options(**options).remote(slot.mesh, kind, self.worker_timeout,
+                                                                                 name)
+        self._gather({n: a.set_peers.remote(self.actors) for n, a in self.actors.items()}, "start")
+        firsts = {self.layout.of_mesh(m)[0].name: m for m in self.program.meshes if self.layout.spans(m)}
+        coordinators = {firsts[n]: address for n, address in self._gather(
+            {n: self.actors[n].coordinator.remote() for n in firsts}, "start").items()}
+        self.phase("compiling")
+        self.setup_info = self._gather({n: a.setup.remote(self.programs[slots[n].mesh], coordinators.get(slots[n].mesh))
+                                        for n, a in self.actors.items()}, "compile")
         self.log(f"started {len(self.actors)} workers in {time.perf_counter() - clock:.1f} s: " + ", ".join(
-            f"{m} ({len(self.programs[m].devices)} {kind} devices, {i['executables']} executables, "
-            f"compiled in {i['compile_s']:.1f} s)" for m, i in self.setup_info.items()))
+            f"{n} ({len(slots[n].devices)} {kind} devices, {i['executables']} executables, "
+            f"compiled in {i['compile_s']:.1f} s)" for n, i in self.setup_info.items()))
 
     def shutdown(self) -> None:
         """Kills the workers (if any) and frees their placement group."""
@@ -557,7 +633,7 @@ class RayRuntime:
             self.group = None
 
     def worker_pids(self) -> dict[str, int]:
-        return {m: i["pid"] for m, i in self.setup_info.items()}
+        return {n: i["pid"] for n, i in self.setup_info.items()}
 
     # -- running
 
@@ -581,17 +657,18 @@ class RayRuntime:
         resident = dict(resident or {})
         self.step_id += 1
         step = self.step_id
+        slots = self.layout.slots
         readers: dict[int, int] = {}
-        for wp in self.programs.values():
-            for i in wp.arguments:
+        for slot in slots.values():
+            for i in self.programs[slot.mesh].arguments:
                 readers[i] = readers.get(i, 0) + 1
         shared: dict[int, object] = {}
-        calls, sent_by_mesh, kept_by_mesh = {}, {}, {}
+        calls, sent_by_worker, kept_by_worker = {}, {}, {}
         clock = time.perf_counter()
-        for mesh, wp in self.programs.items():
+        for name, slot in slots.items():
             sent, kept = {}, {}
-            for i in wp.arguments:
-                if i in resident and self.result_mesh(resident[i]) == mesh:
+            for i in self.programs[slot.mesh].arguments:
+                if i in resident and self.result_mesh(resident[i]) == slot.mesh:
                     kept[i] = resident[i]
                     continue
                 if readers[i] > 1:
@@ -600,15 +677,27 @@ class RayRuntime:
                     sent[i] = shared[i]
                 else:
                     sent[i] = np.asarray(arguments[i])
-            calls[mesh] = self.actors[mesh].run_step.remote(step, sent, kept)
-            sent_by_mesh[mesh], kept_by_mesh[mesh] = tuple(sent), tuple(kept)
+            calls[name] = self.actors[name].run_step.remote(step, sent, kept)
+            sent_by_worker[name], kept_by_worker[name] = tuple(sent), tuple(kept)
         outputs = self._gather(calls, f"step {step}")
-        results: list = [None] * len(program.results)
-        for out in outputs.values():
-            for r, value in out["results"].items():
-                results[r] = value
-        self.last_stats = StepStats(time.perf_counter() - clock, {m: o["timing"] for m, o in outputs.items()},
-                                    sent_by_mesh, kept_by_mesh)
+        results = self._collect({n: o["results"] for n, o in outputs.items()})
+        self.last_stats = StepStats(time.perf_counter() - clock, {n: o["timing"] for n, o in outputs.items()},
+                                    sent_by_worker, kept_by_worker, {n: s.mesh for n, s in slots.items()})
+        return results
+
+    def _collect(self, returned: Mapping[str, Mapping[int, object]]) -> list[np.ndarray]:
+        """Results by position from what each worker returned: whole values, or the pieces
+        of the workers of a spanning mesh put together."""
+        results: list = [None] * len(self.program.results)
+        parts: dict[int, list[Pieces]] = {}
+        for values in returned.values():
+            for r, value in values.items():
+                if isinstance(value, Pieces):
+                    parts.setdefault(r, []).append(value)
+                else:
+                    results[r] = value
+        for r, pieces in parts.items():
+            results[r] = gather_pieces(pieces)
         return results
 
     def _gather(self, calls: Mapping[str, object], what: str) -> dict[str, object]:
@@ -617,48 +706,45 @@ class RayRuntime:
         import ray
 
         deadline = time.monotonic() + self.timeout
-        mesh_of = {ref: mesh for mesh, ref in calls.items()}
+        name_of = {ref: name for name, ref in calls.items()}
         pending = list(calls.values())
         done = {}
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
-                late = sorted(mesh_of[r] for r in pending)
+                late = sorted(self._who(name_of[r]) for r in pending)
                 self.shutdown()
                 raise WorkerError(f"{what}: the workers of {', '.join(late)} did not answer within "
                                   f"{self.timeout:g} s; the workers were stopped (the next call restarts them)")
             for ref in ready:
-                mesh = mesh_of[ref]
+                name = name_of[ref]
                 try:
-                    done[mesh] = ray.get(ref)
+                    done[name] = ray.get(ref)
                 except ray.exceptions.RayActorError as error:
                     self.shutdown()
-                    raise WorkerError(f"{what}: the worker of mesh {mesh} died "
+                    raise WorkerError(f"{what}: the worker of {self._who(name)} died "
                                       f"({type(error).__name__}); the workers were stopped, the next call "
                                       "restarts them") from error
                 except ray.exceptions.RayTaskError as error:
                     self.shutdown()
                     cause = error.cause if getattr(error, "cause", None) is not None else error
-                    raise WorkerError(f"{what}: the worker of mesh {mesh} failed: {type(cause).__name__}: {cause}; "
-                                      "the workers were stopped, the next call restarts them") from error
+                    raise WorkerError(f"{what}: the worker of {self._who(name)} failed: {type(cause).__name__}: "
+                                      f"{cause}; the workers were stopped, the next call restarts them") from error
         return done
 
     # -- saving
 
     def save(self, directory: str | Path, manifest: Mapping) -> None:
-        """Each worker writes its kept results; `manifest.json` says which worker has which."""
+        """Each worker writes its kept results; `manifest.json` says which mesh has which."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self._gather({m: a.save.remote(str(directory)) for m, a in self.actors.items()}, "save")
+        self._gather({n: a.save.remote(str(directory)) for n, a in self.actors.items()}, "save")
         (directory / "manifest.json").write_text(json.dumps({
             **manifest, "results": {str(r): self.result_mesh(r) for r in range(len(self.program.results))},
+            "workers": {n: s.mesh for n, s in self.layout.slots.items()},
         }, indent=1) + "\n")
 
     def load(self, directory: str | Path) -> list[np.ndarray]:
         """Each worker reads back its kept results; returns them all (the host's copy)."""
-        loaded = self._gather({m: a.load.remote(str(directory)) for m, a in self.actors.items()}, "restore")
-        results: list = [None] * len(self.program.results)
-        for values in loaded.values():
-            for r, value in values.items():
-                results[r] = value
-        return results
+        return self._collect(self._gather({n: a.load.remote(str(directory)) for n, a in self.actors.items()},
+                                          "restore"))

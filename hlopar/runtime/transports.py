@@ -14,10 +14,13 @@ as `runtime.local_transfer` does in one process. Only the unit ops' bytes travel
 
 Every unit-op kind ends with each of its receivers holding the op's whole box
 (`broadcast`: down a chain, `send_recv`: one by one, `scatter_allgather`: parts then a ring).
-Between processes the box is sent ONCE per op, whatever the number of receivers: its
-receivers are devices of the receiving worker, which reads the one copy and places it on
-each of them. Chunking (`UnitOp.chunks`) pipelines a chain of device links; it has nothing
-to pipeline here and is not reproduced.
+Between processes the box is sent ONCE per op and receiving worker, whatever the number of
+receivers on it: the worker reads the one copy and places it on each of them. A mesh that
+spans hosts has one worker per host (`mesh_processes`): an op leaves from the worker owning
+its sending device (`pack` from that worker's `Pieces`) and goes to each worker owning one
+of its receivers (`mesh_processes.routes`), which fills only its own devices' shards
+(`unpack_shards`). Chunking (`UnitOp.chunks`) pipelines a chain of device links; it has
+nothing to pipeline here and is not reproduced.
 
 ## The CPU transport: Ray's object store, through actor method calls
 
@@ -47,7 +50,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,8 +58,10 @@ import numpy as np
 from hlopar.analysis.device_slices import all_device_slices
 from hlopar.analysis.resharding.unit_tasks import Box, MeshLayout, box_of
 from hlopar.codegen.transfers import PlannedTransfer
+from hlopar.runtime.mesh_processes import Pieces
 
-__all__ = ["Mailbox", "ObjectStoreTransport", "Payload", "TransportError", "pack", "transport_for", "unpack"]
+__all__ = ["Mailbox", "ObjectStoreTransport", "Payload", "TransportError", "pack", "transport_for", "unpack",
+           "unpack_shards"]
 
 
 class TransportError(RuntimeError):
@@ -70,6 +75,7 @@ class Payload:
 
     array: np.ndarray | None = None
     boxes: tuple[np.ndarray, ...] | None = None
+    ops: tuple[int, ...] | None = None  # the plan's unit ops the boxes are (None: all, in order)
 
     @property
     def nbytes(self) -> int:
@@ -94,41 +100,51 @@ def _slices(box: Box, origin: Box | None = None) -> tuple[slice, ...]:
     return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin))
 
 
-def pack(plan: PlannedTransfer | None, array) -> Payload:
-    """The sender's side: the boxes of `plan`'s unit ops cut from the global value `array`
-    (each read where the source layout puts it on the op's sending device), or the whole
-    array for an unplanned transfer."""
-    array = np.asarray(array)
+def pack(plan: PlannedTransfer | None, array, ops: Sequence[int] | None = None) -> Payload:
+    """The sender's side: the boxes of `plan`'s unit ops (`ops`: only those; None: all) cut
+    from the global value `array`, or from `Pieces` of it that this worker holds (each box
+    read where the source layout puts it on the op's sending device), or the whole array for
+    an unplanned transfer."""
     if plan is None:
-        return Payload(array=np.ascontiguousarray(array))
-    array = array.reshape(plan.shape)
+        if isinstance(array, Pieces):
+            raise TransportError("an unplanned transfer needs the whole array on one worker")
+        return Payload(array=np.ascontiguousarray(np.asarray(array)))
+    pieces = array if isinstance(array, Pieces) else Pieces.whole(np.asarray(array).reshape(plan.shape))
     held = _layout_boxes(plan.shape, plan.src)
     boxes = []
-    for op in plan.ops:
-        if op.sender not in held or not _contains(held[op.sender], op.box):
+    for k in range(len(plan.ops)) if ops is None else ops:
+        op = plan.ops[k]
+        piece = None
+        if op.sender in held and _contains(held[op.sender], op.box):
+            piece = next((k for k, b in enumerate(pieces.boxes) if _contains(b, op.box)), None)
+        if piece is None:
             raise TransportError(f"unit op of task {op.task}: device {op.sender} does not hold box {list(op.box)}")
-        boxes.append(np.ascontiguousarray(array[_slices(op.box)]))
-    return Payload(boxes=tuple(boxes))
+        boxes.append(np.ascontiguousarray(pieces.arrays[piece][_slices(op.box, pieces.boxes[piece])]))
+    return Payload(boxes=tuple(boxes), ops=None if ops is None else tuple(ops))
 
 
-def unpack(plan: PlannedTransfer | None, payload: Payload) -> np.ndarray:
-    """The receiver's side: each destination device's shard filled from the boxes it
-    receives, checked complete; returns the global value put together from the shards."""
-    if plan is None:
-        if payload.array is None:
-            raise TransportError("a whole-array transfer received unit-op boxes")
-        return payload.array
-    if payload.boxes is None or len(payload.boxes) != len(plan.ops):
-        raise TransportError(f"expected {len(plan.ops)} unit-op boxes, got "
-                             f"{'a whole array' if payload.boxes is None else len(payload.boxes)}")
+def unpack_shards(plan: PlannedTransfer, payloads: Sequence[Payload],
+                  devices: Collection[int] | None = None) -> dict[int, np.ndarray]:
+    """The receiver's side: each destination device of `devices` (None: all) gets its shard
+    filled from the boxes its ops give it (the payloads of every sender), checked complete."""
     needs = _layout_boxes(plan.shape, plan.dst)
-    dtype = payload.boxes[0].dtype if payload.boxes else np.float32
-    shards = {d: np.zeros([hi - lo for lo, hi in box], dtype) for d, box in needs.items()}
-    seen = {d: np.zeros(shards[d].shape, bool) for d in needs}
-    for op, data in zip(plan.ops, payload.boxes):
+    mine = set(needs) if devices is None else set(devices)
+    received: dict[int, np.ndarray] = {}
+    for payload in payloads:
+        if payload.boxes is None or (payload.ops is None and len(payload.boxes) != len(plan.ops)):
+            raise TransportError(f"expected {len(plan.ops)} unit-op boxes, got "
+                                 f"{'a whole array' if payload.boxes is None else len(payload.boxes)}")
+        received.update(zip(range(len(plan.ops)) if payload.ops is None else payload.ops, payload.boxes))
+    dtype = next(iter(received.values())).dtype if received else np.float32
+    shards = {d: np.zeros([hi - lo for lo, hi in needs[d]], dtype) for d in mine}
+    seen = {d: np.zeros(shards[d].shape, bool) for d in mine}
+    for k, data in received.items():
+        op = plan.ops[k]
         for receiver in op.receivers:
             if receiver not in needs:
                 raise TransportError(f"unit op of task {op.task}: device {receiver} is not in the destination mesh")
+            if receiver not in mine:
+                continue
             if not _contains(needs[receiver], op.box):
                 raise TransportError(f"unit op of task {op.task}: device {receiver} does not need box {list(op.box)}")
             where = _slices(op.box, needs[receiver])
@@ -138,6 +154,20 @@ def unpack(plan: PlannedTransfer | None, payload: Payload) -> np.ndarray:
         if not mask.all():
             raise TransportError(f"device {device} is missing {int(mask.size - mask.sum())} of its {mask.size} "
                                  "elements after the transfer")
+    return shards
+
+
+def unpack(plan: PlannedTransfer | None, payload: Payload | Sequence[Payload]) -> np.ndarray:
+    """The receiver's side on one worker holding the whole destination: every shard filled
+    (`unpack_shards`); returns the global value put together from them (replicas must agree)."""
+    payloads = [payload] if isinstance(payload, Payload) else list(payload)
+    if plan is None:
+        if len(payloads) != 1 or payloads[0].array is None:
+            raise TransportError("a whole-array transfer received unit-op boxes")
+        return payloads[0].array
+    needs = _layout_boxes(plan.shape, plan.dst)
+    shards = unpack_shards(plan, payloads)
+    dtype = next(iter(shards.values())).dtype
     gathered = np.empty(plan.shape, dtype)
     filled = np.zeros(plan.shape, bool)
     for device, box in needs.items():
@@ -194,12 +224,14 @@ class ObjectStoreTransport:
         returns at once (the call's reference, for whoever wants to wait on it)."""
         return peer.deliver.remote(step, dict(items))
 
-    def pull(self, peer, step: int, transfer: str, microbatch: int, once: bool, timeout: float) -> Payload:
-        """Asks the peer worker for a transfer's payload and waits for it."""
+    def pull(self, peer, step: int, transfer: str, microbatch: int, once: bool, timeout: float,
+             to: str | None = None) -> Payload:
+        """Asks the peer worker for a transfer's payload (what it sends worker `to`) and waits
+        for it."""
         import ray
 
         try:
-            return ray.get(peer.fetch.remote(step, transfer, microbatch, once), timeout=timeout)
+            return ray.get(peer.fetch.remote(step, transfer, microbatch, once, to), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise TransportError(f"{transfer} (microbatch {microbatch}): the sender did not answer in "
                                  f"{timeout:g} s") from None

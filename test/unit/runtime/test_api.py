@@ -1,7 +1,10 @@
 """What `hlopar.parallelize` does before any worker starts: the cluster description, planning
-with its on-disk cache, the plain data each worker gets, placement. No Ray here."""
+with its on-disk cache, the plain data each worker gets, placement (one worker per mesh and
+host), the progress display. No Ray here."""
 
 from __future__ import annotations
+
+import io
 
 import jax
 import pytest
@@ -9,6 +12,7 @@ import pytest
 import hlopar
 from hlopar.api import Cluster, describe_plan, plan_step
 from hlopar.models import get_train_step
+from hlopar.progress import Progress
 from hlopar.runtime.ray_runtime import placement_of, worker_programs
 
 CLUSTER = Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu").resolved()
@@ -75,9 +79,41 @@ def test_worker_programs_and_placement(cache):
         assert {i.id.rpartition(":")[0] for i in wp.stream.instructions} == {mesh}
     assert set(program.batch_args) <= {i for wp in programs.values() for i in wp.arguments}
 
+    # One worker per (mesh, host): a mesh inside a host is one worker, named as the mesh...
     placement = placement_of(program, 4, local=False, device_kind="cpu")
-    assert placement.host_of_mesh == {m: program.devices[m][0] // 4 for m in program.meshes}
-    # A mesh over two hosts needs multi-process XLA: only on the local machine (simulated hosts).
-    assert placement_of(program, 2, local=True, device_kind="cpu").local
-    with pytest.raises(RuntimeError, match="spans hosts"):
-        placement_of(program, 2, local=False, device_kind="cpu")
+    assert {n: (s.mesh, s.host) for n, s in placement.workers.slots.items()} == {
+        m: (m, program.devices[m][0] // 4) for m in program.meshes}
+    # ...a mesh over two hosts (2 devices each) is two, each owning its host's devices.
+    workers = placement_of(program, 2, local=False, device_kind="cpu").workers
+    for mesh in program.meshes:
+        slots = workers.of_mesh(mesh)
+        assert [s.name for s in slots] == [f"{mesh}@{d // 2}" for d in program.devices[mesh][::2]]
+        assert [s.process for s in slots] == [0, 1] and all(len(s.devices) == 2 for s in slots)
+        assert sorted(d for s in slots for d in s.devices) == sorted(program.devices[mesh])
+        assert all(workers.owner(mesh, d) == s.name for s in slots for d in s.devices)
+
+
+@pytest.mark.parametrize("tty", [False, True])
+def test_progress_shows_the_phases(tty):
+    class Stream(io.StringIO):
+        def isatty(self):
+            return tty
+
+    stream = Stream()
+    progress = Progress(stream=stream)
+    progress.phase("lowering")
+    progress.message("lowered in 0.1 s")
+    progress.phase("planning")
+    progress.done()
+    text = stream.getvalue()
+    assert "hlopar: lowered in 0.1 s\n" in text
+    if tty:  # one line, redrawn in place, cleared at the end
+        assert "1/4 lowering" in text and "2/4 planning" in text and text.endswith("\r\x1b[K")
+    else:
+        assert text == "hlopar: lowering...\nhlopar: lowered in 0.1 s\nhlopar: planning...\n"
+    silent = Stream()
+    quiet = Progress(enabled=False, stream=silent)
+    quiet.phase("lowering")
+    quiet.message("x")
+    quiet.done()
+    assert silent.getvalue() == ""

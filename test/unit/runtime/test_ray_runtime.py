@@ -1,7 +1,8 @@
 """`hlopar.parallelize` on Ray: the zoo's tiny models train through two Ray workers (2 hosts x
 4 CPU devices, one worker per mesh, each with its own 4 CPU devices) and compute what
-single-device JAX computes; a killed worker makes the call raise within 60 s and the next
-call works; a saved state restores.
+single-device JAX computes; a mesh spanning simulated hosts runs as one worker per host (a
+multi-process jax runtime), pure sharding and pipelined; a killed worker makes the call
+raise within 60 s and the next call works; a saved state restores.
 
 Tolerances, as in `microbatch/microbatch_steps.py`: loss and Adam's moments to 1e-5 relative
 (of their largest magnitude); parameters the same plus Adam's step bound (2 lr), for the
@@ -30,6 +31,7 @@ from hlopar.models import get_train_step
 ray = pytest.importorskip("ray")
 
 CLUSTER = hlopar.Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu")
+FOUR_HOSTS = hlopar.Cluster.local(num_hosts=4, devices_per_host=2, device_kind="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -79,10 +81,10 @@ def only_batch_sent(parallel, state_leaves: int | None = None) -> None:
             assert i in batch_args or kept.get(i, mesh) != mesh, (mesh, i, stats.sent, stats.kept)
 
 
-def train(model: str, steps: int, **options) -> hlopar.api.ParallelizedFunction:
+def train(model: str, steps: int, cluster=CLUSTER, **options) -> hlopar.api.ParallelizedFunction:
     """Trains `steps` steps through parallelize, checking each against single-device JAX."""
     step, params, state, batch = start(model)
-    parallel = hlopar.parallelize(step.step, cluster=CLUSTER, batch_argnums=(2,), verbose=False, **options)
+    parallel = hlopar.parallelize(step.step, cluster=cluster, batch_argnums=(2,), verbose=False, **options)
     p, s = params, state
     rp, rs = params, state
     try:
@@ -128,30 +130,68 @@ def test_training_matches_one_device(ray_cluster, model, schedule):
         parallel.shutdown()
 
 
-def test_pure_sharding_runs_one_worker_over_every_device(ray_cluster):
-    parallel = train("mlp", 2, method="shard", num_microbatches=2, schedule="1f1b")
+def assert_spanning_workers(parallel, mesh: str, hosts: int, devices: int) -> None:
+    """`mesh` runs as one worker per host, each its own process with its own devices."""
+    info = {n: i for n, i in parallel.runtime.setup_info.items() if i["mesh"] == mesh}
+    assert sorted(info) == sorted(f"{mesh}@{i['host']}" for i in info.values()) and len(info) == hosts
+    assert len({i["pid"] for i in info.values()}) == hosts and os.getpid() not in {i["pid"] for i in info.values()}
+    assert all(len(i["devices"]) == devices for i in info.values())
+
+
+@pytest.mark.parametrize("model", ["mlp", pytest.param("gpt", marks=pytest.mark.heavy)])
+def test_pure_sharding_spans_both_hosts(ray_cluster, model):
+    """One 2x4 mesh over both simulated hosts: two workers of 4 CPU devices, one jax runtime
+    (the GPT plan shards over the host axis, so XLA's collectives cross the processes)."""
+    parallel = train(model, 3, method="shard", num_microbatches=2, schedule="1f1b")
     try:
         assert list(parallel.runtime.program.meshes) == ["m0"]
-        assert [len(i["devices"]) for i in parallel.runtime.setup_info.values()] == [8]
+        assert_spanning_workers(parallel, "m0", 2, 4)
     finally:
         parallel.shutdown()
 
 
-def test_a_killed_worker_raises_and_the_next_call_restarts(ray_cluster, tmp_path):
+@pytest.mark.parametrize("model", ["mlp", pytest.param("gpt", marks=pytest.mark.heavy)])
+def test_pipeline_with_a_mesh_across_hosts(ray_cluster, model):
+    """4 hosts x 2 devices: the planner puts a stage on 3 hosts (MLP: 1x6 and 1x2 meshes, GPT:
+    3x2 sharded and 1x2); unit ops go between the workers owning their devices."""
+    parallel = train(model, 3, cluster=FOUR_HOSTS, num_microbatches=2, schedule="1f1b")
+    try:
+        program = parallel.runtime.program
+        assert len(program.meshes) == 2, "the plan does not pipeline: the test would prove less"
+        wide = max(program.meshes, key=lambda m: len(program.devices[m]))
+        assert len(program.devices[wide]) == 6, "no mesh spans hosts: the test would prove less"
+        assert_spanning_workers(parallel, wide, 3, 2)
+        workers = parallel.last_stats.workers
+        assert sum(w["sent_bytes"] for n, w in workers.items() if n.startswith(f"{wide}@")) > 0
+        assert sum(w["sent_bytes"] for n, w in workers.items() if not n.startswith(f"{wide}@")) > 0
+    finally:
+        parallel.shutdown()
+
+
+KILL_CASES = [
+    pytest.param({}, "m0", "m1", id="two-meshes"),
+    pytest.param({"method": "shard"}, "m0@1", "m0@0", id="mesh-across-hosts"),
+]
+
+
+@pytest.mark.parametrize("options, victim, sleeper", KILL_CASES)
+def test_a_killed_worker_raises_and_the_next_call_restarts(ray_cluster, tmp_path, options, victim, sleeper):
+    """Kills `victim` while `sleeper` sleeps in its step; with a mesh across hosts, one
+    process of the mesh's jax runtime dies and every worker of it is restarted."""
     step, params, state, batch = start("mlp")
     parallel = hlopar.parallelize(step.step, cluster=CLUSTER, num_microbatches=2, schedule="1f1b",
-                                  batch_argnums=(2,), verbose=False)
+                                  batch_argnums=(2,), verbose=False, **options)
     try:
         first = parallel(params, state, batch)
         parallel.save(tmp_path / "state")
         second = parallel(first[0], first[1], batch)
         runtime = parallel.runtime
         pids = runtime.worker_pids()
-        ray.get(runtime.actors["m1"].debug_delay.remote(30.0))  # m1 is still asleep when m0 dies
-        killer = threading.Timer(1.0, os.kill, (pids["m0"], signal.SIGKILL))
+        ray.get(runtime.actors[sleeper].debug_delay.remote(30.0))  # still asleep when the victim dies
+        killer = threading.Timer(1.0, os.kill, (pids[victim], signal.SIGKILL))
         killer.start()
         clock = time.monotonic()
-        with pytest.raises(hlopar.WorkerError, match="worker of mesh m0 died"):
+        with pytest.raises(hlopar.WorkerError, match="worker of mesh m0( \\(host 1\\))? died"):
             parallel(second[0], second[1], batch)
         assert time.monotonic() - clock < 60
         killer.join()
@@ -171,7 +211,7 @@ def test_a_killed_worker_raises_and_the_next_call_restarts(ray_cluster, tmp_path
 
         # A worker that stalls (alive, silent) is given up on at the deadline.
         runtime.timeout = 3.0
-        ray.get(runtime.actors["m0"].debug_delay.remote(30.0))
+        ray.get(runtime.actors[victim].debug_delay.remote(30.0))
         clock = time.monotonic()
         with pytest.raises(hlopar.WorkerError, match="did not answer within 3 s"):
             parallel(again[0], again[1], batch)

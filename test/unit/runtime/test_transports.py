@@ -1,6 +1,7 @@
 """The transports' unit-op semantics, without Ray: what a sender packs of a planned transfer
-and what the receiver rebuilds from it, for any layouts and strategies; the mailbox's waits
-are bounded."""
+and what the receiver rebuilds from it, for any layouts and strategies, also when each mesh
+is split over several workers (one per host) that each hold only their devices' shards; the
+mailbox's waits are bounded."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from hlopar.analysis.mesh import DeviceMesh
 from hlopar.analysis.resharding import STRATEGIES, HostModel, MeshLayout, UnitOp, plan_transfer
 from hlopar.analysis.sharding import ShardingSpec
 from hlopar.codegen.transfers import PlannedTransfer
-from hlopar.runtime.transports import Mailbox, Payload, TransportError, pack, transport_for, unpack
+from hlopar.runtime.mesh_processes import Pieces, gather_pieces, routes, worker_layout
+from hlopar.runtime.transports import Mailbox, Payload, TransportError, pack, transport_for, unpack, unpack_shards
 
 MESH_SHAPES = {1: [(1,)], 2: [(2,), (1, 2)], 3: [(3,)], 4: [(4,), (2, 2), (1, 4)]}
 
@@ -54,6 +56,50 @@ def test_unpack_rebuilds_what_pack_sent(data):
     assert payload.array is None and len(payload.boxes) == len(transfer.ops)
     assert payload.nbytes == sum(4 * int(np.prod([hi - lo for lo, hi in op.box])) for op in transfer.ops)
     np.testing.assert_array_equal(unpack(transfer, payload), array)
+
+
+def shards_of(array: np.ndarray, layout: MeshLayout, devices) -> Pieces:
+    """What a worker owning `devices` holds of `array` laid out by `layout`."""
+    boxes = {d: b for b, holders in layout.held_boxes(array.shape) for d in holders if d in devices}
+    return Pieces(array.shape, tuple(boxes.values()),
+                  tuple(array[tuple(slice(lo, hi) for lo, hi in b)] for b in boxes.values()))
+
+
+@settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_workers_of_meshes_across_hosts_exchange_only_their_unit_ops(data):
+    """Meshes on 4 hosts x 2 devices: each sending worker packs the ops of its devices for
+    each receiving worker, which fills exactly its own devices' shards from what it gets."""
+    rank = data.draw(st.integers(1, 3))
+    shape = tuple(data.draw(st.lists(st.integers(1, 6), min_size=rank, max_size=rank)))
+    devices = data.draw(st.permutations(range(8)))
+    src = data.draw(layouts(4, ("a", "b"), tuple(devices[:4]), rank))
+    dst = data.draw(layouts(4, ("x", "y"), tuple(devices[4:]), rank))
+    transfer = planned(shape, src, dst, data.draw(st.sampled_from(STRATEGIES)))
+    layout = worker_layout({"s": src.physical_devices, "d": dst.physical_devices}, devices_per_host=2)
+    array = np.random.default_rng(0).normal(size=shape).astype(np.float32)
+    paths = routes(transfer, layout, "s", "d")
+    sent = {key: pack(transfer, shards_of(array, src, layout.slots[key[0]].devices), ops)
+            for key, ops in paths.items()}
+    assert sum(len(p.boxes) for p in sent.values()) == sum(
+        len({layout.owner("d", r) for r in op.receivers}) for op in transfer.ops)  # once per receiving worker
+    for slot in layout.of_mesh("d"):
+        shards = unpack_shards(transfer, [p for (_, to), p in sent.items() if to == slot.name], slot.devices)
+        assert set(shards) == set(slot.devices)
+        held = {d: b for b, holders in dst.held_boxes(shape) for d in holders}
+        for device, shard in shards.items():
+            if device in held:  # else an empty shard (uneven split)
+                np.testing.assert_array_equal(shard, array[tuple(slice(lo, hi) for lo, hi in held[device])])
+    with pytest.raises(TransportError, match="does not hold box"):
+        pack(transfer, Pieces(shape, (), ()))  # a worker holding none of the value
+
+
+def test_the_pieces_of_every_worker_make_the_value():
+    array = np.arange(24.0).reshape(4, 6)
+    top, bottom = Pieces((4, 6), (((0, 2), (0, 6)),), (array[:2],)), Pieces((4, 6), (((2, 4), (0, 6)),), (array[2:],))
+    np.testing.assert_array_equal(gather_pieces([top, bottom]), array)
+    with pytest.raises(RuntimeError, match="cover 12 of 24"):
+        gather_pieces([top])
 
 
 def test_unplanned_transfers_move_the_whole_array():
