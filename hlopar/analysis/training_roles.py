@@ -351,7 +351,7 @@ def _layer_of_ops(graph: FuncGraph, roles: TrainingRoles, forward_layer: Mapping
             continue
         candidates: set[int] = set()
         cotangent = None
-        for v in _reads(graph, i):
+        for v in graph.reads(i):
             p = values[v].producer
             if p is not None and constant[p]:
                 continue  # a constant says nothing about layers, wherever it sits
@@ -478,20 +478,6 @@ def _constant_derived(graph: FuncGraph, preds: list[list[int]]) -> list[bool]:
     derived = [False] * len(graph.ops)
     for i in range(len(graph.ops)):
         derived[i] = all(derived[p] for p in preds[i]) and not any(
-            values[v].is_arg for v in _reads(graph, i)
+            values[v].is_arg for v in graph.reads(i)
         )
     return derived
-
-
-def _reads(graph: FuncGraph, i: int) -> tuple[int, ...]:
-    """Values defined outside top-level op `i` that it reads (its regions included)."""
-    op = graph.ops[i]
-    if not op.regions:
-        return op.operands
-    values = graph.values
-    found = []
-    for nested in op.walk():
-        for v in nested.operands:
-            if values[v].producer != i and v not in found:
-                found.append(v)
-    return tuple(found)

@@ -27,9 +27,10 @@ from pathlib import Path
 
 from hlopar.cli.guard import run_isolated
 
-# Whole-backward schedules: the planned program has no separate weight-gradient fragments,
-# so eager-1f1b-wd (backward weight delaying) has nothing to run for W.
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "eager-1f1b")
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
+# Stage construction's memory check counts the forwards in flight, which weight delaying
+# does not change: eager-1f1b-wd is planned as eager-1f1b.
+PLANNED_AS = {"eager-1f1b-wd": "eager-1f1b"}
 BUNDLE_MARKER = "pipeline.json"
 
 DESCRIPTION = """\
@@ -65,7 +66,8 @@ bundle (DIR):
   timeline.png                  the simulated timeline, one row per mesh
 
 simulation costs: a RUN takes its stage's latency per microbatch from the stage-construction
-report, split between forward and backward by their FLOPs; a SEND takes the predicted time of
+report, split between forward and backward by their FLOPs (and, for eager-1f1b-wd, the
+backward between its B and W fragments by theirs); a SEND takes the predicted time of
 the cross-mesh transfers it carries (planned by hlopar-cross-mesh-resharding on its 'paper'
 host model with M devices per host).
 
@@ -112,9 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--microbatches", type=_positive, required=True, metavar="B",
                         help="microbatches per step (divides the batch: the leading dim of every batch argument)")
     parser.add_argument("--schedule", required=True, choices=SCHEDULE_CHOICES,
-                        help="pipeline schedule: gpipe (all forwards, then all backwards), 1f1b, or eager-1f1b "
-                             "(stage i warms up with 2(#stages-i)+1 forwards so transfers overlap compute); "
-                             "eager-1f1b-wd is not offered: the planned backward fragments are whole")
+                        help="pipeline schedule: gpipe (all forwards, then all backwards), 1f1b, eager-1f1b "
+                             "(stage i warms up with 2(#stages-i)+1 forwards so transfers overlap compute), or "
+                             "eager-1f1b-wd (eager-1f1b with backward weight delaying: each backward is cut into "
+                             "B, the input gradients, sent at once, and W, the weight gradients, run after)")
     parser.add_argument("--preset", default="cpu", metavar="P",
                         help="cluster preset for link bandwidths, device FLOP/s and memory (default: cpu)")
     parser.add_argument("--memory-per-device", default=None, metavar="X",
@@ -180,6 +183,7 @@ def _install(staging: str, output: str) -> None:
 def _compile(args: argparse.Namespace, staging: str) -> int:
     from hlopar.codegen.bundle import write_bundle
     from hlopar.codegen.pipeline_program import ProgramError, pipeline_program
+    from hlopar.codegen.schedules import get_schedule
     from hlopar.ir.diagnostics import Diagnostic, DiagnosticError, error_at
     from hlopar.ir.module import parse_module, print_module, read_source
     from hlopar.passes.auto_parallel import AutoParallelPass
@@ -201,7 +205,8 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
 
     report = Path(staging) / "plan.json"
     planner = AutoParallelPass(num_hosts=args.num_hosts, devices_per_host=args.devices_per_host,
-                               microbatches=args.microbatches, split=True, schedule=args.schedule,
+                               microbatches=args.microbatches, split=True,
+                               schedule=PLANNED_AS.get(args.schedule, args.schedule),
                                memory_per_device=memory, preset=args.preset, layers=args.layers, report=str(report))
     context = PassContext()
     steps: list[tuple[str, float]] = []
@@ -214,7 +219,7 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
 
     clock = time.perf_counter()
     try:
-        program = pipeline_program(module)
+        program = pipeline_program(module, split_backward=get_schedule(args.schedule).split_backward)
     except ProgramError as error:
         raise DiagnosticError([error_at(error.location, f"hlopar-compile: {error}")]) from None
     timings.append(("codegen", time.perf_counter() - clock))

@@ -11,7 +11,8 @@
 
 The simulation prices each RUN from the stage-construction report: a stage's latency per
 microbatch, split between its forward and backward by the FLOPs of its forward and backward
-fragments (`analysis.flops`); each SEND by the `predicted_time` of the cross-mesh transfers
+fragments (`analysis.flops`), and a split backward between B and W by the FLOPs of its B
+and W fragments; each SEND by the `predicted_time` of the cross-mesh transfers
 it carries (the cross-mesh resharding pass's simulator), summed; an `mpmd.transfer` that was
 not planned costs what `fallback` (an alpha-beta model) says for its bytes.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hlopar.codegen.pipeline_program import PipelineProgram
@@ -28,20 +29,25 @@ from hlopar.codegen.schedules import (
     AlphaBeta, MeshStream, PipelineStreams, SimResult, StageCost, draw_timeline, simulate,
 )
 from hlopar.codegen.schedules.instructions import Instruction
+from hlopar.codegen.schedules.tasks import WEIGHT
 from hlopar.ir.module import print_module
 
 __all__ = ["PlannedComm", "read_streams", "simulation_summary", "stage_costs", "write_bundle"]
 
 
 def stage_costs(program: PipelineProgram, stage_latencies: Sequence[float]) -> list[StageCost]:
-    """Per stage, its latency per microbatch split between forward and backward by FLOPs."""
+    """Per stage, its latency per microbatch split between forward and backward by FLOPs, and
+    the backward between B and W by theirs when the program's backwards are split."""
     if len(stage_latencies) != program.topology.num_stages:
         raise ValueError(f"{len(stage_latencies)} stage latencies for {program.topology.num_stages} stages")
     costs = []
     for k, latency in enumerate(stage_latencies):
         forward, backward = program.stage_flops(k)
         share = forward / (forward + backward) if forward + backward > 0 else 0.5
-        costs.append(StageCost(forward=latency * share, backward=latency * (1 - share)))
+        cost = StageCost(forward=latency * share, backward=latency * (1 - share))
+        if program.split_backward and backward > 0:
+            cost = replace(cost, weight_fraction=program.stage_weight_flops(k) / backward)
+        costs.append(cost)
     return costs
 
 
@@ -83,7 +89,9 @@ def simulation_summary(program: PipelineProgram, streams: PipelineStreams, costs
         "compute_busy_s": dict(result.compute_busy),
         "stage_construction_step_s": predicted,
         "stages": [{"stage": k, "mesh": program.topology.meshes[k], "forward_s": c.forward, "backward_s": c.backward,
-                    "forward_flops": program.stage_flops(k)[0], "backward_flops": program.stage_flops(k)[1]}
+                    "weight_s": c.run_time(WEIGHT, True) if streams.split_backward else None,
+                    "forward_flops": program.stage_flops(k)[0], "backward_flops": program.stage_flops(k)[1],
+                    "weight_flops": program.stage_weight_flops(k)}
                    for k, c in enumerate(costs)],
         "sends": [{"src": src, "dst": dst, "seconds": seconds,
                    "transfers": [program.transfers[i].name for i in program.carried[src, dst]]}

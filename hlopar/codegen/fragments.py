@@ -24,7 +24,8 @@ from hlopar.analysis.mpmd import MeshTensorType, parse_topology
 from hlopar.analysis.sharding import ShardingSpec, TensorSharding
 from hlopar.ir.extract import clone_into
 
-__all__ = ["FragmentModule", "fragment_module", "fragment_modules", "program_devices", "program_topology"]
+__all__ = ["FragmentModule", "fragment_module", "fragment_modules", "program_devices", "program_topology",
+           "sharding_attrs"]
 
 SDY_SHARDING = "sdy.sharding"
 DEVICES_ATTR = "hlopar.devices"
@@ -133,14 +134,17 @@ def _copy_named_meshes(fragment: ir.Operation, symbol: str) -> None:
 def _value_attrs(types: list[MeshTensorType], symbol: str) -> ir.ArrayAttr:
     """Every value gets a closed sharding: one left out would be open, and Shardy could
     shard it other than the runtime places it."""
-    attrs = []
-    for t in types:
-        sharding = t.sharding
-        if sharding is None:
-            rank = len(ir.RankedTensorType(ir.Type.parse(t.tensor_type)).shape)
-            sharding = TensorSharding.from_spec(symbol, ShardingSpec.replicated(rank))
-        attrs.append(ir.DictAttr.get({SDY_SHARDING: ir.Attribute.parse(_closed(sharding).format())}))
-    return ir.ArrayAttr.get(attrs)
+    return ir.ArrayAttr.get([
+        sharding_attrs(t.sharding, symbol, len(ir.RankedTensorType(ir.Type.parse(t.tensor_type)).shape))
+        for t in types])
+
+
+def sharding_attrs(sharding: TensorSharding | None, symbol: str, rank: int) -> ir.DictAttr:
+    """An argument's or result's attributes: its closed `sdy.sharding` (None: replicated on
+    mesh `symbol`)."""
+    if sharding is None:
+        sharding = TensorSharding.from_spec(symbol, ShardingSpec.replicated(rank))
+    return ir.DictAttr.get({SDY_SHARDING: ir.Attribute.parse(_closed(sharding).format())})
 
 
 def _closed(sharding: TensorSharding) -> TensorSharding:

@@ -14,6 +14,11 @@ returns a `PipelineProgram`:
   result values, FLOPs, and its executable module: the standalone module of
   `fragments.fragment_module`, turned by `executables.accumulating_module` into one that
   adds the results summed over microbatches into donated accumulators;
+- with `split_backward` (for backward weight delaying), each backward fragment cut by
+  `weight_split.split_module` into B (role `backward`: what other stages read per
+  microbatch, the input gradients) and W (role `weight`, `stage<k>_weight`: the results
+  only the update reads or `@main` returns, the weight gradients, accumulated there); the
+  values B hands to W are values of their own, numbered after all others;
 - every transfer between meshes (`mpmd.transfer`, or a `hlopar.cross_mesh_transfer` decoded
   by `codegen.transfers`), named `t<i>`, with its bytes, and which SEND/RECV carries it;
 - the stage graph (`PipelineTopology`): stages are the meshes of the per-microbatch
@@ -23,7 +28,8 @@ returns a `PipelineProgram`:
 
 `PipelineProgram.streams(schedule)` gives the instruction streams of a schedule on that
 stage graph (`schedules.build_streams`), bound to the program: each RUN names the fragments
-it runs, each SEND/RECV the transfers it carries. A runtime executes those and nothing else
+it runs (a whole-backward schedule's RUN B runs a split program's B and W fragments), each
+SEND/RECV the transfers it carries. A runtime executes those and nothing else
 (`hlopar.runtime.local_executor.PipelinedStep`); the simulator prices them
 (`hlopar.codegen.bundle`).
 
@@ -50,15 +56,16 @@ from hlopar.codegen.schedules import PipelineStreams, build_streams, get_schedul
 from hlopar.codegen.schedules.instructions import RECV, RUN, SEND, Instruction, MeshStream
 from hlopar.codegen.schedules.topology import Edge, PipelineTopology
 from hlopar.codegen.transfers import CONTAINER, PlannedTransfer, planned_transfer
+from hlopar.codegen.weight_split import split_module
 from hlopar.ir.graph import FuncGraph, bit_width
 from hlopar.ir.module import print_module
 from hlopar.passes.split_microbatches import BATCH, KIND_ATTR, STEP, read_split
 
-__all__ = ["FORWARD", "BACKWARD", "UPDATE", "PipelineProgram", "ProgramError", "ProgramFragment",
+__all__ = ["FORWARD", "BACKWARD", "WEIGHT", "UPDATE", "PipelineProgram", "ProgramError", "ProgramFragment",
            "ProgramTransfer", "ProgramValue", "pipeline_program"]
 
-FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
-_RUN_ROLES = {"F": FORWARD, "B": BACKWARD}
+FORWARD, BACKWARD, WEIGHT, UPDATE = "forward", "backward", "weight", "update"
+_RUN_ROLES = {"F": (FORWARD,), "B": (BACKWARD, WEIGHT), "W": (WEIGHT,)}  # a whole backward: B and W
 
 
 class ProgramError(ValueError):
@@ -90,7 +97,7 @@ class ProgramFragment:
     name: str  # unique in the program; the bundle's file name
     mesh: str
     stage: int | None
-    role: str  # forward, backward, update
+    role: str  # forward, backward (B when split), weight (W), update
     operands: tuple[int, ...]  # value numbers
     results: tuple[int, ...]
     flops: float
@@ -136,6 +143,7 @@ class PipelineProgram:
     kept: frozenset[int]  # summed values whose per-microbatch copy other stages read too
     needed_once: frozenset[int]  # never freed with a microbatch (the update reads the last one's)
     carried: dict[tuple[str, str], tuple[int, ...]] = field(default_factory=dict)  # (src, dst) -> transfers
+    split_backward: bool = False  # backwards cut into B and W fragments
 
     @property
     def mesh_of_stage(self) -> dict[int, str]:
@@ -158,24 +166,32 @@ class PipelineProgram:
         return [f for f in self.fragments if f.stage == stage and f.role == role]
 
     def stage_flops(self, stage: int) -> tuple[float, float]:
-        """(forward, backward) FLOPs of a stage per microbatch."""
+        """(forward, backward) FLOPs of a stage per microbatch; backward: B and W together."""
         return (sum(f.flops for f in self.stage_fragments(stage, FORWARD)),
-                sum(f.flops for f in self.stage_fragments(stage, BACKWARD)))
+                sum(f.flops for f in self.stage_fragments(stage, BACKWARD) + self.stage_fragments(stage, WEIGHT)))
+
+    def stage_weight_flops(self, stage: int) -> float:
+        """FLOPs of a stage's W fragments per microbatch (0 unless split)."""
+        return sum(f.flops for f in self.stage_fragments(stage, WEIGHT))
 
     def streams(self, schedule: str) -> PipelineStreams:
         """The instruction streams of `schedule` on this program's stages, bound to it: each
         RUN names the fragments it runs, each SEND/RECV the transfers it carries."""
-        if get_schedule(schedule).split_backward:
+        if get_schedule(schedule).split_backward and not self.split_backward:
             raise ValueError(f"schedule {schedule!r} splits backwards into input and weight gradients; the "
-                             "program's backward fragments are whole (no W fragments to run)")
+                             "program's backward fragments are whole: read it with "
+                             "pipeline_program(module, split_backward=True)")
         streams = build_streams(self.topology, schedule, self.microbatches)
         return PipelineStreams(streams.schedule, streams.num_microbatches, streams.split_backward,
-                               tuple(MeshStream(s.mesh, s.stage, tuple(self._bind(i) for i in s.instructions))
+                               tuple(MeshStream(s.mesh, s.stage,
+                                                tuple(self._bind(i, streams.split_backward) for i in s.instructions))
                                      for s in streams.streams))
 
-    def _bind(self, inst: Instruction) -> Instruction:
+    def _bind(self, inst: Instruction, split: bool) -> Instruction:
         if inst.op == RUN:
-            names = tuple(f.name for f in self.stage_fragments(self.stage_of_mesh[inst.mesh], _RUN_ROLES[inst.kind]))
+            roles = (BACKWARD,) if split and inst.kind == "B" else _RUN_ROLES[inst.kind]
+            stage = self.stage_of_mesh[inst.mesh]
+            names = tuple(f.name for f in self.fragments if f.stage == stage and f.role in roles)
             return replace(inst, executables=names)
         if inst.op in (SEND, RECV):
             src, dst = (inst.mesh, inst.peer) if inst.op == SEND else (inst.peer, inst.mesh)
@@ -186,12 +202,14 @@ class PipelineProgram:
         """The program as JSON-ready data (the bundle's `pipeline.json`)."""
         return {
             "microbatches": self.microbatches,
+            "split_backward": self.split_backward,
             "batch_args": list(self.batch_args),
             "meshes": [{"mesh": m, "stage": self.stage_of_mesh.get(m), "devices": list(self.devices[m])}
                        for m in self.meshes],
             "stages": [{"stage": k, "mesh": self.topology.meshes[k], "forward_flops": self.stage_flops(k)[0],
-                        "backward_flops": self.stage_flops(k)[1],
-                        "stash_bytes": self.topology.activation_bytes[k]} for k in range(self.topology.num_stages)],
+                        "backward_flops": self.stage_flops(k)[1], "weight_flops": self.stage_weight_flops(k),
+                        "stash_bytes": self.topology.activation_bytes[k],
+                        "carry_bytes": self.topology.carry_bytes[k]} for k in range(self.topology.num_stages)],
             "edges": [{"src": e.src, "dst": e.dst, "act_bytes": e.nbytes, "grad_bytes": e.backward_bytes}
                       for e in self.topology.edges],
             "fragments": [{"name": f.name, "mesh": f.mesh, "stage": f.stage, "role": f.role,
@@ -207,14 +225,16 @@ class PipelineProgram:
         }
 
 
-def pipeline_program(module: ir.Operation) -> PipelineProgram:
-    """Reads a split, stage-constructed MPMD program (module docstring)."""
-    return _Reader(module).read()
+def pipeline_program(module: ir.Operation, split_backward: bool = False) -> PipelineProgram:
+    """Reads a split, stage-constructed MPMD program (module docstring); `split_backward`
+    cuts each backward into B and W fragments, as backward weight delaying runs them."""
+    return _Reader(module, split_backward).read()
 
 
 class _Reader:
-    def __init__(self, module: ir.Operation):
+    def __init__(self, module: ir.Operation, split_backward: bool = False):
         self.module = module
+        self.split_backward = split_backward
         self.main = _entry(module)
         try:
             self.microbatches, self.batch_args = read_split(self.main)
@@ -230,6 +250,7 @@ class _Reader:
         self.transfers: list[ProgramTransfer] = []
         self.ops: dict[int, ir.Operation] = {}  # fragment index -> mpmd.fragment
         self.names: dict[str, int] = {}
+        self.carry_bytes: dict[int, int] = {}  # stage -> what its B fragments hand to W, per microbatch
 
     def read(self) -> PipelineProgram:
         block = self.main.regions[0].blocks[0]
@@ -252,16 +273,17 @@ class _Reader:
             else:
                 raise ProgramError(f"a pipeline cannot run '{op.name}' at the top level of @main "
                                    "(expected mpmd.fragment, mpmd.transfer, hlopar.cross_mesh_transfer)", op.location)
-        read_once = self._mark_accumulated(results)
+        read_once, read_each = self._mark_accumulated(results)
         kept = frozenset(f.results[p] for f in self.fragments for p in f.keep)
         needed_once = frozenset(read_once | {t.result for t in self.transfers if self._origin(t.source) in read_once})
-        self._build_modules()
+        self._build_modules(read_once - read_each)
         stage_of_mesh = self._stages()
         carried = self._carried(stage_of_mesh, kept)
         topology = self._stage_graph(stage_of_mesh, carried)
         return PipelineProgram(
             self.microbatches, self.batch_args, tuple(shapes), tuple(self.topology), dict(self.physical),
-            self.values, self.fragments, self.transfers, results, topology, stage_of_mesh, kept, needed_once, carried)
+            self.values, self.fragments, self.transfers, results, topology, stage_of_mesh, kept, needed_once, carried,
+            self.split_backward)
 
     # -- ops
 
@@ -322,8 +344,9 @@ class _Reader:
             v = self.transfers[self.values[v].transfer].source
         return v
 
-    def _mark_accumulated(self, results: tuple[int, ...]) -> set[int]:
-        """Per-microbatch values read once (by an update fragment or as a result) are summed."""
+    def _mark_accumulated(self, results: tuple[int, ...]) -> tuple[set[int], set[int]]:
+        """Per-microbatch values read once (by an update fragment or as a result) are summed.
+        Returns the values read once and those read per microbatch (by other fragments)."""
         read_once, read_each = set(), set()
         for fragment in self.fragments:
             for v in fragment.operands:
@@ -353,18 +376,62 @@ class _Reader:
                     keep.append(position)
                 self.values[v].accumulated = True
             fragment.accumulate, fragment.keep = tuple(accumulate), tuple(keep)
-        return read_once
+        return read_once, read_each
 
-    def _build_modules(self) -> None:
+    def _build_modules(self, only_once: set[int]) -> None:
+        """Each fragment's executable module; with `split_backward`, a backward fragment
+        becomes B and W (W makes the results in `only_once`), numbered in its place."""
+        fragments: list[ProgramFragment] = []
+        ops: dict[int, ir.Operation] = {}
         for fragment in self.fragments:
+            op = self.ops[fragment.index]
             try:
-                module = fragment_module(self.ops[fragment.index], self.topology)
+                module = fragment_module(op, self.topology)
             except ValueError as error:
-                raise ProgramError(str(error), self.ops[fragment.index].location) from None
-            fragment.flops = float(sum(function_flops(FuncGraph.from_module(module))))
-            if fragment.accumulate:
-                module = accumulating_module(module, fragment.accumulate, fragment.keep)
-            fragment.module = module
+                raise ProgramError(str(error), op.location) from None
+            parts = [(fragment, module)]
+            if self.split_backward and fragment.role == BACKWARD:
+                parts = self._split(fragment, module, only_once, str(op.attributes["origin"]))
+            for part, module in parts:
+                part.index = len(fragments)
+                for v in part.results:
+                    self.values[v].producer = part.index
+                ops[part.index] = op
+                part.flops = float(sum(function_flops(FuncGraph.from_module(module))))
+                if part.accumulate:
+                    module = accumulating_module(module, part.accumulate, part.keep)
+                part.module = module
+                fragments.append(part)
+        self.fragments, self.ops = fragments, ops
+
+    def _split(self, whole: ProgramFragment, module: ir.Operation, only_once: set[int],
+               origin: str) -> list[tuple[ProgramFragment, ir.Operation]]:
+        """B and W of a backward fragment (one of them alone when the other has no result)."""
+        halves = split_module(module, [p for p, v in enumerate(whole.results) if v in only_once])
+        extra = []  # carried values that are not results of the whole fragment: values of their own
+        for j, nbytes in zip(halves.carried_from, halves.carried_bytes):
+            if j >= len(halves.input_results):
+                extra.append(len(self.values))
+                self.values.append(ProgramValue(whole.mesh, True, nbytes))
+        made_by_b = [whole.results[p] for p in halves.input_results] + extra
+        carried = tuple(made_by_b[j] for j in halves.carried_from)
+        self.carry_bytes[whole.stage] = self.carry_bytes.get(whole.stage, 0) + sum(halves.carried_bytes)
+
+        def half(role: str, name: str, args, positions, operands: tuple = (), results: tuple = ()):
+            return ProgramFragment(
+                0, name, whole.mesh, whole.stage, role, tuple(whole.operands[a] for a in args) + operands,
+                tuple(whole.results[p] for p in positions) + results, 0.0, None,
+                accumulate=tuple(j for j, p in enumerate(positions) if p in whole.accumulate),
+                keep=tuple(j for j, p in enumerate(positions) if p in whole.keep))
+
+        parts = []
+        if halves.input is not None:
+            parts.append((half(BACKWARD, whole.name, halves.input_args, halves.input_results, results=tuple(extra)),
+                          halves.input))
+        if halves.weight is not None:
+            parts.append((half(WEIGHT, self._name(origin, WEIGHT, whole.index), halves.weight_args,
+                               halves.weight_results, operands=carried), halves.weight))
+        return parts
 
     # -- the stage graph
 
@@ -410,14 +477,15 @@ class _Reader:
         mesh_of_stage = {s: m for m, s in stage_of_mesh.items()}
         num_stages = len(mesh_of_stage)
         return PipelineTopology(num_stages, edges, self._stash_bytes(stage_of_mesh, num_stages),
-                                meshes=tuple(mesh_of_stage[s] for s in range(num_stages)))
+                                meshes=tuple(mesh_of_stage[s] for s in range(num_stages)),
+                                carry_bytes=tuple(self.carry_bytes.get(k, 0) for k in range(num_stages)))
 
     def _stash_bytes(self, stage_of_mesh: Mapping[str, int], num_stages: int) -> tuple[int, ...]:
         """Per stage, what its backward reads per microbatch of its own forward's results and of
         the microbatch's examples (received activations are counted as received buffers)."""
         stash = [0] * num_stages
         for k in range(num_stages):
-            read = {v for f in self.fragments if f.stage == k and f.role == BACKWARD for v in f.operands}
+            read = {v for f in self.fragments if f.stage == k and f.role in (BACKWARD, WEIGHT) for v in f.operands}
             for v in read:
                 value = self.values[v]
                 producer = self.fragments[value.producer] if value.producer is not None else None

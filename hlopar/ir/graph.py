@@ -248,6 +248,19 @@ class FuncGraph:
                     ids.append(op.id)
         return table
 
+    def reads(self, i: int) -> tuple[int, ...]:
+        """Values defined outside top-level op `i` that it reads (its regions included), in
+        order of first use: what the op needs from the rest of the function."""
+        op = self.ops[i]
+        if not op.regions:
+            return op.operands
+        found: dict[int, None] = {}
+        for nested in op.walk():
+            for v in nested.operands:
+                if self.values[v].producer != i:
+                    found.setdefault(v)
+        return tuple(found)
+
     def predecessors(self, i: int) -> tuple[int, ...]:
         """Top-level ops whose results top-level op `i` reads, ascending."""
         found = set()

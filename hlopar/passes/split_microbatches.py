@@ -426,7 +426,7 @@ class _Splitter:
         op_kinds: list[str | None] = []
         for index, node in enumerate(graph.ops):
             op = node.mlir_op
-            reads = _reads(graph, index)
+            reads = graph.reads(index)
             read_kinds = {kind[v] for v in reads}
             carries = [self.divided(value_of(graph, v)) is not None for v in node.results]
             if any(carries) or BATCH in read_kinds:
@@ -528,7 +528,7 @@ class _Splitter:
         while True:
             producer = graph.values[value].producer
             node = graph.ops[producer]
-            step_inputs = [v for v in _reads(graph, producer) if kind[v] == STEP]
+            step_inputs = [v for v in graph.reads(producer) if kind[v] == STEP]
             if not step_inputs:
                 return node.mlir_op
             value = step_inputs[0]
@@ -688,7 +688,7 @@ def split_step(module: ir.Operation) -> SplitStep:
     preds = [graph.predecessors(i) for i in range(len(graph.ops))]
     per_microbatch: set[int] = set()
     def reduces_the_batch(i: int) -> bool:
-        return kinds[i] == SUM and any(_kind_of(graph, kinds, v, batch_args) == BATCH for v in _reads(graph, i))
+        return kinds[i] == SUM and any(_kind_of(graph, kinds, v, batch_args) == BATCH for v in graph.reads(i))
 
     stack = [i for i, k in enumerate(kinds) if k == BATCH or reduces_the_batch(i)]
     while stack:
@@ -710,7 +710,7 @@ def split_step(module: ir.Operation) -> SplitStep:
                 needed.add(p)  # independent of the batch: recomputed after the sums
     stack = list(needed)
     while stack:
-        for v in _reads(graph, stack.pop()):
+        for v in graph.reads(stack.pop()):
             p = graph.values[v].producer
             if p is None or p in needed:
                 continue
@@ -722,9 +722,9 @@ def split_step(module: ir.Operation) -> SplitStep:
     order = sorted(sums)
     arg_number = {a: i for i, a in enumerate(graph.args)}
     micro_ops = sorted(per_microbatch)
-    micro_reads = {v for i in micro_ops for v in _reads(graph, i)}
+    micro_reads = {v for i in micro_ops for v in graph.reads(i)}
     micro_args = tuple(i for i, a in enumerate(graph.args) if a in micro_reads)
-    update_reads = {v for i in needed for v in _reads(graph, i)} | set(graph.results)
+    update_reads = {v for i in needed for v in graph.reads(i)} | set(graph.results)
     update_args = tuple(i for i, a in enumerate(graph.args) if a in update_reads and i not in batch_args)
     if any(arg_number.get(v) in batch_args for v in update_reads if v in arg_number):
         raise ValueError("a batch argument is read after the sums")
@@ -895,19 +895,6 @@ def _int_attr(op: ir.Operation, name: str) -> int:
 def _divided_type(type_: ir.Type, div: tuple[int, ...]) -> ir.RankedTensorType:
     tensor = ir.RankedTensorType(type_)
     return ir.RankedTensorType.get([s // d for s, d in zip(tensor.shape, div)], tensor.element_type, tensor.encoding)
-
-
-def _reads(graph: FuncGraph, i: int) -> tuple[int, ...]:
-    """Values defined outside top-level op `i` that it reads (its regions included), in order."""
-    op = graph.ops[i]
-    if not op.regions:
-        return op.operands
-    found: dict[int, None] = {}
-    for nested in op.walk():
-        for v in nested.operands:
-            if graph.values[v].producer != i:
-                found.setdefault(v)
-    return tuple(found)
 
 
 def _kind_of(graph: FuncGraph, kinds: list[str | None], v: int, batch_args: Sequence[int]) -> str | None:

@@ -11,11 +11,12 @@ results:
   forward and backward fragments run per microbatch and whose update fragments run once),
   as codegen reads it (`codegen.pipeline_program`: the fragments' executable modules, the
   transfers, the stage graph), executed by following the instruction streams codegen makes
-  for a schedule (GPipe, 1F1B, eager-1F1B, ...), bound to the program. One process plays
-  every mesh: it repeatedly takes, mesh by mesh, the next instruction whose dependencies
-  have run. RUN executes the fragments it names for that microbatch on the stage's devices;
-  the values that leave the per-microbatch part (gradients, the loss's share) are summed
-  inside those executables, in donated accumulators. SEND carries out the transfers it names
+  for a schedule (GPipe, 1F1B, eager-1F1B, eager-1F1B with backward weight delaying),
+  bound to the program. One process plays every mesh: it repeatedly takes, mesh by mesh, the
+  next instruction whose dependencies have run. RUN executes the fragments it names for that
+  microbatch on the stage's devices (F: forward; B: backward, or its input-gradient half
+  when split; W: the weight-gradient half); the values that leave the per-microbatch part
+  (gradients, the loss's share) are summed inside those executables, in donated accumulators. SEND carries out the transfers it names
   for the microbatch (an `mpmd.transfer` is a copy; a `hlopar.cross_mesh_transfer` runs its
   unit ops device to device, `local_transfer.run_planned_transfer`), RECV checks they came;
   ACCUMULATE and FREE release what the schedule says is dead; UPDATE marks the end of a
@@ -36,7 +37,7 @@ from hlopar.codegen.executables import DeviceExecutable, accumulating_module, co
 from hlopar.codegen.pipeline_program import (
     UPDATE, PipelineProgram, ProgramFragment, ProgramTransfer, pipeline_program,
 )
-from hlopar.codegen.schedules import FREE, RECV, RUN, SEND, PipelineStreams
+from hlopar.codegen.schedules import FREE, RECV, RUN, SEND, PipelineStreams, get_schedule
 from hlopar.passes.base import PassContext
 from hlopar.passes.split_microbatches import SplitMicrobatchesPass, read_split, split_step
 from hlopar.runtime.local_transfer import run_planned_transfer
@@ -120,12 +121,13 @@ class PipelinedStep:
     """A split training step after `hlopar-stage-construction` (and, optionally,
     `hlopar-cross-mesh-resharding`), compiled on local devices and run under a pipeline
     schedule (module docstring). Takes the program as codegen made it
-    (`codegen.pipeline_program.PipelineProgram`), or the module, read here."""
+    (`codegen.pipeline_program.PipelineProgram`), or the module, read here (its backwards
+    split into B and W when the schedule delays weight gradients)."""
 
     def __init__(self, program: PipelineProgram | ir.Operation, schedule: str = "1f1b",
                  devices: Mapping[int, jax.Device] | None = None):
         if not isinstance(program, PipelineProgram):
-            program = pipeline_program(program)
+            program = pipeline_program(program, split_backward=get_schedule(schedule).split_backward)
         self.program = program
         devices = dict(enumerate(jax.devices())) if devices is None else devices
         self.devices = devices
@@ -277,8 +279,6 @@ class _Run:
         program = self.program
         self.log.append(f"{inst.id} {inst.describe()}")
         if inst.op == RUN:
-            if inst.kind not in ("F", "B"):
-                raise ValueError(f"{inst.id}: the executor runs whole backwards (schedule without weight delaying)")
             for name in inst.executables:
                 self.run_fragment(program.fragment(name), inst.microbatch)
         elif inst.op == SEND:
@@ -295,7 +295,8 @@ class _Run:
         # fragments run after every stream (`updates`).
 
     def free(self, mesh: str, inst) -> None:
-        """Drops the buffers of a microbatch the schedule says are dead on this mesh."""
+        """Drops the buffers of a microbatch the schedule says are dead on this mesh (at the
+        stash's FREE, after the stage's last task of the microbatch: what B hands to W too)."""
         name = inst.buffer
         if not name.startswith("stash."):
             return

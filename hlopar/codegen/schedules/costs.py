@@ -25,7 +25,9 @@ class StageCost:
     """Seconds per microbatch of one stage's executables.
 
     `backward` is the whole backward; when a schedule splits it, W takes `weight_fraction`
-    of it and B the rest (both halves cost about a forward each in a transformer layer).
+    of it and B the rest. A planned program gives the fraction from the FLOPs of its W and B
+    fragments (`codegen.bundle.stage_costs`); the default 0.5 is a transformer layer's (both
+    halves cost about a forward each).
     """
 
     forward: float

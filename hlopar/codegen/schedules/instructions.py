@@ -7,8 +7,9 @@ when backwards are split), and FREEs of buffers whose last user ran; one UPDATE 
 
 Every instruction names the instructions it waits for (`deps`), across meshes for a RECV (it
 waits for its SEND). Instruction ids are "<mesh>:<position>". Buffers are per mesh:
-`stash.m` (what F(m) keeps for B(m)/W(m)), `act.m->m3` / `grad.m->m1` (produced, until sent),
-`act.m<-m1` / `grad.m<-m3` (received, until the stage's last task of microbatch m ran).
+`stash.m` (what F(m) keeps for B(m)/W(m)), `carry.m` (what B(m) hands to W(m), when
+backwards are split), `act.m->m3` / `grad.m->m1` (produced, until sent), `act.m<-m1` /
+`grad.m<-m3` (received, until the stage's last task of microbatch m ran).
 FREE is asynchronous: it releases the buffer once its deps are done and blocks no stream.
 """
 
@@ -251,6 +252,8 @@ class _StageBuilder:
         elif kind == BACKWARD:
             recvs = [self._recv(GRAD, m, e.dst, k, e.backward_bytes) for e in self.outs]
             allocs = tuple((f"grad.{m}->{self._mesh(e.src)}", e.backward_bytes) for e in self.ins)
+            if self.split:
+                allocs += ((f"carry.{m}", self.topology.carry_bytes[k]),)
             run = self._emit(("run", k, BACKWARD, m), [("run", k, FORWARD, m)] + recvs, op=RUN, kind=BACKWARD,
                              microbatch=m, allocates=allocs)
             for e in self.ins:
@@ -282,6 +285,8 @@ class _StageBuilder:
         k = self.stage
         self._emit(("acc", k, m), [last], op=ACCUMULATE, microbatch=m)
         self._free(f"stash.{m}", self.topology.activation_bytes[k], last)
+        if self.split:
+            self._free(f"carry.{m}", self.topology.carry_bytes[k], last)
         for e in self.ins:
             self._free(f"act.{m}<-{self._mesh(e.src)}", e.nbytes, last)
         for e in self.outs:

@@ -5,7 +5,9 @@ to stage dst > src, and so stage dst's backward sends as many gradient bytes bac
 `grad_nbytes`, when given: a program's gradients need not be its activations' size). A plain
 pipeline is the chain k -> k+1; skip connections (a U-Transformer's stage i -> #stages-1-i)
 are more edges. Each stage also stashes `activation_bytes[k]` per microbatch between its
-forward and backward (for the memory estimate); each stage runs on its own mesh.
+forward and backward, and, when a schedule splits backwards, holds `carry_bytes[k]` from
+its B to its W (what B computed that W reads; for the memory estimate); each stage runs on
+its own mesh.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class PipelineTopology:
     edges: tuple[Edge, ...]
     activation_bytes: tuple[int, ...] = ()
     meshes: tuple[str, ...] = ()
+    carry_bytes: tuple[int, ...] = ()  # per stage, held from B to W per microbatch (default 0)
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
@@ -44,11 +47,12 @@ class PipelineTopology:
         if not self.activation_bytes:
             object.__setattr__(self, "activation_bytes", (0,) * self.num_stages)
         object.__setattr__(self, "activation_bytes", tuple(int(b) for b in self.activation_bytes))
+        object.__setattr__(self, "carry_bytes", tuple(int(b) for b in self.carry_bytes or (0,) * self.num_stages))
         if not self.meshes:
             object.__setattr__(self, "meshes", tuple(f"m{k + 1}" for k in range(self.num_stages)))
         object.__setattr__(self, "meshes", tuple(self.meshes))
-        if len(self.activation_bytes) != self.num_stages or len(self.meshes) != self.num_stages:
-            raise ValueError("activation_bytes and meshes need one entry per stage")
+        if any(len(t) != self.num_stages for t in (self.activation_bytes, self.carry_bytes, self.meshes)):
+            raise ValueError("activation_bytes, carry_bytes and meshes need one entry per stage")
         if len(set(self.meshes)) != self.num_stages:
             raise ValueError(f"mesh names must be distinct, got {self.meshes}")
         seen = set()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -21,7 +22,8 @@ def topologies(draw, max_stages=5):
              if draw(st.booleans())]
     chain = [draw(st.integers(0, 5)) * 1000 for _ in range(stages - 1)]
     stash = [draw(st.integers(0, 9)) * 100 for _ in range(stages)]
-    return PipelineTopology.chain(stages, chain, stash, skips=skips)
+    topo = PipelineTopology.chain(stages, chain, stash, skips=skips)
+    return replace(topo, carry_bytes=tuple(draw(st.integers(0, 9)) * 10 for _ in range(stages)))
 
 
 def test_text_of_a_small_pipeline():
@@ -88,6 +90,13 @@ def test_stream_structure(topo, micro, name):
         k = stream.stage
         runs = Counter((i.kind, i.microbatch) for i in insts if i.op == RUN)
         assert runs == Counter({(kind, m): 1 for kind in ("FBW" if split else "FB") for m in range(micro)})
+        position = {i.id: p for p, i in enumerate(insts)}
+        run = {(i.kind, i.microbatch): i for i in insts if i.op == RUN}
+        for m in range(micro):
+            assert run["F", m].id in run["B", m].deps
+            if split:  # W(m) after its B(m), which allocates what it hands to W(m)
+                assert run["B", m].id in run["W", m].deps and position[run["B", m].id] < position[run["W", m].id]
+                assert (f"carry.{m}", topo.carry_bytes[k]) in run["B", m].allocates
         assert Counter(i.microbatch for i in insts if i.op == ACCUMULATE) == Counter(range(micro))
         assert [i.op for i in insts].count(UPDATE) == 1 and insts[-1].op == UPDATE
         assert {by_id[d].op for d in insts[-1].deps} == {ACCUMULATE}
@@ -110,7 +119,7 @@ def test_stream_structure(topo, micro, name):
         assert sum(i.op == SEND for i in insts) == micro * expected_sends
         assert sum(i.op == RECV for i in insts) == micro * expected_sends
         for inst in insts:
-            if inst.op == FREE and inst.buffer.startswith("stash."):
+            if inst.op == FREE and inst.buffer.startswith(("stash.", "carry.")):
                 (last,) = inst.deps
                 assert by_id[last].kind == ("W" if split else "B")
 
@@ -122,6 +131,8 @@ def test_errors():
         PipelineTopology(3, (Edge(0, 1, 10), Edge(0, 1, 5)))
     with pytest.raises(ValueError, match="one entry per stage"):
         PipelineTopology(3, (), activation_bytes=(1, 2))
+    with pytest.raises(ValueError, match="one entry per stage"):
+        PipelineTopology(3, (), carry_bytes=(1, 2))
     with pytest.raises(ValueError, match="unknown instruction 'JUMP'"):
         Instruction("m1:0", "JUMP")
     streams = build_streams(PipelineTopology.chain(2, 8), "1f1b", 2)
