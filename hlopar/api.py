@@ -71,7 +71,7 @@ from hlopar.progress import Progress
 __all__ = ["Cluster", "ParallelizedFunction", "PlannedStep", "parallelize", "plan_step"]
 
 METHODS = ("auto", "shard", "pipeline")
-SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
 CACHE_VERSION = "hlopar-plan-v1"
 
 
@@ -183,6 +183,7 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
     """Plans a training step's StableHLO text for a (resolved) cluster and writes its bundle,
     or reads the cached one. Module docstring."""
     from hlopar.codegen.pipeline_program import pipeline_program
+    from hlopar.codegen.schedules import get_schedule
     from hlopar.ir.module import parse_module
     from hlopar.passes.base import PassContext
     from hlopar.passes.import_program import ImportPass
@@ -192,6 +193,7 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     clock = time.perf_counter()
+    split = get_schedule(schedule).split_backward
     module = parse_module(text)
     ImportPass().run(module, PassContext())
     if num_microbatches is None:
@@ -203,13 +205,13 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
                                     sort_keys=True).encode()).hexdigest()[:24]
     bundle = _cache_root() / "plans" / key
     if cache and (bundle / "pipeline.json").is_file() and (bundle / "program.mlir").is_file():
-        program = pipeline_program(parse_module((bundle / "program.mlir").read_text()))
+        program = pipeline_program(parse_module((bundle / "program.mlir").read_text()), split_backward=split)
         plan = json.loads((bundle / "plan.json").read_text())
         log(f"plan read from the cache ({bundle})")
         return PlannedStep(program, bundle, plan, True, time.perf_counter() - clock)
 
     plan = _plan_module(module, cluster, num_microbatches, schedule, method, batch_args)
-    program = pipeline_program(module)
+    program = pipeline_program(module, split_backward=split)
     if cache:
         _write_cached(bundle, program, module, plan, schedule, options, cluster)
     else:

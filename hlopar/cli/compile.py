@@ -28,9 +28,6 @@ from pathlib import Path
 from hlopar.cli.guard import run_isolated
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
-# Stage construction's memory check counts the forwards in flight, which weight delaying
-# does not change: eager-1f1b-wd is planned as eager-1f1b.
-PLANNED_AS = {"eager-1f1b-wd": "eager-1f1b"}
 BUNDLE_MARKER = "pipeline.json"
 
 DESCRIPTION = """\
@@ -206,7 +203,7 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
     report = Path(staging) / "plan.json"
     planner = AutoParallelPass(num_hosts=args.num_hosts, devices_per_host=args.devices_per_host,
                                microbatches=args.microbatches, split=True,
-                               schedule=PLANNED_AS.get(args.schedule, args.schedule),
+                               schedule=args.schedule,
                                memory_per_device=memory, preset=args.preset, layers=args.layers, report=str(report))
     context = PassContext()
     steps: list[tuple[str, float]] = []

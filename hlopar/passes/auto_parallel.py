@@ -41,7 +41,7 @@ class AutoParallelPass(ModulePass):
     microbatches: int | None = option(None, "microbatches per step, or auto", parse=parse_count_or_auto)
     split: bool = option(False, "split @main into the step of one microbatch first (hlopar-split-microbatches; "
                                 "needs a number of microbatches)")
-    schedule: Literal["1f1b", "eager-1f1b", "gpipe"] = option("1f1b", "pipeline schedule")
+    schedule: Literal["1f1b", "eager-1f1b", "eager-1f1b-wd", "gpipe"] = option("1f1b", "pipeline schedule")
     memory_per_device: float | None = option(None, "bytes per device, e.g. 80GiB (default: the preset's)", parse=parse_bytes)
     preset: str = option("cpu", f"cluster preset ({', '.join(sorted(CLUSTER_PRESETS))})")
     layers: int | None = option(None, "number of layers, or auto", parse=parse_count_or_auto)

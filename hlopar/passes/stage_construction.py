@@ -69,7 +69,7 @@ class StageConstructionPass(ModulePass):
     devices_per_host: int = option(8, "devices per host (M)")
     microbatches: int | None = option(None, "microbatches per step, or auto (searched over divisors of the batch)",
                                       parse=parse_count_or_auto)
-    schedule: Literal["1f1b", "eager-1f1b", "gpipe"] = option("1f1b", "pipeline schedule (sets the memory check of Eq. 5)")
+    schedule: Literal["1f1b", "eager-1f1b", "eager-1f1b-wd", "gpipe"] = option("1f1b", "pipeline schedule (sets the memory check of Eq. 5)")
     memory_per_device: float | None = option(None, "bytes per device, e.g. 80GiB (default: the preset's)", parse=parse_bytes)
     preset: str = option("cpu", f"cluster preset for links, FLOP/s and memory ({', '.join(sorted(CLUSTER_PRESETS))})")
     layers: int | None = option(None, "layers when the input is not clustered yet (auto: chosen)",

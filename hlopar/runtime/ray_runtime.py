@@ -445,8 +445,6 @@ class _WorkerRun:
 
     def execute(self, inst) -> None:
         if inst.op == RUN:
-            if inst.kind not in ("F", "B"):
-                raise ValueError(f"{inst.id}: the runtime runs whole backwards (schedule without weight delaying)")
             for name in inst.executables:
                 self.run_fragment(self.w.fragments[name], inst.microbatch)
         elif inst.op == SEND:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 __all__ = ["SCHEDULES", "Submesh", "assign_devices", "in_flight_microbatches", "logical_mesh_shapes", "submesh_shapes"]
 
-SCHEDULES = ("gpipe", "1f1b", "eager-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
 
 
 @dataclass(frozen=True)
@@ -64,14 +64,15 @@ def in_flight_microbatches(schedule: str, stages_after: int, microbatches: int) 
     to the last (itself included), B = `microbatches`: the factor of mem_act in Eq. 5.
 
     gpipe: all B forwards run before any backward. 1f1b: min(s, B) (Eq. 5). eager-1f1b (the
-    cross-mesh resharding paper, §4): stage i of S warms up with 2(S-i)+1 forwards, i.e. 2s-1."""
+    cross-mesh resharding paper, §4): stage i of S warms up with 2(S-i)+1 forwards, i.e. 2s-1;
+    eager-1f1b-wd the same (its W runs right after its B, so what B hands W lives briefly)."""
     if stages_after < 1 or microbatches < 1:
         raise ValueError(f"stages_after and microbatches must be positive, got {stages_after} and {microbatches}")
     if schedule == "gpipe":
         return microbatches
     if schedule == "1f1b":
         return min(stages_after, microbatches)
-    if schedule == "eager-1f1b":
+    if schedule in ("eager-1f1b", "eager-1f1b-wd"):
         return min(2 * stages_after - 1, microbatches)
     raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
 

@@ -107,9 +107,11 @@ SCHEDULE_CASES = [
     pytest.param("mlp", "1f1b", id="mlp-1f1b"),
     pytest.param("mlp", "gpipe", id="mlp-gpipe"),
     pytest.param("mlp", "eager-1f1b", id="mlp-eager-1f1b"),
+    pytest.param("mlp", "eager-1f1b-wd", id="mlp-eager-1f1b-wd"),
     pytest.param("gpt", "1f1b", id="gpt-1f1b"),
     pytest.param("gpt", "gpipe", id="gpt-gpipe", marks=pytest.mark.heavy),
     pytest.param("gpt", "eager-1f1b", id="gpt-eager-1f1b", marks=pytest.mark.heavy),
+    pytest.param("gpt", "eager-1f1b-wd", id="gpt-eager-1f1b-wd", marks=pytest.mark.heavy),
     pytest.param("u_transformer", "1f1b", id="u_transformer-1f1b", marks=pytest.mark.heavy),
 ]
 
