@@ -206,6 +206,7 @@ class MeshWorker:
                        if wp.mesh in (t.src_mesh, t.dst_mesh)}
         return {"worker": self.name, "mesh": wp.mesh, "pid": os.getpid(), "host": self.slot.host,
                 "devices": [str(self.devices[d]) for d in self.slot.devices],
+                "platform": self.devices[self.slot.devices[0]].platform,
                 "executables": len(compiled), "compile_s": time.perf_counter() - clock}
 
     def senders(self, transfer: str) -> list[str]:

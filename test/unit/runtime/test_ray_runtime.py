@@ -113,6 +113,8 @@ SCHEDULE_CASES = [
     pytest.param("gpt", "eager-1f1b", id="gpt-eager-1f1b", marks=pytest.mark.heavy),
     pytest.param("gpt", "eager-1f1b-wd", id="gpt-eager-1f1b-wd", marks=pytest.mark.heavy),
     pytest.param("u_transformer", "1f1b", id="u_transformer-1f1b", marks=pytest.mark.heavy),
+    pytest.param("u_transformer", "gpipe", id="u_transformer-gpipe", marks=pytest.mark.heavy),
+    pytest.param("u_transformer", "eager-1f1b", id="u_transformer-eager-1f1b", marks=pytest.mark.heavy),
 ]
 
 
@@ -125,9 +127,33 @@ def test_training_matches_one_device(ray_cluster, model, schedule):
         assert sorted(len(d) for d in program.devices.values()) == [4, 4]
         info = parallel.runtime.setup_info
         assert len({i["pid"] for i in info.values()}) == 2 and os.getpid() not in {i["pid"] for i in info.values()}
-        assert all(len(i["devices"]) == 4 for i in info.values())  # each worker its own 4 CPU devices
+        assert all(len(i["devices"]) == 4 and i["platform"] == "cpu" for i in info.values())  # its own 4 CPU devices
         workers = parallel.last_stats.workers
         assert all(w["sent_bytes"] > 0 for w in workers.values())  # activations and gradients crossed
+    finally:
+        parallel.shutdown()
+
+
+def local_gpus() -> int:
+    try:
+        return len(jax.devices("gpu"))
+    except RuntimeError:
+        return 0
+
+
+@pytest.mark.skipif(local_gpus() < 2, reason="needs at least 2 local GPUs (jax with CUDA)")
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+def test_training_on_gpus_matches_one_device(ray_cluster, model):
+    """The same on GPUs: 2 simulated hosts, each worker its GPUs (CUDA_VISIBLE_DEVICES), the
+    object-store transport through host memory. FP32 matmuls at full precision on both
+    sides, so TF32 does not hide a wrong result behind a loose tolerance. Never run on the
+    2-core CI machine (no GPU); see docs/runtime.md."""
+    gpus = local_gpus()
+    cluster = hlopar.Cluster.local(num_hosts=2, devices_per_host=gpus // 2, device_kind="gpu")
+    with jax.default_matmul_precision("highest"):
+        parallel = train(model, 3, cluster=cluster, num_microbatches=2, schedule="eager-1f1b")
+    try:
+        assert {i["platform"] for i in parallel.runtime.setup_info.values()} == {"gpu"}
     finally:
         parallel.shutdown()
 
