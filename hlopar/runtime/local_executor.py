@@ -40,6 +40,7 @@ from hlopar.codegen.pipeline_program import (
 from hlopar.codegen.schedules import FREE, RECV, RUN, SEND, PipelineStreams, get_schedule
 from hlopar.passes.base import PassContext
 from hlopar.passes.split_microbatches import SplitMicrobatchesPass, read_split, split_step
+from hlopar.runtime.fragment_calls import run_fragment
 from hlopar.runtime.local_transfer import run_planned_transfer
 
 __all__ = ["MicrobatchedStep", "PipelinedStep", "run_microbatched", "run_pipelined"]
@@ -231,24 +232,9 @@ class _Run:
         return jax.device_put(source, landing)
 
     def run_fragment(self, fragment: ProgramFragment, m: int) -> None:
-        ex = self.step.executables[fragment.name]
         inputs = [self.read(v, m, once=fragment.role == UPDATE) for v in fragment.operands]
-        accumulators = []
-        for position in fragment.accumulate:
-            v = fragment.results[position]
-            if v not in self.sums:
-                shape, dtype = ex.spmd.input_types[len(accumulators)]
-                self.sums[v] = jax.device_put(np.zeros(shape, dtype), ex.input_shardings[len(accumulators)])
-            accumulators.append(self.sums[v])
-        outputs = ex.run(accumulators + inputs)
-        count = len(fragment.results)
-        for position, v in enumerate(fragment.results):
-            if position in fragment.accumulate:
-                self.sums[v] = outputs[position]
-            else:
-                self.store[(v, m if self.program.values[v].per_microbatch else None)] = outputs[position]
-        for j, position in enumerate(fragment.keep):
-            self.store[(fragment.results[position], m)] = outputs[count + j]
+        run_fragment(self.step.executables[fragment.name], fragment, inputs, m, self.sums, self.store,
+                     lambda v: self.program.values[v].per_microbatch)
 
     # the streams
 

@@ -57,6 +57,7 @@ from hlopar.codegen.schedules import FREE, RECV, RUN, SEND, PipelineStreams
 from hlopar.codegen.schedules.instructions import MeshStream
 from hlopar.runtime.mesh_processes import (Pieces, WorkerLayout, coordinator_address, gather_pieces, host_value,
                                            join_mesh, local_pieces, mesh_devices, routes, worker_layout)
+from hlopar.runtime.fragment_calls import run_fragment
 from hlopar.runtime.transports import Mailbox, TransportError, pack, transport_for, unpack, unpack_shards
 
 __all__ = ["MeshWorker", "Placement", "RayRuntime", "WorkerError", "WorkerProgram", "placement_of",
@@ -408,27 +409,12 @@ class _WorkerRun:
     def run_fragment(self, fragment: ProgramFragment, m: int) -> None:
         import jax
 
-        ex = self.w.executables[fragment.name]
         inputs = [self.read(v, m, once=fragment.role == UPDATE) for v in fragment.operands]
-        accumulators = []
-        for position in fragment.accumulate:
-            v = fragment.results[position]
-            if v not in self.sums:
-                shape, dtype = ex.spmd.input_types[len(accumulators)]
-                self.sums[v] = jax.device_put(np.zeros(shape, dtype), ex.input_shardings[len(accumulators)])
-            accumulators.append(self.sums[v])
         clock = time.perf_counter()
-        outputs = jax.block_until_ready(ex.run(accumulators + inputs))
+        jax.block_until_ready(run_fragment(self.w.executables[fragment.name], fragment, inputs, m, self.sums,
+                                           self.store, lambda v: self.program.values[v].per_microbatch))
         self.timing["run_s"] += time.perf_counter() - clock
         self.timing["runs"] += 1
-        count = len(fragment.results)
-        for position, v in enumerate(fragment.results):
-            if position in fragment.accumulate:
-                self.sums[v] = outputs[position]
-            else:
-                self.store[(v, m if self.program.values[v].per_microbatch else None)] = outputs[position]
-        for j, position in enumerate(fragment.keep):
-            self.store[(fragment.results[position], m)] = outputs[count + j]
         self._made()
 
     # the stream

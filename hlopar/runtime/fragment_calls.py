@@ -1,0 +1,45 @@
+"""One planned fragment run for one microbatch, as both executors run it (the in-process
+`local_executor.PipelinedStep` and the Ray workers of `ray_runtime`).
+
+The fragment's accumulated results are summed inside its executable: the running sums go in
+first (donated; zeros at the first microbatch) and come back updated. Its other results are
+stored per microbatch when they depend on it, once otherwise; the values it keeps for its
+own backward (`keep`) follow its results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping, Sequence
+
+import jax
+import numpy as np
+
+from hlopar.codegen.executables import DeviceExecutable
+from hlopar.codegen.pipeline_program import ProgramFragment
+
+__all__ = ["run_fragment"]
+
+
+def run_fragment(ex: DeviceExecutable, fragment: ProgramFragment, inputs: Sequence, m: int,
+                 sums: MutableMapping[int, jax.Array], store: MutableMapping[tuple[int, int | None], object],
+                 per_microbatch: Callable[[int], bool]) -> list[jax.Array]:
+    """Runs `ex` (the fragment's executable) on `inputs` (its operands, as read for
+    microbatch `m`), updating `sums` (value -> running sum) and `store` ((value, microbatch
+    or None) -> array). Returns the outputs, not waited for."""
+    accumulators = []
+    for position in fragment.accumulate:
+        v = fragment.results[position]
+        if v not in sums:
+            shape, dtype = ex.spmd.input_types[len(accumulators)]
+            sums[v] = jax.device_put(np.zeros(shape, dtype), ex.input_shardings[len(accumulators)])
+        accumulators.append(sums[v])
+    outputs = ex.run(accumulators + list(inputs))
+    count = len(fragment.results)
+    for position, v in enumerate(fragment.results):
+        if position in fragment.accumulate:
+            sums[v] = outputs[position]
+        else:
+            store[(v, m if per_microbatch(v) else None)] = outputs[position]
+    for j, position in enumerate(fragment.keep):
+        store[(fragment.results[position], m)] = outputs[count + j]
+    return outputs
