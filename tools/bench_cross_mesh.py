@@ -6,8 +6,8 @@
 Each case of Table 2 and of §5.1.1 is planned with five methods and its completion time
 predicted by the host model of §3 (4 GPUs per host over NVLink, 10 Gbps between hosts):
 
-    send-recv               send/recv per unit task, greedy least-loaded sender (§5.1.1's baseline)
-    alpa-local-allgather    Alpa's send/recv + local all-gather, same sender choice (Alpa §6)
+    send-recv               send/recv per unit task, least-loaded sender per box in Alpa's order (§5.1.2)
+    alpa-local-allgather    Alpa's send/recv + local all-gather, same senders and order (Alpa §6, §5.1.2)
     broadcast-naive         broadcast, lowest-index sender, tasks in Alpa's order (§5.3.1)
     broadcast-load-balance  broadcast, senders by the load-balance greedy (§5.3.1)
     hlopar                  broadcast, ensemble of DFS and randomized greedy (the paper's method)
@@ -28,8 +28,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 METHODS = {
-    "send-recv": ("send-recv", "load-balance"),
-    "alpa-local-allgather": ("alpa-local-allgather", "load-balance"),
+    "send-recv": ("send-recv", "greedy-in-order"),
+    "alpa-local-allgather": ("alpa-local-allgather", "greedy-in-order"),
     "broadcast-naive": ("broadcast", "naive"),
     "broadcast-load-balance": ("broadcast", "load-balance"),
     "hlopar": ("broadcast", "ensemble"),

@@ -26,6 +26,7 @@ __all__ = [
     "SearchBudget",
     "dfs",
     "ensemble",
+    "greedy_in_order",
     "load_balance",
     "makespan",
     "naive",
@@ -35,7 +36,7 @@ __all__ = [
     "task_classes",
 ]
 
-ALGORITHMS: tuple[str, ...] = ("naive", "load-balance", "dfs", "randomized-greedy", "ensemble")
+ALGORITHMS: tuple[str, ...] = ("naive", "greedy-in-order", "load-balance", "dfs", "randomized-greedy", "ensemble")
 
 Resource = Hashable
 
@@ -79,6 +80,22 @@ def makespan(problem: Problem, schedule: Schedule) -> float:
 def naive(problem: Problem) -> Schedule:
     """Lowest-indexed sender, tasks in their given order."""
     return tuple((t, 0) for t in range(len(problem)))
+
+
+def greedy_in_order(problem: Problem) -> Schedule:
+    """The baselines of §5.1.2: each task in its given order (Alpa's: destination box, then
+    source box) to the sender host with the least load so far, and executed in that order.
+
+    Unlike `load_balance` nothing is sorted: the paper's baselines pick "the sender with the
+    lowest load for the next data slice" and run "with Alpa's order".
+    """
+    load: Counter[int] = Counter()
+    schedule = []
+    for t, options in enumerate(problem):
+        k = min(range(len(options)), key=lambda k: (load[options[k].sender_host], k))
+        load[options[k].sender_host] += options[k].duration
+        schedule.append((t, k))
+    return tuple(schedule)
 
 
 def load_balance(problem: Problem) -> Schedule:
@@ -308,6 +325,8 @@ def run_algorithm(name: str, problem: Problem, budget: SearchBudget = SearchBudg
     """The schedule of one named algorithm (`ensemble`: the best of all)."""
     if name == "naive":
         return naive(problem)
+    if name == "greedy-in-order":
+        return greedy_in_order(problem)
     if name == "load-balance":
         return load_balance(problem)
     if name == "dfs":
