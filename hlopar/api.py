@@ -92,7 +92,7 @@ class Cluster:
     num_hosts: int | None = None
     devices_per_host: int | None = None
     device_kind: Literal["cpu", "gpu"] | None = None
-    preset: str | None = None  # the planner's cluster preset (default: "cpu" on CPUs, "v100-p3" on GPUs)
+    preset: str | None = None  # the planner's cluster preset (default: "cpu" on CPUs, "v100-p3.16xlarge" on GPUs)
 
     @classmethod
     def local(cls, num_hosts: int = 1, devices_per_host: int | None = None,
@@ -112,7 +112,7 @@ class Cluster:
         if self.is_local:
             local = Cluster.local(self.num_hosts or 1, self.devices_per_host, self.device_kind, self.preset)
             return Cluster(None, local.num_hosts, local.devices_per_host, local.device_kind,
-                           local.preset or ("cpu" if local.device_kind == "cpu" else "v100-p3"))
+                           local.preset or ("cpu" if local.device_kind == "cpu" else "v100-p3.16xlarge"))
         import ray
 
         _connect(self, 0)
@@ -122,7 +122,7 @@ class Cluster:
         per_host = self.devices_per_host or int(gpus if kind == "gpu" else min(n["Resources"].get("CPU", 1)
                                                                                  for n in nodes))
         return Cluster(self.address, self.num_hosts or len(nodes), per_host, kind,
-                       self.preset or ("cpu" if kind == "cpu" else "v100-p3"))
+                       self.preset or ("cpu" if kind == "cpu" else "v100-p3.16xlarge"))
 
     def key(self) -> dict:
         return {"hosts": self.num_hosts, "devices_per_host": self.devices_per_host, "kind": self.device_kind,
@@ -245,7 +245,7 @@ def _plan_module(module, cluster: Cluster, microbatches: int, schedule: str, met
                                   microbatches=microbatches, schedule=schedule, preset=cluster.preset,
                                   plan_shardings=method != "pipeline", report=paths["stages"]).run(module, context)
             stages = None
-        CrossMeshReshardingPass(devices_per_host=cluster.devices_per_host,
+        CrossMeshReshardingPass(cluster=cluster.preset, devices_per_host=cluster.devices_per_host,
                                 report=paths["cross_mesh"]).run(module, context)
         plan = {"pass": "hlopar.parallelize", "method": method}
         for key, path in paths.items():

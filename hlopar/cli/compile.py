@@ -65,8 +65,8 @@ bundle (DIR):
 simulation costs: a RUN takes its stage's latency per microbatch from the stage-construction
 report, split between forward and backward by their FLOPs (and, for eager-1f1b-wd, the
 backward between its B and W fragments by theirs); a SEND takes the predicted time of
-the cross-mesh transfers it carries (planned by hlopar-cross-mesh-resharding on its 'paper'
-host model with M devices per host).
+the cross-mesh transfers it carries (planned by hlopar-cross-mesh-resharding on the host
+model of --preset with M devices per host).
 
 presets (--preset):
 {presets}

@@ -63,7 +63,8 @@ class AutoParallelPass(ModulePass):
                     microbatches=self.microbatches, schedule=self.schedule,
                     memory_per_device=self.memory_per_device, preset=self.preset, report=paths["stages"],
                 ),
-                CrossMeshReshardingPass(devices_per_host=self.devices_per_host, report=paths["cross_mesh"]),
+                CrossMeshReshardingPass(cluster=self.preset, devices_per_host=self.devices_per_host,
+                                        report=paths["cross_mesh"]),
             ]
             for step in steps:
                 step.run(module, context)

@@ -20,7 +20,7 @@ from jaxlib.mlir import ir
 
 from hlopar.analysis.mesh import DeviceMesh
 from hlopar.analysis.mpmd import MeshTensorType, parse_topology
-from hlopar.analysis.resharding import PRESETS, HostModel, MeshLayout, SearchBudget, plan_transfer
+from hlopar.analysis.resharding import HostModel, host_model_for, MeshLayout, SearchBudget, plan_transfer
 from hlopar.analysis.resharding.host_model import GBPS
 from hlopar.analysis.sharding import ShardingPerValue, ShardingSpec, TensorSharding
 from hlopar.ir.diagnostics import source_location
@@ -43,7 +43,8 @@ class CrossMeshReshardingPass(ModulePass):
     algorithm: Literal["naive", "load-balance", "dfs", "randomized-greedy", "ensemble"] = option(
         "ensemble", "sender choice and order of unit tasks")
     chunks: int = option(0, "broadcast chunks per unit task; 0 picks them per op from the cluster model")
-    cluster: Literal["paper", "8gpu-100g"] = option("paper", "cluster preset (paper: 4 GPUs per host over NVLink, 10 Gbps)")
+    cluster: str = option("paper", "cluster preset: paper (4 GPUs per host over NVLink, 10 Gbps), 8gpu-100g, or a "
+                                   "cost-model preset as stage construction's `preset`")
     devices_per_host: int | None = option(None, "overrides the preset's devices per host")
     inter_host_gbps: float | None = option(None, "overrides the preset's NIC bandwidth per host and direction, Gbit/s")
     intra_host_gbps: float | None = option(None, "overrides the preset's device link bandwidth inside a host, Gbit/s")
@@ -54,7 +55,7 @@ class CrossMeshReshardingPass(ModulePass):
     report: str | None = option(None, "write a JSON report of every planned transfer to this path")
 
     def host_model(self) -> HostModel:
-        model = PRESETS[self.cluster]
+        model = host_model_for(self.cluster)
         overrides: dict[str, Any] = {}
         if self.devices_per_host is not None:
             overrides["devices_per_host"] = self.devices_per_host

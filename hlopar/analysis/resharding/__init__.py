@@ -5,7 +5,7 @@ one unit op per task (broadcast, send/recv or Alpa's local all-gather), a sender
 for each, with the completion time the host model predicts and a lower bound.
 """
 
-from hlopar.analysis.resharding.host_model import PRESETS, HostModel, paper_cluster, place_meshes
+from hlopar.analysis.resharding.host_model import PRESETS, HostModel, host_model_for, paper_cluster, place_meshes
 from hlopar.analysis.resharding.plan import PlannedOp, TransferPlan, plan_transfer
 from hlopar.analysis.resharding.scheduling import ALGORITHMS, SearchBudget
 from hlopar.analysis.resharding.simulator import UnitOp, lower_bound, op_cost, simulate
@@ -15,6 +15,7 @@ from hlopar.analysis.resharding.unit_tasks import MeshLayout, UnitTask, unit_tas
 __all__ = [
     "ALGORITHMS",
     "PRESETS",
+    "host_model_for",
     "STRATEGIES",
     "HostModel",
     "MeshLayout",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["HostModel", "PRESETS", "paper_cluster", "place_meshes"]
+__all__ = ["HostModel", "PRESETS", "host_model_for", "paper_cluster", "place_meshes"]
 
 GBPS = 1e9 / 8  # bytes per second in one Gbit/s
 
@@ -69,6 +69,27 @@ PRESETS = {
     "8gpu-100g": HostModel(devices_per_host=8, inter_host_bandwidth=100 * GBPS, intra_host_bandwidth=150e9,
                            inter_host_latency=10e-6, intra_host_latency=3e-6),
 }
+
+
+def host_model_for(name: str) -> HostModel:
+    """The host model of a preset: one of `PRESETS`, or a cluster preset of the cost model
+    (`auto_sharding.cluster.CLUSTER_PRESETS`, which stage construction plans with), so that
+    transfers are planned and priced on the cluster the stages were planned for. Those
+    presets give bandwidth per device with every device of a host busy: the NIC of a host
+    carries that times its devices."""
+    if name in PRESETS:
+        return PRESETS[name]
+    from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS
+
+    preset = CLUSTER_PRESETS.get(name)
+    if preset is None:
+        known = ", ".join([*PRESETS, *CLUSTER_PRESETS])
+        raise ValueError(f"unknown cluster preset {name!r}; known presets: {known}")
+    return HostModel(devices_per_host=preset.devices_per_host,
+                     inter_host_bandwidth=preset.inter_host_bandwidth * preset.devices_per_host,
+                     intra_host_bandwidth=preset.intra_host_bandwidth,
+                     inter_host_latency=preset.inter_host_latency_s,
+                     intra_host_latency=preset.intra_host_latency_s)
 
 
 def place_meshes(model: HostModel, shapes: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:

@@ -99,9 +99,16 @@ def test_cluster_options_change_the_prediction():
     assert fast == pytest.approx(slow / 10, rel=0.05)
 
 
+    # A cost-model preset (as stage construction plans with): its NIC is 8 A100s x 200 Gbit/s.
+    a100 = predicted("devices-per-host=2 inter-host-latency-us=0 intra-host-latency-us=0 cluster=a100-80g-nvlink")
+    assert a100 == pytest.approx(slow / 160, rel=0.05)
+
+
 def test_bad_cluster_options_are_errors():
     with pytest.raises(DiagnosticError, match="invalid cluster: devices_per_host must be positive"):
         run_pass(MODULE, "devices-per-host=0")
+    with pytest.raises(DiagnosticError, match="unknown cluster preset 'tpu'; known presets: paper, 8gpu-100g, cpu"):
+        run_pass(MODULE, "cluster=tpu")
 
 
 def test_pipeline_text_round_trips():

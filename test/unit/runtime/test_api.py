@@ -35,6 +35,12 @@ def test_local_cluster_defaults():
     assert cluster.is_local and cluster.resolved().preset == "cpu"
     assert Cluster.local(num_hosts=2).devices_per_host == len(jax.devices()) // 2
     assert hlopar.Cluster is Cluster
+    # A GPU cluster plans with a preset the cost model and the cross-mesh planner both know.
+    from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS
+    from hlopar.analysis.resharding import host_model_for
+
+    gpu = Cluster.local(num_hosts=2, devices_per_host=4, device_kind="gpu").resolved()
+    assert gpu.preset in CLUSTER_PRESETS and host_model_for(gpu.preset).devices_per_host == 8
 
 
 def test_plans_are_cached_on_disk(cache):
