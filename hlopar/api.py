@@ -72,7 +72,7 @@ __all__ = ["Cluster", "ParallelizedFunction", "PlannedStep", "parallelize", "pla
 
 METHODS = ("auto", "shard", "pipeline")
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
-CACHE_VERSION = "hlopar-plan-v1"
+CACHE_VERSION = "hlopar-plan-v2"  # bumped when the planner's output changes
 
 
 # --------------------------------------------------------------------------- the cluster
