@@ -88,6 +88,9 @@ def is_expressible(tensor: TensorFactors, factor_axes: Sequence[tuple[str, ...]]
     return True
 
 
+FULL_ENUMERATION_AXES = 4  # mesh axes (of size > 1) up to which every assignment is enumerated
+
+
 def enumerate_strategies(
     rule: OpRule,
     operands: Sequence[TensorInfo],
@@ -102,6 +105,12 @@ def enumerate_strategies(
     factor's shard count must divide its size (no padding); factors that need replication or
     permutation stay whole, as do factors that appear only in operands without being
     reductions (nothing would combine their pieces).
+
+    On a mesh of more than `FULL_ENUMERATION_AXES` axes (Shardy's tests use 7 axes of 2) a
+    factor gets at most one axis: all assignments are (factors + 1)^axes per op (16,384 for a
+    matmul on 7 axes) and each edge costs their square, while one axis per factor keeps a
+    matmul at 358. A layout the input imposes with several axes on one dimension is still
+    planned, as a pinned strategy (`graph_problem`).
     """
     present_in_results = rule.result_factors()
     shardable = [
@@ -120,6 +129,8 @@ def enumerate_strategies(
             if owner is not None:
                 factor_axes[owner] += (axis.name,)
         if any(axes_ and rule.factor_sizes[f] % mesh.axes_size(axes_) for f, axes_ in enumerate(factor_axes)):
+            continue
+        if len(axes) > FULL_ENUMERATION_AXES and any(len(axes_) > 1 for axes_ in factor_axes):
             continue
         tensors = [*rule.operands, *rule.results]
         if not all(is_expressible(t, factor_axes, rule.factor_sizes, mesh) for t in tensors):

@@ -97,3 +97,16 @@ def test_need_replication_and_three_axis_meshes():
     strategies = enumerate_strategies(rule, [info], [info], mesh)
     assert all(not s.result_specs[0].dims[1] for s in strategies)
     assert spec("xyz", "") in {s.result_specs[0] for s in strategies}
+
+
+def test_many_axis_meshes_give_a_factor_one_axis():
+    """Shardy's tests plan on 7 axes of 2: every assignment would be 3^7 layouts of a 2-D
+    value (and their square per edge); one axis per dimension is 1 + 2*7 + 7*6."""
+    rule = OpRule.elementwise((32, 32), 1)
+    info = TensorInfo((32, 32), 4)
+    seven = logical_mesh((2,) * 7, tuple("abcdefg"))
+    strategies = enumerate_strategies(rule, [info], [info], seven)
+    assert len(strategies) == 1 + 2 * 7 + 7 * 6
+    assert all(len(axes) <= 1 for s in strategies for axes in s.result_specs[0].dims)
+    four = logical_mesh((2,) * 4, tuple("abcd"))  # up to 4 axes: every assignment
+    assert spec("ab", "cd") in {s.result_specs[0] for s in enumerate_strategies(rule, [info], [info], four)}
