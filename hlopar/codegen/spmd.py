@@ -8,7 +8,7 @@ program, and the outputs are reassembled into global arrays.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import jax
@@ -40,16 +40,12 @@ class SpmdExecutable:
         return results
 
 
-def compile_spmd(module: ir.Operation, devices: Sequence[jax.Device],
-                 xla_options: Mapping[str, str] | None = None) -> SpmdExecutable:
-    """Compiles `module` (its `@main`) for `devices`, in the order of the module's mesh;
-    `xla_options` are XLA debug options for this compilation only (as XLA_FLAGS would set
-    them, without the leading dashes)."""
+def compile_spmd(module: ir.Operation, devices: Sequence[jax.Device]) -> SpmdExecutable:
+    """Compiles `module` (its `@main`) for `devices`, in the order of the module's mesh."""
     mesh = _jax_mesh(module, devices)
     func = _main(module)
     options = backend.get_compile_options(
-        num_replicas=1, num_partitions=len(devices), device_assignment=np.array([[d.id for d in devices]]),
-        env_options_overrides=dict(xla_options) if xla_options else None,
+        num_replicas=1, num_partitions=len(devices), device_assignment=np.array([[d.id for d in devices]])
     )
     options.executable_build_options.use_shardy_partitioner = True
     options.executable_build_options.use_spmd_partitioning = len(devices) > 1
