@@ -1,4 +1,4 @@
-"""One planned fragment run for one microbatch, as both executors run it (the in-process
+"""One planned fragment run for one microbatch, and the FREE of a microbatch's stash, as both executors do them (the in-process
 `local_executor.PipelinedStep` and the Ray workers of `ray_runtime`).
 
 The fragment's accumulated results are summed inside its executable: the running sums go in
@@ -15,9 +15,9 @@ import jax
 import numpy as np
 
 from hlopar.codegen.executables import DeviceExecutable
-from hlopar.codegen.pipeline_program import ProgramFragment
+from hlopar.codegen.pipeline_program import PipelineProgram, ProgramFragment
 
-__all__ = ["run_fragment"]
+__all__ = ["free_stash", "run_fragment"]
 
 
 def run_fragment(ex: DeviceExecutable, fragment: ProgramFragment, inputs: Sequence, m: int,
@@ -43,3 +43,17 @@ def run_fragment(ex: DeviceExecutable, fragment: ProgramFragment, inputs: Sequen
     for j, position in enumerate(fragment.keep):
         store[(fragment.results[position], m)] = outputs[count + j]
     return outputs
+
+
+def free_stash(program: PipelineProgram, store: MutableMapping[tuple[int, int | None], object], mesh: str,
+               buffer: str) -> None:
+    """Drops what a FREE of `buffer` says is dead on `mesh`: at a stash's FREE (after the
+    stage's last task of the microbatch, so what B hands to W too), the microbatch's values
+    of this mesh that no update reads; other buffers free nothing here."""
+    if not buffer.startswith("stash."):
+        return
+    m = int(buffer.split(".")[1])
+    for (v, mb) in list(store):
+        value = program.values[v]
+        if mb == m and value.mesh == mesh and value.per_microbatch and v not in program.needed_once:
+            del store[(v, mb)]

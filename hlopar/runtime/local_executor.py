@@ -40,7 +40,7 @@ from hlopar.codegen.pipeline_program import (
 from hlopar.codegen.schedules import FREE, RECV, RUN, SEND, PipelineStreams, get_schedule
 from hlopar.passes.base import PassContext
 from hlopar.passes.split_microbatches import SplitMicrobatchesPass, read_split, split_step
-from hlopar.runtime.fragment_calls import run_fragment
+from hlopar.runtime.fragment_calls import free_stash, run_fragment
 from hlopar.runtime.local_transfer import run_planned_transfer
 
 __all__ = ["MicrobatchedStep", "PipelinedStep", "run_microbatched", "run_pipelined"]
@@ -276,22 +276,10 @@ class _Run:
                 if (program.transfer(name).result, inst.microbatch) not in self.store:
                     raise RuntimeError(f"{inst.id}: microbatch {inst.microbatch}'s value was never sent")
         elif inst.op == FREE:
-            self.free(mesh, inst)
+            free_stash(self.program, self.store, mesh, inst.buffer)
         # ACCUMULATE: done inside the executables that make the sums; UPDATE: the update
         # fragments run after every stream (`updates`).
 
-    def free(self, mesh: str, inst) -> None:
-        """Drops the buffers of a microbatch the schedule says are dead on this mesh (at the
-        stash's FREE, after the stage's last task of the microbatch: what B hands to W too)."""
-        name = inst.buffer
-        if not name.startswith("stash."):
-            return
-        m = int(name.split(".")[1])
-        program = self.program
-        for (v, mb) in list(self.store):
-            value = program.values[v]
-            if mb == m and value.mesh == mesh and value.per_microbatch and v not in program.needed_once:
-                del self.store[(v, mb)]
 
     def updates(self) -> None:
         last = self.program.microbatches - 1  # values that do not depend on the microbatch: the last one's

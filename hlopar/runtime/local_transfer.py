@@ -27,8 +27,8 @@ from hlopar.analysis.resharding.unit_tasks import Box, MeshLayout, box_of
 from hlopar.analysis.sharding import ShardingSpec, TensorSharding
 from hlopar.codegen.transfers import PlannedTransfer
 
-__all__ = ["TransferError", "assemble", "execute_ops", "execute_plan", "local_devices", "run_planned_transfer",
-           "shard_array"]
+__all__ = ["TransferError", "assemble", "execute_ops", "execute_plan", "gather_shards", "local_devices",
+           "run_planned_transfer", "shard_array"]
 
 
 class TransferError(RuntimeError):
@@ -167,18 +167,27 @@ def run_planned_transfer(
     array = np.asarray(array).reshape(transfer.shape)
     shards = execute_ops(transfer.ops, transfer.shape, transfer.src, transfer.dst,
                          shard_array(array, transfer.src, devices), devices)
-    gathered = np.empty(transfer.shape, array.dtype)
-    seen = np.zeros(transfer.shape, bool)
+    pieces = {}
     for logical, index in all_device_slices(transfer.shape, transfer.dst.sharding, transfer.dst.mesh).items():
         device = transfer.dst.physical(logical)
-        shard = np.asarray(shards[device])
+        pieces[device] = (index, np.asarray(shards[device]))
+    return gather_shards(transfer.shape, array.dtype, pieces, TransferError)
+
+
+def gather_shards(shape: Sequence[int], dtype, pieces: Mapping[int, tuple[tuple[slice, ...], np.ndarray]],
+                  error: type[Exception] = TransferError) -> np.ndarray:
+    """The global value from each destination device's (index, shard), raising `error` when
+    two replicas of an element differ or an element is in no shard."""
+    gathered = np.empty(tuple(shape), dtype)
+    seen = np.zeros(tuple(shape), bool)
+    for device, (index, shard) in pieces.items():
         if seen[index].any() and not np.array_equal(gathered[index][seen[index]], shard[seen[index]],
-                                                     equal_nan=np.issubdtype(array.dtype, np.inexact)):
-            raise TransferError(f"device {device} received a replica that differs from another's")
+                                                     equal_nan=np.issubdtype(dtype, np.inexact)):
+            raise error(f"device {device} received a replica that differs from another's")
         gathered[index] = shard
         seen[index] = True
     if not seen.all():
-        raise TransferError(f"the destination shards cover {int(seen.sum())} of {seen.size} elements")
+        raise error(f"the destination shards cover {int(seen.sum())} of {seen.size} elements")
     return gathered
 
 

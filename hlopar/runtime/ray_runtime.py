@@ -57,7 +57,7 @@ from hlopar.codegen.schedules import FREE, RECV, RUN, SEND, PipelineStreams
 from hlopar.codegen.schedules.instructions import MeshStream
 from hlopar.runtime.mesh_processes import (Pieces, WorkerLayout, coordinator_address, gather_pieces, host_value,
                                            join_mesh, local_pieces, mesh_devices, routes, worker_layout)
-from hlopar.runtime.fragment_calls import run_fragment
+from hlopar.runtime.fragment_calls import free_stash, run_fragment
 from hlopar.runtime.transports import Mailbox, TransportError, pack, transport_for, unpack, unpack_shards
 
 __all__ = ["MeshWorker", "Placement", "RayRuntime", "WorkerError", "WorkerProgram", "placement_of",
@@ -459,19 +459,8 @@ class _WorkerRun:
             self.timing["recv_wait_s"] += time.perf_counter() - clock
             self._made()
         elif inst.op == FREE:
-            self.free(inst)
+            free_stash(self.program, self.store, self.w.mesh, inst.buffer)
         # ACCUMULATE: inside the executables; UPDATE: `updates` after the stream.
-
-    def free(self, inst) -> None:
-        name = inst.buffer
-        if not name.startswith("stash."):
-            return
-        m = int(name.split(".")[1])
-        program = self.program
-        for (v, mb) in list(self.store):
-            value = program.values[v]
-            if mb == m and value.mesh == self.w.mesh and value.per_microbatch and v not in program.needed_once:
-                del self.store[(v, mb)]
 
     def updates(self) -> None:
         last = self.program.microbatches - 1

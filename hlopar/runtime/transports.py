@@ -58,6 +58,7 @@ import numpy as np
 from hlopar.analysis.device_slices import all_device_slices
 from hlopar.analysis.resharding.unit_tasks import Box, MeshLayout, box_of
 from hlopar.codegen.transfers import PlannedTransfer
+from hlopar.runtime.local_transfer import gather_shards
 from hlopar.runtime.mesh_processes import Pieces
 
 __all__ = ["Mailbox", "ObjectStoreTransport", "Payload", "TransportError", "pack", "transport_for", "unpack",
@@ -168,19 +169,8 @@ def unpack(plan: PlannedTransfer | None, payload: Payload | Sequence[Payload]) -
     needs = _layout_boxes(plan.shape, plan.dst)
     shards = unpack_shards(plan, payloads)
     dtype = next(iter(shards.values())).dtype
-    gathered = np.empty(plan.shape, dtype)
-    filled = np.zeros(plan.shape, bool)
-    for device, box in needs.items():
-        index = _slices(box)
-        shard = shards[device]
-        if filled[index].any() and not np.array_equal(gathered[index][filled[index]], shard[filled[index]],
-                                                      equal_nan=np.issubdtype(dtype, np.inexact)):
-            raise TransportError(f"device {device} received a replica that differs from another's")
-        gathered[index] = shard
-        filled[index] = True
-    if not filled.all():
-        raise TransportError(f"the destination shards cover {int(filled.sum())} of {filled.size} elements")
-    return gathered
+    return gather_shards(plan.shape, dtype, {d: (_slices(box), shards[d]) for d, box in needs.items()},
+                         TransportError)
 
 
 class Mailbox:
