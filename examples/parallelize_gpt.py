@@ -33,7 +33,9 @@ def main() -> int:
     parser.add_argument("--model", default="gpt", help="a zoo model with a 'tiny' configuration")
     parser.add_argument("--address", default=None, help="an existing Ray cluster (default: this machine)")
     args = parser.parse_args()
-    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.hosts * args.devices_per_host}")
+    from hlopar.runtime.host_devices import use_host_devices
+
+    use_host_devices(args.hosts * args.devices_per_host)
 
     import warnings
 

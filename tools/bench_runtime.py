@@ -37,7 +37,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from hlopar.runtime.host_devices import use_host_devices  # noqa: E402
+
+use_host_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

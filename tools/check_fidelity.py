@@ -33,10 +33,12 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from hlopar.runtime.host_devices import use_host_devices  # noqa: E402
+
+use_host_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 DEFAULT_MODELS = ["mlp:large-batch", "mlp:large-hidden", "mlp:large-both", "mlp:tiny", "gpt:tiny", "wide_resnet:tiny"]
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

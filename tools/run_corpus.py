@@ -143,9 +143,9 @@ def main() -> int:
         print(f"error: corpus directory not found: {args.corpus}", file=sys.stderr)
         return 2
     if args.compile:
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:  # also when XLA_FLAGS is set but empty
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+        from hlopar.runtime.host_devices import use_host_devices
+
+        use_host_devices(8)
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # no per-process device banner
     import hlopar.passes.registry  # noqa: F401 - load jaxlib once, before forking

@@ -22,7 +22,8 @@ one process:
   state), and the driver then sends nothing for them (`resident`).
 
 Devices. A worker owns the devices of its mesh on its host: on CPU its process is started
-with `XLA_FLAGS=--xla_force_host_platform_device_count=<its devices>` (its own CPU devices),
+with `XLA_FLAGS=--xla_force_host_platform_device_count=<its devices>` (its own CPU devices;
+`host_devices` also sizes XLA's thread pool so that their collectives cannot starve),
 on GPU Ray gives it `num_gpus=<its devices>` (`CUDA_VISIBLE_DEVICES`). Physical device ids
 of the plan map to the worker's local devices in increasing order. A mesh spanning hosts
 has one worker per host, joined into one multi-process jax runtime (`mesh_processes`):
@@ -58,6 +59,7 @@ from hlopar.codegen.schedules.instructions import MeshStream
 from hlopar.runtime.mesh_processes import (Pieces, WorkerLayout, coordinator_address, gather_pieces, host_value,
                                            join_mesh, local_pieces, mesh_devices, routes, worker_layout)
 from hlopar.runtime.fragment_calls import free_stash, run_fragment
+from hlopar.runtime.host_devices import host_device_environment
 from hlopar.runtime.transports import Mailbox, TransportError, pack, transport_for, unpack, unpack_shards
 
 __all__ = ["MeshWorker", "Placement", "RayRuntime", "WorkerError", "WorkerProgram", "placement_of",
@@ -572,8 +574,7 @@ class RayRuntime:
                 options["runtime_env"] = {"env_vars": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}}
             else:
                 options["runtime_env"] = {"env_vars": {
-                    "XLA_FLAGS": f"--xla_force_host_platform_device_count={len(slot.devices)}",
-                    "JAX_PLATFORMS": "cpu"}}
+                    **host_device_environment(len(slot.devices), environ={}), "JAX_PLATFORMS": "cpu"}}
             self.actors[name] = ray.remote(MeshWorker).options(**options).remote(slot.mesh, kind, self.worker_timeout,
                                                                                  name)
         self._gather({n: a.set_peers.remote(self.actors) for n, a in self.actors.items()}, "start")

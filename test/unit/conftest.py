@@ -1,6 +1,9 @@
-"""Every unit test sees 8 CPU devices, as the plans under test need several devices."""
+"""Every unit test sees 8 CPU devices, as the plans under test need several devices, and a
+thread pool their collectives cannot starve (`hlopar.runtime.host_devices`)."""
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from hlopar.runtime.host_devices import use_host_devices
+
+use_host_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import os
+from hlopar.runtime.host_devices import use_host_devices
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+use_host_devices(8)
 
 import itertools
 

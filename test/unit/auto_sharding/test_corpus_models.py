@@ -55,16 +55,6 @@ def materialized(text: str) -> str:
 
 PARAMETER_SCALE = {"alphafold": 0.05}  # models whose parameters are arguments (see above)
 
-# Cases whose planned module compiles but whose run aborts the process inside XLA's CPU
-# runtime (an abort cannot be caught as a failure; it would end the heavy suite). Open:
-# docs/performance.md, "Auto-sharding numerics on the corpus' models".
-XLA_CPU_ABORTS = {
-    ("alphafold", "4x2"): "XLA CPU aborts in a collective rendezvous (7 of 8 devices in an all-reduce over all "
-                          "8, one in an all-gather over [4, 5]); passed once with "
-                          "--xla_cpu_enable_concurrency_optimized_scheduler=false, not settled",
-}
-
-
 def arguments(executable, seed: int, parameter_scale: float | None = None) -> list[np.ndarray]:
     """N(0, 1) floats and zero integers; with `parameter_scale`, the float arguments before
     the first other one (the parameters, ahead of an rng key) are scaled by it, and the
@@ -88,8 +78,6 @@ def cases():
     for name in ["jax_resnet_50", "pt_bert", "searchless_chess_9m", "searchless_chess_270m", "alphafold"]:
         for mesh in ["1x8", "2x4", "4x2", "8x1"]:
             marks = () if (name, mesh) in FAST else (pytest.mark.heavy,)
-            if (name, mesh) in XLA_CPU_ABORTS:
-                marks += (pytest.mark.skip(reason=XLA_CPU_ABORTS[(name, mesh)]),)
             yield pytest.param(name, mesh, marks=marks, id=f"{name}-{mesh}")
 
 
