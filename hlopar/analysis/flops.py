@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 
+from hlopar.analysis.loops import trip_count
 from hlopar.ir.graph import FuncGraph, OpNode
 from hlopar.ir.op_attrs import ConvDims, DotGeneralDims, ReduceWindowAttrs, SelectAndScatterAttrs, SortAttrs
 
@@ -114,10 +115,6 @@ def op_flops(graph: FuncGraph, op: OpNode) -> float:
         updates = op.operands[(len(op.operands) + 1) // 2 :]
         return float(sum(_elements(graph, v) for v in updates))
     if name == "stablehlo.while":
-        # Imported here: the auto-sharding module pulls in the ILP solver, which FLOP
-        # counting of loop-free programs has no use for.
-        from hlopar.analysis.auto_sharding.graph_problem import trip_count
-
         cond, body = op.regions
         return float(trip_count(graph, op)) * (_region_flops(graph, cond) + _region_flops(graph, body))
     if name in _BRANCHING_OPS:

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from hlopar.analysis.auto_sharding.graph_problem import trip_count
+from hlopar.analysis.loops import trip_count
 from hlopar.codegen.spmd import compile_spmd
 from hlopar.ir.graph import FuncGraph
 from hlopar.ir.module import parse_module, print_module
