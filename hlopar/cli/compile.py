@@ -202,8 +202,7 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
 
     report = Path(staging) / "plan.json"
     planner = AutoParallelPass(num_hosts=args.num_hosts, devices_per_host=args.devices_per_host,
-                               microbatches=args.microbatches, split=True,
-                               schedule=args.schedule,
+                               microbatches=args.microbatches, split=True, schedule=args.schedule,
                                memory_per_device=memory, preset=args.preset, layers=args.layers, report=str(report))
     context = PassContext()
     steps: list[tuple[str, float]] = []

@@ -1,5 +1,6 @@
-"""One planned fragment run for one microbatch, and the FREE of a microbatch's stash, as both executors do them (the in-process
-`local_executor.PipelinedStep` and the Ray workers of `ray_runtime`).
+"""One planned fragment run for one microbatch, and the FREE of a microbatch's stash, as both
+executors do them (the in-process `local_executor.PipelinedStep` and the Ray workers of
+`ray_runtime`).
 
 The fragment's accumulated results are summed inside its executable: the running sums go in
 first (donated; zeros at the first microbatch) and come back updated. Its other results are
@@ -9,7 +10,7 @@ own backward (`keep`) follow its results.
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import MutableMapping, Sequence
 
 import jax
 import numpy as np
@@ -20,12 +21,12 @@ from hlopar.codegen.pipeline_program import PipelineProgram, ProgramFragment
 __all__ = ["free_stash", "run_fragment"]
 
 
-def run_fragment(ex: DeviceExecutable, fragment: ProgramFragment, inputs: Sequence, m: int,
-                 sums: MutableMapping[int, jax.Array], store: MutableMapping[tuple[int, int | None], object],
-                 per_microbatch: Callable[[int], bool]) -> list[jax.Array]:
-    """Runs `ex` (the fragment's executable) on `inputs` (its operands, as read for
-    microbatch `m`), updating `sums` (value -> running sum) and `store` ((value, microbatch
-    or None) -> array). Returns the outputs, not waited for."""
+def run_fragment(program: PipelineProgram, ex: DeviceExecutable, fragment: ProgramFragment, inputs: Sequence,
+                 m: int, sums: MutableMapping[int, jax.Array],
+                 store: MutableMapping[tuple[int, int | None], object]) -> list[jax.Array]:
+    """Runs `ex` (the executable of `program`'s `fragment`) on `inputs` (its operands, as
+    read for microbatch `m`), updating `sums` (value -> running sum) and `store` ((value,
+    microbatch or None) -> array). Returns the outputs, not waited for."""
     accumulators = []
     for position in fragment.accumulate:
         v = fragment.results[position]
@@ -39,7 +40,7 @@ def run_fragment(ex: DeviceExecutable, fragment: ProgramFragment, inputs: Sequen
         if position in fragment.accumulate:
             sums[v] = outputs[position]
         else:
-            store[(v, m if per_microbatch(v) else None)] = outputs[position]
+            store[(v, m if program.values[v].per_microbatch else None)] = outputs[position]
     for j, position in enumerate(fragment.keep):
         store[(fragment.results[position], m)] = outputs[count + j]
     return outputs

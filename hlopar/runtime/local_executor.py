@@ -233,8 +233,7 @@ class _Run:
 
     def run_fragment(self, fragment: ProgramFragment, m: int) -> None:
         inputs = [self.read(v, m, once=fragment.role == UPDATE) for v in fragment.operands]
-        run_fragment(self.step.executables[fragment.name], fragment, inputs, m, self.sums, self.store,
-                     lambda v: self.program.values[v].per_microbatch)
+        run_fragment(self.program, self.step.executables[fragment.name], fragment, inputs, m, self.sums, self.store)
 
     # the streams
 

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from hlopar.analysis.device_slices import all_device_slices
 from hlopar.analysis.resharding.plan import TransferPlan
 from hlopar.analysis.resharding.simulator import UnitOp
-from hlopar.analysis.resharding.unit_tasks import Box, MeshLayout, box_of
+from hlopar.analysis.resharding.unit_tasks import Box, MeshLayout, box_contains, box_slices
 from hlopar.analysis.sharding import ShardingSpec, TensorSharding
 from hlopar.codegen.transfers import PlannedTransfer
 
@@ -39,28 +39,16 @@ def local_devices() -> dict[int, jax.Device]:
     return dict(enumerate(jax.devices()))
 
 
-def _layout_boxes(shape: Sequence[int], layout: MeshLayout) -> dict[int, Box]:
-    return {layout.physical(d): box_of(index) for d, index in all_device_slices(shape, layout.sharding, layout.mesh).items()}
-
 
 def shard_array(
     array: np.ndarray, layout: MeshLayout, devices: Mapping[int, jax.Device] | None = None
 ) -> dict[int, jax.Array]:
     """Each physical device of the layout gets its slice of `array`, on that device."""
     devices = devices or local_devices()
-    boxes = _layout_boxes(array.shape, layout)
-    return {d: jax.device_put(array[_local(box, None)], devices[d]) for d, box in boxes.items()}
+    boxes = layout.device_boxes(array.shape)
+    return {d: jax.device_put(array[box_slices(box)], devices[d]) for d, box in boxes.items()}
 
 
-def _local(box: Box, origin: Box | None) -> tuple[slice, ...]:
-    """`box` as slices of an array whose element 0 is at `origin` (None: the global array)."""
-    if origin is None:
-        return tuple(slice(lo, hi) for lo, hi in box)
-    return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin))
-
-
-def _contains(outer: Box, inner: Box) -> bool:
-    return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner))
 
 
 def _split(box: Box, dim: int, parts: int) -> list[Box]:
@@ -80,9 +68,9 @@ class _Receivers:
     def store(self, device: int, box: Box, values: np.ndarray, op: UnitOp) -> None:
         if device not in self.boxes:
             raise TransferError(f"op of task {op.task}: device {device} is not in the destination mesh")
-        if not _contains(self.boxes[device], box):
+        if not box_contains(self.boxes[device], box):
             raise TransferError(f"op of task {op.task}: device {device} does not need box {list(box)}")
-        where = _local(box, self.boxes[device])
+        where = box_slices(box, self.boxes[device])
         self.data[device][where] = values.reshape(self.data[device][where].shape)
         self.seen[device][where] = True
 
@@ -98,15 +86,15 @@ def execute_ops(
     """Runs the ops in order; returns each destination device's shard, on that device."""
     devices = devices or local_devices()
     shape = tuple(shape)
-    src_boxes = _layout_boxes(shape, src)
-    dst_boxes = _layout_boxes(shape, dst)
+    src_boxes = src.device_boxes(shape)
+    dst_boxes = dst.device_boxes(shape)
     dtype = next(iter(src_shards.values())).dtype
     sink = _Receivers(dst_boxes, dtype)
 
     def read(device: int, box: Box, op: UnitOp) -> jax.Array:
-        if device not in src_shards or not _contains(src_boxes[device], box):
+        if device not in src_shards or not box_contains(src_boxes[device], box):
             raise TransferError(f"op of task {op.task}: device {device} does not hold box {list(box)}")
-        return jax.device_put(np.ascontiguousarray(np.asarray(src_shards[device])[_local(box, src_boxes[device])]),
+        return jax.device_put(np.ascontiguousarray(np.asarray(src_shards[device])[box_slices(box, src_boxes[device])]),
                               devices[device])
 
     def move(data: jax.Array, device: int) -> jax.Array:
@@ -187,7 +175,7 @@ def gather_shards(shape: Sequence[int], dtype, pieces: Mapping[int, tuple[tuple[
         gathered[index] = shard
         seen[index] = True
     if not seen.all():
-        raise error(f"the destination shards cover {int(seen.sum())} of {seen.size} elements")
+        raise error(f"the shards cover {int(seen.sum())} of {seen.size} elements")
     return gathered
 
 

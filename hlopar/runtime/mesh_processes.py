@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hlopar.analysis.resharding.unit_tasks import Box, box_of
+from hlopar.analysis.resharding.unit_tasks import Box, box_of, box_slices
+from hlopar.runtime.local_transfer import gather_shards
 
 __all__ = ["Pieces", "WorkerLayout", "WorkerSlot", "coordinator_address", "gather_pieces", "host_value",
            "join_mesh", "local_pieces", "mesh_devices", "routes", "worker_layout"]
@@ -173,14 +174,5 @@ def host_value(value):
 def gather_pieces(parts: Sequence[Pieces]) -> np.ndarray:
     """The global value from the pieces of every worker of its mesh (checked complete)."""
     dtype = next((a.dtype for p in parts for a in p.arrays), np.float32)
-    shape = parts[0].shape
-    out = np.empty(shape, dtype)
-    seen = np.zeros(shape, bool)
-    for part in parts:
-        for box, data in zip(part.boxes, part.arrays):
-            index = tuple(slice(lo, hi) for lo, hi in box)
-            out[index] = data
-            seen[index] = True
-    if not seen.all():
-        raise RuntimeError(f"the workers' pieces cover {int(seen.sum())} of {seen.size} elements")
-    return out
+    boxes = [(box_slices(box), data) for part in parts for box, data in zip(part.boxes, part.arrays)]
+    return gather_shards(parts[0].shape, dtype, dict(enumerate(boxes)), RuntimeError)

@@ -413,8 +413,8 @@ class _WorkerRun:
 
         inputs = [self.read(v, m, once=fragment.role == UPDATE) for v in fragment.operands]
         clock = time.perf_counter()
-        jax.block_until_ready(run_fragment(self.w.executables[fragment.name], fragment, inputs, m, self.sums,
-                                           self.store, lambda v: self.program.values[v].per_microbatch))
+        jax.block_until_ready(run_fragment(self.program, self.w.executables[fragment.name], fragment, inputs, m,
+                                           self.sums, self.store))
         self.timing["run_s"] += time.perf_counter() - clock
         self.timing["runs"] += 1
         self._made()

@@ -55,8 +55,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hlopar.analysis.device_slices import all_device_slices
-from hlopar.analysis.resharding.unit_tasks import Box, MeshLayout, box_of
+from hlopar.analysis.resharding.unit_tasks import box_contains, box_slices
 from hlopar.codegen.transfers import PlannedTransfer
 from hlopar.runtime.local_transfer import gather_shards
 from hlopar.runtime.mesh_processes import Pieces
@@ -85,20 +84,7 @@ class Payload:
         return int(sum(b.nbytes for b in self.boxes or ()))
 
 
-def _layout_boxes(shape: Sequence[int], layout: MeshLayout) -> dict[int, Box]:
-    """Physical device id -> the box of the global array it holds under `layout`."""
-    return {layout.physical(d): box_of(index)
-            for d, index in all_device_slices(tuple(shape), layout.sharding, layout.mesh).items()}
 
-
-def _contains(outer: Box, inner: Box) -> bool:
-    return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner))
-
-
-def _slices(box: Box, origin: Box | None = None) -> tuple[slice, ...]:
-    if origin is None:
-        return tuple(slice(lo, hi) for lo, hi in box)
-    return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin))
 
 
 def pack(plan: PlannedTransfer | None, array, ops: Sequence[int] | None = None) -> Payload:
@@ -111,16 +97,16 @@ def pack(plan: PlannedTransfer | None, array, ops: Sequence[int] | None = None) 
             raise TransportError("an unplanned transfer needs the whole array on one worker")
         return Payload(array=np.ascontiguousarray(np.asarray(array)))
     pieces = array if isinstance(array, Pieces) else Pieces.whole(np.asarray(array).reshape(plan.shape))
-    held = _layout_boxes(plan.shape, plan.src)
+    held = plan.src.device_boxes(plan.shape)
     boxes = []
     for k in range(len(plan.ops)) if ops is None else ops:
         op = plan.ops[k]
         piece = None
-        if op.sender in held and _contains(held[op.sender], op.box):
-            piece = next((k for k, b in enumerate(pieces.boxes) if _contains(b, op.box)), None)
+        if op.sender in held and box_contains(held[op.sender], op.box):
+            piece = next((i for i, b in enumerate(pieces.boxes) if box_contains(b, op.box)), None)
         if piece is None:
             raise TransportError(f"unit op of task {op.task}: device {op.sender} does not hold box {list(op.box)}")
-        boxes.append(np.ascontiguousarray(pieces.arrays[piece][_slices(op.box, pieces.boxes[piece])]))
+        boxes.append(np.ascontiguousarray(pieces.arrays[piece][box_slices(op.box, pieces.boxes[piece])]))
     return Payload(boxes=tuple(boxes), ops=None if ops is None else tuple(ops))
 
 
@@ -128,7 +114,7 @@ def unpack_shards(plan: PlannedTransfer, payloads: Sequence[Payload],
                   devices: Collection[int] | None = None) -> dict[int, np.ndarray]:
     """The receiver's side: each destination device of `devices` (None: all) gets its shard
     filled from the boxes its ops give it (the payloads of every sender), checked complete."""
-    needs = _layout_boxes(plan.shape, plan.dst)
+    needs = plan.dst.device_boxes(plan.shape)
     mine = set(needs) if devices is None else set(devices)
     received: dict[int, np.ndarray] = {}
     for payload in payloads:
@@ -146,9 +132,9 @@ def unpack_shards(plan: PlannedTransfer, payloads: Sequence[Payload],
                 raise TransportError(f"unit op of task {op.task}: device {receiver} is not in the destination mesh")
             if receiver not in mine:
                 continue
-            if not _contains(needs[receiver], op.box):
+            if not box_contains(needs[receiver], op.box):
                 raise TransportError(f"unit op of task {op.task}: device {receiver} does not need box {list(op.box)}")
-            where = _slices(op.box, needs[receiver])
+            where = box_slices(op.box, needs[receiver])
             shards[receiver][where] = data.reshape(shards[receiver][where].shape)
             seen[receiver][where] = True
     for device, mask in seen.items():
@@ -166,10 +152,10 @@ def unpack(plan: PlannedTransfer | None, payload: Payload | Sequence[Payload]) -
         if len(payloads) != 1 or payloads[0].array is None:
             raise TransportError("a whole-array transfer received unit-op boxes")
         return payloads[0].array
-    needs = _layout_boxes(plan.shape, plan.dst)
+    needs = plan.dst.device_boxes(plan.shape)
     shards = unpack_shards(plan, payloads)
     dtype = next(iter(shards.values())).dtype
-    return gather_shards(plan.shape, dtype, {d: (_slices(box), shards[d]) for d, box in needs.items()},
+    return gather_shards(plan.shape, dtype, {d: (box_slices(box), shards[d]) for d, box in needs.items()},
                          TransportError)
 
 

@@ -15,11 +15,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hlopar.analysis.device_slices import devices_holding
+from hlopar.analysis.device_slices import all_device_slices, devices_holding
 from hlopar.analysis.mesh import DeviceMesh
 from hlopar.analysis.sharding import ShardingSpec, TensorSharding
 
-__all__ = ["Box", "MeshLayout", "UnitTask", "box_bytes", "box_of", "unit_tasks"]
+__all__ = ["Box", "MeshLayout", "UnitTask", "box_bytes", "box_contains", "box_of", "box_slices", "unit_tasks"]
 
 # A box of a tensor: per dimension the half-open range [start, stop).
 Box = tuple[tuple[int, int], ...]
@@ -27,6 +27,17 @@ Box = tuple[tuple[int, int], ...]
 
 def box_of(index: Sequence[slice]) -> Box:
     return tuple((s.start, s.stop) for s in index)
+
+
+def box_slices(box: Box, origin: Box | None = None) -> tuple[slice, ...]:
+    """`box` as slices of an array whose element 0 is at `origin` (None: the global array)."""
+    if origin is None:
+        return tuple(slice(lo, hi) for lo, hi in box)
+    return tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin))
+
+
+def box_contains(outer: Box, inner: Box) -> bool:
+    return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner))
 
 
 def box_elements(box: Box) -> int:
@@ -71,6 +82,11 @@ class MeshLayout:
     @property
     def physical_devices(self) -> tuple[int, ...]:
         return tuple(self.physical(d) for d in self.mesh.device_list)
+
+    def device_boxes(self, shape: Sequence[int]) -> dict[int, Box]:
+        """Physical device id -> the box of the global array it holds."""
+        return {self.physical(d): box_of(index)
+                for d, index in all_device_slices(tuple(shape), self.sharding, self.mesh).items()}
 
     def held_boxes(self, shape: Sequence[int]) -> list[tuple[Box, tuple[int, ...]]]:
         """Distinct non-empty boxes with the physical devices holding each (mesh order)."""
