@@ -1,0 +1,154 @@
+"""How tests compare a parallel run's numbers with one device's: exactly, closely, or by update.
+
+Importable as ``numerics`` from every test folder: `test/unit/conftest.py` lives in this folder,
+and pytest puts a conftest's folder on ``sys.path`` before loading it (rootdir-relative imports,
+the default "prepend" mode), so no test needs a path hack.
+
+Every comparison first checks that both sides have the same pytree structure (so a missing or
+extra output fails, which ``zip`` would hide), then per leaf the shape and dtype, then the values;
+a failure names the leaf by its pytree path (``[0]['layers'][1]['attn']['qkv']['bias']``).
+
+Why parameter *updates* and not parameters: one Adam step from zero moments moves every entry by
+about the learning rate, ``lr * g / (|g| + eps)``, whatever the gradient's size. A tolerance of
+``lr`` on the new parameters therefore passes a missing or sign-flipped update.
+`assert_updates_close` compares ``new - old`` with ``reference_new - old`` to a relative `rtol`
+of the reference update, plus one unit in the last place (ulp) of the parameter: both new
+parameters are rounded to their dtype at the parameter's magnitude, so their difference from
+``old`` carries up to half an ulp of rounding each.
+
+The noise mask (`adam_noise_mask`): where a gradient is zero in exact arithmetic (the key bias
+of attention: softmax is invariant to it), a float32 run holds rounding noise instead, and Adam
+normalizes that noise to a step of about ``±lr`` with an arbitrary sign. Such entries carry no
+information and are excluded. They are found from the *reference's* first moment ``m`` (Adam's
+own running gradient, ``(1 - b1) g`` after one step, so its scale cancels below), never from the
+run under test, so a bug cannot widen its own mask:
+
+    noise  <=>  |m| <= k * eps(dtype) * max|m|          (max over every leaf of the tree)
+
+A reduction of terms up to ``S = max|g|`` has a rounding error of a few ``eps * S`` (measured on
+the zoo's tiny MLP, GPT and MoE against float64: at most 2.5 ``eps * S``; exact zeros hold at
+most 0.002 ``eps * S``). For an entry outside the mask, an error ``delta`` in ``g`` changes Adam's
+first update by ``eps_adam * delta / g**2`` relative; with ``k = 1000``, ``delta = 5 eps S``
+(two runs) and the zoo's ``S >= 0.1`` that is below 1e-5, under the update tolerance. It masks
+about 5% of the entries of GPT and MoE (the smallest gradients) and 16% of the MLP's (exactly
+zero gradients behind dead ReLUs, whose update is zero anyway). Masked entries are still checked
+to be finite and to move no further than the reference's largest update.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+PyTree = Any
+
+NOISE_K = 1000.0
+
+
+def _leaves(actual: PyTree, expected: PyTree) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """(path, actual, expected) per leaf, after checking structure, shapes and dtypes."""
+    have, have_def = jax.tree_util.tree_flatten_with_path(actual)
+    want, want_def = jax.tree_util.tree_flatten_with_path(expected)
+    if have_def != want_def:
+        raise AssertionError(
+            f"tree structures differ ({len(have)} leaves vs {len(want)} expected):\n"
+            f"  actual:   {have_def}\n  expected: {want_def}"
+        )
+    out = []
+    for (path, a), (_, e) in zip(have, want, strict=True):
+        name = jax.tree_util.keystr(path) or "<root>"
+        a, e = np.asarray(a), np.asarray(e)
+        if a.shape != e.shape:
+            raise AssertionError(f"{name}: shape {a.shape}, expected {e.shape}")
+        if a.dtype != e.dtype:
+            raise AssertionError(f"{name}: dtype {a.dtype}, expected {e.dtype}")
+        out.append((name, a, e))
+    return out
+
+
+def _fail(name: str, bad: np.ndarray, actual: np.ndarray, expected: np.ndarray, what: str) -> None:
+    index = np.unravel_index(int(np.argmax(bad)), bad.shape) if bad.ndim else ()
+    raise AssertionError(
+        f"{name}: {int(bad.sum())} of {bad.size} entries {what}; first at {tuple(int(i) for i in index)}: "
+        f"{actual[index]!r} vs expected {expected[index]!r}"
+    )
+
+
+def assert_trees_equal(actual: PyTree, expected: PyTree) -> None:
+    """Bit-exact equality (NaNs equal where both are NaN) of two pytrees of arrays."""
+    for name, a, e in _leaves(actual, expected):
+        both_nan = np.isnan(a) & np.isnan(e) if a.dtype.kind in "fc" else False
+        bad = ~((a == e) | both_nan)
+        if np.any(bad):
+            _fail(name, np.atleast_1d(bad), np.atleast_1d(a), np.atleast_1d(e), "differ")
+
+
+def assert_trees_close(
+    actual: PyTree, expected: PyTree, *, rtol: float, atol: float = 0.0, max_rtol: float = 0.0
+) -> None:
+    """Per entry ``|a - e| <= atol + rtol * |e| + max_rtol * max|e of that leaf|``.
+
+    `max_rtol` is for leaves whose small entries are sums that cancel (Adam's moments of a
+    near-zero gradient): their error is relative to the leaf's largest terms, not to themselves.
+    Integer and boolean leaves must be equal.
+    """
+    for name, a, e in _leaves(actual, expected):
+        a1, e1 = np.atleast_1d(a), np.atleast_1d(e)
+        if a.dtype.kind not in "fc":
+            bad = a1 != e1
+        else:
+            scale = float(np.max(np.abs(e1))) if e1.size else 0.0
+            bound = atol + rtol * np.abs(e1) + max_rtol * scale
+            with np.errstate(invalid="ignore"):
+                bad = ~(np.abs(a1 - e1) <= bound)
+            bad &= ~(np.isnan(a1) & np.isnan(e1))
+        if np.any(bad):
+            _fail(name, bad, a1, e1, f"not within rtol={rtol} atol={atol} max_rtol={max_rtol}")
+
+
+def assert_updates_close(
+    new: PyTree, reference_new: PyTree, old: PyTree, *, rtol: float, noise_mask: PyTree | None = None
+) -> None:
+    """Compare the updates ``new - old`` with ``reference_new - old`` (see the module docstring).
+
+    `noise_mask` (a tree of booleans shaped like the parameters, e.g. from `adam_noise_mask`)
+    marks entries whose update is rounding noise: those are only checked to be finite and no
+    larger than the largest reference update.
+    """
+    leaves = _leaves(new, reference_new)
+    olds = _leaves(old, reference_new)
+    masks = [None] * len(leaves) if noise_mask is None else [m for _, m, _ in _leaves(noise_mask, _bools(reference_new))]
+    largest = max((float(np.max(np.abs(r - o))) for (_, _, r), (_, o, _) in zip(leaves, olds) if r.size), default=0.0)
+    for (name, a, r), (_, o, _), mask in zip(leaves, olds, masks, strict=True):
+        a1, r1, o1 = (np.atleast_1d(x).astype(np.float64) for x in (a, r, o))
+        got, want = a1 - o1, r1 - o1
+        ulp = np.spacing(np.maximum(np.abs(np.atleast_1d(a)), np.abs(np.atleast_1d(r)))).astype(np.float64)
+        bad = ~(np.abs(got - want) <= rtol * np.abs(want) + ulp)
+        if mask is not None:
+            m = np.atleast_1d(mask)
+            wild = ~(np.abs(got) <= largest * (1 + rtol) + ulp)
+            bad = np.where(m, wild, bad)
+        if np.any(bad):
+            _fail(name, bad, got, want, f"update not within rtol={rtol} (+1 ulp)")
+
+
+def _bools(tree: PyTree) -> PyTree:
+    return jax.tree_util.tree_map(lambda x: np.zeros(np.shape(x), bool), tree)
+
+
+def adam_noise_mask(first_moment: PyTree, *, k: float = NOISE_K) -> PyTree:
+    """Entries whose gradient is rounding noise, from the reference run's Adam first moment ``m``.
+
+    ``|m| <= k * eps * max|m|`` with the max over all leaves; the derivation and the measured
+    numbers behind ``k = 1000`` are in the module docstring.
+    """
+    leaves = [np.asarray(m) for m in jax.tree_util.tree_leaves(first_moment)]
+    scale = max((float(np.max(np.abs(m))) for m in leaves if m.size), default=0.0)
+
+    def mask(m):
+        m = np.asarray(m)
+        return np.abs(m) <= k * float(np.finfo(m.dtype).eps) * scale
+
+    return jax.tree_util.tree_map(mask, first_moment)
