@@ -37,14 +37,9 @@ def main() -> int:
 
     use_host_devices(args.hosts * args.devices_per_host)
 
-    import warnings
-
     import jax
 
     import hlopar
-
-    # Starting Ray forks its helper processes from this (JAX-using) process; they exec at once.
-    warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
     from hlopar.models import get_train_step
 
     if args.address:
@@ -58,11 +53,12 @@ def main() -> int:
     step = hlopar.parallelize(model.step, cluster=cluster, num_microbatches=args.microbatches,
                               schedule=args.schedule, method=args.method, batch_argnums=(2,))
     p, s, rp, rs = params, state, params, state
-    print(f"{'step':>4} {'hlopar loss':>14} {'jax loss':>14} {'rel. diff':>10} {'time':>9}")
     for k in range(args.steps):
         clock = time.perf_counter()
         p, s, loss = step(p, s, batch)
         seconds = time.perf_counter() - clock
+        if k == 0:  # after the first call's plan and progress lines, right above the rows
+            print(f"{'step':>4} {'hlopar loss':>14} {'jax loss':>14} {'rel. diff':>10} {'time':>9}", flush=True)
         rp, rs, reference = model.jitted_step(rp, rs, batch)
         diff = abs(float(loss) - float(reference)) / max(abs(float(reference)), 1e-30)
         print(f"{k:4d} {float(loss):14.8f} {float(reference):14.8f} {diff:10.2e} {seconds * 1e3:7.1f} ms"

@@ -57,6 +57,7 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -66,9 +67,12 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
+from hlopar.analysis.training_roles import RolesError
+from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.progress import Progress
 
-__all__ = ["Cluster", "ParallelizedFunction", "PlannedStep", "parallelize", "plan_step"]
+__all__ = ["Cluster", "HloparWarning", "ParallelizedFunction", "PlannedStep", "PlanningError", "parallelize",
+           "plan_step"]
 
 METHODS = ("auto", "shard", "pipeline")
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
@@ -130,15 +134,14 @@ class Cluster:
 
 
 def _connect(cluster: Cluster, workers: int) -> None:
-    """Ray up: the cluster's address, or a local Ray started here sized for `workers` actors."""
+    """Ray up: the cluster's address, or a local Ray of hlopar's own started here, sized for
+    `workers` actors (`runtime.local_ray`: never another cluster on the machine, quiet)."""
     import ray
 
-    if ray.is_initialized():
-        return
-    if cluster.address is not None:
-        ray.init(address=cluster.address)
-    else:
-        ray.init(num_cpus=max(workers, os.cpu_count() or 1), include_dashboard=False)
+    from hlopar.runtime.local_ray import connect
+
+    if not ray.is_initialized():
+        connect(cluster.address, max(workers, os.cpu_count() or 1))
 
 
 # --------------------------------------------------------------------------- planning
@@ -156,16 +159,15 @@ class PlannedStep:
 
 
 def _default_microbatches(module, batch_args: Sequence[int] | None, cluster: Cluster) -> int:
-    from hlopar.analysis.training_roles import state_pairs
+    from hlopar.analysis.training_roles import batch_arguments
     from hlopar.ir.graph import FuncGraph
     from hlopar.passes.auto_sharding import planned_functions
 
     graph = FuncGraph.from_func(planned_functions(module)[0])
-    shapes = [graph.values[a].shape for a in graph.args]
     if batch_args is None:
-        state = {arg for arg, _ in state_pairs(graph)}
-        batch_args = [i for i in range(len(shapes)) if i not in state and shapes[i]]
-    sizes = [shapes[i][0] for i in batch_args if shapes[i]]
+        batch_args = batch_arguments(graph)
+    shapes = [graph.values[graph.args[i]].shape for i in batch_args]
+    sizes = [shape[0] for shape in shapes if shape]
     if not sizes:
         return 1
     size = math.gcd(*sizes)
@@ -195,7 +197,8 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
     clock = time.perf_counter()
     split = get_schedule(schedule).split_backward
     module = parse_module(text)
-    ImportPass().run(module, PassContext())
+    context = PassContext()
+    ImportPass().run(module, context)
     if num_microbatches is None:
         num_microbatches = 1 if method == "shard" else _default_microbatches(module, batch_args, cluster)
     options = {"microbatches": num_microbatches, "schedule": schedule, "method": method,
@@ -210,7 +213,7 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
         log(f"plan read from the cache ({bundle})")
         return PlannedStep(program, bundle, plan, True, time.perf_counter() - clock)
 
-    plan = _plan_module(module, cluster, num_microbatches, schedule, method, batch_args)
+    plan = _plan_module(module, cluster, num_microbatches, schedule, method, batch_args, context)
     program = pipeline_program(module, split_backward=split)
     if cache:
         _write_cached(bundle, program, module, plan, schedule, options, cluster)
@@ -223,16 +226,16 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
 
 
 def _plan_module(module, cluster: Cluster, microbatches: int, schedule: str, method: str,
-                 batch_args: Sequence[int] | None) -> dict:
+                 batch_args: Sequence[int] | None, context) -> dict:
     """Runs the planning passes on an imported module; returns the plan report
-    (`hlopar-auto-parallel`'s shape: split, clustering, stages, cross_mesh)."""
+    (`hlopar-auto-parallel`'s shape: split, clustering, stages, cross_mesh) with the passes'
+    warnings (`warnings`: formatted diagnostics, also those of `context`'s earlier passes)."""
     from hlopar.passes.base import PassContext
     from hlopar.passes.cluster_operators import ClusterOperatorsPass
     from hlopar.passes.cross_mesh_resharding import CrossMeshReshardingPass
     from hlopar.passes.split_microbatches import SplitMicrobatchesPass
     from hlopar.passes.stage_construction import StageConstructionPass
 
-    context = PassContext()
     with tempfile.TemporaryDirectory(prefix="hlopar-plan-") as scratch:
         paths = {k: str(Path(scratch) / f"{k}.json") for k in ("split", "clustering", "stages", "cross_mesh")}
         SplitMicrobatchesPass(microbatches=microbatches, batch_args=tuple(batch_args) if batch_args is not None
@@ -252,6 +255,7 @@ def _plan_module(module, cluster: Cluster, microbatches: int, schedule: str, met
             plan[key] = json.loads(Path(path).read_text()) if Path(path).exists() else None
         if stages is not None:
             plan["stages"] = stages
+    plan["warnings"] = list(dict.fromkeys(d.format() for d in context.diagnostics))
     return plan
 
 
@@ -308,6 +312,7 @@ class _Compiled:
     planned: PlannedStep
     runtime: Any  # ray_runtime.RayRuntime
     cluster: Cluster
+    out_dtypes: list = field(default_factory=list)  # per result leaf: its dtype (typed keys are rewrapped)
     returned: list = field(default_factory=list)  # (weakref to a returned leaf, result position)
     generation: int = 0  # runtime generation the returned leaves are kept by
 
@@ -367,14 +372,21 @@ class ParallelizedFunction:
             clock = time.perf_counter()
             abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), args)
             lowered = jax.jit(self.fn, keep_unused=True).lower(*abstract)
-            text = lowered.as_text()
+            # With debug info: each op's location is the user's source line, each argument
+            # named by its pytree path, so that messages speak of their code.
+            text = lowered.as_text(debug_info=True)
             self._log(f"lowered {self.__name__} in {time.perf_counter() - clock:.1f} s; planning for "
                       f"{cluster.num_hosts} host(s) x {cluster.devices_per_host} {cluster.device_kind} device(s), "
                       f"method {self.method}, schedule {self.schedule}")
             progress.phase("planning")
-            planned = plan_step(text, cluster, num_microbatches=self.num_microbatches, schedule=self.schedule,
-                                method=self.method, batch_args=self._batch_leaves(args), cache=self.cache,
-                                log=self._log)
+            try:
+                planned = plan_step(text, cluster, num_microbatches=self.num_microbatches, schedule=self.schedule,
+                                    method=self.method, batch_args=self._batch_leaves(args), cache=self.cache,
+                                    log=self._log)
+            except (DiagnosticError, RolesError) as error:
+                raise PlanningError(f"hlopar cannot parallelize {self.__name__}:\n{in_api_terms(str(error))}") from None
+            for message in planned.plan.get("warnings", ()):
+                warnings.warn(in_api_terms(message), HloparWarning, stacklevel=3)
             self._log(describe_plan(planned))
             placement = placement_of(planned.program, cluster.devices_per_host, local=cluster.is_local,
                                      device_kind=cluster.device_kind)
@@ -382,7 +394,8 @@ class ParallelizedFunction:
             _connect(cluster, workers)
             runtime = RayRuntime(planned.program, self.schedule, placement, timeout=self.timeout,
                                  worker_timeout=self.timeout, log=self._log, phase=progress.phase)
-            self._compiled = _Compiled(signature, lowered.out_tree, planned, runtime, cluster)
+            self._compiled = _Compiled(signature, lowered.out_tree, planned, runtime, cluster,
+                                       [info.dtype for info in jax.tree_util.tree_leaves(lowered.out_info)])
             self._log(f"starting {workers} Ray worker(s)")
             runtime.start()
         finally:
@@ -420,8 +433,8 @@ class ParallelizedFunction:
                     if ref() is leaf:
                         resident[i] = r
                         break
-        results = runtime.run(leaves, resident)
-        outputs = [jax.device_put(r) for r in results]
+        results = runtime.run([_key_data(leaf) for leaf in leaves], resident)
+        outputs = _outputs(results, compiled.out_dtypes)
         compiled.returned = [(weakref.ref(x), r) for r, x in enumerate(outputs)]
         compiled.generation = runtime.generation
         self._donate(args, outputs)
@@ -479,7 +492,7 @@ class ParallelizedFunction:
         if not compiled.runtime.alive:
             self._restart()
         results = compiled.runtime.load(directory)
-        outputs = [jax.device_put(r) for r in results]
+        outputs = _outputs(results, compiled.out_dtypes)
         compiled.returned = [(weakref.ref(x), r) for r, x in enumerate(outputs)]
         compiled.generation = compiled.runtime.generation
         return jax.tree_util.tree_unflatten(compiled.out_tree, outputs)
@@ -492,6 +505,53 @@ class ParallelizedFunction:
 
 def _dtype(x) -> np.dtype:
     return x.dtype if hasattr(x, "dtype") else np.result_type(x)
+
+
+def _is_key(dtype) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _key_data(leaf):
+    """A typed key (`jax.random.key`) as the words the lowered program takes for it."""
+    return jax.random.key_data(leaf) if _is_key(_dtype(leaf)) else leaf
+
+
+def _outputs(results: Sequence, dtypes: Sequence) -> list:
+    """The workers' results as jax arrays, typed keys wrapped back from their words."""
+    return [jax.random.wrap_key_data(jax.device_put(r), impl=_key_impl(dtype)) if _is_key(dtype)
+            else jax.device_put(r) for r, dtype in zip(results, dtypes, strict=True)]
+
+
+def _key_impl(dtype) -> str:
+    """The name of the generator of a typed key's dtype (`key<fry>` -> "threefry2x32")."""
+    for name in ("threefry2x32", "rbg", "unsafe_rbg"):
+        if jax.random.key(0, impl=name).dtype == dtype:
+            return name
+    raise TypeError(f"hlopar does not know the random generator of {dtype} keys")
+
+
+class HloparWarning(UserWarning):
+    """A planning pass's warning (what the plan computes differently, or could not plan)."""
+
+
+class PlanningError(ValueError):
+    """The step cannot be parallelized as written: the message says why, where in the
+    user's code, and which argument of `parallelize` settles it."""
+
+
+# Pass options the messages name -> the `parallelize` arguments that set them.
+_API_OPTIONS = (
+    (re.compile(r"\bbatch-args=\.\.\."), "batch_argnums=... (the positional arguments that hold the batch)"),
+    (re.compile(r"\bbatch-args="), "batch_argnums="),
+    (re.compile(r"(?<![\w-])microbatches="), "num_microbatches="),
+)
+
+
+def in_api_terms(message: str) -> str:
+    """A pass's message as a `parallelize` user reads it: options named as its arguments."""
+    for pattern, replacement in _API_OPTIONS:
+        message = pattern.sub(replacement, message)
+    return message
 
 
 def describe_plan(planned: PlannedStep) -> str:

@@ -1,0 +1,138 @@
+"""A Ray cluster of hlopar's own on this machine, started quietly and safely.
+
+Plain `ray.init()` does four things a library should not do to its user: it joins the cluster
+that `/tmp/ray/ray_current_cluster` names, even a dead or foreign one; it starts its processes
+from the caller's process with a Python `preexec_fn`, i.e. it forks the (JAX-threaded) process
+and runs Python in the child, which JAX rightly warns "will likely lead to a deadlock"; it
+warns about token authentication; and it forwards every worker's output to the driver (gloo's
+"[Gloo] Rank 0 is connected" lines among them).
+
+So `start` runs `ray start --head --block` in a child process that `subprocess` starts with no
+Python code between fork and exec (no at-fork handler runs: nothing to warn about), in a fresh
+temporary directory (its address file, sockets and logs live there, never in /tmp/ray), on
+127.0.0.1 and a free port, with token authentication and a token made here (the variables
+`RAY_AUTH_MODE`, `RAY_AUTH_TOKEN`; no file in ~/.ray), no dashboard and no usage report. The
+child ends when this process is gone and takes the cluster with it;
+`stop`, registered at exit, ends it and removes the directory. The driver connects with
+`log_to_driver` off: the workers' output stays in `<dir>/session_latest/logs/worker-*`;
+`HLOPAR_RAY_LOG_TO_DRIVER=1` streams it to this process's terminal instead (docs/runtime.md).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["LocalRay", "connect", "log_to_driver", "start"]
+
+LOG_TO_DRIVER_VARIABLE = "HLOPAR_RAY_LOG_TO_DRIVER"
+_AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+# Runs in the child: a thread ends it (and so the cluster) when its parent, this process,
+# is gone (os.getppid changes), whichever of the parent's threads started it; then Ray's own
+# command line runs.
+_HEAD = (
+    "import os, signal, sys, threading, time\n"
+    "parent = int(sys.argv[1])\n"
+    "def watch():\n"
+    "    while os.getppid() == parent:\n"
+    "        time.sleep(1)\n"
+    "    os.kill(os.getpid(), signal.SIGTERM)\n"
+    "threading.Thread(target=watch, daemon=True).start()\n"
+    "from ray.scripts.scripts import main\n"
+    "sys.argv = ['ray'] + sys.argv[2:]\n"
+    "main()\n"
+)
+
+
+def log_to_driver() -> bool:
+    """Whether workers' output is streamed to the driver (`HLOPAR_RAY_LOG_TO_DRIVER=1`)."""
+    return os.environ.get(LOG_TO_DRIVER_VARIABLE, "") not in ("", "0")
+
+
+@dataclass
+class LocalRay:
+    """A running head node: its `ray start` process, directory and address."""
+
+    process: subprocess.Popen
+    directory: Path
+    address: str
+
+    @property
+    def logs(self) -> Path:
+        return self.directory / "session_latest" / "logs"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Disconnects this driver and ends the head node (its processes go with it)."""
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def start(num_cpus: int, timeout: float = 120.0) -> LocalRay:
+    """Starts a head node of `num_cpus` CPUs (module docstring); raises RuntimeError, naming
+    its log, if it is not up within `timeout` seconds."""
+    directory = Path(tempfile.mkdtemp(prefix="hlopar-ray-"))
+    _authentication(os.environ)
+    log = open(directory / "ray-start.log", "wb")
+    command = [sys.executable, "-c", _HEAD, str(os.getpid()), "start", "--head", "--block",
+               f"--temp-dir={directory}", "--node-ip-address=127.0.0.1", "--port=0",
+               f"--num-cpus={num_cpus}", "--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats"]
+    with log:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    address_file = directory / "ray_current_cluster"
+    deadline = time.monotonic() + timeout
+    while not address_file.exists() or not address_file.read_text().strip():
+        if process.poll() is not None or time.monotonic() > deadline:
+            if process.poll() is None:
+                process.kill()
+            raise RuntimeError(f"the local Ray cluster did not start (see {directory / 'ray-start.log'})")
+        time.sleep(0.2)
+    return LocalRay(process, directory, address_file.read_text().strip())
+
+
+def _authentication(environ) -> None:
+    """Token authentication with a fresh token, unless the user chose Ray's settings. Ray
+    reads the mode into its config when it is imported: that config is read again, as
+    `ray.init` itself does when it turns token authentication on."""
+    if any(name in environ for name in _AUTH_VARIABLES):
+        return
+    environ["RAY_AUTH_MODE"] = "token"
+    environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    from ray._raylet import Config
+
+    Config.initialize("")
+
+
+def connect(address: str | None, num_cpus: int) -> LocalRay | None:
+    """This process connected to Ray: to `address`, or to a local cluster started here with
+    `num_cpus` CPUs (returned; stopped at exit). Ray's own log lines stay at warnings."""
+    import ray
+
+    local = None
+    if address is None:
+        local = start(num_cpus)
+        atexit.register(local.stop)
+        address = local.address
+    ray.init(address=address, log_to_driver=log_to_driver(), logging_level=logging.WARNING,
+             configure_logging=True)
+    return local
