@@ -59,6 +59,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from hlopar.ir.graph import FuncGraph
+from hlopar.ir.signature import FuncSignature, path_tokens
 
 
 class Role(enum.Enum):
@@ -101,6 +102,9 @@ ELEMENTWISE_OPS = frozenset(
 )
 CONSTANT_OPS = frozenset({"stablehlo.constant", "stablehlo.iota"})
 _UPDATE_WALK_OPS = ELEMENTWISE_OPS | CONSTANT_OPS | {"stablehlo.broadcast_in_dim"}
+# Ops whose results are their operands unchanged (a typed key's sharding constraint).
+PASS_THROUGH_OPS = frozenset({"sdy.sharding_constraint", "sdy.reshard", "stablehlo.optimization_barrier"})
+_STATE_WALK_OPS = _UPDATE_WALK_OPS | PASS_THROUGH_OPS
 _MATMUL_OPS = frozenset({"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"})
 _MARKER = re.compile(r"hlopar_layer_(\d+)")
 
@@ -108,17 +112,161 @@ _MARKER = re.compile(r"hlopar_layer_(\d+)")
 # --------------------------------------------------------------------------- state and loss
 
 
-def state_pairs(graph: FuncGraph) -> tuple[tuple[int, int], ...]:
-    """(argument number, result number) of every result whose type is its argument's.
+class RolesError(ValueError):
+    """A role the data flow leaves open (two batches, two losses): the message names the
+    candidates and the option that settles it."""
 
-    JAX flattens a step's state the same way in and out, so result i and argument i of
-    one type are the new and old values of the same state. (The auto-sharding pass ties
-    such pairs to one layout.)
+
+def state_pairs(graph: FuncGraph) -> tuple[tuple[int, int], ...]:
+    """(argument number, result number) of every piece of state: the result is the new value
+    of the argument. Found from data flow, whatever the order and nesting of arguments and
+    results:
+
+    1. JAX's donation (`tf.aliasing_output`: the user donated the argument and JAX reuses
+       its buffer for that result) pairs them outright.
+    2. Otherwise a result is the new value of an argument of its type that it is computed
+       from by elementwise ops alone (the optimizer's arithmetic, a step counter's `+ 1`, a
+       running average, the argument returned unchanged). Parameters, Adam's moments and
+       the count all reach several same-typed arguments that way (a parameter's update
+       reads its moments), so the pairs are chosen greedily by, in order: the longest
+       common tail of the two pytree paths JAX names them by (`params['w']` and
+       `result[1]['w']`), the fewest elementwise ops between them, then program order.
+    3. A random key result pairs with the one key argument of its type it is drawn from.
+
+    The auto-sharding pass ties each pair to one layout.
     """
-    args, results, values = graph.args, graph.results, graph.values
-    return tuple(
-        (i, i) for i in range(min(len(args), len(results))) if values[args[i]].type == values[results[i]].type
-    )
+    with _paused_gc():
+        return _state_pairs(graph)
+
+
+def _state_pairs(graph: FuncGraph) -> tuple[tuple[int, int], ...]:
+    signature = FuncSignature.of(graph.mlir_func)
+    values = graph.values
+    args, results = graph.args, graph.results
+    pairs = {}
+    for arg, result in signature.aliases:
+        if arg < len(args) and result < len(results) and values[args[arg]].type == values[results[result]].type:
+            pairs[result] = arg
+    taken = set(pairs.values())
+    by_type: dict = {}
+    for i, a in enumerate(args):
+        if i not in taken:
+            by_type.setdefault(values[a].type, []).append(i)
+    arg_tails = [path_tokens(name) for name in signature.arg_names]
+    result_tails = [path_tokens(name) for name in signature.result_names]
+    edges = []
+    for r, value in enumerate(results):
+        if r in pairs:
+            continue
+        same_type = by_type.get(values[value].type)
+        if not same_type:
+            continue
+        distance = _elementwise_distances(graph, value, {args[i]: i for i in same_type})
+        for i, hops in distance.items():
+            common = _common_tail(arg_tails[i] if i < len(arg_tails) else (),
+                                  result_tails[r] if r < len(result_tails) else ())
+            edges.append((-common, hops, r, i))
+    for _, _, r, i in sorted(edges):
+        if r not in pairs and i not in taken:
+            pairs[r] = i
+            taken.add(i)
+    # A new random key is drawn from the old one by threefry (slices of its output, not
+    # elementwise): a key result pairs with the one key argument of its type it reads.
+    preds = None
+    for r, value in enumerate(results):
+        if r in pairs or values[value].dtype != "ui32":
+            continue
+        keys = [i for i in by_type.get(values[value].type, ()) if i not in taken and is_random_key(graph, i)]
+        if keys:
+            preds = preds or _predecessors(graph)
+            read = {v for op in _ancestors(preds, values[value].producer) for v in graph.reads(op)}
+            keys = [i for i in keys if args[i] in read]
+        if len(keys) == 1:
+            pairs[r] = keys[0]
+            taken.add(keys[0])
+    return tuple(sorted((arg, result) for result, arg in pairs.items()))
+
+
+def _elementwise_distances(graph: FuncGraph, value: int, targets: dict[int, int]) -> dict[int, int]:
+    """Argument number -> the fewest elementwise ops from an argument in `targets` (value id
+    -> argument number) to `value` (0: returned as it is)."""
+    found: dict[int, int] = {}
+    frontier, seen, hops = [value], {value}, 0
+    while frontier and len(found) < len(targets):
+        following = []
+        for v in frontier:
+            if v in targets:
+                found.setdefault(targets[v], hops)
+            producer = graph.values[v].producer
+            if producer is None or graph.ops[producer].name not in _STATE_WALK_OPS:
+                continue
+            for operand in graph.ops[producer].operands:
+                if operand not in seen:
+                    seen.add(operand)
+                    following.append(operand)
+        frontier, hops = following, hops + 1
+    return found
+
+
+def _common_tail(a: tuple[str, ...], b: tuple[str, ...]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[-1 - n] == b[-1 - n]:
+        n += 1
+    return n
+
+
+def batch_arguments(graph: FuncGraph, pairs: tuple[tuple[int, int], ...] | None = None) -> tuple[int, ...]:
+    """The arguments that hold the batch, from data flow: what the loss is computed from
+    (every argument, in a program without a loss) that is not training state, not a scalar
+    (a learning rate), not a random key (unsigned words that feed threefry's shifts and
+    xors). Raises `RolesError` naming the candidates when they have several leading dims."""
+    with _paused_gc():
+        return _batch_arguments(graph, state_pairs(graph) if pairs is None else pairs)
+
+
+def _batch_arguments(graph: FuncGraph, pairs: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
+    state = {arg for arg, _ in pairs}
+    values = graph.values
+    candidates = [i for i, a in enumerate(graph.args)
+                  if i not in state and values[a].shape and not is_random_key(graph, i)]
+    preds = _predecessors(graph)
+    loss = _find_loss(graph, pairs, preds)
+    if loss is not None:  # the batch is what the loss is computed from
+        producer = values[graph.results[loss]].producer
+        read = {v for op in _ancestors(preds, producer) for v in graph.reads(op)}
+        candidates = [i for i in candidates if graph.args[i] in read]
+    groups: dict[int | None, list[int]] = {}
+    for i in candidates:
+        groups.setdefault(values[graph.args[i]].shape[0], []).append(i)
+    if len(groups) <= 1:
+        return tuple(candidates)
+    signature = FuncSignature.of(graph.mlir_func)
+    listed = "; ".join(f"leading dim {size}: " + ", ".join(signature.arg(i) for i in group)
+                       for size, group in sorted(groups.items(), key=lambda item: str(item[0])))
+    raise RolesError(f"the arguments that are not training state have different leading dims ({listed}): "
+                     "name the batch with batch-args=...")
+
+
+_RANDOM_BIT_OPS = frozenset({"stablehlo.xor", "stablehlo.shift_left", "stablehlo.shift_right_logical"})
+
+
+def is_random_key(graph: FuncGraph, arg: int) -> bool:
+    """Whether argument `arg` is a random key: 32-bit unsigned words (threefry's key data,
+    raw or typed) that reach the generator's rotations (shifts and xors)."""
+    value = graph.values[graph.args[arg]]
+    if value.dtype != "ui32":
+        return False
+    stack, seen = [graph.args[arg]], {graph.args[arg]}
+    while stack and len(seen) < 256:
+        for user in graph.values[stack.pop()].users:
+            op = graph.ops[user]
+            if any(inner.name in _RANDOM_BIT_OPS for inner in op.walk()):
+                return True
+            for v in op.results:
+                if v not in seen:
+                    seen.add(v)
+                    stack.append(v)
+    return False
 
 
 def find_loss(graph: FuncGraph) -> int | None:
@@ -145,13 +293,30 @@ def _find_loss(graph: FuncGraph, pairs: tuple[tuple[int, int], ...], preds: list
     # The loss of a model worth the name goes through its matmuls: a scalar that does not
     # (a metric of the input) is no loss when the program has matmuls elsewhere.
     matmuls = [op.name in _MATMUL_OPS for op in graph.ops]
-    best, best_count = None, 0 if any(matmuls) else -1
+    state_side = _ancestors(preds, *(graph.values[graph.results[result]].producer for _, result in pairs))
+    names = FuncSignature.of(graph.mlir_func).result_names
+    least = 1 if any(matmuls) else 0
+    ancestry = {}
     for number in candidates:
         producer = graph.values[graph.results[number]].producer
-        ancestors = _ancestors(preds, producer) if producer is not None else ()
+        ancestry[number] = _ancestors(preds, producer) if producer is not None else set()
+    backward = state_side.difference(*ancestry.values())
+    best, best_key = None, None
+    for number in candidates:
+        ancestors = ancestry[number]
         count = sum(1 for i in ancestors if matmuls[i])
-        if count > best_count:
-            best, best_count = number, count
+        if count < least:
+            continue
+        # The scalar the gradients are taken of: some of its forward ops are residuals the
+        # backward reads (the softmax of a cross-entropy, the error of a squared loss); a
+        # metric beside it (an accuracy, a norm of the logits) shares the model's forward
+        # but the backward reads nothing that is its own. Then the matmuls it goes
+        # through, then the name the user gave it.
+        residuals = sum(1 for i in ancestors if any(u in backward for u in graph.successors(i)))
+        name = names[number] if number < len(names) else None
+        key = (residuals, count, bool(name) and "loss" in name.lower())
+        if best_key is None or key > best_key:
+            best, best_key = number, key
     return best
 
 
@@ -460,10 +625,10 @@ def _predecessors(graph: FuncGraph) -> list[list[int]]:
     return preds
 
 
-def _ancestors(preds: list[list[int]], start: int) -> set[int]:
-    """`start` and every top-level op it depends on."""
-    seen = {start}
-    stack = [start]
+def _ancestors(preds: list[list[int]], *starts: int | None) -> set[int]:
+    """The `starts` (None: an argument) and every top-level op they depend on."""
+    seen = {start for start in starts if start is not None}
+    stack = list(seen)
     while stack:
         for p in preds[stack.pop()]:
             if p not in seen:

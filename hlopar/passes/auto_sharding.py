@@ -27,6 +27,7 @@ from hlopar.analysis.auto_sharding.rules import rule_of
 from hlopar.analysis.mesh import DeviceMesh
 from hlopar.analysis.module_meshes import module_meshes
 from hlopar.analysis.sharding import ShardingPerValue, ShardingSpec, TensorSharding
+from hlopar.analysis.training_roles import RolesError, batch_arguments, state_pairs
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError
 from hlopar.ir.graph import FuncGraph
 from hlopar.passes.base import ModulePass, PassContext, option, parse_str_tuple
@@ -78,7 +79,7 @@ class AutoShardingPass(ModulePass):
                "so gradients are reduce-scattered and parameters all-gathered where used")
     force_batch_dim: str | None = option(None, "split the batch dimension over this mesh axis")
     merge: bool = option(True, "fold cheap ops into their deepest operand before solving (Alpa §4.2)")
-    tie_outputs: bool = option(True, "give result i the layout of argument i when their types match (a training step's new and old state)")
+    tie_outputs: bool = option(True, "give each new value of training state the layout of its old value (training_roles.state_pairs)")
     reshard_constraints: bool = option(
         True, "also write the plan as sdy.sharding_constraints (XLA keeps those and drops op shardings): "
               "on every op's results, and wherever a consumer reads a value in another layout")
@@ -109,7 +110,8 @@ class AutoShardingPass(ModulePass):
         graph = FuncGraph.from_func(func)
         rules = {op.id: rule_of(op.mlir_op) for op in graph.walk()} if analysable else {}
         constraints = self._user_shardings(module, graph, mesh_name, context)
-        tied = _tied_results(func) if self.tie_outputs or self.prefer_reduce_scatter else {}
+        tied = ({result: arg for arg, result in state_pairs(graph)}
+                if self.tie_outputs or self.prefer_reduce_scatter else {})
         problem = build_problem(
             graph, rules, mesh,
             arg_shardings=constraints.args, result_shardings=constraints.results,
@@ -209,15 +211,19 @@ class AutoShardingPass(ModulePass):
 
     def _batch_filter(self, graph: FuncGraph):
         """With `force-batch-dim`, strategies must split dim 0 of batch-sized values over the
-        axis. The batch size is the leading dim of the last argument (JAX train steps take
-        the batch last)."""
+        axis. The batch size is the leading dim of the batch arguments
+        (`training_roles.batch_arguments`)."""
         if self.force_batch_dim is None or not graph.args:
             return None
         if self.force_batch_dim not in self._mesh().axis_names:
             self.fail(graph.mlir_func, f"force-batch-dim: no mesh axis '{self.force_batch_dim}'")
-        shape = graph.values[graph.args[-1]].shape
-        if not shape:
+        try:
+            batch_args = batch_arguments(graph)
+        except RolesError as error:
+            self.fail(graph.mlir_func, f"force-batch-dim: {error}")
+        if not batch_args:
             return None
+        shape = graph.values[graph.args[batch_args[0]]].shape
         batch, axis = shape[0], self.force_batch_dim
 
         def keep(shapes, strategy) -> bool:
@@ -225,14 +231,6 @@ class AutoShardingPass(ModulePass):
                        for spec, shape_ in zip(strategy.result_specs, shapes))
 
         return keep
-
-
-def _tied_results(func: ir.Operation) -> dict[int, int]:
-    """Result i ↔ argument i where the types match: JAX flattens a training step's state the
-    same way in and out, so these are the new and old values of the same state."""
-    function_type = ir.FunctionType(ir.TypeAttr(func.attributes["function_type"]).value)
-    inputs, results = list(function_type.inputs), list(function_type.results)
-    return {i: i for i in range(min(len(inputs), len(results))) if inputs[i] == results[i]}
 
 
 def planned_functions(module: ir.Operation) -> list[ir.Operation]:

@@ -29,6 +29,7 @@ from hlopar.analysis.auto_sharding.rules import rule_of
 from hlopar.analysis.stages.layer_costs import plan_layers, trivial_axes_key
 from hlopar.analysis.stages.span_costs import LayerArrays, span_table
 from hlopar.analysis.stages.stage_dp import stage_dp
+from hlopar.analysis.training_roles import RolesError, batch_arguments
 from hlopar.analysis.stages.submeshes import (
     Submesh,
     assign_devices,
@@ -232,7 +233,10 @@ class StageConstructionPass(ModulePass):
     def _microbatch_candidates(self, graph: FuncGraph) -> list[int]:
         if self.microbatches is not None:
             return [self.microbatches]
-        batch = _batch_size(graph)
+        try:
+            batch = _batch_size(graph)
+        except RolesError as error:
+            self.fail(graph.mlir_func, f"microbatches=auto: {error}")
         return [b for b in (2**k for k in range(0, 12)) if b <= batch and batch % b == 0] or [1]
 
     def _memory_per_device(self) -> float:
@@ -290,10 +294,10 @@ def _split_into(func: ir.Operation) -> int | None:
 
 
 def _batch_size(graph: FuncGraph) -> int:
-    """The leading dim of the step's last argument (JAX train steps take the batch last)."""
-    if not graph.args:
-        return 1
-    shape = graph.values[graph.args[-1]].shape
+    """The leading dim of the step's batch arguments (`training_roles.batch_arguments`); 1
+    when it has none. Raises `RolesError` when the batch is ambiguous."""
+    batch_args = batch_arguments(graph)
+    shape = graph.values[graph.args[batch_args[0]]].shape if batch_args else None
     return int(shape[0]) if shape and shape[0] else 1
 
 

@@ -8,7 +8,10 @@ from collections import Counter
 
 import jax
 import jax.numpy as jnp
+import optax
 import pytest
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
 
 from jaxlib.mlir import ir
 
@@ -17,11 +20,14 @@ from hlopar.analysis.training_roles import (
     TrainingRoles,
     classify,
     layer_of_ops,
+    RolesError,
+    batch_arguments,
     marked_layers,
     state_pairs,
 )
 from hlopar.ir.graph import FuncGraph
 from hlopar.ir.module import parse_module
+from hlopar.ir.signature import FuncSignature
 from hlopar.models import adam_update, get_train_step, init_adam
 from hlopar.passes.base import PassContext
 from hlopar.passes.pipeline import Pipeline
@@ -139,13 +145,119 @@ def test_without_name_stacks_residuals_are_backward():
     assert all(named_roles.roles[i] is Role.FORWARD for i in masks)
 
 
-def test_state_pairs_are_the_same_types_in_the_signature():
-    """What the auto-sharding pass ties: result i and argument i of one MLIR type."""
-    graph, _ = zoo("gpt")
-    signature = ir.FunctionType(ir.TypeAttr(graph.mlir_func.attributes["function_type"]).value)
-    inputs, results = list(signature.inputs), list(signature.results)
-    expected = tuple((i, i) for i in range(min(len(inputs), len(results))) if inputs[i] == results[i])
-    assert state_pairs(graph) == expected and len(expected) == len(results) - 1
+def _flat_adam_step(w1, w2, m1, m2, v1, v2, count, x, y, key):
+    """A training step with every leaf its own argument and result: two same-shaped
+    weights with Adam's moments (six 8x8 state tensors a type cannot tell apart), a step
+    count, a batch, a dropout key; returns the loss, an accuracy metric, the new state."""
+    def loss_fn(ws):
+        h = jnp.tanh(x @ ws[0])
+        h = jnp.where(jax.random.bernoulli(key, 0.9, h.shape), h / 0.9, 0.0)
+        logits = h @ ws[1]
+        labels = jax.nn.one_hot(y, 8)
+        return -jnp.mean(jnp.sum(labels * jax.nn.log_softmax(logits), -1)), logits
+
+    (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)((w1, w2))
+    count = count + 1
+    new = []
+    for w, m, v, g in zip((w1, w2), (m1, m2), (v1, v2), grads):
+        m = 0.9 * m + 0.1 * g
+        v = 0.999 * v + 0.001 * g * g
+        step = 1e-3 * (m / (1 - 0.9 ** count)) / (jnp.sqrt(v / (1 - 0.999 ** count)) + 1e-8)
+        new.append((w - step, m, v))
+    accuracy = jnp.mean(jnp.argmax(logits, -1) == y)
+    (w1, m1, v1), (w2, m2, v2) = new
+    return loss, accuracy, w1, w2, m1, m2, v1, v2, count, jax.random.split(key)[0]
+
+
+_FLAT_ARGS = ("w1", "w2", "m1", "m2", "v1", "v2", "count", "x", "y", "key")
+_FLAT_RESULTS = ("loss", "accuracy", "w1", "w2", "m1", "m2", "v1", "v2", "count", "key")
+
+
+def _flat_roles(arg_order, result_order, debug_info):
+    """Roles of `_flat_adam_step` with its arguments and results in the given orders, named
+    by what they are (`_FLAT_ARGS` / `_FLAT_RESULTS`)."""
+    def permuted(*args):
+        results = _flat_adam_step(**{_FLAT_ARGS[k]: a for k, a in zip(arg_order, args)})
+        return tuple(results[k] for k in result_order)
+
+    shapes = {"x": ((16, 8), jnp.float32), "y": ((16,), jnp.int32), "count": ((), jnp.int32),
+              "key": ((2,), jnp.uint32)}
+    specs = [jax.ShapeDtypeStruct(*shapes.get(_FLAT_ARGS[k], ((8, 8), jnp.float32))) for k in arg_order]
+    module, graph = imported(jax.jit(permuted).lower(*specs).as_text(debug_info=debug_info))
+    roles = classify(graph)
+    arg_name = [_FLAT_ARGS[k] for k in arg_order]
+    result_name = [_FLAT_RESULTS[k] for k in result_order]
+    counts = Counter(roles.roles[op.index] for op in graph.ops if op.name in MATMULS)
+    return (result_name[roles.loss_result],
+            sorted((arg_name[a], result_name[r]) for a, r in roles.state_pairs),
+            sorted(arg_name[i] for i in batch_arguments(graph, roles.state_pairs)),
+            counts)
+
+
+_FLAT_EXPECTED = ("loss", sorted((n, n) for n in _FLAT_ARGS if n not in ("x", "y")), ["x", "y"],
+                  Counter({Role.FORWARD: 2, Role.BACKWARD: 3}))
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, phases=(Phase.explicit, Phase.generate))
+@given(st.permutations(range(len(_FLAT_ARGS))), st.permutations(range(len(_FLAT_RESULTS))), st.booleans())
+def test_roles_do_not_depend_on_the_order_of_arguments_and_results(arg_order, result_order, debug_info):
+    """Whatever order the step takes and returns its values in (with JAX's names or
+    without), the same loss, the same state pairs, the same batch and the same roles."""
+    assert _flat_roles(arg_order, result_order, debug_info) == _FLAT_EXPECTED
+
+
+def test_state_pairs_of_an_optax_step_returning_the_loss_first():
+    """`(loss, params, opt_state)` with Optax's nested state: each new value pairs with its
+    own argument (by data flow, and JAX's pytree names where types tie)."""
+    def model_loss(params, x, y):
+        return jnp.mean((jnp.tanh(x @ params["a"]) @ params["b"] - y) ** 2)
+
+    optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(model_loss)(params, *batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return loss, optax.apply_updates(params, updates), opt_state
+
+    params = {"a": jnp.ones((4, 4)), "b": jnp.ones((4, 4))}
+    batch = (jnp.ones((8, 4)), jnp.ones((8, 4)))
+    module, graph = imported(jax.jit(step).lower(params, optimizer.init(params), batch).as_text(debug_info=True))
+    signature = FuncSignature.of(graph.mlir_func)
+    roles = classify(graph)
+    assert signature.result_names[roles.loss_result] == "result[0]"
+    pairs = {signature.arg_names[a]: signature.result_names[r] for a, r in roles.state_pairs}
+    state_args = [n for n in signature.arg_names if not n.startswith("batch")]
+    assert len(pairs) == len(state_args) == len(graph.results) - 1
+    for arg, result in pairs.items():  # params['a'] -> result[1]['a'], opt_state[1][0].mu['a'] -> result[2][1][0].mu['a']
+        root, _, rest = arg.partition("[") if arg.startswith("params") else arg.partition("state")
+        expected = "result[1][" + rest if arg.startswith("params") else "result[2]" + rest
+        assert result == expected, (arg, result)
+    assert [signature.arg_names[i] for i in batch_arguments(graph)] == ["batch[0]", "batch[1]"]
+
+
+def test_donation_pairs_state_outright():
+    """`tf.aliasing_output` (a donated argument whose buffer JAX reuses) is the pair, even
+    where data flow alone would choose otherwise (a result that is a copy of another)."""
+    def swap(a, b):
+        return b + 0.0, a * 1.0
+
+    spec = jax.ShapeDtypeStruct((4,), jnp.float32)
+    module, graph = imported(jax.jit(swap, donate_argnums=(0, 1)).lower(spec, spec).as_text())
+    aliases = FuncSignature.of(graph.mlir_func).aliases
+    assert sorted(aliases) == [(0, 0), (1, 1)]  # JAX pairs donated buffers by type, in order
+    assert state_pairs(graph) == ((0, 0), (1, 1))
+
+
+def test_several_leading_dims_name_the_candidates():
+    def step(w, x, z):
+        return jnp.mean(x @ w) + jnp.mean(z @ w), w
+
+    args = (jax.ShapeDtypeStruct((4, 4), jnp.float32), jax.ShapeDtypeStruct((8, 4), jnp.float32),
+            jax.ShapeDtypeStruct((6, 4), jnp.float32))
+    module, graph = imported(jax.jit(step).lower(*args).as_text(debug_info=True))
+    with pytest.raises(RolesError, match=r"leading dim 6: argument 2 \(z\); leading dim 8: argument 1 \(x\).*"
+                                         r"batch-args="):
+        batch_arguments(graph, ((0, 1),))
 
 
 # --------------------------------------------------------------------------- other programs
