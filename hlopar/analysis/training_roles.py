@@ -322,19 +322,7 @@ def _find_loss(graph: FuncGraph, pairs: tuple[tuple[int, int], ...], preds: list
 
 def _updates_itself(graph: FuncGraph, arg: int, value: int) -> bool:
     """Whether `value` is `arg` or is computed from it by elementwise ops (a state update)."""
-    stack, seen = [value], {value}
-    while stack:
-        v = stack.pop()
-        if v == arg:
-            return True
-        producer = graph.values[v].producer
-        if producer is None or graph.ops[producer].name not in _UPDATE_WALK_OPS:
-            continue
-        for operand in graph.ops[producer].operands:
-            if operand not in seen:
-                seen.add(operand)
-                stack.append(operand)
-    return False
+    return bool(_elementwise_distances(graph, value, {arg: 0}))
 
 
 # --------------------------------------------------------------------------- classification
