@@ -22,7 +22,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CORPUS = ROOT.parent / "shared" / "corpus"
+sys.path.insert(0, str(ROOT))
+
+from hlopar.corpus import corpus_dir  # noqa: E402
+
+CORPUS = corpus_dir()
 DEFAULT_CASES = ["gpt:1.3B", "gpt:39B", str(CORPUS / "models" / "alphafold.mlir")]
 TARGET_SECONDS = 10.0
 

@@ -3,6 +3,8 @@
 
     python tools/run_corpus.py [CORPUS_DIR] [--sample N] [--pipeline P] [--verbose]
 
+CORPUS_DIR defaults to `HLOPAR_CORPUS`, or `../shared/corpus` beside the repository (`hlopar.corpus`).
+
 Each file (each `// -----` part, for files whose RUN line splits) is imported in a
 forked child, printed, and the printed text parsed and verified again. Outcomes:
 
@@ -29,8 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hlopar.cli.opt_driver import split_input  # noqa: E402
-
-DEFAULT_CORPUS = Path(__file__).resolve().parent.parent.parent / "shared" / "corpus"
+from hlopar.corpus import CORPUS_VARIABLE, corpus_dir  # noqa: E402
 
 
 def corpus_files(root: Path) -> list[Path]:
@@ -131,7 +132,7 @@ def parts_of(path: Path) -> list[tuple[str | bytes, str]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("corpus", nargs="?", type=Path, default=DEFAULT_CORPUS)
+    parser.add_argument("corpus", nargs="?", type=Path, default=corpus_dir())
     parser.add_argument("--sample", type=int, default=None, help="check a fixed sample of N files")
     parser.add_argument("--pipeline", default="builtin.module(hlopar-import)")
     parser.add_argument("--verbose", "-v", action="store_true", help="print every rejected part too")
@@ -140,7 +141,8 @@ def main() -> int:
                         help="also compile the output (on 8 CPU devices) wherever the input compiles on one")
     args = parser.parse_args()
     if not args.corpus.is_dir():
-        print(f"error: corpus directory not found: {args.corpus}", file=sys.stderr)
+        print(f"error: corpus directory not found: {args.corpus} (give CORPUS_DIR or set {CORPUS_VARIABLE})",
+              file=sys.stderr)
         return 2
     if args.compile:
         from hlopar.runtime.host_devices import use_host_devices

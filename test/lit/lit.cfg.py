@@ -27,6 +27,9 @@ if filecheck is None:
     lit_config.fatal("FileCheck not found: install the project (pip install -e .) or LLVM's FileCheck")
 config.substitutions.append((r"\bFileCheck\b", filecheck))
 config.substitutions.append(("%inputs", os.path.join(config.test_source_root, "Inputs")))
-repo_root = os.path.dirname(os.path.dirname(config.test_source_root))
-config.substitutions.append(("%corpus", os.path.join(os.path.dirname(repo_root), "shared", "corpus")))
+# %corpus: the shared corpus, where hlopar.corpus finds it (HLOPAR_CORPUS, default ../shared/corpus).
+sys.path.insert(0, os.path.dirname(os.path.dirname(config.test_source_root)))
+from hlopar.corpus import corpus_dir  # noqa: E402
+
+config.substitutions.append(("%corpus", str(corpus_dir())))
 config.substitutions.append(("%python", sys.executable))

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import pathlib
 import re
 
 import numpy as np
 import pytest
 
 from hlopar.analysis.mesh import DeviceMesh, format_symbol, quote_string
+from hlopar.corpus import corpus_dir
 
-CORPUS = pathlib.Path("/work/shared/corpus")
+CORPUS = corpus_dir()
 
 
 def test_of_and_shape_queries():
@@ -176,7 +176,7 @@ def _corpus_meshes() -> list[str]:
     return sorted(found)
 
 
-@pytest.mark.skipif(not CORPUS.is_dir(), reason="corpus not present")
+@pytest.mark.corpus
 def test_every_corpus_mesh_matches_jaxlib():
     """Each distinct mesh in the corpus: we print what jaxlib prints, and reject what it rejects."""
     from jaxlib.mlir import ir

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import pathlib
 import random
 import re
 
 import pytest
 
 from hlopar.analysis.mesh import DeviceMesh
+from hlopar.corpus import corpus_dir
 from hlopar.analysis.sharding import (
     AxisRef,
     DimSharding,
@@ -20,7 +20,7 @@ from hlopar.analysis.sharding import (
     unused_axes,
 )
 
-CORPUS = pathlib.Path("/work/shared/corpus")
+CORPUS = corpus_dir()
 MESH = DeviceMesh.of((2, 4), ("x", "y"))
 
 
@@ -304,7 +304,7 @@ STRICTER_THAN_JAXLIB = ['"a":(-1)2']
 NEWER_SYNTAX = re.compile(r"unreduced=(max|min)\{")
 
 
-@pytest.mark.skipif(not CORPUS.is_dir(), reason="corpus not present")
+@pytest.mark.corpus
 def test_every_corpus_sharding_round_trips():
     """Each distinct sdy sharding attribute in the corpus prints back exactly as jaxlib does."""
     from jaxlib.mlir import ir

@@ -17,18 +17,19 @@ moves its outputs by at most 5e-5 relative, and every mesh matches one device wi
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
 from hlopar.codegen.spmd import compile_spmd
+from hlopar.corpus import corpus_dir
 from hlopar.ir.module import parse_module, print_module
 from hlopar.passes.base import PassContext
 from hlopar.passes.pipeline import Pipeline
 
-MODELS = Path(__file__).resolve().parents[3].parent / "shared" / "corpus" / "models"
+MODELS = corpus_dir() / "models"
+pytestmark = pytest.mark.corpus
 ELIDED = re.compile(r"dense_resource<__elided__> : tensor<([^>]*)>")
 FAST = {("jax_resnet_50", "2x4"), ("searchless_chess_9m", "4x2")}
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -11,11 +10,12 @@ import pytest
 from jax import lax
 from jaxlib.mlir import ir
 
+from hlopar.corpus import corpus_dir
 from hlopar.ir import op_attrs as A
 from hlopar.ir.context import make_context
 from hlopar.ir.graph import FuncGraph, Location, OpNode, decode_location, module_graphs
 
-CORPUS = Path("/work/shared/corpus/models")
+CORPUS = corpus_dir() / "models"
 
 
 def spec(*shape, dtype=jnp.float32):
@@ -507,13 +507,11 @@ def test_foreign_ops_and_declarations():
     assert call.attrs == A.CustomCallAttrs("tpu_custom_call", True, "opaque", None)
 
 
+@pytest.mark.corpus
 @pytest.mark.parametrize("name", ["pt_bert.mlir", "jax_resnet_50.mlir"])
 def test_corpus_models(context, name):
-    path = CORPUS / name
-    if not path.exists():
-        pytest.skip(f"{path} is not available")
     with context:
-        module = ir.Module.parse(path.read_text())
+        module = ir.Module.parse((CORPUS / name).read_text())
     graphs = module_graphs(module)
     assert "main" in graphs
     for graph in graphs.values():

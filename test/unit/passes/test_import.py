@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxlib import _jax
 
+from hlopar.corpus import corpus_dir
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.ir.graph import FuncGraph
 from hlopar.ir.module import load_module, parse_module, print_module
@@ -22,7 +23,7 @@ from hlopar.passes.base import PassContext
 from hlopar.passes.pipeline import Pipeline
 
 ROOT = Path(__file__).resolve().parents[3]
-CORPUS = ROOT.parent / "shared" / "corpus"
+CORPUS = corpus_dir()
 
 
 def imported(text: str):
@@ -121,6 +122,7 @@ def test_chlo_is_legalized_with_the_same_numbers():
     np.testing.assert_allclose(shards[0], np.asarray(f(a)), rtol=1e-5)
 
 
+@pytest.mark.corpus
 def test_portable_artifact_and_bytecode_load():
     from jaxlib.mlir.dialects import stablehlo
 
@@ -130,6 +132,7 @@ def test_portable_artifact_and_bytecode_load():
     assert "stablehlo.abs" in print_module(module)
 
 
+@pytest.mark.corpus
 @pytest.mark.parametrize("name", ["add_qi8.mlir", "abs_shape_float32_20_20_qi8.mlir"])
 def test_quantized_programs_fail_naming_the_dialect(name):
     result = subprocess.run(
@@ -150,6 +153,7 @@ def test_bad_text_raises_located_diagnostics():
     assert (diagnostic.location.file, diagnostic.location.line, diagnostic.location.col) == ("bad.mlir", 2, 10)
 
 
+@pytest.mark.corpus
 def test_fixed_corpus_sample_imports():
     """The CI sample of the corpus: everything imports or is cleanly rejected (tools/run_corpus.py)."""
     result = subprocess.run(
