@@ -5,11 +5,11 @@ pipelined and sharded over a cluster (`hlopar.api`). Imported on first use, so t
 `import hlopar` stays light.
 """
 
-__all__ = ["Cluster", "WorkerError", "parallelize"]
+__all__ = ["Cluster", "HloparWarning", "PlanningError", "WorkerError", "parallelize"]
 
 
 def __getattr__(name: str):
-    if name in ("Cluster", "parallelize"):
+    if name in ("Cluster", "HloparWarning", "PlanningError", "parallelize"):
         from hlopar import api
 
         return getattr(api, name)

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -384,7 +385,8 @@ class ParallelizedFunction:
                                     method=self.method, batch_args=self._batch_leaves(args), cache=self.cache,
                                     log=self._log)
             except (DiagnosticError, RolesError) as error:
-                raise PlanningError(f"hlopar cannot parallelize {self.__name__}:\n{in_api_terms(str(error))}") from None
+                raise PlanningError(f"hlopar cannot parallelize {self.__name__}{_defined_at(self.fn)}:\n"
+                                    f"{in_api_terms(str(error))}") from None
             for message in planned.plan.get("warnings", ()):
                 warnings.warn(in_api_terms(message), HloparWarning, stacklevel=3)
             self._log(describe_plan(planned))
@@ -548,10 +550,17 @@ _API_OPTIONS = (
 
 
 def in_api_terms(message: str) -> str:
-    """A pass's message as a `parallelize` user reads it: options named as its arguments."""
+    """A pass's message as a `parallelize` user reads it: options named as its arguments,
+    no placeholder file for what has no source line (an argument, the whole step)."""
     for pattern, replacement in _API_OPTIONS:
         message = pattern.sub(replacement, message)
-    return message
+    return re.sub(r"(?m)^-: ", "", message)
+
+
+def _defined_at(fn: Callable) -> str:
+    """` (file:line)` of a Python function's definition, or nothing."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    return f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
 
 
 def describe_plan(planned: PlannedStep) -> str:

@@ -4,13 +4,16 @@ host), the progress display. No Ray here."""
 
 from __future__ import annotations
 
+import inspect
 import io
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import hlopar
-from hlopar.api import Cluster, describe_plan, plan_step
+from hlopar.api import Cluster, _key_data, _outputs, describe_plan, plan_step
 from hlopar.models import get_train_step
 from hlopar.progress import Progress
 from hlopar.runtime.ray_runtime import placement_of, worker_programs
@@ -123,3 +126,47 @@ def test_progress_shows_the_phases(tty):
     quiet.message("x")
     quiet.done()
     assert silent.getvalue() == ""
+
+
+# --------------------------------------------------------------------------- the user's terms
+
+
+def _sorts_the_batch(w, x, z):
+    loss = jnp.mean(jnp.sort(x @ w, axis=0)[:2])  # a line the error must point at
+    return loss, w
+
+
+def _two_batches(w, x, z):
+    return jnp.mean(x @ w) + jnp.mean(z @ w), w
+
+
+def test_planning_errors_point_at_the_users_code_and_arguments():
+    """A refusal names the user's source line (JAX's locations), the argument by its name
+    and `parallelize`'s own argument that settles it, never a pass option."""
+    cluster = Cluster.local(num_hosts=1, devices_per_host=2)
+    args = (jnp.ones((4, 4)), jnp.ones((8, 4)), jnp.ones((6, 4)))
+    sort_line = inspect.getsourcelines(_sorts_the_batch)[1] + 1
+    with pytest.raises(hlopar.PlanningError) as refused:
+        hlopar.parallelize(_sorts_the_batch, cluster=cluster, num_microbatches=2, cache=False,
+                           verbose=False).compile(*args)
+    message = str(refused.value)
+    assert message.startswith(f"hlopar cannot parallelize _sorts_the_batch ({__file__}:{sort_line - 1}):\n")
+    assert f"\n{__file__}:{sort_line}:" in message and "'stablehlo.sort' moves data along the batch" in message
+
+    with pytest.raises(hlopar.PlanningError) as ambiguous:
+        hlopar.parallelize(_two_batches, cluster=cluster, num_microbatches=2, cache=False,
+                           verbose=False).compile(*args)
+    message = str(ambiguous.value)
+    assert "leading dim 6: argument 2 (z); leading dim 8: argument 1 (x)" in message
+    assert "batch_argnums=..." in message and "batch-args" not in message and "\n-:" not in message
+
+
+def test_typed_keys_cross_to_the_workers_as_their_words():
+    key = jax.random.key(7)
+    words = _key_data(key)
+    assert words.dtype == jnp.uint32 and words.shape == (2,)
+    back = _outputs([np.asarray(words), np.arange(3)], [key.dtype, np.dtype("int64")])
+    assert back[0].dtype == key.dtype and bool(jnp.all(jax.random.key_data(back[0]) == words))
+    np.testing.assert_array_equal(back[1], np.arange(3))
+    with pytest.raises(ValueError):  # one dtype per result, no more, no fewer
+        _outputs([words], [])
