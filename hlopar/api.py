@@ -7,7 +7,8 @@
 
 The first call (per argument signature: pytree structure, shapes, dtypes):
 
-1. lowers `fn` with jax (`jax.jit(fn, keep_unused=True).lower(...)` on abstract arguments)
+1. lowers `fn` with jax (`jax.jit(fn, keep_unused=True, donate_argnums=...).lower(...)` on abstract
+   arguments, with debug info: source lines and pytree paths name what messages speak of)
    to StableHLO text, one `@main` argument per pytree leaf;
 2. plans it, as `hlopar-compile` does (`cli/compile.py`, docs/codegen.md): hlopar-import,
    hlopar-split-microbatches, then per `method`
@@ -372,7 +373,7 @@ class ParallelizedFunction:
             progress.phase("lowering")
             clock = time.perf_counter()
             abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), args)
-            lowered = jax.jit(self.fn, keep_unused=True).lower(*abstract)
+            lowered = jax.jit(self.fn, keep_unused=True, donate_argnums=self.donate_argnums).lower(*abstract)
             # With debug info: each op's location is the user's source line, each argument
             # named by its pytree path, so that messages speak of their code.
             text = lowered.as_text(debug_info=True)
