@@ -17,6 +17,7 @@ from hlopar.api import Cluster, _key_data, _outputs, describe_plan, plan_step
 from hlopar.models import get_train_step
 from hlopar.progress import Progress
 from hlopar.runtime.ray_runtime import placement_of, worker_programs
+from reordered_steps import reordered_step_text
 
 CLUSTER = Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu").resolved()
 
@@ -170,3 +171,22 @@ def test_typed_keys_cross_to_the_workers_as_their_words():
     np.testing.assert_array_equal(back[1], np.arange(3))
     with pytest.raises(ValueError):  # one dtype per result, no more, no fewer
         _outputs([words], [])
+
+
+def test_the_plan_does_not_depend_on_the_order_of_arguments_and_results(cache):
+    """The property test of `test_training_roles` (same roles whatever the order), carried to
+    the plan: the step with its arguments and results reordered plans to the same stages,
+    meshes, devices, predicted latency and split."""
+    def summary(planned):
+        stages = [{k: v for k, v in stage.items() if k != "latency"} for stage in planned.plan["stages"]["stages"]]
+        latency = [stage["latency"] for stage in planned.plan["stages"]["stages"]]
+        return stages, latency, planned.plan["split"]["ops"], planned.program.microbatches, planned.plan["warnings"]
+
+    plans = [summary(plan_step(reordered_step_text(list(order), list(result_order)), CLUSTER, num_microbatches=2, schedule="1f1b",
+                               cache=False))
+             for order, result_order in ((range(10), range(10)),
+                                         (range(9, -1, -1), (3, 7, 1, 9, 0, 2, 4, 5, 6, 8)))]
+    (stages, latency, ops, microbatches, warned), (stages2, latency2, ops2, microbatches2, warned2) = plans
+    assert stages == stages2 and ops == ops2 and microbatches == microbatches2 == 2 and warned == warned2 == []
+    assert ops["step"] > 0 and ops["batch"] > 0  # the optimizer runs once, the model per microbatch
+    np.testing.assert_allclose(latency, latency2, rtol=1e-12)

@@ -31,6 +31,7 @@ from hlopar.ir.signature import FuncSignature
 from hlopar.models import adam_update, get_train_step, init_adam
 from hlopar.passes.base import PassContext
 from hlopar.passes.pipeline import Pipeline
+from reordered_steps import FLAT_ARGS, FLAT_RESULTS, reordered_step_text
 
 FAMILIES = ["mlp", "gpt", "moe", "wide_resnet", "u_transformer"]
 DENSE = ["mlp", "gpt", "u_transformer"]
@@ -145,48 +146,12 @@ def test_without_name_stacks_residuals_are_backward():
     assert all(named_roles.roles[i] is Role.FORWARD for i in masks)
 
 
-def _flat_adam_step(w1, w2, m1, m2, v1, v2, count, x, y, key):
-    """A training step with every leaf its own argument and result: two same-shaped
-    weights with Adam's moments (six 8x8 state tensors a type cannot tell apart), a step
-    count, a batch, a dropout key; returns the loss, an accuracy metric, the new state."""
-    def loss_fn(ws):
-        h = jnp.tanh(x @ ws[0])
-        h = jnp.where(jax.random.bernoulli(key, 0.9, h.shape), h / 0.9, 0.0)
-        logits = h @ ws[1]
-        labels = jax.nn.one_hot(y, 8)
-        return -jnp.mean(jnp.sum(labels * jax.nn.log_softmax(logits), -1)), logits
-
-    (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)((w1, w2))
-    count = count + 1
-    new = []
-    for w, m, v, g in zip((w1, w2), (m1, m2), (v1, v2), grads):
-        m = 0.9 * m + 0.1 * g
-        v = 0.999 * v + 0.001 * g * g
-        step = 1e-3 * (m / (1 - 0.9 ** count)) / (jnp.sqrt(v / (1 - 0.999 ** count)) + 1e-8)
-        new.append((w - step, m, v))
-    accuracy = jnp.mean(jnp.argmax(logits, -1) == y)
-    (w1, m1, v1), (w2, m2, v2) = new
-    return loss, accuracy, w1, w2, m1, m2, v1, v2, count, jax.random.split(key)[0]
-
-
-_FLAT_ARGS = ("w1", "w2", "m1", "m2", "v1", "v2", "count", "x", "y", "key")
-_FLAT_RESULTS = ("loss", "accuracy", "w1", "w2", "m1", "m2", "v1", "v2", "count", "key")
-
-
 def _flat_roles(arg_order, result_order, debug_info):
-    """Roles of `_flat_adam_step` with its arguments and results in the given orders, named
-    by what they are (`_FLAT_ARGS` / `_FLAT_RESULTS`)."""
-    def permuted(*args):
-        results = _flat_adam_step(**{_FLAT_ARGS[k]: a for k, a in zip(arg_order, args)})
-        return tuple(results[k] for k in result_order)
-
-    shapes = {"x": ((16, 8), jnp.float32), "y": ((16,), jnp.int32), "count": ((), jnp.int32),
-              "key": ((2,), jnp.uint32)}
-    specs = [jax.ShapeDtypeStruct(*shapes.get(_FLAT_ARGS[k], ((8, 8), jnp.float32))) for k in arg_order]
-    module, graph = imported(jax.jit(permuted).lower(*specs).as_text(debug_info=debug_info))
+    """Roles of the reordered step, named by what they are (`FLAT_ARGS` / `FLAT_RESULTS`)."""
+    module, graph = imported(reordered_step_text(arg_order, result_order, debug_info))
     roles = classify(graph)
-    arg_name = [_FLAT_ARGS[k] for k in arg_order]
-    result_name = [_FLAT_RESULTS[k] for k in result_order]
+    arg_name = [FLAT_ARGS[k] for k in arg_order]
+    result_name = [FLAT_RESULTS[k] for k in result_order]
     counts = Counter(roles.roles[op.index] for op in graph.ops if op.name in MATMULS)
     return (result_name[roles.loss_result],
             sorted((arg_name[a], result_name[r]) for a, r in roles.state_pairs),
@@ -194,12 +159,12 @@ def _flat_roles(arg_order, result_order, debug_info):
             counts)
 
 
-_FLAT_EXPECTED = ("loss", sorted((n, n) for n in _FLAT_ARGS if n not in ("x", "y")), ["x", "y"],
+_FLAT_EXPECTED = ("loss", sorted((n, n) for n in FLAT_ARGS if n not in ("x", "y")), ["x", "y"],
                   Counter({Role.FORWARD: 2, Role.BACKWARD: 3}))
 
 
 @settings(max_examples=12, deadline=None, derandomize=True, phases=(Phase.explicit, Phase.generate))
-@given(st.permutations(range(len(_FLAT_ARGS))), st.permutations(range(len(_FLAT_RESULTS))), st.booleans())
+@given(st.permutations(range(len(FLAT_ARGS))), st.permutations(range(len(FLAT_RESULTS))), st.booleans())
 def test_roles_do_not_depend_on_the_order_of_arguments_and_results(arg_order, result_order, debug_info):
     """Whatever order the step takes and returns its values in (with JAX's names or
     without), the same loss, the same state pairs, the same batch and the same roles."""
