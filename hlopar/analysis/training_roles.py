@@ -2,26 +2,33 @@
 
 Pipeline planning (Alpa §5) clusters the *forward* ops into layers and lets every backward
 and update op follow the layer it belongs to, so that a stage's forward and backward run
-on one mesh and each parameter is updated where it lives. JAX exports a training step
+on one mesh and each parameter is updated where it lives. JAX exports a training step such as
 
     step(params, opt_state, batch) -> (new_params, new_opt_state, loss)
 
-as one flat function with no markers: this module finds the three parts by data flow, and
+(in any order and nesting) as one flat function with no markers: this module finds the three parts by data flow, and
 uses JAX's name stacks (`jvp(...)` forward, `transpose(jvp(...))` backward) only to refine
 when the module carries them.
 
 Rules (`classify`):
 
-- **State** (`state_pairs`): result i and argument i with the same type are the new and
-  old value of one piece of state: JAX flattens a step's state the same way in and out.
+- **State** (`state_pairs`): a result is the new value of an argument of its type that it
+  is computed from by elementwise ops (or is, unchanged); donation (`tf.aliasing_output`)
+  pairs outright, JAX's pytree names and the fewest ops settle ties. Never by position:
+  users return `(loss, params)` as often as `(params, loss)`.
+- **Batch** (`batch_arguments`): the arguments the loss is computed from that are not
+  state, not scalars and not random keys (`is_random_key`).
 - **Loss**: the rank-0 floating-point result that is not state (a rank-0 float result tied
   to an argument still counts as a loss candidate when its elementwise producers never
-  reach that argument: state updates do, a loss does not). With several candidates, the
-  one with the most dot_general/convolution ancestors; none of them when the program
-  has matmuls but no candidate depends on one (`sum(x)` next to a residual block `x +
-  f(x)` is a metric of an inference program, not a loss). With no candidate, or with no
-  state left besides the loss and no `transpose(` in any name stack (a `value_and_grad`
-  step without an optimizer has those), the program is forward-only: all FORWARD, no loss.
+  reach that argument: state updates do, a loss does not). With several candidates (a
+  loss beside metrics), the one some of whose own forward ops the backward reads
+  (residuals: a metric shares the model's forward but the backward reads nothing of its
+  own), then the one with the most dot_general/convolution ancestors, then the one JAX
+  names `loss`; none of them when the program has matmuls but no candidate depends on one
+  (`sum(x)` next to a residual block `x + f(x)` is a metric of an inference program, not
+  a loss). With no candidate, or with no state left besides the loss and no `transpose(`
+  in any name stack (a `value_and_grad` step without an optimizer has those), the program
+  is forward-only: all FORWARD, no loss.
 - **FORWARD**: the loss's producer and its ancestors (top-level ops). With name stacks,
   also the linearization residuals JAX computes on the forward side but only the backward
   reads (ReLU masks, GELU derivatives): ops named `jvp(` but not `transpose(` whose every
