@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hlopar.codegen.schedules import (  # noqa: E402
-    SCHEDULES, AlphaBeta, Edge, HostComm, PipelineTopology, StageCost, build_streams, draw_timeline, signal,
+    SCHEDULES, AlphaBeta, Edge, HostComm, PipelineTopology, StageCost, Timeline, build_streams, draw_timeline, signal,
     simulate,
 )
 
@@ -136,7 +136,7 @@ def run(microbatch_counts: list[int], stages: int, device_tflops: float, timelin
             bound = simulate(streams, case.costs, signal(case.comm))
             if timeline is not None:
                 timeline.mkdir(parents=True, exist_ok=True)
-                draw_timeline(real, timeline / f"{case.model}-B{microbatches}-{name}.png")
+                draw_timeline(Timeline.of(real), timeline / f"{case.model}-B{microbatches}-{name}.png")
             rows.append({
                 "model": case.model,
                 "schedule": name,

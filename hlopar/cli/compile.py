@@ -7,7 +7,8 @@ clustering, stage construction, cross-mesh resharding), reads the planned progra
 pipeline (`codegen.pipeline_program`), builds the schedule's instruction streams, simulates
 them, and writes the bundle (`codegen.bundle`, docs/codegen.md).
 
-Failures behave as in `hlopar-opt` (`cli.guard`): `file:line:col: error: ...` lines, exit
+On success it prints a short summary (stages on meshes, microbatches, the simulated step
+time and bubble, the bundle's path). Failures behave as in `hlopar-opt` (`cli.guard`): `file:line:col: error: ...` lines, exit
 status 1, no traceback; the work runs in a forked child so jaxlib crashes are reported too.
 Nothing is half-written: the bundle is written into a hidden directory beside DIR and
 renamed to DIR at the end; an existing DIR is replaced only when it is an earlier bundle
@@ -25,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hlopar.cli.arguments import ArgumentParser
 from hlopar.cli.guard import run_isolated
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
@@ -60,7 +62,8 @@ bundle (DIR):
   meshes/<mesh>/stream.json     the same stream as JSON
   simulation.json               simulated iteration time, bubble fraction, peak memory per mesh,
                                 and the costs used
-  timeline.png                  the simulated timeline, one row per mesh
+  timeline.png                  the simulated timeline, one row per mesh (time axis in s/ms/us)
+  timeline.json                 the same as a Chrome trace: open it in ui.perfetto.dev
 
 simulation costs: a RUN takes its stage's latency per microbatch from the stage-construction
 report, split between forward and backward by their FLOPs (and, for eager-1f1b-wd, the
@@ -81,7 +84,7 @@ See docs/codegen.md for the bundle and stream formats.
 """
 
 
-class _CompileArgumentParser(argparse.ArgumentParser):
+class _CompileArgumentParser(ArgumentParser):
     def format_help(self) -> str:
         # The preset list needs hlopar.analysis (jaxlib): only when help is asked for.
         from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS
@@ -99,6 +102,22 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def _indices(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(word) for word in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected argument indices like 19,20, got {text!r}") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected argument indices like 19,20, got {text!r}")
+    return values
+
+
+def _index(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected one result index (0, 1, ...), got {text!r}")
+    return int(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="bytes per device, e.g. 80GiB or 512MB (default: the preset's)")
     parser.add_argument("--layers", type=_positive, default=None, metavar="L",
                         help="layers for operator clustering (default: chosen by hlopar-cluster-operators)")
+    parser.add_argument("--batch-args", type=_indices, default=None, metavar="I,J",
+                        help="the arguments that are the batch, cut into microbatches along dim 0 (default: the "
+                             "arguments that are not training state)")
+    parser.add_argument("--loss-result", type=_index, default=None, metavar="R",
+                        help="the result that is the loss (default: found from the step)")
     parser.add_argument("--timing", action="store_true", help="print the wall time of each phase to stderr")
     return parser
 
@@ -141,12 +165,52 @@ def main(argv: list[str] | None = None) -> int:
         status = run_isolated(lambda: _compile(args, staging), args.input)
         if status == 0:
             _install(staging, output)
+            print(summary(output))
         return status
     except OSError as error:
         sys.stderr.write(f"{args.output}: error: cannot write the bundle: {error.strerror}\n")
         return 1
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def summary(directory: str) -> str:
+    """What a bundle holds, in a few lines: stages on meshes, microbatches, the simulated step."""
+    bundle = Path(directory)
+    pipeline = json.loads((bundle / "pipeline.json").read_text())
+    simulation = json.loads((bundle / "simulation.json").read_text())
+    stages = json.loads((bundle / "plan.json").read_text())["stages"]["stages"]
+    lines = [f"hlopar-compile: {len(stages)} stage{'s' if len(stages) != 1 else ''} on "
+             f"{len(pipeline['meshes'])} mesh{'es' if len(pipeline['meshes']) != 1 else ''}, "
+             f"{simulation['microbatches']} microbatches, schedule {simulation['schedule']}"]
+    for stage in stages:
+        mesh = pipeline["meshes"][stage["stage"]]["mesh"]
+        shape = "x".join(str(n) for n in stage["logical_shape"])
+        lines.append(f"  stage {stage['stage']}: mesh {mesh}, {shape} devices {_ranges(stage['devices'])}, "
+                     f"{_seconds(stage['latency'])} per microbatch")
+    lines.append(f"  step {_seconds(simulation['iteration_time_s'])} (simulated), "
+                 f"bubble {100 * simulation['bubble_fraction']:.1f}%")
+    lines.append(f"  bundle: {bundle} (timeline.png, timeline.json for Perfetto)")
+    return "\n".join(lines)
+
+
+def _seconds(value: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if value >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value / 1e-9:.3g} ns"
+
+
+def _ranges(devices: list[int]) -> str:
+    """[0, 1, 2, 3, 6] -> '0-3,6'."""
+    parts, start = [], None
+    for k, d in enumerate(devices):
+        if start is None:
+            start = d
+        if k + 1 == len(devices) or devices[k + 1] != d + 1:
+            parts.append(str(start) if start == d else f"{start}-{d}")
+            start = None
+    return ",".join(parts)
 
 
 def _output_problem(output: str) -> str | None:
@@ -203,7 +267,8 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
     report = Path(staging) / "plan.json"
     planner = AutoParallelPass(num_hosts=args.num_hosts, devices_per_host=args.devices_per_host,
                                microbatches=args.microbatches, split=True, schedule=args.schedule,
-                               memory_per_device=memory, preset=args.preset, layers=args.layers, report=str(report))
+                               memory_per_device=memory, preset=args.preset, layers=args.layers,
+                               batch_args=args.batch_args, loss_result=args.loss_result, report=str(report))
     context = PassContext()
     steps: list[tuple[str, float]] = []
     Pipeline([Step(planner.name, hlopar_pass=planner)]).run(module, context, Instrumentation(timings=steps))

@@ -13,10 +13,11 @@ import os
 import sys
 import tempfile
 
+from hlopar.cli.arguments import ArgumentParser
 from hlopar.cli.guard import run_isolated
 
 
-class _OptArgumentParser(argparse.ArgumentParser):
+class _OptArgumentParser(ArgumentParser):
     def format_help(self) -> str:
         # The pass list needs jaxlib; build it only when help is asked for.
         from hlopar.passes.registry import passes_help

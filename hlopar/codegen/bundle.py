@@ -4,7 +4,8 @@
     DIR/program.mlir           the planned MPMD program
     DIR/pipeline.json          the program as a pipeline reads it (`PipelineProgram.summary`)
     DIR/simulation.json        the simulated step: iteration time, bubble, peak memory, costs used
-    DIR/timeline.png           the simulated timeline, one row per mesh
+    DIR/timeline.png           the simulated timeline, one row per mesh (matplotlib)
+    DIR/timeline.json          the same as a Chrome trace (Perfetto, chrome://tracing)
     DIR/meshes/<mesh>/<fragment>.mlir   each fragment's executable module
     DIR/meshes/<mesh>/stream.txt        the mesh's instruction stream, as text
     DIR/meshes/<mesh>/stream.json       the same, as JSON
@@ -26,7 +27,8 @@ from pathlib import Path
 
 from hlopar.codegen.pipeline_program import PipelineProgram
 from hlopar.codegen.schedules import (
-    AlphaBeta, MeshStream, PipelineStreams, SimResult, StageCost, draw_timeline, simulate,
+    AlphaBeta, MeshStream, PipelineStreams, SimResult, StageCost, Timeline, draw_timeline, simulate,
+    write_chrome_trace,
 )
 from hlopar.codegen.schedules.instructions import Instruction
 from hlopar.codegen.schedules.tasks import WEIGHT
@@ -133,7 +135,9 @@ def write_bundle(directory: str | Path, program: PipelineProgram, module_text: s
             "instructions": [i.to_dict() for i in stream.instructions],
         }, indent=1) + "\n")
     (directory / "simulation.json").write_text(json.dumps(summary, indent=1) + "\n")
-    draw_timeline(result, directory / "timeline.png")
+    timeline = Timeline.of(result)
+    draw_timeline(timeline, directory / "timeline.png")
+    write_chrome_trace(timeline, directory / "timeline.json")
     return summary
 
 

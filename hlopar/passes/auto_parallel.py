@@ -41,6 +41,9 @@ class AutoParallelPass(ModulePass):
     microbatches: int | None = option(None, "microbatches per step, or auto", parse=parse_count_or_auto)
     split: bool = option(False, "split @main into the step of one microbatch first (hlopar-split-microbatches; "
                                 "needs a number of microbatches)")
+    batch_args: tuple[int, ...] | None = option(
+        None, "with split: arguments cut along dim 0, e.g. 19,20 (default: those that are not training state)")
+    loss_result: int | None = option(None, "with split: the result that is the loss (default: found)")
     schedule: Literal["1f1b", "eager-1f1b", "eager-1f1b-wd", "gpipe"] = option("1f1b", "pipeline schedule")
     memory_per_device: float | None = option(None, "bytes per device, e.g. 80GiB (default: the preset's)", parse=parse_bytes)
     preset: str = option("cpu", f"cluster preset ({', '.join(sorted(CLUSTER_PRESETS))})")
@@ -55,7 +58,8 @@ class AutoParallelPass(ModulePass):
                      for key in ("split", "clustering", "stages", "cross_mesh")}
             steps: list[ModulePass] = [ImportPass()]
             if self.split:
-                steps.append(SplitMicrobatchesPass(microbatches=self.microbatches, report=paths["split"]))
+                steps.append(SplitMicrobatchesPass(microbatches=self.microbatches, batch_args=self.batch_args,
+                                                   loss_result=self.loss_result, report=paths["split"]))
             steps += [
                 ClusterOperatorsPass(layers=self.layers, report=paths["clustering"]),
                 StageConstructionPass(

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 from jaxlib.mlir import ir
 
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError, source_location
+from hlopar.ir.suggestions import did_you_mean
 
 
 def option(default: Any, help: str, *, parse: typing.Callable[[str], Any] | None = None) -> Any:
@@ -76,7 +77,8 @@ class ModulePass:
             key, has_value, raw = word.partition("=")
             if key not in by_name:
                 known = ", ".join(sorted(by_name)) or "none"
-                raise OptionError(f"pass '{cls.name}' has no option '{key}' (options: {known})")
+                raise OptionError(f"pass '{cls.name}' has no option '{key}'{did_you_mean(key, by_name)} "
+                                  f"(options: {known})")
             f = by_name[key]
             if not has_value:
                 if hints[f.name] is not bool:

@@ -16,6 +16,7 @@ from typing import Callable, TextIO
 from jaxlib.mlir import ir, passmanager
 
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError
+from hlopar.ir.suggestions import did_you_mean
 from hlopar.passes.base import ModulePass, OptionError, PassContext
 from hlopar.passes.registry import HLOPAR_PASSES
 
@@ -211,7 +212,8 @@ def _explain_upstream_error(element: PipelineElement, message: str) -> str:
     unknown = _UNKNOWN_UPSTREAM.search(message)
     if unknown:
         return (
-            f"unknown pass or pipeline '{unknown.group(1)}' (hlopar passes: {', '.join(sorted(HLOPAR_PASSES))}; "
+            f"unknown pass or pipeline '{unknown.group(1)}'{did_you_mean(unknown.group(1), HLOPAR_PASSES)} "
+            f"(hlopar passes: {', '.join(sorted(HLOPAR_PASSES))}; "
             f"other names must be passes registered in jaxlib's MLIR)"
         )
     detail = message.splitlines()[-1] if message else ""

@@ -3,7 +3,8 @@
 Pure functions over plain data (no MLIR): a `PipelineTopology` (stages, the bytes each sends
 to which, stash sizes) and a schedule from `SCHEDULES` give `build_streams`' per-mesh
 instruction streams; `simulate` runs them against stage costs and a communication model, and
-`draw_timeline` draws the result.
+`Timeline.of` takes the result's timeline, which `draw_timeline` draws and `chrome_trace` writes
+for Perfetto.
 """
 
 from hlopar.codegen.schedules.costs import ZERO_COST, AlphaBeta, HostComm, StageCost, signal
@@ -13,13 +14,13 @@ from hlopar.codegen.schedules.instructions import (
 from hlopar.codegen.schedules.registry import SCHEDULES, UnknownScheduleError, get_schedule
 from hlopar.codegen.schedules.simulator import DeadlockError, Event, SimResult, simulate
 from hlopar.codegen.schedules.tasks import Schedule, Task, max_in_flight
-from hlopar.codegen.schedules.timeline import draw_timeline
+from hlopar.codegen.schedules.timeline import Timeline, chrome_trace, draw_timeline, write_chrome_trace
 from hlopar.codegen.schedules.topology import Edge, PipelineTopology
 
 __all__ = [
     "ACCUMULATE", "FREE", "RECV", "RUN", "SEND", "UPDATE",
     "ZERO_COST", "AlphaBeta", "DeadlockError", "Edge", "Event", "HostComm", "Instruction", "MeshStream",
-    "PipelineStreams", "PipelineTopology", "SCHEDULES", "Schedule", "SimResult", "StageCost", "Task",
-    "UnknownScheduleError", "build_streams", "draw_timeline", "get_schedule", "max_in_flight", "signal",
-    "simulate",
+    "PipelineStreams", "PipelineTopology", "SCHEDULES", "Schedule", "SimResult", "StageCost", "Task", "Timeline",
+    "UnknownScheduleError", "build_streams", "chrome_trace", "draw_timeline", "get_schedule", "max_in_flight",
+    "signal", "simulate", "write_chrome_trace",
 ]

@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import struct
-import zlib
 from collections import defaultdict
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hlopar.codegen.schedules import (
     SCHEDULES, ZERO_COST, AlphaBeta, DeadlockError, Edge, HostComm, MeshStream, PipelineStreams,
-    PipelineTopology, StageCost, build_streams, draw_timeline, signal, simulate,
+    PipelineTopology, StageCost, build_streams, signal, simulate,
 )
-from hlopar.codegen.schedules.png import encode_png
 
 
 @st.composite
@@ -171,25 +167,3 @@ def test_costs_validated():
         simulate(streams, _uniform(2))
     with pytest.raises(ValueError, match="weight_fraction"):
         StageCost(1.0, 2.0, weight_fraction=1.5)
-
-
-def test_timeline_png(tmp_path):
-    topo = PipelineTopology.chain(3, 10**8, skips=[Edge(0, 2, 10**8)])
-    result = simulate(build_streams(topo, dataclasses.replace(SCHEDULES["eager-1f1b-wd"]), 4), _uniform(3),
-                      AlphaBeta(0.0, 10**9))
-    path = draw_timeline(result, tmp_path / "timeline.png", width=600)
-    data = path.read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height = struct.unpack(">II", data[16:24])
-    assert width == 600 and height > 100
-    idat = data[data.index(b"IDAT") + 4:data.index(b"IEND") - 8]
-    rows = np.frombuffer(zlib.decompress(idat), dtype=np.uint8).reshape(height, 1 + 3 * width)
-    assert (rows[:, 0] == 0).all()
-    pixels = rows[:, 1:].reshape(height, width, 3)
-    assert (pixels == (66, 133, 244)).all(axis=2).any()  # forward blocks are drawn
-    assert (pixels == (251, 140, 0)).all(axis=2).any()  # and weight-gradient blocks
-
-
-def test_png_encoder_checks_input():
-    with pytest.raises(ValueError, match="uint8"):
-        encode_png(np.zeros((2, 2, 3), dtype=np.float32))

@@ -1,0 +1,90 @@
+"""What the command lines say: "did you mean" for misspelled passes and options, and
+hlopar-compile's summary on success (with the options its error messages name)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hlopar.cli import compile as compile_cli
+from hlopar.cli import opt as opt_cli
+from hlopar.ir.context import make_context
+from hlopar.ir.suggestions import did_you_mean
+from hlopar.passes.pipeline import Pipeline, PipelineError
+
+ROOT = Path(__file__).resolve().parents[3]
+MLP = ROOT / "examples" / "mlp_train_step.mlir"
+
+
+def test_did_you_mean():
+    assert did_you_mean("mesh-shap", ["mesh-shape", "preset", "report"]) == "; did you mean 'mesh-shape'?"
+    assert did_you_mean("xyz", ["mesh-shape", "preset"]) == ""
+    assert did_you_mean("hlopar-auto-sharing", ["hlopar-auto-sharding", "hlopar-auto-parallel", "hlopar-import"]) \
+        == "; did you mean 'hlopar-auto-sharding' or 'hlopar-auto-parallel'?"
+    # compared without the prefix every name has, shown with it
+    assert did_you_mean("--loss-reslt", ["--loss-result", "--preset", "-o"], prefix="--") \
+        == "; did you mean '--loss-result'?"
+
+
+@pytest.mark.parametrize("pipeline, message", [
+    ("builtin.module(hlopar-auto-sharing)", "unknown pass or pipeline 'hlopar-auto-sharing'; did you mean "
+                                            "'hlopar-auto-sharding' or 'hlopar-auto-parallel'? (hlopar passes: "),
+    ("builtin.module(hlopar-auto-sharding{mesh-shap=2x4})",
+     "pass 'hlopar-auto-sharding' has no option 'mesh-shap'; did you mean 'mesh-shape'? (options: "),
+    ("builtin.module(hlopar-auto-parallel{split=true batch-arg=1})",
+     "has no option 'batch-arg'; did you mean 'batch-args'?"),
+])
+def test_pipeline_suggests_names(pipeline, message):
+    with pytest.raises(PipelineError) as error:
+        Pipeline.parse(pipeline, make_context())
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("cli, argv, line", [
+    (compile_cli, [str(MLP), "-o", "x", "--num-hosts", "2", "--devices-per-host", "4", "--microbatches", "4",
+                   "--schedule", "1f1b", "--micro-batches", "4", "--loss-reslt=1", "--zzz"],
+     "  '--micro-batches'; did you mean '--microbatches'?\n  '--loss-reslt'; did you mean '--loss-result'?\n"),
+    (opt_cli, [str(MLP), "--pass-pipline=builtin.module()"], "  '--pass-pipline'; did you mean '--pass-pipeline'?\n"),
+])
+def test_command_lines_suggest_options(cli, argv, line, capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(argv)
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.endswith(line)
+
+
+def test_compile_prints_summary_and_takes_batch_args_and_loss_result(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HLOPAR_NO_FORK", "1")  # capsys sees this process only
+    out = tmp_path / "bundle"
+    status = compile_cli.main([str(MLP), "-o", str(out), "--num-hosts", "2", "--devices-per-host", "4",
+                               "--microbatches", "4", "--schedule", "eager-1f1b", "--batch-args", "19,20",
+                               "--loss-result", "19"])
+    assert status == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["split"]["batch_args"] == [19, 20] and plan["split"]["loss_result"] == 19
+    assert "batch-args=19x20" in plan["options"] and "loss-result=19" in plan["options"]
+    simulation = json.loads((out / "simulation.json").read_text())
+    stages = plan["stages"]["stages"]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"hlopar-compile: {len(stages)} stages on {len(stages)} meshes, 4 microbatches, schedule eager-1f1b"
+    assert [line.split(",")[0] for line in lines[1:-2]] == [f"  stage {k}: mesh m{k}" for k in range(len(stages))]
+    assert lines[-2] == (f"  step {compile_cli._seconds(simulation['iteration_time_s'])} (simulated), "
+                         f"bubble {100 * simulation['bubble_fraction']:.1f}%")
+    assert lines[-1] == f"  bundle: {out} (timeline.png, timeline.json for Perfetto)"
+    assert json.loads((out / "timeline.json").read_text())["traceEvents"]
+    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The options reach hlopar-split-microbatches: a result that does not exist is refused there.
+    assert compile_cli.main([str(MLP), "-o", str(out), "--num-hosts", "2", "--devices-per-host", "4",
+                             "--microbatches", "4", "--schedule", "1f1b", "--loss-result", "20"]) == 1
+    assert "hlopar-split-microbatches: loss result 20 out of range: @main has 20 results" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("seconds, text", [(2.0, "2 s"), (0.00147, "1.47 ms"), (6.04e-5, "60.4 us"), (3e-9, "3 ns")])
+def test_seconds_in_round_units(seconds, text):
+    assert compile_cli._seconds(seconds) == text
+
+
+def test_device_ranges():
+    assert compile_cli._ranges([0, 1, 2, 3, 6, 8, 9]) == "0-3,6,8-9"
