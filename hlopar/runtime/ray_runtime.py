@@ -56,6 +56,7 @@ import numpy as np
 from hlopar.codegen.pipeline_program import UPDATE, PipelineProgram, ProgramFragment, ProgramTransfer
 from hlopar.codegen.schedules import FREE, RECV, RUN, SEND, PipelineStreams
 from hlopar.codegen.schedules.instructions import MeshStream
+from hlopar.codegen.schedules.timeline import COMPUTE, KINDS, SEND_LANE, Span, Timeline
 from hlopar.runtime.mesh_processes import (Pieces, WorkerLayout, coordinator_address, gather_pieces, host_value,
                                            join_mesh, local_pieces, mesh_devices, routes, worker_layout)
 from hlopar.runtime.fragment_calls import free_stash, run_fragment
@@ -255,7 +256,7 @@ class MeshWorker:
             results[r] = host_value(value)
         self.carry = carry
         run.timing["step_s"] = time.perf_counter() - clock
-        return {"results": results, "timing": run.timing}
+        return {"results": results, "timing": run.timing, "spans": run.spans}
 
     def deliver(self, step: int, items: Mapping) -> None:
         """A peer's SEND: payloads by (transfer, microbatch, sending worker)."""
@@ -329,6 +330,7 @@ class _WorkerRun:
         self.sums: dict[int, object] = {}
         self.stream_done = False
         self.timing = {"run_s": 0.0, "send_s": 0.0, "recv_wait_s": 0.0, "pull_s": 0.0, "sent_bytes": 0, "runs": 0}
+        self.spans: list[tuple] = []  # (lane, kind, microbatch, peer, start, end), wall-clock seconds
 
     # values
 
@@ -433,6 +435,7 @@ class _WorkerRun:
         self._made()
 
     def execute(self, inst) -> None:
+        began = time.time()
         if inst.op == RUN:
             for name in inst.executables:
                 self.run_fragment(self.w.fragments[name], inst.microbatch)
@@ -463,12 +466,17 @@ class _WorkerRun:
         elif inst.op == FREE:
             free_stash(self.program, self.store, self.w.mesh, inst.buffer)
         # ACCUMULATE: inside the executables; UPDATE: `updates` after the stream.
+        if inst.op in (RUN, SEND):
+            self.spans.append((COMPUTE if inst.op == RUN else SEND_LANE, inst.kind, inst.microbatch, inst.peer, began,
+                               time.time()))
 
     def updates(self) -> None:
         last = self.program.microbatches - 1
         for fragment in self.program.fragments:
             if fragment.role == UPDATE and fragment.mesh == self.w.mesh:
+                began = time.time()
                 self.run_fragment(fragment, last)
+                self.spans.append((COMPUTE, "other", None, "", began, time.time()))
 
 
 # --------------------------------------------------------------------------- the driver
@@ -483,6 +491,16 @@ class StepStats:
     sent: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per worker: arguments the driver sent
     kept: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per worker: arguments it kept
     mesh_of: dict[str, str] = field(default_factory=dict)  # worker -> its mesh
+    spans: dict[str, list[tuple]] = field(default_factory=dict)  # per worker: what it ran and sent, when
+    started: float = 0.0  # the driver's wall clock when the step began
+
+    def timeline(self) -> Timeline:
+        """The step as the workers measured it, one row per worker, times from the driver's
+        start of the step (wall clocks: on a real cluster as good as the hosts' clock sync)."""
+        spans = [Span(name, lane, kind if kind in KINDS else "other", start - self.started, end - self.started,
+                      microbatch, peer)
+                 for name, rows in self.spans.items() for lane, kind, microbatch, peer, start, end in rows]
+        return Timeline(f"measured step: {self.wall_s * 1e3:.3g} ms on the driver", tuple(self.spans), tuple(spans))
 
     @property
     def executable_s(self) -> float:
@@ -639,7 +657,7 @@ class RayRuntime:
                 readers[i] = readers.get(i, 0) + 1
         shared: dict[int, object] = {}
         calls, sent_by_worker, kept_by_worker = {}, {}, {}
-        clock = time.perf_counter()
+        clock, started = time.perf_counter(), time.time()
         for name, slot in slots.items():
             sent, kept = {}, {}
             for i in self.programs[slot.mesh].arguments:
@@ -657,7 +675,8 @@ class RayRuntime:
         outputs = self._gather(calls, f"step {step}")
         results = self._collect({n: o["results"] for n, o in outputs.items()})
         self.last_stats = StepStats(time.perf_counter() - clock, {n: o["timing"] for n, o in outputs.items()},
-                                    sent_by_worker, kept_by_worker, {n: s.mesh for n, s in slots.items()})
+                                    sent_by_worker, kept_by_worker, {n: s.mesh for n, s in slots.items()},
+                                    {n: o["spans"] for n, o in outputs.items()}, started)
         return results
 
     def _collect(self, returned: Mapping[str, Mapping[int, object]]) -> list[np.ndarray]:
