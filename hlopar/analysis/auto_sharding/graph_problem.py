@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from hlopar.analysis.auto_sharding import ilp
 from hlopar.analysis.auto_sharding.cluster import LogicalMesh
 from hlopar.analysis.auto_sharding.resharding import per_device_bytes, resharding_cost
-from hlopar.analysis.auto_sharding.rules import OpRule
+from hlopar.analysis.auto_sharding.rules import PASS_THROUGH_OPS, OpRule
 from hlopar.analysis.auto_sharding.strategies import (
     Strategy,
     TensorInfo,
@@ -151,6 +151,12 @@ def build_problem(
             return
         if op.name == CASE_OP and op.regions and all(len(branch) == 1 for branch in op.regions):
             visit_case(op, scale)
+            return
+        if op.name in PASS_THROUGH_OPS and all(v in producer for v in op.operands):
+            # Result k is operand k: no choice of its own, no cost; readers of a result read
+            # the operand's layout (a checkpointed model plans as its unchecked twin).
+            for operand, result in zip(op.operands, op.results, strict=True):
+                producer[result] = producer[operand]
             return
         operands = [tensor_info(graph, v) for v in op.operands]
         results = [tensor_info(graph, v) for v in op.results]

@@ -67,8 +67,30 @@ def decode_rule(attr: ir.Attribute) -> OpRule:
     )
 
 
+# Ops whose result k is their operand k unchanged: Shardy writes them no rule, but their
+# layouts follow their operands (`jax.checkpoint`'s barrier, a key's sharding constraint).
+PASS_THROUGH_OPS = frozenset({"stablehlo.optimization_barrier"})
+
+
 def rule_of(op: ir.Operation) -> OpRule | None:
-    """The op's rule, if `sdy-populate-op-sharding-rules` (or the user) wrote one."""
-    if RULE_ATTRIBUTE not in op.attributes:
+    """The op's rule, if `sdy-populate-op-sharding-rules` (or the user) wrote one; for a
+    pass-through op, the rule that ties each result's dims to its operand's."""
+    if RULE_ATTRIBUTE in op.attributes:
+        return decode_rule(op.attributes[RULE_ATTRIBUTE])
+    if op.name in PASS_THROUGH_OPS:
+        return pass_through_rule([list(v.type.shape) if isinstance(v.type, ir.RankedTensorType) else None
+                                  for v in op.operands])
+    return None
+
+
+def pass_through_rule(shapes: list[list[int] | None]) -> OpRule | None:
+    """Result k indexed exactly as operand k, with factors of its own (None: a token or
+    another non-tensor operand, which the rule cannot describe)."""
+    if any(shape is None for shape in shapes):
         return None
-    return decode_rule(op.attributes[RULE_ATTRIBUTE])
+    sizes: list[int] = []
+    tensors = []
+    for shape in shapes:
+        tensors.append(tuple((len(sizes) + d,) for d in range(len(shape))))
+        sizes += shape
+    return OpRule(tuple(sizes), tuple(tensors), tuple(tensors))
