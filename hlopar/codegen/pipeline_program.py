@@ -59,6 +59,7 @@ from hlopar.codegen.transfers import CONTAINER, PlannedTransfer, planned_transfe
 from hlopar.codegen.weight_split import split_module
 from hlopar.ir.graph import FuncGraph, bit_width
 from hlopar.ir.module import print_module
+from hlopar.passes.microbatch_index import read_index_arg
 from hlopar.passes.split_microbatches import BATCH, KIND_ATTR, STEP, read_split
 
 __all__ = ["FORWARD", "BACKWARD", "WEIGHT", "UPDATE", "PipelineProgram", "ProgramError", "ProgramFragment",
@@ -144,6 +145,7 @@ class PipelineProgram:
     needed_once: frozenset[int]  # never freed with a microbatch (the update reads the last one's)
     carried: dict[tuple[str, str], tuple[int, ...]] = field(default_factory=dict)  # (src, dst) -> transfers
     split_backward: bool = False  # backwards cut into B and W fragments
+    index_arg: int | None = None  # the microbatch index argument the split added (`passes.microbatch_index`)
 
     @property
     def mesh_of_stage(self) -> dict[int, str]:
@@ -283,7 +285,7 @@ class _Reader:
         return PipelineProgram(
             self.microbatches, self.batch_args, tuple(shapes), tuple(self.topology), dict(self.physical),
             self.values, self.fragments, self.transfers, results, topology, stage_of_mesh, kept, needed_once, carried,
-            self.split_backward)
+            self.split_backward, read_index_arg(self.main))
 
     # -- ops
 
@@ -368,7 +370,7 @@ class _Reader:
                 kind = _kind_of_returned(returned[position])
                 if kind is None:
                     continue  # the same in every microbatch: the last one's is kept
-                if kind == BATCH:
+                if kind == BATCH and self.microbatches > 1:  # one microbatch: its values are the step's
                     raise ProgramError(f"a per-example value of the {fragment.role} fragment of stage "
                                        f"{fragment.stage} is read by an update fragment or returned", op.location)
                 accumulate.append(position)

@@ -21,14 +21,40 @@ are divided by B (`ir.Value.set_type`), and the attributes that spell out sizes 
 (`slice` limits, `dynamic_slice`/`gather` slice sizes, splat constants, `rng` shapes,
 `while` block arguments).
 
-Refused (the pass fails, located): a batch dim not divisible by B; an op that moves data
-along the batch (slicing or padding part of it, concatenating, sorting, reversing along
-it, an iota along it, a non-splat constant of batch shape); a reduction over the batch that
-is not a sum (max, a reduce of several values, a reduce with a non-zero init, a scatter into
-a non-zero buffer); a sum over the batch inside a loop or a branch; a parameter combined
-with the batch along its batch dim; a result that carries the batch (per-example outputs);
-ops hlopar cannot resize (custom calls, dynamic-shape ops). rng ops are resized with a
-warning: a microbatch draws other random numbers than the whole batch.
+Refused with B > 1 (the pass fails, located; each message says what would need the
+split): a batch dim not divisible by B; an op that moves data along the batch (slicing or
+padding part of it, concatenating, sorting, reversing along it, a non-splat constant of
+batch shape); a reduction over the batch that is not a sum (max, a reduce of several
+values, a reduce with a non-zero init, a scatter into a non-zero buffer); a sum over the
+batch inside a loop or a branch; a parameter combined with the batch along its batch dim;
+a result that carries the batch (per-example outputs: they would have to be concatenated);
+ops hlopar cannot resize (custom calls, dynamic-shape ops); a statistic of the whole batch
+used per example that is not a mean (below); whole-shape random generators (`stablehlo.rng`,
+`rng_bit_generator`) unless `rng=per-microbatch`, which resizes them with a warning.
+
+`microbatches=1` splits nothing, so none of these checks run: the step runs as written
+(per-example results, loops, statistics and generators included) and equals one device.
+
+## Random numbers and other iotas along the batch
+
+An iota along the batch dim counts the batch's rows; JAX's default threefry generator
+(partitionable) builds its counters from such iotas. The split makes every iota along the
+batch count globally: `@main` takes the microbatch index as one more (last) batch argument,
+and the iota becomes iota + k * (its microbatch size), so each microbatch draws exactly the
+whole batch's random bits for its rows (`microbatch_index`; `runtime.step_arguments` adds the
+index to the caller's arguments, `write_functions` makes it itself).
+
+## Batch statistics (GPipe)
+
+A mean over the batch that is used per example (batch normalization in training mode,
+forward and backward) is taken over each microbatch, as GPipe defines it: its count is
+divided by B (`batch_statistics`), with a warning. Values computed from such statistics
+run per microbatch (kind `batch` in the IR, "local" in the analysis). When they leave the
+microbatch (a result, or the update reads them), a value linear in the microbatch's sums
+(a gradient through a statistic) is summed over microbatches; any other (the running
+statistics `momentum * ra + (1 - momentum) * mean`) is divided by B before the sum: the
+result is the mean over microbatches of each microbatch's value. The loss must not depend
+on a statistic other than through per-example values.
 
 ## Linearity
 
@@ -39,10 +65,10 @@ make of those. Summing the microbatches' S values gives the whole batch's. Any o
 a sum (log, square, adding a constant, the optimizer's arithmetic) must run once, on the
 accumulated sums: it is a *step* op. The split computes the step when no op reads both a
 value that carries the batch and a sum or step value (a statistic of the whole batch used
-per example: batch normalization, or the backward of a loss that is not linear in the
-batch: the cotangent of log(mean(x)) is 1/mean(x), multiplying per-example values), and
-the loss (`training_roles.classify(...).loss_result`, or `loss-result=N`) is in S; the pass
-requires both. A mean
+per example, other than the means of "Batch statistics" below, or the backward of a loss
+that is not linear in the batch: the cotangent of log(mean(x)) is 1/mean(x), multiplying
+per-example values), and the loss (`training_roles.classify(...).loss_result`, or
+`loss-result=N`) is in S; the pass requires both when B > 1. A loss's mean
 divides by the GLOBAL batch size, a constant: the microbatch program keeps it, so each
 microbatch's loss is its sum divided by the global N, and the B of them add up to the mean;
 the backward's seed is that same 1/N, so the gradients add up to the mean's gradient. The
@@ -53,13 +79,16 @@ that is not linear.
 
 `@main` becomes the step for ONE microbatch: same arguments and results, batch arguments
 and every value carrying the batch with their dims divided by B, all else unchanged (the 1/N
-of a mean included). `@main` gets `hlopar.microbatches = B : i64` and `hlopar.batch_args =
-array<i64: ...>` (the arguments cut along dim 0, in order), and every top-level op gets
+of a loss's mean included; the counts of batch statistics divided by B). When an iota counts
+the batch, one more argument, the microbatch index `tensor<1xi32>` (B rows in the whole
+step: arange(B)), follows the step's own, named by `hlopar.microbatch_index_arg = N`.
+`@main` gets `hlopar.microbatches = B : i64` and `hlopar.batch_args = array<i64: ...>` (the
+arguments cut along dim 0, in order, the index included), and every top-level op gets
 `hlopar.microbatch`, the kind of its results:
 
 | `hlopar.microbatch` | meaning | runs |
 |---|---|---|
-| `"batch"` | carries the microbatch's examples | once per microbatch |
+| `"batch"` | carries the microbatch's examples, or a statistic of them | once per microbatch |
 | `"sum"` | a sum over the examples (linear in them) | per microbatch (then summed) or once on the sums |
 | `"step"` | a function of sums (the optimizer) | once per step, on the sums |
 | absent | independent of the batch (parameters, constants) | anywhere, same value |
@@ -95,7 +124,8 @@ checks it again, runs forward and backward fragments per microbatch, sums what t
 to the update fragments or return, and runs the update fragments once.
 
 `microbatches=1` marks the kinds and resizes nothing (the propagation then uses an axis of
-the smallest prime dividing the batch).
+the smallest prime dividing the batch); ops that the per-microbatch part reads and that
+would otherwise run once after it (statistics, whatever they compute) are marked `batch`.
 """
 
 from __future__ import annotations
@@ -105,6 +135,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from jaxlib.mlir import ir, passmanager
@@ -113,11 +144,13 @@ from jaxlib.mlir.dialects import sdy, stablehlo
 
 from hlopar.analysis.auto_sharding.rules import OpRule, rule_of
 from hlopar.analysis.sharding import ShardingPerValue, TensorSharding
-from hlopar.analysis.training_roles import ELEMENTWISE_OPS, classify, state_pairs
+from hlopar.analysis.training_roles import ELEMENTWISE_OPS, RolesError, batch_arguments, classify
 from hlopar.ir.diagnostics import DiagnosticError, source_location
 from hlopar.ir.extract import Extraction, extract_function, value_of
 from hlopar.ir.graph import FuncGraph
 from hlopar.passes.base import ModulePass, PassContext, option
+from hlopar.passes.batch_statistics import mean_divisions, reduced_count, rescale_mean, splat_value
+from hlopar.passes.microbatch_index import count_globally, microbatch_index_values, read_index_arg
 
 __all__ = [
     "BATCH", "KIND_ATTR", "STEP", "SUM", "SplitMicrobatchesPass", "SplitStep", "read_split", "split_step",
@@ -130,6 +163,9 @@ MICROBATCHES_ATTR = "hlopar.microbatches"
 BATCH_ARGS_ATTR = "hlopar.batch_args"
 MAIN_ARGS_ATTR = "hlopar.main_args"
 BATCH, SUM, STEP = "batch", "sum", "step"
+# Per-microbatch values that carry no examples, written "batch" (they run per microbatch):
+LOCAL = "local"  # a statistic of the microbatch (from its means over the batch): averaged when it leaves
+LOCAL_SUM = "local-sum"  # linear in the microbatch's sums, statistics as coefficients: summed when it leaves
 _SDY_SHARDING = "sdy.sharding"
 
 # Ops that only need their result types changed when a dim is divided (besides elementwise ops).
@@ -165,6 +201,9 @@ class SplitMicrobatchesPass(ModulePass):
     batch_args: tuple[int, ...] | None = option(
         None, "arguments cut along dim 0, e.g. 19,20 (default: the arguments that are not training state)")
     loss_result: int | None = option(None, "the result that is the loss (default: found)")
+    rng: Literal["exact", "per-microbatch"] = option(
+        "exact", "per-microbatch: let whole-shape random generators (stablehlo.rng, rng_bit_generator) draw per "
+                 "microbatch, other numbers than the whole batch's (default: refuse them)")
     functions: bool = option(False, "write @microbatch_step, @apply_update and a @main calling them")
     report: str | None = option(None, "write a JSON report of the split to this path")
 
@@ -178,7 +217,7 @@ class SplitMicrobatchesPass(ModulePass):
             self.fail(main, "@main is already split into microbatches")
         try:
             with module.context, ir.Location.unknown():
-                split = _Splitter(module, main, self.microbatches, self.batch_args, self.loss_result, context).run()
+                split = _Splitter(module, main, self, context).run()
                 if self.functions:
                     write_functions(module)
         except SplitError as error:
@@ -192,51 +231,112 @@ class SplitMicrobatchesPass(ModulePass):
 # --------------------------------------------------------------------------- analysis
 
 
+@dataclass
+class _KindPass:
+    """What one walk over the top-level ops found."""
+
+    op_kinds: list[str | None] = field(default_factory=list)
+    value_kind: dict[int, str | None] = field(default_factory=dict)
+    per_example: set[int] = field(default_factory=set)  # ops reading or carrying per-example values
+    reductions: dict[int, int | None] = field(default_factory=dict)  # of those, sums over the batch: count
+    statistics: list[tuple[int, int]] = field(default_factory=list)  # (op, value of the whole batch it uses)
+
+
 class _Splitter:
-    def __init__(self, module, main, microbatches, batch_args, loss_result, context: PassContext):
-        self.module, self.main, self.b, self.context = module, main, microbatches, context
+    def __init__(self, module, main, options: SplitMicrobatchesPass, context: PassContext):
+        self.module, self.main, self.b, self.context = module, main, options.microbatches, context
+        self.rng = options.rng
         self.graph = FuncGraph.from_func(main)
-        self.batch_args = self._batch_args(batch_args)
-        self.axis = microbatches if microbatches > 1 else self._analysis_axis()
-        self.loss_result = loss_result
+        self.batch_args = self._batch_args(options.batch_args)
+        self.axis = self.b if self.b > 1 else self._analysis_axis()
+        self.loss_result = options.loss_result
         self.ops = _walk(main)
         self.div: dict[ir.Value, tuple[int, ...]] = {}  # values whose dims are divided
         self.rules: list[OpRule | None] = []
+        self.iotas: list[ir.Operation] = []  # iotas along the batch, to count globally
 
     def run(self) -> dict:
         self._propagate()
-        for op, rule in zip(self.ops, self.rules):
-            self._check_op(op, rule)
-        kinds, value_kind, error = self._kinds()
+        if self.b > 1:  # one microbatch splits nothing: no op needs to be checked
+            for op, rule in zip(self.ops, self.rules):
+                self._check_op(op, rule)
+        kinds, value_kind, error, means = self._kinds()
         loss = self._check_loss(value_kind)
         if error is not None:
             raise error
-        resized = self._resize() if self.b > 1 else 0
+        resized = 0
+        if self.b > 1:
+            for i in means:
+                node = self.graph.ops[i]
+                rescale_mean(node.mlir_op, self.b, inverse=node.name == "stablehlo.multiply")
+            if means:
+                n = self.graph.values[self.graph.args[self.batch_args[0]]].shape[0]
+                self.context.warn(self.graph.ops[means[0]].mlir_op, (
+                    f"hlopar-split-microbatches: batch statistics are computed per microbatch of {n // self.b} "
+                    f"examples (GPipe), not over the batch of {n}; running statistics are the mean over "
+                    "microbatches"))
+            resized = self._resize()
         for op, kind in zip(self.graph.ops, kinds):
             if kind is not None:
-                op.mlir_op.attributes[KIND_ATTR] = ir.StringAttr.get(kind)
+                op.mlir_op.attributes[KIND_ATTR] = ir.StringAttr.get(BATCH if kind in (LOCAL, LOCAL_SUM) else kind)
+        if self.b > 1:
+            self._hand_off(kinds)
+            batch_kind = {KIND_ATTR: ir.StringAttr.get(BATCH)}
+            for iota in self.iotas:
+                count_globally(self.main, iota, batch_kind)
+        batch_args = list(self.batch_args)
+        if read_index_arg(self.main) is not None:
+            batch_args.append(read_index_arg(self.main))
         self.main.attributes[MICROBATCHES_ATTR] = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), self.b)
-        self.main.attributes[BATCH_ARGS_ATTR] = ir.DenseI64ArrayAttr.get(list(self.batch_args))
+        self.main.attributes[BATCH_ARGS_ATTR] = ir.DenseI64ArrayAttr.get(batch_args)
         counts = {k: sum(1 for x in kinds if x == k) for k in (BATCH, SUM, STEP)}
+        counts[BATCH] += sum(1 for x in kinds if x in (LOCAL, LOCAL_SUM))
         counts["independent"] = sum(1 for x in kinds if x is None)
-        return {"microbatches": self.b, "batch_args": list(self.batch_args), "loss_result": loss,
-                "resized_values": resized, "ops": counts}
+        return {"microbatches": self.b, "batch_args": batch_args, "loss_result": loss,
+                "resized_values": resized, "ops": counts, "means_per_microbatch": len(means),
+                "iotas_counting_globally": len(self.iotas)}
 
-    # -- which arguments
+    def _hand_off(self, kinds: list[str | None]) -> None:
+        """Per-microbatch values without examples that the update reads or `@main` returns
+        leave the microbatch through an op of kind `sum`: a statistic (running statistics)
+        divided by B, so that the sum over microbatches is its mean; a value linear in the
+        microbatch's sums (a gradient through a statistic) as it is, summed."""
+        func_kinds = dict(zip((node.mlir_op for node in self.graph.ops), kinds))
+        for node, kind in zip(self.graph.ops, kinds):
+            if kind not in (LOCAL, LOCAL_SUM):
+                continue
+            for number, value in enumerate(node.mlir_op.results):
+                outside = [use for use in value.uses if _top_op(use.owner, self.main).name == "func.return"
+                           or func_kinds.get(_top_op(use.owner, self.main)) == STEP]
+                if not outside:
+                    continue
+                tensor = ir.RankedTensorType(value.type)
+                with ir.InsertionPoint.after(node.mlir_op), node.mlir_op.location:
+                    if kind == LOCAL_SUM:
+                        handed = stablehlo.ReshapeOp(tensor, value)
+                    elif isinstance(tensor.element_type, ir.FloatType):
+                        share = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
+                            tensor, ir.FloatAttr.get(tensor.element_type, 1.0 / self.b)))
+                        handed = stablehlo.MulOp(value, share.result)
+                    else:
+                        raise SplitError(node.mlir_op, f"'{node.name}' computes a {tensor} from statistics of "
+                                                       "each microbatch for the update or a result: microbatches "
+                                                       "cannot average integers")
+                handed.operation.attributes[KIND_ATTR] = ir.StringAttr.get(SUM)
+                for use in outside:
+                    use.owner.operands[use.operand_number] = handed.result
 
     def _batch_args(self, given: Sequence[int] | None) -> tuple[int, ...]:
         graph = self.graph
         shapes = [graph.values[a].shape for a in graph.args]
         if given is None:
-            state = {arg for arg, _ in state_pairs(graph)}
-            given = [i for i in range(len(graph.args)) if i not in state and shapes[i]]
+            try:
+                given = batch_arguments(graph)
+            except RolesError as error:
+                raise SplitError(self.main, str(error)) from None
             if not given:
-                raise SplitError(self.main, "no argument looks like a batch (every argument is training state "
-                                            "or a scalar); name them with batch-args=...")
-            sizes = {shapes[i][0] for i in given}
-            if len(sizes) > 1:
-                raise SplitError(self.main, f"the arguments that are not training state ({given}) have different "
-                                            f"leading dims {sorted(sizes)}; name the batch with batch-args=...")
+                raise SplitError(self.main, "no argument looks like a batch (every argument is training state, "
+                                            "a random key or a scalar); name them with batch-args=...")
         for i in given:
             if not 0 <= i < len(graph.args):
                 raise SplitError(self.main, f"batch argument {i} does not exist: @main has {len(graph.args)} arguments")
@@ -338,8 +438,9 @@ class _Splitter:
             parent = op.parent
             if name == "func.return":
                 number = next(i for i, d in enumerate(operands) if d)
-                raise SplitError(op, f"result {number} of @main carries the batch (per-example values): "
-                                     "microbatches cannot sum it")
+                raise SplitError(op, f"result {number} of @main carries the batch (per-example values): with "
+                                     f"{self.b} microbatches it would have to be concatenated along the batch, which "
+                                     "hlopar does not do (return a sum or a mean, or use microbatches=1)")
             if parent.name in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
                 expected = [self.divided(v) for v in parent.results]
                 if operands != expected:
@@ -356,6 +457,9 @@ class _Splitter:
             return
         if name in ("stablehlo.case", "stablehlo.if") or not op.operands:
             return  # branches: their returns are checked against the results; constants: when resized
+        if name in ("stablehlo.rng", "stablehlo.rng_bit_generator"):
+            self._per_microbatch_random(op)  # refused, or resized with a warning
+            return
         if rule is None or rule.is_custom:
             raise SplitError(op, f"'{name}' has no sharding rule: hlopar cannot tell whether it mixes the "
                                  "examples of the batch")
@@ -415,45 +519,78 @@ class _Splitter:
 
     # -- kinds of top-level values
 
-    def _kinds(self) -> tuple[list[str | None], dict[int, str | None], SplitError | None]:
-        """Each top-level op's kind, each value's, and the first batch statistic found (raised
-        after the loss is checked, whose error says more when the loss is to blame)."""
-        graph = self.graph
+    def _kinds(self) -> tuple[list[str | None], dict[int, str | None], SplitError | None, list[int]]:
+        """Each top-level op's kind, each value's (LOCAL: a per-microbatch statistic), the first
+        batch statistic that cannot be split (raised after the loss is checked, whose error
+        says more when the loss is to blame), and the means over the batch used per example
+        (`batch_statistics.mean_divisions`), computed per microbatch."""
+        first = self._kind_pass(frozenset())
+        means = mean_divisions(self.graph, first.value_kind, first.per_example, first.reductions)
+        # A mean the loss is computed from is the loss's (its nonlinearity is the error), not a statistic.
+        loss = self.loss_result if self.loss_result is not None else classify(self.graph).loss_result
+        if loss is not None and 0 <= loss < len(self.graph.results):
+            before_loss = _ancestors(self.graph, self.graph.values[self.graph.results[loss]].producer,
+                                     first.per_example)
+            means = [i for i in means if i not in before_loss]
+        found = self._kind_pass(frozenset(means))
         error = None
-        kind: dict[int, str | None] = {}
+        if self.b == 1:
+            self._one_microbatch(found)
+        elif found.statistics:
+            index, statistic = found.statistics[0]
+            node = self.graph.ops[index]
+            source = self.graph.values[statistic].producer
+            where = _where(self.graph.ops[source].mlir_op) if source is not None else "an argument"
+            error = SplitError(node.mlir_op, f"'{node.name}' uses a value computed from the whole batch (at {where}) "
+                                             "per example: a batch statistic that is not a mean over the batch (means "
+                                             "are taken per microbatch, as GPipe does), or the backward of a loss that "
+                                             "is not a sum or mean over the batch, cannot be split into microbatches "
+                                             "(with microbatches=1 the step runs as written)")
+        return found.op_kinds, found.value_kind, error, means
+
+    def _kind_pass(self, means: frozenset[int]) -> _KindPass:
+        """Kinds in program order; `means` (op indices) are per-microbatch statistics."""
+        graph = self.graph
+        found = _KindPass()
+        kind = found.value_kind
         for i, a in enumerate(graph.args):
             kind[a] = BATCH if i in self.batch_args else None
-        op_kinds: list[str | None] = []
         for index, node in enumerate(graph.ops):
             op = node.mlir_op
             reads = graph.reads(index)
             read_kinds = {kind[v] for v in reads}
             carries = [self.divided(value_of(graph, v)) is not None for v in node.results]
             if any(carries) or BATCH in read_kinds:
-                statistic = next((v for v in reads if kind[v] in (SUM, STEP)), None)
-                if statistic is not None and error is None:
-                    source = graph.values[statistic].producer
-                    where = _where(graph.ops[source].mlir_op) if source is not None else "an argument"
-                    error = SplitError(op, f"'{node.name}' uses a value computed from the whole batch (at {where}) "
-                                         "together with per-example values: a batch statistic (batch normalization, "
-                                         "or the backward of a loss that is not a sum or mean over the batch) cannot "
-                                         "be split into microbatches")
+                found.per_example.add(index)
+                found.statistics += [(index, v) for v in reads if kind[v] in (SUM, STEP)]
                 if op.regions and node.name not in _SUM_OPS:
                     # A loop or branch: results without the batch dim must not depend on it.
                     outer = {value_of(graph, v) for v in reads if kind[v] is not None}
                     for number, tainted in enumerate(self._tainted_results(op, outer)):
-                        if tainted and not carries[number]:
+                        if tainted and not carries[number] and self.b > 1:
                             raise SplitError(op, f"result {number} of '{node.name}' is computed from per-example "
                                                  "values but has no batch dim (a sum over the batch inside a loop "
-                                                 "or branch): not supported")
-                    for v, c in zip(node.results, carries):
-                        kind[v] = BATCH if c else None
+                                                 "or branch): not supported with several microbatches")
+                    found.reductions[index] = None
                 else:
-                    for v, c in zip(node.results, carries):
-                        kind[v] = BATCH if c else SUM  # a sum over the batch: checked by _check_op
-                op_kinds.append(BATCH if any(carries) else SUM)
+                    if not any(carries):
+                        found.reductions[index] = reduced_count(graph, index)
+                for v, c in zip(node.results, carries):
+                    kind[v] = BATCH if c else SUM  # a sum over the batch: checked by _check_op
+                found.op_kinds.append(BATCH if any(carries) else SUM)
                 continue
-            if read_kinds <= {None}:
+            summed = [kind[v] in (SUM, LOCAL_SUM) for v in node.operands]
+            if index in means:
+                result = LOCAL
+            elif read_kinds & {LOCAL, LOCAL_SUM} and any(summed) and _linear(
+                    node.name, op, [SUM if s else None for s in summed]):
+                result = LOCAL_SUM  # e.g. a gradient's sum times a statistic of the microbatch
+            elif LOCAL in read_kinds:
+                found.statistics += [(index, v) for v in reads if kind[v] == STEP]
+                result = LOCAL
+            elif LOCAL_SUM in read_kinds:
+                result = STEP  # not linear: runs once, on the sums (an optimizer)
+            elif read_kinds <= {None}:
                 result = None
             elif STEP in read_kinds:
                 result = STEP
@@ -461,8 +598,25 @@ class _Splitter:
                 result = SUM if _linear(node.name, op, [kind[v] for v in node.operands]) else STEP
             for v in node.results:
                 kind[v] = result
-            op_kinds.append(result)
-        return op_kinds, kind, error
+            found.op_kinds.append(result)
+        return found
+
+    def _one_microbatch(self, found: _KindPass) -> None:
+        """B = 1 splits nothing: every statistic is the whole batch's, so the ops the
+        per-microbatch part needs run there (as LOCAL), whatever they compute."""
+        graph, kinds = self.graph, found.op_kinds
+        stack = [i for i, k in enumerate(kinds) if k in (BATCH, LOCAL, LOCAL_SUM) or i in found.per_example]
+        seen = set(stack)
+        while stack:
+            i = stack.pop()
+            if kinds[i] == STEP:
+                kinds[i] = LOCAL
+                for v in graph.ops[i].results:
+                    found.value_kind[v] = LOCAL
+            for p in graph.predecessors(i):
+                if p not in seen:
+                    seen.add(p)
+                    stack.append(p)
 
     def _tainted_results(self, op: ir.Operation, outer: set[ir.Value]) -> list[bool]:
         """Per result of a loop or branch op, whether it depends on the batch or on sums
@@ -500,17 +654,25 @@ class _Splitter:
                 found[p] = found[p] or v in tainted
         return found
 
-    def _check_loss(self, kind: dict[int, str | None]) -> int:
+    def _check_loss(self, kind: dict[int, str | None]) -> int | None:
+        """The loss result; with several microbatches it must be a sum over the batch (with
+        one, the step runs as written: nothing is required of it)."""
         graph = self.graph
         loss = self.loss_result
+        if loss is not None and not 0 <= loss < len(graph.results):
+            raise SplitError(self.main, f"loss result {loss} out of range: @main has {len(graph.results)} results")
         if loss is None:
             loss = classify(graph).loss_result
-            if loss is None:
-                raise SplitError(self.main, "no loss found: @main does not look like a training step "
-                                            "(give loss-result=N)")
-        elif not 0 <= loss < len(graph.results):
-            raise SplitError(self.main, f"loss result {loss} out of range: @main has {len(graph.results)} results")
+        if self.b == 1:
+            return loss
+        if loss is None:
+            raise SplitError(self.main, "no loss found: @main does not look like a training step "
+                                        "(give loss-result=N)")
         value = graph.results[loss]
+        if kind[value] == LOCAL:
+            raise SplitError(self.main, f"the loss (result {loss}) is computed from a statistic of the batch other "
+                                        "than through per-example values: with microbatches its microbatches' "
+                                        "values would not add up to it")
         if kind[value] is None:
             raise SplitError(self.main, f"the loss (result {loss}) does not depend on the batch arguments "
                                         f"{list(self.batch_args)}")
@@ -567,9 +729,8 @@ class _Splitter:
             new_type = _divided_type(op.results[0].type, results[0])
             op.attributes["value"] = ir.DenseElementsAttr.get_splat(new_type, attr.get_splat_value())
         elif name == "stablehlo.iota":
-            dim = _int_attr(op, "iota_dimension")
-            if results[0][dim] > 1:
-                raise SplitError(op, "an iota along the batch dim would count from 0 in every microbatch")
+            if results[0][_int_attr(op, "iota_dimension")] > 1:
+                self.iotas.append(op)  # counts the batch's rows: made global after resizing
         elif name == "stablehlo.slice":
             self._fix_full_range(op, operands[0], ("start_indices", "limit_indices", "strides"))
         elif name == "stablehlo.dynamic_slice":
@@ -585,9 +746,6 @@ class _Splitter:
             self._check_window(op, operands[0])
         elif name == "stablehlo.rng":
             self._fix_rng_shape(op, results[0])
-        elif name == "stablehlo.rng_bit_generator":
-            self.context.warn(op, "hlopar-split-microbatches: random bits drawn per microbatch differ from the "
-                                  "whole batch's")
         elif name not in _TYPE_ONLY_OPS and name not in ("sdy.sharding_constraint", "sdy.reshard"):
             raise SplitError(op, f"hlopar-split-microbatches cannot resize '{name}' along the batch")
 
@@ -636,8 +794,15 @@ class _Splitter:
                 np.array(new_shape, dtype="int64"), type=shape_type.element_type,
                 shape=list(shape_type.shape)))
         op.operands[2] = constant.result
-        self.context.warn(op, "hlopar-split-microbatches: random numbers drawn per microbatch differ from the "
-                              "whole batch's")
+
+    def _per_microbatch_random(self, op) -> None:
+        """A generator of the whole shape at once: a microbatch cannot draw the batch's rows of it."""
+        if self.rng != "per-microbatch":
+            raise SplitError(op, f"'{op.name}' draws random numbers for the whole batch at once: a microbatch "
+                                 "cannot draw its rows of them; rng=per-microbatch accepts other random numbers "
+                                 "per microbatch (JAX's default threefry generator is split exactly)")
+        self.context.warn(op, f"hlopar-split-microbatches: '{op.name}' draws random numbers per microbatch "
+                              "(rng=per-microbatch): other numbers than the whole batch's")
 
 
 # --------------------------------------------------------------------------- the split
@@ -655,6 +820,7 @@ class SplitStep:
     update_args: tuple[int, ...]
     num_args: int
     argument_shapes: tuple[tuple[int, ...], ...] = field(default=())  # @main's (one microbatch)
+    index_arg: int | None = None  # the microbatch index argument (`microbatch_index`), if any
 
     @property
     def num_sums(self) -> int:
@@ -735,7 +901,8 @@ def split_step(module: ir.Operation) -> SplitStep:
     for extraction in (microbatch, update):
         _strip_split_attrs(extraction.func)
     shapes = tuple(tuple(graph.values[a].shape) for a in graph.args)
-    return SplitStep(b, batch_args, microbatch, update, micro_args, update_args, len(graph.args), shapes)
+    return SplitStep(b, batch_args, microbatch, update, micro_args, update_args, len(graph.args), shapes,
+                     read_index_arg(main))
 
 
 def write_functions(module: ir.Operation) -> None:
@@ -759,6 +926,8 @@ def write_functions(module: ir.Operation) -> None:
     # The driver: the whole step from the original arguments.
     full_types = []
     for i, a in enumerate(main.regions[0].blocks[0].arguments):
+        if i == split.index_arg:
+            break  # the driver makes the microbatch index (the last argument) itself
         t = ir.RankedTensorType(a.type)
         shape = list(t.shape)
         if i in split.batch_args:
@@ -769,8 +938,12 @@ def write_functions(module: ir.Operation) -> None:
     for key in ("arg_attrs", "res_attrs", "sym_visibility"):
         if key in main.attributes:
             driver.operation.attributes[key] = main.attributes[key]
+    if split.index_arg is not None and "arg_attrs" in main.attributes:
+        driver.operation.attributes["arg_attrs"] = ir.ArrayAttr.get(
+            list(ir.ArrayAttr(main.attributes["arg_attrs"]))[:split.index_arg])
     driver.operation.attributes[MICROBATCHES_ATTR] = main.attributes[MICROBATCHES_ATTR]
-    driver.operation.attributes[BATCH_ARGS_ATTR] = main.attributes[BATCH_ARGS_ATTR]
+    driver.operation.attributes[BATCH_ARGS_ATTR] = ir.DenseI64ArrayAttr.get(
+        [i for i in split.batch_args if i != split.index_arg])
     entry = driver.add_entry_block()
     micro_type = ir.FunctionType(ir.TypeAttr(funcs["microbatch_step"].attributes["function_type"]).value)
     with ir.InsertionPoint(entry):
@@ -778,6 +951,10 @@ def write_functions(module: ir.Operation) -> None:
         for k in range(split.microbatches):
             operands = []
             for i in split.microbatch_args:
+                if i == split.index_arg:
+                    operands.append(stablehlo.ConstantOp(ir.DenseElementsAttr.get(
+                        microbatch_index_values(split.microbatches)[k:k + 1])).result)
+                    continue
                 arg = entry.arguments[i]
                 if i in split.batch_args:
                     shape = ir.RankedTensorType(full_types[i]).shape
@@ -802,6 +979,27 @@ def _main(module: ir.Operation) -> ir.Operation | None:
         if op.operation.name == "func.func" and ir.StringAttr(op.operation.attributes["sym_name"]).value == "main":
             return op.operation
     return None
+
+
+def _ancestors(graph: FuncGraph, op: int | None, stop: set[int]) -> set[int]:
+    """`op` and the top-level ops it is computed from, not looking past the ops in `stop`."""
+    found: set[int] = set()
+    stack = [op] if op is not None else []
+    while stack:
+        i = stack.pop()
+        if i in found:
+            continue
+        found.add(i)
+        if i not in stop:
+            stack.extend(graph.predecessors(i))
+    return found
+
+
+def _top_op(op: ir.Operation, func: ir.Operation) -> ir.Operation:
+    """The op of `func`'s body that `op` is or sits in."""
+    while op.parent != func:
+        op = op.parent
+    return op
 
 
 def _walk(func: ir.Operation) -> list[ir.Operation]:
@@ -869,23 +1067,7 @@ def _adds(op: ir.Operation) -> bool:
 
 def _is_zero(value: ir.Value) -> bool:
     """A splat zero constant, possibly broadcast, reshaped or converted."""
-    while isinstance(value, ir.OpResult):
-        op = value.owner
-        if op.name in ("stablehlo.broadcast_in_dim", "stablehlo.reshape", "stablehlo.convert"):
-            value = op.operands[0]
-            continue
-        if op.name != "stablehlo.constant":
-            return False
-        attr = ir.DenseElementsAttr(op.attributes["value"])
-        if not attr.is_splat:
-            return False
-        splat = attr.get_splat_value()
-        if isinstance(splat, ir.FloatAttr):
-            return ir.FloatAttr(splat).value == 0.0
-        if isinstance(splat, ir.IntegerAttr):
-            return ir.IntegerAttr(splat).value == 0
-        return False
-    return False
+    return splat_value(value) == 0.0
 
 
 def _int_attr(op: ir.Operation, name: str) -> int:

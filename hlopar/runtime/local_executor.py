@@ -42,6 +42,7 @@ from hlopar.passes.base import PassContext
 from hlopar.passes.split_microbatches import SplitMicrobatchesPass, read_split, split_step
 from hlopar.runtime.fragment_calls import free_stash, run_fragment
 from hlopar.runtime.local_transfer import run_planned_transfer
+from hlopar.runtime.step_arguments import step_arguments
 
 __all__ = ["MicrobatchedStep", "PipelinedStep", "run_microbatched", "run_pipelined"]
 
@@ -67,8 +68,7 @@ class MicrobatchedStep:
 
     def __call__(self, arguments: Sequence) -> list[np.ndarray]:
         split = self.split
-        if len(arguments) != split.num_args:
-            raise ValueError(f"the step takes {split.num_args} arguments, got {len(arguments)}")
+        arguments = step_arguments(arguments, split.num_args, split.index_arg, split.microbatches)
         slices = _batch_slices(arguments, split.batch_args, split.argument_shapes, split.microbatches)
         sums = [jax.device_put(np.zeros(shape, dtype), sharding) for (shape, dtype), sharding in
                 zip(self.microbatch.spmd.input_types[:split.num_sums], self.microbatch.input_shardings)]
@@ -169,8 +169,7 @@ class PipelinedStep:
     def __call__(self, arguments: Sequence, schedule: str | None = None) -> list[np.ndarray]:
         """One step on the whole batch, following this step's streams or another schedule's."""
         program = self.program
-        if len(arguments) != len(program.argument_shapes):
-            raise ValueError(f"the step takes {len(program.argument_shapes)} arguments, got {len(arguments)}")
+        arguments = step_arguments(arguments, len(program.argument_shapes), program.index_arg, program.microbatches)
         streams = self.streams if schedule is None else self.streams_for(schedule)
         run = _Run(self, arguments, streams)
         self.last_log = run.log

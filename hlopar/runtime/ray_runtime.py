@@ -61,6 +61,7 @@ from hlopar.runtime.mesh_processes import (Pieces, WorkerLayout, coordinator_add
                                            join_mesh, local_pieces, mesh_devices, routes, worker_layout)
 from hlopar.runtime.fragment_calls import free_stash, run_fragment
 from hlopar.runtime.host_devices import host_device_environment
+from hlopar.runtime.step_arguments import step_arguments
 from hlopar.runtime.transports import Mailbox, TransportError, pack, transport_for, unpack, unpack_shards
 
 __all__ = ["MeshWorker", "Placement", "RayRuntime", "WorkerError", "WorkerProgram", "placement_of",
@@ -639,8 +640,7 @@ class RayRuntime:
         if not self.alive:
             raise WorkerError("the workers are not running (start them first)")
         program = self.program
-        if len(arguments) != len(program.argument_shapes):
-            raise ValueError(f"the step takes {len(program.argument_shapes)} arguments, got {len(arguments)}")
+        arguments = step_arguments(arguments, len(program.argument_shapes), program.index_arg, program.microbatches)
         for i in program.batch_args:
             shape, whole = program.argument_shapes[i], np.shape(arguments[i])
             expected = (shape[0] * program.microbatches, *shape[1:])

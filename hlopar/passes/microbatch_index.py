@@ -1,0 +1,97 @@
+"""Iotas along the batch under microbatching: counting the whole batch's rows.
+
+An iota along the batch dim numbers the examples. JAX's default random numbers depend on
+it: with `jax_threefry_partitionable` (the default), the bits of a draw of shape S are
+threefry2x32(key, counter) with counter = sum over dims d of iota_d * stride_d, the strides
+being the products of the later dims' sizes (`iota_2x32_shape` in jax/_src/random/prng.py).
+The microbatch program keeps the strides (constants of the whole batch's shape), so a
+microbatch draws exactly the whole batch's bits for its rows when its iota along the batch
+counts the global position: the local iota plus k * (the dim's microbatch size) in
+microbatch k. Any other use of an iota along the batch (example weights, positions) is
+exact for the same reason.
+
+The split `@main` takes k as one more argument, `tensor<1xi32>`, appended after the
+step's own arguments and listed among the batch arguments (`hlopar.batch_args`), of B
+rows in the whole step: every executor that cuts the batch arguments per microbatch hands
+microbatch k its row k of arange(B), with no code of its own (`microbatch_index_values`
+makes the whole argument; `runtime.step_arguments` adds it to the caller's arguments).
+`@main` names it in `hlopar.microbatch_index_arg`. A scalar offset would be simpler IR but
+would need every executor to know it is not sliced like the batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo
+
+__all__ = ["INDEX_ARG_ATTR", "count_globally", "microbatch_index_values", "read_index_arg"]
+
+INDEX_ARG_ATTR = "hlopar.microbatch_index_arg"
+
+
+def microbatch_index_values(microbatches: int) -> np.ndarray:
+    """The whole index argument: row k of it is microbatch k's."""
+    return np.arange(microbatches, dtype=np.int32)
+
+
+def read_index_arg(main: ir.Operation) -> int | None:
+    """The argument number of the microbatch index of a split `@main`, or None."""
+    if INDEX_ARG_ATTR not in main.attributes:
+        return None
+    return ir.IntegerAttr(main.attributes[INDEX_ARG_ATTR]).value
+
+
+def index_argument(main: ir.Operation) -> ir.Value:
+    """The microbatch index argument of `@main`, appended on first use."""
+    block = main.regions[0].blocks[0]
+    number = read_index_arg(main)
+    if number is not None:
+        return block.arguments[number]
+    i32 = ir.IntegerType.get_signless(32)
+    argument = block.add_argument(ir.RankedTensorType.get([1], i32), ir.Location.unknown())
+    number = len(block.arguments) - 1
+    function_type = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
+    main.attributes["function_type"] = ir.TypeAttr.get(
+        ir.FunctionType.get([a.type for a in block.arguments], list(function_type.results)))
+    if "arg_attrs" in main.attributes:
+        attrs = list(ir.ArrayAttr(main.attributes["arg_attrs"]))
+        main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs + [ir.DictAttr.get({})])
+    main.attributes[INDEX_ARG_ATTR] = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), number)
+    return argument
+
+
+def count_globally(main: ir.Operation, iota: ir.Operation, kind_attrs: dict[str, ir.Attribute]) -> list[ir.Operation]:
+    """Replaces `iota` (already of the microbatch's shape, along a dim the split divided) by
+    iota + k * size, k the microbatch index (module docstring). Returns the new ops, which
+    get `kind_attrs` when the iota was at the top level of `@main`."""
+    index = index_argument(main)
+    result_type = ir.RankedTensorType(iota.results[0].type)
+    element = result_type.element_type
+    dim = ir.IntegerAttr(iota.attributes["iota_dimension"]).value
+    scalar = ir.RankedTensorType.get([], element)
+    with ir.InsertionPoint(iota), iota.location:
+        k = stablehlo.ReshapeOp(ir.RankedTensorType.get([], ir.RankedTensorType(index.type).element_type), index)
+        converted = stablehlo.ConvertOp(scalar, k.result)
+        size = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(scalar, _number(element, result_type.shape[dim])))
+        offset = stablehlo.MulOp(converted.result, size.result)
+        spread = stablehlo.BroadcastInDimOp(result_type, offset.result, ir.DenseI64ArrayAttr.get([]))
+        local = stablehlo.IotaOp(result_type, iota.attributes["iota_dimension"])
+        total = stablehlo.AddOp(local.result, spread.result)
+    made = [op.operation for op in (k, converted, size, offset, spread, local, total)]
+    top = iota.parent == main
+    iota.results[0].replace_all_uses_with(total.result)
+    iota.erase()
+    if top:
+        for op in made:
+            if op is size.operation:
+                continue  # a constant: independent of the batch
+            for key, value in kind_attrs.items():
+                op.attributes[key] = value
+    return made
+
+
+def _number(element: ir.Type, value: int) -> ir.Attribute:
+    if isinstance(element, ir.IntegerType):
+        return ir.IntegerAttr.get(element, value)
+    return ir.FloatAttr.get(element, float(value))

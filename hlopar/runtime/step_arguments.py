@@ -1,0 +1,39 @@
+"""The arguments a split step's `@main` takes, from the caller's: one home for what the
+executors add or convert, so that the in-process executors, the Ray runtime and
+`hlopar.parallelize` hand the same values.
+
+- The microbatch index the split appends when an iota counts the batch's rows
+  (`passes.microbatch_index`): arange(B), cut per microbatch like any batch argument.
+- Typed random keys (`jax.random.key`): the lowered step takes their key data (uint32
+  words), which `jax.random.key_data` gives; `np.asarray` of a key array fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from hlopar.passes.microbatch_index import microbatch_index_values
+
+__all__ = ["key_data_of", "step_arguments"]
+
+
+def key_data_of(x):
+    """An argument as the lowered step takes it (key arrays as their key data)."""
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        return jax.random.key_data(x)
+    return x
+
+
+def step_arguments(arguments: Sequence, num_args: int, index_arg: int | None, microbatches: int) -> list:
+    """`arguments` (the step's own, in order) completed to `@main`'s `num_args`; the caller
+    may also pass the index itself (all `num_args`)."""
+    arguments = [key_data_of(x) for x in arguments]
+    if index_arg is not None and len(arguments) == num_args - 1:
+        arguments.insert(index_arg, microbatch_index_values(microbatches))
+    if len(arguments) != num_args:
+        own = num_args - (index_arg is not None)
+        raise ValueError(f"the step takes {own} arguments, got {len(arguments)}")
+    return arguments

@@ -1,0 +1,245 @@
+"""Random numbers and batch statistics under microbatching (issue 13, items 3 and 4).
+
+- Dropout drawn with JAX's default threefry (partitionable): split into 4 microbatches, each
+  microbatch draws exactly the whole batch's bits for its rows, so the step equals the
+  full-batch step on one device up to the order of float additions (the masks are equal).
+- Flax linen BatchNorm: one microbatch is the step as written; with 4, statistics are per
+  microbatch (GPipe) and running statistics their mean, checked against that semantics
+  written by hand.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from microbatch_steps import imported, run_pipeline
+
+from hlopar.codegen.spmd import compile_spmd
+from hlopar.ir.diagnostics import DiagnosticError
+from hlopar.ir.module import parse_module
+from hlopar.passes.base import PassContext
+from hlopar.passes.microbatch_index import read_index_arg
+from hlopar.passes.split_microbatches import SplitMicrobatchesPass, read_split, split_step
+from hlopar.runtime.local_executor import MicrobatchedStep
+
+N, SEQ, D_IN, HIDDEN, OUT = 16, 3, 5, 8, 2
+LR = 0.1
+
+# Summation order only: the microbatches sum their gradients in another order than the
+# whole batch (float32, a few hundred terms); with one microbatch, the two executables
+# the step is cut into are fused and reassociated by XLA otherwise than the whole step.
+RTOL = 2e-6
+
+
+def _leaves(tree) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+
+def _assert_close(actual, expected, rtol=RTOL) -> None:
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape and a.dtype == e.dtype
+        scale = float(np.max(np.abs(e))) if e.size else 0.0
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * scale)
+
+
+def _main(module):
+    return next(op.operation for op in module.regions[0].blocks[0].operations
+                if op.operation.name == "func.func" and "main" in str(op.operation.attributes["sym_name"]))
+
+
+def _split(step, args, microbatches: int, **options):
+    """The step lowered, imported and split; returns the module and the pass's warnings."""
+    text = imported(jax.jit(step).lower(*args).as_text())
+    module = parse_module(text)
+    context = PassContext()
+    SplitMicrobatchesPass(microbatches=microbatches, **options).run(module, context)
+    return module, [d.message for d in context.diagnostics]
+
+
+# --------------------------------------------------------------------------- dropout
+
+
+def _dropout_step(params, x, y, key):
+    """x: (batch, seq, d_in). Dropout on an activation of shape (seq, batch, hidden) (batch
+    not leading) and on one of shape (batch, hidden)."""
+
+    def loss_fn(params):
+        k1, k2 = jax.random.split(key)
+        h = jnp.tanh(jnp.einsum("bsd,dh->sbh", x, params["w1"]))  # (seq, batch, hidden)
+        keep = jax.random.bernoulli(k1, 0.8, h.shape)
+        h = jnp.where(keep, h / 0.8, 0.0)
+        pooled = jnp.tanh(h.sum(axis=0))  # (batch, hidden)
+        keep2 = jax.random.bernoulli(k2, 0.7, pooled.shape)
+        pooled = jnp.where(keep2, pooled / 0.7, 0.0)
+        out = pooled @ params["w2"]
+        return jnp.mean(jnp.square(out - y))
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    new = jax.tree_util.tree_map(lambda p, g: p - LR * g, params, grads)
+    return new, loss, grads
+
+
+def _dropout_args(typed: bool):
+    init = jax.random.split(jax.random.PRNGKey(7), 4)
+    params = {"w1": jax.random.normal(init[0], (D_IN, HIDDEN)), "w2": jax.random.normal(init[1], (HIDDEN, OUT))}
+    x = jax.random.normal(init[2], (N, SEQ, D_IN))
+    y = jax.random.normal(init[3], (N, OUT))
+    key = jax.random.key(3) if typed else jax.random.PRNGKey(3)
+    return params, x, y, key
+
+
+def _host(args) -> list:
+    return jax.tree_util.tree_leaves(args)
+
+
+@pytest.mark.parametrize("typed", [False, True], ids=["raw-key", "typed-key"])
+def test_dropout_draws_the_whole_batch_bits(typed):
+    args = _dropout_args(typed)
+    expected = _leaves(jax.jit(_dropout_step)(*args))
+    module, warnings = _split(_dropout_step, args, 4)
+    assert warnings == []
+    main = _main(module)
+    index = read_index_arg(main)
+    assert index == 5  # w1, w2, x, y, key: the microbatch index follows the step's own arguments
+    assert read_split(main) == (4, (2, 3, 5))
+    step = MicrobatchedStep(module)
+    assert step.split.index_arg == 5
+    _assert_close(step(_host(args)), expected)
+    # The dropout changes the result: a step without the global counters would not match.
+    assert not np.allclose(expected[1], _leaves(jax.jit(_dropout_step)(args[0], args[1], args[2],
+                                                                      jax.random.PRNGKey(4)))[1])
+
+
+def test_dropout_split_step_and_functions_form():
+    """split_step's two modules, run by hand, and the functions form (which makes the index
+    itself) give the same bits."""
+    args = _dropout_args(False)
+    expected = _leaves(jax.jit(_dropout_step)(*args))
+    module, _ = _split(_dropout_step, args, 4)
+    split = split_step(module)
+    assert split.index_arg in split.microbatch_args and split.index_arg not in split.update_args
+    leaves = _host(args)
+    full = leaves + [np.arange(4, dtype=np.int32)]
+    micro = compile_spmd(split.microbatch.module, jax.devices()[:1])
+    sums = None
+    for k in range(4):
+        inputs = [np.asarray(full[i])[k * split.argument_shapes[i][0]:(k + 1) * split.argument_shapes[i][0]]
+                  if i in split.batch_args else full[i] for i in split.microbatch_args]
+        parts = [np.asarray(p) for p in micro(*inputs)]
+        sums = parts if sums is None else [s + p for s, p in zip(sums, parts)]
+    update = compile_spmd(split.update.module, jax.devices()[:1])
+    _assert_close(update(*[full[i] for i in split.update_args], *sums), expected)
+
+    functions, _ = _split(_dropout_step, args, 4, functions=True)
+    _assert_close(compile_spmd(functions, jax.devices()[:1])(*leaves), expected)
+
+
+def test_one_microbatch_adds_no_index():
+    args = _dropout_args(False)
+    module, _ = _split(_dropout_step, args, 1)
+    main = _main(module)
+    assert read_index_arg(main) is None
+    _assert_close(MicrobatchedStep(module)(_host(args)), _leaves(jax.jit(_dropout_step)(*args)))
+
+
+def _rng_step(w, x):
+    noise = jax.lax.rng_uniform(0.0, 1.0, x.shape)
+    loss = jnp.mean(jnp.square(x * noise @ w))
+    return w - LR * jax.grad(lambda w: jnp.mean(jnp.square(x * noise @ w)))(w), loss
+
+
+def test_whole_shape_generator_needs_the_option():
+    args = (jnp.ones((D_IN, OUT)), jnp.ones((N, D_IN)))
+    with pytest.raises(DiagnosticError) as error:
+        _split(_rng_step, args, 4)
+    message = str(error.value)
+    assert "draws random numbers for the whole batch at once" in message and "rng=per-microbatch" in message
+    _, warnings = _split(_rng_step, args, 4, rng="per-microbatch")
+    assert len(warnings) == 1 and "draws random numbers per microbatch" in warnings[0]
+    _, warnings = _split(_rng_step, args, 1)  # one microbatch draws the whole batch's numbers
+    assert warnings == []
+
+
+# --------------------------------------------------------------------------- batch normalization
+
+
+class _CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Conv(6, (3, 3))(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        x = nn.relu(x)
+        x = x.mean(axis=(1, 2))
+        x = nn.Dense(8)(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.8)(x)
+        x = nn.relu(x)
+        return nn.Dense(OUT)(x)
+
+
+_MODEL = _CNN()
+
+
+def _bn_loss(params, batch_stats, x, y, divisor):
+    logits, updates = _MODEL.apply({"params": params, "batch_stats": batch_stats}, x, train=True,
+                                   mutable=["batch_stats"])
+    return optax.softmax_cross_entropy(logits, y).sum() / divisor, updates["batch_stats"]
+
+
+def _bn_step(params, batch_stats, x, y):
+    """As the Flax docs write it: batch_stats threaded through the step (a mean loss)."""
+    (loss, new_stats), grads = jax.value_and_grad(_bn_loss, has_aux=True)(params, batch_stats, x, y, x.shape[0])
+    new_params = jax.tree_util.tree_map(lambda p, g: p - LR * g, params, grads)
+    return new_params, new_stats, loss
+
+
+def _bn_args():
+    keys = jax.random.split(jax.random.PRNGKey(11), 3)
+    x = jax.random.normal(keys[0], (N, 6, 6, 3))
+    y = jax.nn.one_hot(jax.random.randint(keys[1], (N,), 0, OUT), OUT)
+    variables = _MODEL.init(keys[2], x, train=False)
+    # Non-trivial running statistics, so that the combination is visible.
+    stats = jax.tree_util.tree_map(lambda s: s + 0.5, variables["batch_stats"])
+    return variables["params"], stats, x, y
+
+
+def _per_microbatch_reference(params, batch_stats, x, y, microbatches):
+    """GPipe's semantics by hand: each microbatch normalized by its own statistics, loss
+    with the global 1/N, gradients summed, running statistics averaged over microbatches."""
+    n = x.shape[0] // microbatches
+    loss, grads, stats = 0.0, None, []
+    for k in range(microbatches):
+        part = slice(k * n, (k + 1) * n)
+        (l, s), g = jax.value_and_grad(_bn_loss, has_aux=True)(params, batch_stats, x[part], y[part], x.shape[0])
+        loss = loss + l
+        grads = g if grads is None else jax.tree_util.tree_map(jnp.add, grads, g)
+        stats.append(s)
+    new_params = jax.tree_util.tree_map(lambda p, g: p - LR * g, params, grads)
+    new_stats = jax.tree_util.tree_map(lambda *s: sum(s) / microbatches, *stats)
+    return new_params, new_stats, loss
+
+
+def test_batchnorm_one_microbatch_is_the_step():
+    args = _bn_args()
+    module, warnings = _split(_bn_step, args, 1)
+    assert warnings == []
+    _assert_close(MicrobatchedStep(module)(_host(args)), _leaves(jax.jit(_bn_step)(*args)))
+
+
+def test_batchnorm_statistics_per_microbatch():
+    args = _bn_args()
+    module, warnings = _split(_bn_step, args, 4)
+    assert warnings == ["hlopar-split-microbatches: batch statistics are computed per microbatch of 4 examples "
+                        "(GPipe), not over the batch of 16; running statistics are the mean over microbatches"]
+    actual = MicrobatchedStep(module)(_host(args))
+    expected = _leaves(jax.jit(_per_microbatch_reference, static_argnums=4)(*args, 4))
+    # Summation order only (the statistics' sums over 4 examples are the same sums).
+    _assert_close(actual, expected, rtol=1e-5)
+    # ... and not the whole batch's statistics.
+    whole = _leaves(jax.jit(_bn_step)(*args))
+    assert not np.allclose(actual[-1], whole[-1], rtol=1e-3)
