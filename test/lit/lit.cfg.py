@@ -15,7 +15,8 @@ config.excludes = ["Inputs", "lit.cfg.py"]
 # Tools come from the virtual environment lit runs in (pip puts them beside python).
 bin_dir = os.path.dirname(sys.executable)
 config.environment["PATH"] = os.pathsep.join([bin_dir, os.environ.get("PATH", "")])
-for variable in ("HOME", "TMPDIR"):
+# PYTHONPATH: tools/mutation_check.py points hlopar-opt at a mutated copy of the package.
+for variable in ("HOME", "TMPDIR", "PYTHONPATH"):
     if variable in os.environ:
         config.environment[variable] = os.environ[variable]
 

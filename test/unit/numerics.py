@@ -152,3 +152,20 @@ def adam_noise_mask(first_moment: PyTree, *, k: float = NOISE_K) -> PyTree:
         return np.abs(m) <= k * float(np.finfo(m.dtype).eps) * scale
 
     return jax.tree_util.tree_map(mask, first_moment)
+
+
+def assert_step_close(outputs, reference: PyTree, params: PyTree, *, rtol: float) -> None:
+    """A compiled training step's flat `outputs` against one device's ``(new_params, adam_state, loss)``.
+
+    The outputs must be as many as the reference's leaves; parameters are compared by update
+    (noise masked by the reference's first moment), Adam's state and the loss to `rtol` of each
+    entry plus `rtol` of the leaf's largest entry (moments of cancelling gradients), the step
+    count exactly.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten(reference)
+    if len(outputs) != len(leaves):
+        raise AssertionError(f"{len(outputs)} outputs, expected {len(leaves)}")
+    new_params, state, loss = jax.tree_util.tree_unflatten(treedef, [np.asarray(o) for o in outputs])
+    want_params, want_state, want_loss = reference
+    assert_updates_close(new_params, want_params, params, rtol=rtol, noise_mask=adam_noise_mask(want_state.mu))
+    assert_trees_close((state, loss), (want_state, want_loss), rtol=rtol, max_rtol=rtol)

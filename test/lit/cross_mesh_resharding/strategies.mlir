@@ -71,6 +71,10 @@ module attributes {hlopar.devices = {m1 = array<i64: 0, 1, 2, 3>, m2 = array<i64
 // ALPA:         "hlopar.scatter_allgather"() {limit = array<i64: 6, 8>, receivers = array<i64: 2, 3, 4>, sender = 0 : i64, slot = 0 : i64, split_dim = 0 : i64, start = array<i64: 0, 0>}
 
 // NAIVE-LABEL: func.func @one_to_three
+// NAIVE:         "hlopar.broadcast"() {chunks = 1 : i64, limit = array<i64: 4, 8>, receivers = array<i64: 2, 3, 4>, sender = 0 : i64, slot = 0 : i64, start = array<i64: 0, 0>}
+// NAIVE:         algorithm = "naive"
+// NAIVE:         "hlopar.broadcast"() {chunks = 1 : i64, limit = array<i64: 6, 8>, receivers = array<i64: 2, 3, 4>, sender = 0 : i64, slot = 0 : i64, start = array<i64: 0, 0>}
+// NAIVE:         algorithm = "naive"
 // CHUNKS-LABEL: func.func @one_to_three
 // CHUNKS-COUNT-2: "hlopar.broadcast"() {chunks = 8 : i64,
 

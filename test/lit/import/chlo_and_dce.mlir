@@ -1,4 +1,9 @@
 // RUN: hlopar-opt %s --split-input-file --pass-pipeline='builtin.module(hlopar-import)' | FileCheck %s
+// RUN: hlopar-opt %s --split-input-file --pass-pipeline='builtin.module(hlopar-import)' | FileCheck %s --check-prefix=NOCHLO
+
+// No chlo op is left anywhere in the output: a CHECK-NOT before any positive check covers the
+// whole input (what LLVM's --implicit-check-not does; the `filecheck` port lacks that flag).
+// NOCHLO-NOT: chlo.
 
 // chlo ops become stablehlo ops.
 

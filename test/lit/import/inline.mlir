@@ -22,7 +22,9 @@ func.func private @square(%arg0: tensor<4xf32>) -> tensor<4xf32> {
 // Calls inside a while body are inlined too, and nested calls all the way down.
 
 // CHECK-LABEL: func.func public @main
+// CHECK-NOT:     call
 // CHECK:         stablehlo.while
+// CHECK-NOT:       call
 // CHECK:           stablehlo.negate
 // CHECK-NOT:       call
 // CHECK-NOT:   func.func private

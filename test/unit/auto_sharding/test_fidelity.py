@@ -110,9 +110,9 @@ def test_reused_conversions_are_predicted_once():
 
 def test_tiny_gpt_compiles_to_the_predicted_collectives():
     """The zoo's tiny GPT on 2x4 with zero latency (many small layout changes): every
-    collective XLA compiles is one the plan predicted (100% when this was written)."""
+    collective XLA compiles is one the plan predicted (105 collectives when this was written)."""
     result = tool.fidelity("gpt", "tiny", "2x4", "cpu", "latency=0,0")
-    assert result.rate >= 0.95, "\n".join(result.notes)
+    assert result.rate == 1.0, "\n".join(result.notes)
     assert result.predicted > 50
 
 
@@ -159,8 +159,8 @@ def _xla_reshards(shape, pairs, mesh_shape, axes):
 
 def test_resharding_model_matches_xla():
     """Every conversion between two layouts of an 8x16x32 tensor on a 2x4 mesh, compiled by
-    XLA: the model predicts its collectives exactly for most pairs (80% when this was written,
-    against 48% for Table 2 alone), and for every pair of the common kinds listed."""
+    XLA: the model predicts its collectives exactly for 275 of the 342 pairs (80%, against 48%
+    for Table 2 alone; fewer is a regression), and for every pair of the common kinds listed."""
     shape, mesh_shape, axes = (8, 16, 32), (2, 4), ["x", "y"]
     mesh = logical_mesh(mesh_shape, axes, preset="cpu")
     specs = _all_specs(len(shape), axes, shape, dict(zip(axes, mesh_shape)))
@@ -168,7 +168,7 @@ def test_resharding_model_matches_xla():
     xla = _xla_reshards(shape, pairs, mesh_shape, axes)
     agree = {pair: sorted((c.kind, c.axes, c.nbytes) for c in resharding_collectives(shape, 4, *pair, mesh)) == got
              for pair, got in zip(pairs, xla)}
-    assert sum(agree.values()) >= 0.75 * len(pairs)
+    assert len(pairs) == 342 and sum(agree.values()) >= 275
     S, R = ShardingSpec.of, None
     common = [
         (S("x", "y", R), S(R, R, R)), (S(("x", "y"), R, R), S("x", R, R)), (S(("x", "y"), R, R), S("y", R, R)),

@@ -67,7 +67,8 @@ def test_switch_branches_are_planned_and_compute_the_same():
     assert not [d for d in context.diagnostics if "case" in d.message], context.diagnostics
     graph = FuncGraph.from_module(module)
     (case,) = [op for op in graph.ops if op.name == "stablehlo.case"]
-    assert all("sdy.sharding" in op.mlir_op.attributes for op in case.walk() if op.name == "stablehlo.dot_general")
+    dots = [op for op in case.walk() if op.name == "stablehlo.dot_general"]
+    assert dots and all("sdy.sharding" in op.mlir_op.attributes for op in dots)
     executable = compile_spmd(module, jax.devices()[:8])
     for index in range(3):
         (actual,) = executable(np.int32(index), x, w)

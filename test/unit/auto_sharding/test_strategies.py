@@ -95,7 +95,7 @@ def test_need_replication_and_three_axis_meshes():
     mesh = logical_mesh((2, 2, 2), ("x", "y", "z"))
     info = TensorInfo((8, 8), 4)
     strategies = enumerate_strategies(rule, [info], [info], mesh)
-    assert all(not s.result_specs[0].dims[1] for s in strategies)
+    assert strategies and all(not s.result_specs[0].dims[1] for s in strategies)
     assert spec("xyz", "") in {s.result_specs[0] for s in strategies}
 
 

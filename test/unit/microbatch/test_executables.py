@@ -50,6 +50,7 @@ def test_kept_results_come_back_as_they_are():
     executable = compile_executable(module, jax.devices()[:2])
     g, w = np.ones((8, 4), np.float32), np.ones(4, np.float32)
     total, negated, raw = executable(np.zeros((8, 4), np.float32), np.full(4, 5.0, np.float32), g, w)
+    np.testing.assert_allclose(total, np.tanh(g), rtol=1e-6)
     np.testing.assert_allclose(negated, 5.0 - w)
     np.testing.assert_allclose(raw, -w)
 
@@ -77,3 +78,12 @@ def test_fragments_compile_with_accumulation():
     count = len(backward.fragment.results)
     executable = compile_executable(accumulating_module(backward.module, list(range(count))), jax.devices()[:4])
     assert executable.donated == set(range(count))
+    # Run on random values: each result is its accumulator plus what the fragment computes.
+    plain = compile_executable(backward.module, jax.devices()[:4])
+    rng = np.random.default_rng(0)
+    values = [rng.standard_normal(shape).astype(dtype) for shape, dtype in executable.spmd.input_types]
+    summed = executable(*values)
+    alone = plain(*values[count:])
+    assert len(summed) == len(alone) == count
+    for total, accumulator, result in zip(summed, values, alone):
+        np.testing.assert_allclose(total, accumulator + result, rtol=1e-6, atol=1e-7)

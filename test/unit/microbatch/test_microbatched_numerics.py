@@ -18,7 +18,7 @@ MODELS = ["mlp", "gpt", "u_transformer"]
 @pytest.mark.parametrize("microbatches", [2, 4])
 @pytest.mark.parametrize("model", MODELS)
 def test_microbatched_step_matches_one_device(model, microbatches):
-    text, arguments, _, _, _ = step_data(model)
+    text, arguments, *_ = step_data(model)
     step = MicrobatchedStep(run_pipeline(text, f"hlopar-split-microbatches{{microbatches={microbatches}}}"))
     assert step.microbatches == microbatches
     # The loss's sum and the gradients cross the cut; the optimizer's ops are after it.
@@ -27,19 +27,19 @@ def test_microbatched_step_matches_one_device(model, microbatches):
 
 
 def test_split_here_when_given_a_plain_step():
-    text, arguments, _, _, _ = step_data("mlp")
+    text, arguments, *_ = step_data("mlp")
     compare("mlp", run_microbatched(parse_module(text), arguments, 4))
 
 
 def test_functions_form_is_the_whole_step():
     """functions=true: @main slices, calls @microbatch_step per slice, adds, calls @apply_update."""
-    text, arguments, _, _, _ = step_data("gpt")
+    text, arguments, *_ = step_data("gpt")
     module = run_pipeline(text, "hlopar-split-microbatches{microbatches=2 functions=true}")
     compare("gpt", compile_spmd(module, jax.devices()[:1])(*arguments))
 
 
 def test_wrong_batch_is_refused():
-    text, arguments, _, _, _ = step_data("mlp")
+    text, arguments, *_ = step_data("mlp")
     step = MicrobatchedStep(run_pipeline(text, "hlopar-split-microbatches{microbatches=2}"))
     bad = list(arguments)
     bad[-1] = np.concatenate([bad[-1], bad[-1]])

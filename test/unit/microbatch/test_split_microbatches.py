@@ -7,14 +7,17 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
-from microbatch_steps import imported, run_pipeline, step_data
+from microbatch_steps import RTOL, imported, run_pipeline, step_data
+from numerics import assert_step_close
 
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.ir.graph import FuncGraph
 from hlopar.models import mlp
 from hlopar.models.common import TrainStep
 from hlopar.passes.split_microbatches import BATCH, KIND_ATTR, STEP, SUM, op_kinds, read_split
+from hlopar.runtime.local_executor import MicrobatchedStep
 
 
 def kinds_of_values(graph: FuncGraph, batch_args) -> dict[int, str | None]:
@@ -87,8 +90,15 @@ def test_losses_that_are_not_sums_are_refused(loss, culprit):
     lambda p, y: 3.0 * jnp.mean(jnp.abs(p - y)) - jnp.mean(p),  # linear in means
 ])
 def test_sums_and_means_are_accepted(loss):
-    text = imported(custom_mlp_step(loss).lower())
-    run_pipeline(text, "hlopar-split-microbatches{microbatches=4}")
+    """Accepted, and the step split into 4 microbatches computes what the whole step computes."""
+    step = custom_mlp_step(loss)
+    split = MicrobatchedStep(run_pipeline(imported(step.lower()), "hlopar-split-microbatches{microbatches=4}"))
+    assert split.microbatches == 4
+    params = step.init(jax.random.PRNGKey(0))
+    state = step.init_opt_state(params)
+    batch = step.make_batch(jax.random.PRNGKey(1))
+    outputs = split([np.asarray(a) for a in jax.tree_util.tree_leaves((params, state, batch))])
+    assert_step_close(outputs, step.jitted_step(params, state, batch), params, rtol=RTOL)
 
 
 def test_batch_statistics_are_refused():

@@ -216,7 +216,7 @@ def test_dp_equals_reference_on_larger_programs(seed):
         readers = [producer + 1] + rng.sample(range(producer + 1, num_ops), extra)
         values.append((producer, readers, rng.choice([1, 2, 5, 9])))
     got = cluster_operators(flops, values, num_layers, delta=1.0)
-    if got.delta != 1.0:
-        pytest.skip("the instance needed a relaxed δ")
-    cap = 2.0 * sum(flops) / num_layers * (1 + 1e-9)
+    # Where δ = 1 admits no clustering, the pass relaxes it and reports the δ it used: the
+    # reference is held to that cap (no seed is left out).
+    cap = (1.0 + got.delta) * sum(flops) / num_layers * (1 + 1e-9)
     assert (got.max_input_bytes, got.flop_sum_squares) == _reference(flops, values, num_layers, cap)
