@@ -1,0 +1,146 @@
+"""Single-device references and the comparison of a parallel run with them.
+
+Reference: `jax.jit(step)` on one device, from the same arguments as the parallel step
+(so that differences do not compound over steps). Where the step is linear in the batch (a
+mean loss, sums as metrics) and its random draws are exact under microbatching, gradient
+accumulation over B microbatches computes the full-batch step up to the order of float
+additions, so the full-batch step is the reference for every B; dropout included, since a
+microbatch draws the full batch's bits for its rows. Where microbatches change what the step
+computes (BatchNorm's batch statistics), `accumulated_step` is the reference: the case's
+`grads` on each microbatch, averaged (the global 1/N of a mean: each microbatch's mean
+counts 1/B), then its `apply` once; running statistics are the mean over microbatches.
+
+Comparison (`compare`), with the project's shared helpers (`test/unit/numerics.py`): every
+result but the parameters to 1e-5 relative per entry plus 1e-5 of the leaf's largest
+magnitude (float32 sums in another order; Adam's moments of cancelling gradients), integers
+and keys exactly. The parameters by their UPDATE (new - old), so that a small update of a
+large weight is not hidden in the weight's magnitude: to 1e-5 relative per entry plus 1e-5
+of the leaf's largest update plus one ulp of the parameter (`assert_updates_close`).
+Per entry alone is too tight here: a bias's gradient is a sum over the batch whose terms
+cancel, its rounding error is relative to the largest terms, and SGD carries it into the
+update as it is (measured: 4e-5 relative on one entry of `jnp_loss_first`), Adam after
+two steps nearly so (1.1e-5 in `optax_schedule`). Where the step runs Adam, entries whose
+gradient is rounding noise (zero in exact arithmetic, e.g. the bias of a Dense layer
+before BatchNorm) are masked by the reference's first moment (`numerics.adam_noise_mask`):
+Adam normalizes noise to a step of about the learning rate with an arbitrary sign, and its
+moments there are noise too (zeroed on both sides); masked updates are only checked to be
+no larger than the largest update.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import numerics
+from steps import Case
+
+RTOL = 1e-5
+
+
+def split_batch(args: tuple, batch_argnums, microbatches: int) -> list[tuple]:
+    """The arguments of each microbatch: every leaf of a batch argument cut along dim 0."""
+    def part(k):
+        return tuple(jax.tree_util.tree_map(lambda x: jnp.split(x, microbatches)[k], a)
+                     if i in batch_argnums else a for i, a in enumerate(args))
+    return [part(k) for k in range(microbatches)]
+
+
+def microbatch_mean(fn, args: tuple, batch_argnums, microbatches: int):
+    """Gradient accumulation on one device: `fn` on each microbatch, every result leaf
+    averaged over the microbatches."""
+    outs = [jax.jit(fn)(*a) for a in split_batch(args, batch_argnums, microbatches)]
+    return jax.tree_util.tree_map(lambda *xs: sum(xs[1:], xs[0]) / len(xs), *outs)
+
+
+def reference_step(case: Case, args: tuple, microbatches: int):
+    """What the step must compute on these arguments with `microbatches` microbatches."""
+    if case.grads is None or microbatches == 1:
+        return jax.jit(case.step)(*args)
+    accumulated = microbatch_mean(case.grads, args, case.batch_argnums, microbatches)
+    rest = [a for i, a in enumerate(args) if i not in case.batch_argnums]
+    return jax.jit(case.apply)(*rest, *accumulated)
+
+
+def trajectory(case: Case, steps: int, microbatches: int = 1) -> list:
+    """The results of `steps` steps of single-device training from the case's arguments."""
+    args, results = case.args, []
+    for _ in range(steps):
+        results.append(reference_step(case, args, microbatches))
+        args = case.advance(args, results[-1])
+    return results
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _moment(path) -> str | None:
+    """"mu" or "nu" for a leaf of Adam's moments (optax's `ScaleByAdamState`, NNX's
+    `opt_state[...]['mu']`), else None."""
+    name = jax.tree_util.keystr(path)
+    return next((m for m in ("mu", "nu") if f".{m}" in name or f"['{m}']" in name), None)
+
+
+def _plain(tree, params: set[int], noise: list | None):
+    """`tree` with typed keys as their key data, the parameters (by id) blanked, and the
+    entries of Adam's moments that `noise` masks (leaves in the parameters' order) zeroed."""
+    count = {"mu": 0, "nu": 0}
+
+    def leaf(path, x):
+        if id(x) in params:
+            return np.zeros((), np.float32)
+        if _is_key(x):
+            return jax.random.key_data(x)
+        moment = _moment(path)
+        if moment is None or noise is None:
+            return x
+        mask = noise[count[moment]]
+        count[moment] += 1
+        return np.where(mask, np.zeros((), np.asarray(x).dtype), x)
+    return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def first_moment_mask(results, params):
+    """The Adam noise mask of `params` from the first moment in `results` (its leaves in the
+    parameters' order), or None where the step runs no Adam."""
+    leaves = [x for path, x in jax.tree_util.tree_flatten_with_path(results)[0] if _moment(path) == "mu"]
+    if not leaves:
+        return None
+    treedef = jax.tree_util.tree_structure(params)
+    assert len(leaves) == treedef.num_leaves
+    return numerics.adam_noise_mask(jax.tree_util.tree_unflatten(treedef, leaves))
+
+
+def assert_updates_close(new, reference_new, old, *, mask=None) -> None:
+    """`new - old` against `reference_new - old`, leaf by leaf (module docstring)."""
+    leaves = jax.tree_util.tree_flatten_with_path(reference_new)[0]
+    assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(reference_new)
+    masks = [None] * len(leaves) if mask is None else jax.tree_util.tree_leaves(mask)
+    for (path, want), have, before, noise in zip(leaves, jax.tree_util.tree_leaves(new),
+                                                 jax.tree_util.tree_leaves(old), masks, strict=True):
+        name = f"update of {jax.tree_util.keystr(path)}"
+        want, have, before = (np.asarray(x) for x in (want, have, before))
+        assert have.shape == want.shape and have.dtype == want.dtype, name
+        got, expected = have.astype(np.float64) - before, want.astype(np.float64) - before
+        largest = float(np.max(np.abs(expected))) if expected.size else 0.0
+        ulp = np.spacing(np.maximum(np.abs(have), np.abs(want))).astype(np.float64)
+        bound = RTOL * np.abs(expected) + RTOL * largest + ulp
+        if noise is not None:
+            got, expected = np.where(noise, 0.0, got), np.where(noise, 0.0, expected)
+            assert np.all(np.abs(np.where(noise, have - before, 0.0)) <= largest * (1 + RTOL) + ulp), name
+        np.testing.assert_array_less(np.abs(got - expected), bound + 1e-300, err_msg=name)
+
+
+def compare(case: Case, args: tuple, actual, expected) -> None:
+    """`actual` (a parallel step's results) against `expected` (the reference): same pytree,
+    then every leaf (module docstring)."""
+    want_params = case.params_of(expected)
+    mask = first_moment_mask(expected, want_params)
+    noise = None if mask is None else jax.tree_util.tree_leaves(mask)
+    have_params = {id(x) for x in jax.tree_util.tree_leaves(case.params_of(actual))}
+    numerics.assert_trees_close(_plain(actual, have_params, noise),
+                                _plain(expected, {id(x) for x in jax.tree_util.tree_leaves(want_params)}, noise),
+                                rtol=RTOL, max_rtol=RTOL)
+    assert_updates_close(case.params_of(actual), want_params, case.params(args), mask=mask)
