@@ -9,9 +9,11 @@ warns about token authentication; and it forwards every worker's output to the d
 
 So `start` runs `ray start --head --block` in a child process that `subprocess` starts with no
 Python code between fork and exec (no at-fork handler runs: nothing to warn about), in a fresh
-temporary directory (its address file, sockets and logs live there, never in /tmp/ray), on
-127.0.0.1 and a free port, with token authentication and a token made here (the variables
-`RAY_AUTH_MODE`, `RAY_AUTH_TOKEN`; no file in ~/.ray), no dashboard and no usage report. The
+temporary directory (its address file, sockets and logs live there, never in /tmp/ray), on a
+free port, with token authentication and a token made here (the variables `RAY_AUTH_MODE`,
+`RAY_AUTH_TOKEN`; no file in ~/.ray): Ray listens on the machine's address (it replaces
+127.0.0.1 by it), but only this process and its children hold the token. No dashboard, no
+usage report. The
 child ends when this process is gone and takes the cluster with it;
 `stop`, registered at exit, ends it and removes the directory. The driver connects with
 `log_to_driver` off: the workers' output stays in `<dir>/session_latest/logs/worker-*`;
@@ -67,10 +69,6 @@ class LocalRay:
     directory: Path
     address: str
 
-    @property
-    def logs(self) -> Path:
-        return self.directory / "session_latest" / "logs"
-
     def stop(self, timeout: float = 30.0) -> None:
         """Disconnects this driver and ends the head node (its processes go with it)."""
         import ray
@@ -94,8 +92,8 @@ def start(num_cpus: int, timeout: float = 120.0) -> LocalRay:
     _authentication(os.environ)
     log = open(directory / "ray-start.log", "wb")
     command = [sys.executable, "-c", _HEAD, str(os.getpid()), "start", "--head", "--block",
-               f"--temp-dir={directory}", "--node-ip-address=127.0.0.1", "--port=0",
-               f"--num-cpus={num_cpus}", "--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats"]
+               f"--temp-dir={directory}", "--port=0",
+               f"--num-cpus={num_cpus}", "--include-dashboard=false", "--disable-usage-stats"]  # GPUs: detected
     with log:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})

@@ -49,3 +49,23 @@ def test_user_script_prints_no_warning(tmp_path):
     assert done.stdout == "16.0\n"
     assert [line for line in done.stderr.splitlines() if WARNING.search(line)] == []
     assert done.stderr == ""
+
+
+def test_local_cluster_is_its_own_and_goes_away(monkeypatch):
+    import ray
+
+    from hlopar.runtime import local_ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    local = local_ray.connect(None, 2)
+    try:
+        assert ray.cluster_resources()["CPU"] == 2
+        assert list(local.directory.glob("session_*/logs"))  # its files are in its own directory
+        assert (local.directory / "ray_current_cluster").read_text().strip() == local.address
+        assert os.environ["RAY_AUTH_MODE"] == "token" and len(os.environ["RAY_AUTH_TOKEN"]) == 64  # its own token
+    finally:
+        local.stop()
+    assert local.process.poll() is not None and not local.directory.exists() and not ray.is_initialized()
