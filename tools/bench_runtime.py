@@ -48,6 +48,7 @@ import ray  # noqa: E402
 
 import hlopar  # noqa: E402
 from hlopar.models import gpt  # noqa: E402
+from hlopar.runtime import local_ray  # noqa: E402
 from hlopar.runtime.transports import Mailbox, ObjectStoreTransport, Payload  # noqa: E402
 
 
@@ -150,12 +151,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-overhead", action="store_true")
     args = parser.parse_args()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    local = local_ray.connect(None, 4)  # hlopar's own local Ray, as parallelize starts it
     report = {}
     if not args.skip_overhead:
         report["overhead"] = bench_overhead(args)
     report["transport"] = bench_transport([float(s) for s in args.sizes.split(",")], args.repeats)
-    ray.shutdown()
+    local.stop()
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
