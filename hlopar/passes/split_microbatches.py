@@ -49,31 +49,15 @@ index to the caller's arguments, `write_functions` makes it itself).
 A mean over the batch that is used per example (batch normalization in training mode,
 forward and backward) is taken over each microbatch, as GPipe defines it: its count is
 divided by B (`batch_statistics`), with a warning. Values computed from such statistics
-run per microbatch (kind `batch` in the IR, "local" in the analysis). When they leave the
-microbatch (a result, or the update reads them), a value linear in the microbatch's sums
-(a gradient through a statistic) is summed over microbatches; any other (the running
-statistics `momentum * ra + (1 - momentum) * mean`) is divided by B before the sum: the
-result is the mean over microbatches of each microbatch's value. The loss must not depend
-on a statistic other than through per-example values.
-
-## Linearity
-
-Let S be the values that are sums over the batch: the results of the reductions above, and
-what add, subtract, negate, multiplying or dividing by a value independent of the batch,
-convert, reshape, transpose, broadcast, slice, concatenate, pad with zeros and sums of them
-make of those. Summing the microbatches' S values gives the whole batch's. Any other op on
-a sum (log, square, adding a constant, the optimizer's arithmetic) must run once, on the
-accumulated sums: it is a *step* op. The split computes the step when no op reads both a
-value that carries the batch and a sum or step value (a statistic of the whole batch used
-per example, other than the means of "Batch statistics" below, or the backward of a loss
-that is not linear in the batch: the cotangent of log(mean(x)) is 1/mean(x), multiplying
-per-example values), and the loss (`training_roles.classify(...).loss_result`, or
-`loss-result=N`) is in S; the pass requires both when B > 1. A loss's mean
-divides by the GLOBAL batch size, a constant: the microbatch program keeps it, so each
-microbatch's loss is its sum divided by the global N, and the B of them add up to the mean;
-the backward's seed is that same 1/N, so the gradients add up to the mean's gradient. The
-error for a non-linear loss names the first op between the batch reductions and the loss
-that is not linear.
+run per microbatch (kind `batch` in the IR, "local" in the analysis) as long as something
+per microbatch reads them. Where they leave the microbatch, a value linear in the
+microbatch's sums (a gradient through a statistic) is summed over microbatches; a statistic
+is divided by B before the sum, so that what the ops run once read is its mean over
+microbatches (both leave through a reshape of kind `sum`). BatchNorm's running statistics,
+`momentum * ra + (1 - momentum) * stat`, are thus computed once, from the mean over
+microbatches of each microbatch's statistic, which, the update being affine, is the mean
+over microbatches of each microbatch's updated value. The loss must not depend on a
+statistic other than through per-example values.
 
 ## The IR contract
 
@@ -297,31 +281,33 @@ class _Splitter:
                 "iotas_counting_globally": len(self.iotas)}
 
     def _hand_off(self, kinds: list[str | None]) -> None:
-        """Per-microbatch values without examples that the update reads or `@main` returns
-        leave the microbatch through an op of kind `sum`: a statistic (running statistics)
-        divided by B, so that the sum over microbatches is its mean; a value linear in the
-        microbatch's sums (a gradient through a statistic) as it is, summed."""
-        func_kinds = dict(zip((node.mlir_op for node in self.graph.ops), kinds))
+        """Per-microbatch values without examples that the ops run once read or `@main`
+        returns leave the microbatch through an op of kind `sum`: a statistic divided by B, so
+        that the sum over microbatches is its mean; a value linear in the microbatch's sums
+        (a gradient through a statistic) as it is, summed."""
+        per_microbatch = {self.graph.ops[i].mlir_op for i in self.per_microbatch}
         for node, kind in zip(self.graph.ops, kinds):
             if kind not in (LOCAL, LOCAL_SUM):
                 continue
-            for number, value in enumerate(node.mlir_op.results):
-                outside = [use for use in value.uses if _top_op(use.owner, self.main).name == "func.return"
-                           or func_kinds.get(_top_op(use.owner, self.main)) == STEP]
+            for value in node.mlir_op.results:
+                outside = [use for use in value.uses if _top_op(use.owner, self.main) not in per_microbatch]
                 if not outside:
                     continue
                 tensor = ir.RankedTensorType(value.type)
                 with ir.InsertionPoint.after(node.mlir_op), node.mlir_op.location:
-                    if kind == LOCAL_SUM:
-                        handed = stablehlo.ReshapeOp(tensor, value)
-                    elif isinstance(tensor.element_type, ir.FloatType):
-                        share = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
-                            tensor, ir.FloatAttr.get(tensor.element_type, 1.0 / self.b)))
-                        handed = stablehlo.MulOp(value, share.result)
-                    else:
+                    if kind == LOCAL and not isinstance(tensor.element_type, ir.FloatType):
                         raise SplitError(node.mlir_op, f"'{node.name}' computes a {tensor} from statistics of "
                                                        "each microbatch for the update or a result: microbatches "
                                                        "cannot average integers")
+                    if kind == LOCAL:
+                        share = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
+                            tensor, ir.FloatAttr.get(tensor.element_type, 1.0 / self.b)))
+                        value = stablehlo.MulOp(value, share.result)
+                        value.operation.attributes[KIND_ATTR] = ir.StringAttr.get(BATCH)
+                        value = value.result
+                    # The sum leaves through a reshape to its own type: not elementwise, so that
+                    # stage construction keeps it with the per-microbatch fragments.
+                    handed = stablehlo.ReshapeOp(tensor, value)
                 handed.operation.attributes[KIND_ATTR] = ir.StringAttr.get(SUM)
                 for use in outside:
                     use.owner.operands[use.operand_number] = handed.result
@@ -533,6 +519,7 @@ class _Splitter:
                                      first.per_example)
             means = [i for i in means if i not in before_loss]
         found = self._kind_pass(frozenset(means))
+        self._leave_statistics(found)
         error = None
         if self.b == 1:
             self._one_microbatch(found)
@@ -601,22 +588,39 @@ class _Splitter:
             found.op_kinds.append(result)
         return found
 
+    def _leave_statistics(self, found: _KindPass) -> None:
+        """Statistics leave the microbatch where nothing per microbatch reads them any more:
+        what is computed from them after that (BatchNorm's running statistics) runs once, on
+        their mean over microbatches, as the update (for an update affine in the statistic,
+        as `momentum * ra + (1 - momentum) * mean` is, that is the mean of each microbatch's
+        updated value). Sets `self.per_microbatch`, the ops that run per microbatch."""
+        graph, kinds, kind = self.graph, found.op_kinds, found.value_kind
+        starts = [i for i, k in enumerate(kinds) if k in (BATCH, LOCAL_SUM) or i in found.per_example]
+        self.per_microbatch = needed = _ancestors_of(graph, starts, set())
+        for i, node in enumerate(graph.ops):
+            if kinds[i] != LOCAL or i in needed:
+                continue
+
+            def leaving(v: int) -> str | None:  # a statistic's mean over microbatches is linear in them
+                return SUM if kind[v] == LOCAL and graph.values[v].producer in needed else kind[v]
+
+            read_kinds = {leaving(v) for v in graph.reads(i)}
+            if STEP in read_kinds:
+                result = STEP
+            else:
+                result = SUM if _linear(node.name, node.mlir_op, [leaving(v) for v in node.operands]) else STEP
+            kinds[i] = result
+            for v in node.results:
+                kind[v] = result
+
     def _one_microbatch(self, found: _KindPass) -> None:
         """B = 1 splits nothing: every statistic is the whole batch's, so the ops the
-        per-microbatch part needs run there (as LOCAL), whatever they compute."""
-        graph, kinds = self.graph, found.op_kinds
-        stack = [i for i, k in enumerate(kinds) if k in (BATCH, LOCAL, LOCAL_SUM) or i in found.per_example]
-        seen = set(stack)
-        while stack:
-            i = stack.pop()
-            if kinds[i] == STEP:
-                kinds[i] = LOCAL
-                for v in graph.ops[i].results:
+        per-microbatch part reads run there (as LOCAL), whatever they compute."""
+        for i in self.per_microbatch:
+            if found.op_kinds[i] == STEP:
+                found.op_kinds[i] = LOCAL
+                for v in self.graph.ops[i].results:
                     found.value_kind[v] = LOCAL
-            for p in graph.predecessors(i):
-                if p not in seen:
-                    seen.add(p)
-                    stack.append(p)
 
     def _tainted_results(self, op: ir.Operation, outer: set[ir.Value]) -> list[bool]:
         """Per result of a loop or branch op, whether it depends on the batch or on sums
@@ -983,8 +987,13 @@ def _main(module: ir.Operation) -> ir.Operation | None:
 
 def _ancestors(graph: FuncGraph, op: int | None, stop: set[int]) -> set[int]:
     """`op` and the top-level ops it is computed from, not looking past the ops in `stop`."""
+    return _ancestors_of(graph, [op] if op is not None else [], stop)
+
+
+def _ancestors_of(graph: FuncGraph, ops: Sequence[int], stop: set[int]) -> set[int]:
+    """`ops` and the top-level ops they are computed from, not looking past the ops in `stop`."""
     found: set[int] = set()
-    stack = [op] if op is not None else []
+    stack = list(ops)
     while stack:
         i = stack.pop()
         if i in found:

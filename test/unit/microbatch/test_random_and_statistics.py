@@ -18,13 +18,14 @@ import optax
 import pytest
 from microbatch_steps import imported, run_pipeline
 
+from hlopar.codegen.pipeline_program import pipeline_program
 from hlopar.codegen.spmd import compile_spmd
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.ir.module import parse_module
 from hlopar.passes.base import PassContext
 from hlopar.passes.microbatch_index import read_index_arg
 from hlopar.passes.split_microbatches import SplitMicrobatchesPass, read_split, split_step
-from hlopar.runtime.local_executor import MicrobatchedStep
+from hlopar.runtime.local_executor import MicrobatchedStep, PipelinedStep
 
 N, SEQ, D_IN, HIDDEN, OUT = 16, 3, 5, 8, 2
 LR = 0.1
@@ -243,3 +244,22 @@ def test_batchnorm_statistics_per_microbatch():
     # ... and not the whole batch's statistics.
     whole = _leaves(jax.jit(_bn_step)(*args))
     assert not np.allclose(actual[-1], whole[-1], rtol=1e-3)
+
+
+# --------------------------------------------------------------------------- pipelined
+
+
+PLAN = "hlopar-cluster-operators,hlopar-stage-construction{num-hosts=2 devices-per-host=4 workers=1}"
+
+
+@pytest.mark.parametrize("which", ["dropout", "batchnorm"])
+def test_pipelined_runs_the_same(which):
+    """Planned into a pipeline on 2 x 4 CPU devices and run by `PipelinedStep`: the index
+    argument reaches the stages that read it; the results are the microbatched step's."""
+    step, args = (_dropout_step, _dropout_args(True)) if which == "dropout" else (_bn_step, _bn_args())
+    module, _ = _split(step, args, 4)
+    expected = MicrobatchedStep(module.clone())(_host(args))
+    pipeline = run_pipeline(str(module), PLAN)
+    program = pipeline_program(pipeline)
+    assert program.index_arg == (5 if which == "dropout" else None)
+    _assert_close(PipelinedStep(program)(_host(args), "1f1b"), expected, rtol=1e-5)
