@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import hlopar
+from hlopar.runtime.local_ray import connect
 from reference import reference_step, trajectory, compare
 from steps import CASES
 
@@ -32,11 +33,12 @@ STEPS = 3
 def ray_cluster(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HLOPAR_CACHE_DIR", str(tmp_path_factory.mktemp("hlopar-cache")))
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        local = connect(None, num_cpus=4)  # as parallelize starts it: no fork of this process
         try:
             yield
         finally:
             ray.shutdown()
+            local.stop()
 
 
 def train(name: str, method: str, schedule: str = "eager-1f1b") -> None:
