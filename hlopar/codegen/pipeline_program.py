@@ -33,9 +33,10 @@ SEND/RECV the transfers it carries. A runtime executes those and nothing else
 (`hlopar.runtime.local_executor.PipelinedStep`); the simulator prices them
 (`hlopar.codegen.bundle`).
 
-Programs this refuses (`ProgramError`, located at the op): optimizer ('step') ops in a
-forward or backward fragment, per-example values in an update fragment or reaching a
-result, a mesh running two stages, stages not numbered 0..S-1, ops other than fragments and
+Programs this refuses (`ProgramError`, located at the op): with several microbatches,
+optimizer ('step') ops in a forward or backward fragment, per-example values in an update
+fragment or reaching a result (with one, every fragment runs once and these are the
+step's own values); a mesh running two stages, stages not numbered 0..S-1, ops other than fragments and
 transfers at the top level of `@main`.
 """
 
@@ -297,7 +298,9 @@ class _Reader:
         role = UPDATE if '_update"' in origin else BACKWARD if '"(' in origin else FORWARD
         kinds = {ir.StringAttr(inner.attributes[KIND_ATTR]).value
                  for inner in _ops_in(op) if KIND_ATTR in inner.attributes}
-        if role == UPDATE:
+        if self.microbatches == 1:
+            pass  # one microbatch: every fragment runs once per step, whatever it holds
+        elif role == UPDATE:
             if BATCH in kinds:
                 raise ProgramError(f"update fragment on {mesh} ({origin}) holds per-example values: the stage "
                                    "construction does not respect the microbatch split", op.location)
@@ -355,7 +358,7 @@ class _Reader:
                 (read_once if fragment.role == UPDATE else read_each).add(self._origin(v))
         read_once.update(self._origin(v) for v in results)
         for v in read_once:
-            if self.values[v].argument in self.batch_args:
+            if self.values[v].argument in self.batch_args and self.microbatches > 1:
                 raise ProgramError(f"batch argument {self.values[v].argument} is read by an update fragment or "
                                    "returned", self.main.location)
         for fragment in self.fragments:

@@ -263,3 +263,58 @@ def test_pipelined_runs_the_same(which):
     program = pipeline_program(pipeline)
     assert program.index_arg == (5 if which == "dropout" else None)
     _assert_close(PipelinedStep(program)(_host(args), "1f1b"), expected, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- one microbatch splits nothing
+
+
+def _odd_step(w, x, y):
+    """What only a split would forbid: per-example predictions returned, a statistic that
+    is not a mean (x minus its batch sum), a sum over the batch inside a loop."""
+
+    def loss_fn(w):
+        h = x @ w
+        h = h - jnp.sum(h, axis=0)
+        total = jax.lax.fori_loop(0, 2, lambda i, acc: acc + jnp.sum(jnp.square(h - y)), 0.0)
+        return total / x.shape[0], h
+
+    (loss, predictions), grad = jax.value_and_grad(loss_fn, has_aux=True)(w)
+    return w - LR * grad, loss, predictions
+
+
+def _odd_args():
+    keys = jax.random.split(jax.random.PRNGKey(5), 3)
+    return (jax.random.normal(keys[0], (D_IN, OUT)), jax.random.normal(keys[1], (N, D_IN)),
+            jax.random.normal(keys[2], (N, OUT)))
+
+
+def test_one_microbatch_refuses_nothing():
+    args = _odd_args()
+    module, warnings = _split(_odd_step, args, 1, batch_args=(1, 2))
+    assert warnings == []
+    expected = _leaves(jax.jit(_odd_step)(*args))
+    _assert_close(MicrobatchedStep(module.clone())(_host(args)), expected)
+    # The same as a one-stage program (what method="shard" plans).
+    program = pipeline_program(run_pipeline(str(module), PLAN))
+    _assert_close(PipelinedStep(program)(_host(args), "1f1b"), expected)
+
+
+def _sum_statistic_step(w, x, y):
+    def loss_fn(w):
+        h = x @ w
+        return jnp.mean(jnp.square(h - jnp.sum(h, axis=0) - y))
+
+    loss, grad = jax.value_and_grad(loss_fn)(w)
+    return w - LR * grad, loss
+
+
+def test_several_microbatches_name_what_needs_the_split():
+    args = _odd_args()
+    with pytest.raises(DiagnosticError) as error:
+        _split(_odd_step, args, 2, batch_args=(1, 2))
+    assert ("result 2 of @main carries the batch (per-example values): with 2 microbatches it would have to be "
+            "concatenated along the batch") in str(error.value)
+    with pytest.raises(DiagnosticError) as error:
+        _split(_sum_statistic_step, args, 2, batch_args=(1, 2))
+    assert "a batch statistic that is not a mean over the batch" in str(error.value)
+    assert "(with microbatches=1 the step runs as written)" in str(error.value)
