@@ -14,7 +14,8 @@ about the learning rate, ``lr * g / (|g| + eps)``, whatever the gradient's size.
 `assert_updates_close` compares ``new - old`` with ``reference_new - old`` to a relative `rtol`
 of the reference update, plus one unit in the last place (ulp) of the parameter: both new
 parameters are rounded to their dtype at the parameter's magnitude, so their difference from
-``old`` carries up to half an ulp of rounding each.
+``old`` carries up to half an ulp of rounding each. After the first step, an update also gets
+`max_rtol` of its leaf's largest update (see `assert_updates_close`).
 
 The noise mask (`adam_noise_mask`): where a gradient is zero in exact arithmetic (the key bias
 of attention: softmax is invariant to it), a float32 run holds rounding noise instead, and Adam
@@ -109,9 +110,15 @@ def assert_trees_close(
 
 
 def assert_updates_close(
-    new: PyTree, reference_new: PyTree, old: PyTree, *, rtol: float, noise_mask: PyTree | None = None
+    new: PyTree, reference_new: PyTree, old: PyTree, *, rtol: float, max_rtol: float = 0.0,
+    noise_mask: PyTree | None = None,
 ) -> None:
-    """Compare the updates ``new - old`` with ``reference_new - old`` (see the module docstring).
+    """Compare the updates ``new - old`` with ``reference_new - old`` (see the module docstring):
+    per entry within ``rtol * |u| + max_rtol * max|u of the leaf| + 1 ulp``.
+
+    `max_rtol` is for steps after the first: Adam's update is ``lr * m / sqrt(v)``, and where the
+    first moment ``m`` is a sum that cancels (a gradient changing sign between steps), its error
+    is relative to the leaf's larger moments, not to itself.
 
     `noise_mask` (a tree of booleans shaped like the parameters, e.g. from `adam_noise_mask`)
     marks entries whose update is rounding noise: those are only checked to be finite and no
@@ -125,7 +132,8 @@ def assert_updates_close(
         a1, r1, o1 = (np.atleast_1d(x).astype(np.float64) for x in (a, r, o))
         got, want = a1 - o1, r1 - o1
         ulp = np.spacing(np.maximum(np.abs(np.atleast_1d(a)), np.abs(np.atleast_1d(r)))).astype(np.float64)
-        bad = ~(np.abs(got - want) <= rtol * np.abs(want) + ulp)
+        scale = float(np.max(np.abs(want))) if want.size else 0.0
+        bad = ~(np.abs(got - want) <= rtol * np.abs(want) + max_rtol * scale + ulp)
         if mask is not None:
             m = np.atleast_1d(mask)
             wild = ~(np.abs(got) <= largest * (1 + rtol) + ulp)
@@ -154,18 +162,21 @@ def adam_noise_mask(first_moment: PyTree, *, k: float = NOISE_K) -> PyTree:
     return jax.tree_util.tree_map(mask, first_moment)
 
 
-def assert_step_close(outputs, reference: PyTree, params: PyTree, *, rtol: float) -> None:
+def assert_step_close(outputs, reference: PyTree, params: PyTree, *, rtol: float,
+                      update_max_rtol: float | None = None) -> None:
     """A compiled training step's flat `outputs` against one device's ``(new_params, adam_state, loss)``.
 
     The outputs must be as many as the reference's leaves; parameters are compared by update
-    (noise masked by the reference's first moment), Adam's state and the loss to `rtol` of each
-    entry plus `rtol` of the leaf's largest entry (moments of cancelling gradients), the step
-    count exactly.
+    (noise masked by the reference's first moment), updates, Adam's state and the loss to `rtol`
+    of each entry plus `rtol` of the leaf's largest entry (sums that cancel; for the updates
+    `update_max_rtol` instead, where given), the step count exactly.
     """
     leaves, treedef = jax.tree_util.tree_flatten(reference)
     if len(outputs) != len(leaves):
         raise AssertionError(f"{len(outputs)} outputs, expected {len(leaves)}")
     new_params, state, loss = jax.tree_util.tree_unflatten(treedef, [np.asarray(o) for o in outputs])
     want_params, want_state, want_loss = reference
-    assert_updates_close(new_params, want_params, params, rtol=rtol, noise_mask=adam_noise_mask(want_state.mu))
+    assert_updates_close(new_params, want_params, params, rtol=rtol,
+                         max_rtol=rtol if update_max_rtol is None else update_max_rtol,
+                         noise_mask=adam_noise_mask(want_state.mu))
     assert_trees_close((state, loss), (want_state, want_loss), rtol=rtol, max_rtol=rtol)
