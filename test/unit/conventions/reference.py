@@ -24,7 +24,7 @@ gradient is rounding noise (zero in exact arithmetic, e.g. the bias of a Dense l
 before BatchNorm) are masked by the reference's first moment (`numerics.adam_noise_mask`):
 Adam normalizes noise to a step of about the learning rate with an arbitrary sign, and its
 moments there are noise too (zeroed on both sides); masked updates are only checked to be
-no larger than the largest update.
+no larger than the largest update of any parameter.
 """
 
 from __future__ import annotations
@@ -118,24 +118,30 @@ def assert_updates_close(new, reference_new, old, *, mask=None) -> None:
     leaves = jax.tree_util.tree_flatten_with_path(reference_new)[0]
     assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(reference_new)
     masks = [None] * len(leaves) if mask is None else jax.tree_util.tree_leaves(mask)
-    for (path, want), have, before, noise in zip(leaves, jax.tree_util.tree_leaves(new),
-                                                 jax.tree_util.tree_leaves(old), masks, strict=True):
+    olds = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(old)]
+    # Noise moves an entry by up to Adam's step, the largest update of any parameter.
+    largest_of_all = max((float(np.max(np.abs(np.asarray(w, np.float64) - o))) for (_, w), o in zip(leaves, olds)
+                          if o.size), default=0.0)
+    for (path, want), have, before, noise in zip(leaves, jax.tree_util.tree_leaves(new), olds, masks, strict=True):
         name = f"update of {jax.tree_util.keystr(path)}"
-        want, have, before = (np.asarray(x) for x in (want, have, before))
+        want, have = np.asarray(want), np.asarray(have)
         assert have.shape == want.shape and have.dtype == want.dtype, name
         got, expected = have.astype(np.float64) - before, want.astype(np.float64) - before
         largest = float(np.max(np.abs(expected))) if expected.size else 0.0
         ulp = np.spacing(np.maximum(np.abs(have), np.abs(want))).astype(np.float64)
         bound = RTOL * np.abs(expected) + RTOL * largest + ulp
         if noise is not None:
+            moved = np.abs(np.where(noise, got, 0.0))
+            assert np.all(moved <= largest_of_all * (1 + RTOL) + ulp), f"{name}: a noise entry moved {moved.max()}"
             got, expected = np.where(noise, 0.0, got), np.where(noise, 0.0, expected)
-            assert np.all(np.abs(np.where(noise, have - before, 0.0)) <= largest * (1 + RTOL) + ulp), name
         np.testing.assert_array_less(np.abs(got - expected), bound + 1e-300, err_msg=name)
 
 
 def compare(case: Case, args: tuple, actual, expected) -> None:
     """`actual` (a parallel step's results) against `expected` (the reference): same pytree,
     then every leaf (module docstring)."""
+    have, want = jax.tree_util.tree_structure(actual), jax.tree_util.tree_structure(expected)
+    assert have == want, f"{case.name}: results {have}, expected {want}"
     want_params = case.params_of(expected)
     mask = first_moment_mask(expected, want_params)
     noise = None if mask is None else jax.tree_util.tree_leaves(mask)

@@ -13,15 +13,7 @@ from hlopar.cli.compile import main
 from steps import CASES
 
 
-# Temporary, while issue 13's fixes are in flight (strict: a fix makes them fail until removed).
-KNOWN = {
-    "linen_batch_norm": "codegen: 'update fragment on m0 holds per-example values: the stage construction does not "
-                        "respect the microbatch split' (issue 13 item 4)",
-}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.xfail(strict=True, reason=KNOWN[n])]
-                                                if n in KNOWN else []) for n in CASES])
+@pytest.mark.parametrize("name", list(CASES))
 def test_exported_step_compiles(tmp_path, capfd, monkeypatch, name):
     monkeypatch.setenv("HLOPAR_NO_FORK", "1")  # in this process: no fork of a multithreaded jax
     case = CASES[name]()

@@ -69,10 +69,9 @@ def train(name: str, method: str, schedule: str = "eager-1f1b") -> None:
 
 # Temporary, while issue 13's fixes are in flight (strict: a fix makes them fail until removed).
 KNOWN = {
-    ("linen_batch_norm", "auto"): "codegen: 'forward fragment of stage 0 runs optimizer ('step') ops that must run "
-                                  "once per step' (passed at 08:50 UTC with 4 microbatches; issue 13 item 4)",
-    ("linen_batch_norm", "shard"): "codegen: 'update fragment on m0 holds per-example values' with one microbatch "
-                                   "(one-mesh program of method='shard'; issue 13 item 4)",
+    ("linen_batch_norm", "auto"): "codegen: 'forward fragment of stage 0 runs optimizer ('step') ops' when lowered "
+                                  "with debug_info (as parallelize does): BatchNorm's running-average adds, named "
+                                  "jvp(...), are FORWARD for training_roles and 'step' for the split (issue 13 item 4)",
 }
 
 
