@@ -43,3 +43,18 @@ def test_updates_catch_missing_flipped_and_stale_steps_but_not_noise():
             assert_updates_close(wrong, new, old, rtol=1e-5, noise_mask=mask)
     # A parameter tolerance of the learning rate (what this replaces) passes the flipped step.
     assert_trees_close(flipped, new, rtol=0, atol=2 * 1e-3 + 1e-6)
+
+
+def test_masked_entries_are_bounded_and_max_rtol_is_relative_to_the_leaf():
+    old = {"w": np.zeros(4, np.float32)}
+    reference = {"w": np.array([1e-3, -1e-3, 1e-3, 1e-5], np.float32)}
+    mask = {"w": np.array([False, False, True, False])}
+    new = {"w": np.array([1e-3, -1e-3, -1e-3, 1e-5], np.float32)}  # the masked entry's sign is noise
+    assert_updates_close(new, reference, old, rtol=1e-6, noise_mask=mask)
+    new["w"][2] = 1.0  # far beyond the largest reference update
+    with pytest.raises(AssertionError, match=r"\['w'\]: 1 of 4 entries"):
+        assert_updates_close(new, reference, old, rtol=1e-6, noise_mask=mask)
+    small = {"w": reference["w"] + np.array([0, 0, 0, 5e-9], np.float32)}  # 5e-4 of the small entry
+    with pytest.raises(AssertionError, match="update not within"):
+        assert_updates_close(small, reference, old, rtol=1e-5)
+    assert_updates_close(small, reference, old, rtol=1e-5, max_rtol=1e-5)  # 5e-6 of the leaf's largest
