@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import warnings
 
+import jax
 import numpy as np
 import pytest
 
@@ -98,3 +99,27 @@ def test_every_schedule(ray_cluster, name, schedule):
     heavy here (about 15 s each on 2 busy cores, 6 cases): the default suite keeps one step
     under every schedule, the one whose update reads every stage's gradients."""
     train(name, "auto", schedule)
+
+
+def test_a_loss_that_is_not_a_mean_is_refused_at_its_line():
+    """What docs/training_step.md says is refused: with microbatches, a loss whose gradient is
+    not the sum of the microbatches' (the log of a mean), named at the user's line, before
+    any worker starts."""
+    import inspect
+
+    import jax.numpy as jnp
+
+    from steps import cross_entropy, data, init_mlp, mlp
+
+    def train_step(params, x, y):
+        def loss_fn(p):
+            return jnp.log(cross_entropy(mlp(p, x), y))
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    line = inspect.getsourcelines(train_step)[1] + 2
+    step = hlopar.parallelize(train_step, cluster=CLUSTER, verbose=False)
+    with pytest.raises(hlopar.api.PlanningError, match=rf"{__file__}:{line}:\d+: error: .*not a sum or a mean"):
+        step(init_mlp(), *data())
+    assert step.runtime is None
