@@ -296,7 +296,9 @@ def nnx_case(name: str, dropout: float) -> Case:
         _, state = nnx.split((model, optimizer))
         return loss, state
 
-    params = lambda s: nnx.state(nnx.merge(graphdef, s)[0], nnx.Param)  # noqa: E731
+    def params(state):
+        return nnx.state(nnx.merge(graphdef, state)[0], nnx.Param)
+
     return Case(name, functools.partial(train_step, graphdef), (state, linen_batch()), (1,),
                 advance=lambda a, r: (r[1], a[1]), loss=lambda r: r[0],
                 params=lambda a: params(a[0]), params_of=lambda r: params(r[1]))
