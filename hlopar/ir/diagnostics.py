@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 
 from jaxlib.mlir import ir
 
-# The first `"file":line:col` inside a printed location; callsite and fused
-# locations print their innermost file location first, name locations wrap it.
+# A `"file":line:col` inside a printed location; callsite and fused locations print
+# their innermost file location first, name locations wrap it.
 _FILE_LINE_COL = re.compile(r'"((?:[^"\\]|\\.)*)":(\d+):(\d+)')
+_INSTALLED = re.compile(r"[/\\](?:site|dist)-packages[/\\]")
 
 _SEVERITIES = {
     ir.DiagnosticSeverity.ERROR: "error",
@@ -33,9 +34,12 @@ def source_location(location: ir.Location | None) -> SourceLocation | None:
     """The file position of an MLIR location, or None when it has none."""
     if location is None:
         return None
-    match = _FILE_LINE_COL.search(str(location))
-    if match is None:
+    matches = list(_FILE_LINE_COL.finditer(str(location)))
+    if not matches:
         return None
+    # A call stack (JAX's callsite locations) names the innermost frame first: the first frame
+    # outside installed packages (a Flax layer's source) is the user's line.
+    match = next((m for m in matches if not _INSTALLED.search(m.group(1))), matches[0])
     return SourceLocation(match.group(1), int(match.group(2)), int(match.group(3)))
 
 

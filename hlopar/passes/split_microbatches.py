@@ -49,15 +49,14 @@ index to the caller's arguments, `write_functions` makes it itself).
 A mean over the batch that is used per example (batch normalization in training mode,
 forward and backward) is taken over each microbatch, as GPipe defines it: its count is
 divided by B (`batch_statistics`), with a warning. Values computed from such statistics
-run per microbatch (kind `batch` in the IR, "local" in the analysis) as long as something
-per microbatch reads them. Where they leave the microbatch, a value linear in the
-microbatch's sums (a gradient through a statistic) is summed over microbatches; a statistic
-is divided by B before the sum, so that what the ops run once read is its mean over
-microbatches (both leave through a reshape of kind `sum`). BatchNorm's running statistics,
-`momentum * ra + (1 - momentum) * stat`, are thus computed once, from the mean over
-microbatches of each microbatch's statistic, which, the update being affine, is the mean
-over microbatches of each microbatch's updated value. The loss must not depend on a
-statistic other than through per-example values.
+run per microbatch (kind `batch` in the IR, "local" in the analysis). Where they leave the
+microbatch (a result, or the ops run once read them), a value linear in the microbatch's
+sums (a gradient through a statistic) is summed over microbatches; any other (BatchNorm's
+running statistics, `momentum * ra + (1 - momentum) * mean`) is divided by B before the
+sum: the result is the mean over microbatches of each microbatch's value. Both leave
+through a reshape of kind `sum`, not elementwise, so that `training_roles` does not take
+it (nor what it reads) for the optimizer's arithmetic, with or without JAX's name stacks.
+The loss must not depend on a statistic other than through per-example values.
 
 ## The IR contract
 
@@ -519,7 +518,7 @@ class _Splitter:
                                      first.per_example)
             means = [i for i in means if i not in before_loss]
         found = self._kind_pass(frozenset(means))
-        self._leave_statistics(found)
+        self._mark_per_microbatch(found)
         error = None
         if self.b == 1:
             self._one_microbatch(found)
@@ -588,30 +587,11 @@ class _Splitter:
             found.op_kinds.append(result)
         return found
 
-    def _leave_statistics(self, found: _KindPass) -> None:
-        """Statistics leave the microbatch where nothing per microbatch reads them any more:
-        what is computed from them after that (BatchNorm's running statistics) runs once, on
-        their mean over microbatches, as the update (for an update affine in the statistic,
-        as `momentum * ra + (1 - momentum) * mean` is, that is the mean of each microbatch's
-        updated value). Sets `self.per_microbatch`, the ops that run per microbatch."""
-        graph, kinds, kind = self.graph, found.op_kinds, found.value_kind
-        starts = [i for i, k in enumerate(kinds) if k in (BATCH, LOCAL_SUM) or i in found.per_example]
-        self.per_microbatch = needed = _ancestors_of(graph, starts, set())
-        for i, node in enumerate(graph.ops):
-            if kinds[i] != LOCAL or i in needed:
-                continue
-
-            def leaving(v: int) -> str | None:  # a statistic's mean over microbatches is linear in them
-                return SUM if kind[v] == LOCAL and graph.values[v].producer in needed else kind[v]
-
-            read_kinds = {leaving(v) for v in graph.reads(i)}
-            if STEP in read_kinds:
-                result = STEP
-            else:
-                result = SUM if _linear(node.name, node.mlir_op, [leaving(v) for v in node.operands]) else STEP
-            kinds[i] = result
-            for v in node.results:
-                kind[v] = result
+    def _mark_per_microbatch(self, found: _KindPass) -> None:
+        """`self.per_microbatch`: the ops that run per microbatch, those that read or carry
+        examples, the statistics and what is computed from them, and what they read."""
+        starts = [i for i, k in enumerate(found.op_kinds) if k in (BATCH, LOCAL, LOCAL_SUM) or i in found.per_example]
+        self.per_microbatch = _ancestors_of(self.graph, starts, set())
 
     def _one_microbatch(self, found: _KindPass) -> None:
         """B = 1 splits nothing: every statistic is the whole batch's, so the ops the
