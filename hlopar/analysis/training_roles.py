@@ -232,16 +232,8 @@ def batch_arguments(graph: FuncGraph, pairs: tuple[tuple[int, int], ...] | None 
 
 
 def _batch_arguments(graph: FuncGraph, pairs: tuple[tuple[int, int], ...]) -> tuple[int, ...]:
-    state = {arg for arg, _ in pairs}
+    candidates = batch_candidates(graph, pairs)
     values = graph.values
-    candidates = [i for i, a in enumerate(graph.args)
-                  if i not in state and values[a].shape and not is_random_key(graph, i)]
-    preds = _predecessors(graph)
-    loss = _find_loss(graph, pairs, preds)
-    if loss is not None:  # the batch is what the loss is computed from
-        producer = values[graph.results[loss]].producer
-        read = {v for op in _ancestors(preds, producer) for v in graph.reads(op)}
-        candidates = [i for i in candidates if graph.args[i] in read]
     groups: dict[int | None, list[int]] = {}
     for i in candidates:
         groups.setdefault(values[graph.args[i]].shape[0], []).append(i)
@@ -252,6 +244,22 @@ def _batch_arguments(graph: FuncGraph, pairs: tuple[tuple[int, int], ...]) -> tu
                        for size, group in sorted(groups.items(), key=lambda item: str(item[0])))
     raise RolesError(f"the arguments that are not training state have different leading dims ({listed}): "
                      "name the batch with batch-args=...")
+
+
+def batch_candidates(graph: FuncGraph, pairs: tuple[tuple[int, int], ...]) -> list[int]:
+    """The arguments that may hold the batch (`batch_arguments` before it checks that they
+    agree on a leading dim)."""
+    state = {arg for arg, _ in pairs}
+    values = graph.values
+    candidates = [i for i, a in enumerate(graph.args)
+                  if i not in state and values[a].shape and not is_random_key(graph, i)]
+    preds = _predecessors(graph)
+    loss = _find_loss(graph, pairs, preds)
+    if loss is not None:  # the batch is what the loss is computed from
+        producer = values[graph.results[loss]].producer
+        read = {v for op in _ancestors(preds, producer) for v in graph.reads(op)}
+        candidates = [i for i in candidates if graph.args[i] in read]
+    return candidates
 
 
 _RANDOM_BIT_OPS = frozenset({"stablehlo.xor", "stablehlo.shift_left", "stablehlo.shift_right_logical"})

@@ -29,7 +29,7 @@ from hlopar.analysis.auto_sharding.rules import rule_of
 from hlopar.analysis.stages.layer_costs import plan_layers, trivial_axes_key
 from hlopar.analysis.stages.span_costs import LayerArrays, span_table
 from hlopar.analysis.stages.stage_dp import stage_dp
-from hlopar.analysis.training_roles import RolesError, batch_arguments
+from hlopar.analysis.training_roles import RolesError, batch_arguments, batch_candidates, state_pairs
 from hlopar.analysis.stages.submeshes import (
     Submesh,
     assign_devices,
@@ -233,10 +233,7 @@ class StageConstructionPass(ModulePass):
     def _microbatch_candidates(self, graph: FuncGraph) -> list[int]:
         if self.microbatches is not None:
             return [self.microbatches]
-        try:
-            batch = _batch_size(graph)
-        except RolesError as error:
-            self.fail(graph.mlir_func, f"microbatches=auto: {error}")
+        batch = _batch_size(graph)
         return [b for b in (2**k for k in range(0, 12)) if b <= batch and batch % b == 0] or [1]
 
     def _memory_per_device(self) -> float:
@@ -295,10 +292,16 @@ def _split_into(func: ir.Operation) -> int | None:
 
 def _batch_size(graph: FuncGraph) -> int:
     """The leading dim of the step's batch arguments (`training_roles.batch_arguments`); 1
-    when it has none. Raises `RolesError` when the batch is ambiguous."""
-    batch_args = batch_arguments(graph)
-    shape = graph.values[graph.args[batch_args[0]]].shape if batch_args else None
-    return int(shape[0]) if shape and shape[0] else 1
+    when it has none. Where the batch is ambiguous (an inference program's input beside its
+    weights), the common divisor of the candidates' leading dims: `microbatches=auto` only
+    prices splits here, and a count dividing every candidate is one any of them allows."""
+    pairs = state_pairs(graph)
+    try:
+        batch_args = batch_arguments(graph, pairs)
+    except RolesError:
+        batch_args = batch_candidates(graph, pairs)
+    sizes = [graph.values[graph.args[i]].shape[0] for i in batch_args]
+    return math.gcd(*(int(s) for s in sizes if s)) if any(sizes) else 1
 
 
 def _layer_arrays(graph: FuncGraph, layering: Layering, layers: list[FuncGraph], plans, meshes) -> tuple[LayerArrays, np.ndarray]:
