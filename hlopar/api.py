@@ -78,7 +78,8 @@ __all__ = ["Cluster", "HloparWarning", "ParallelizedFunction", "PlannedStep", "P
 
 METHODS = ("auto", "shard", "pipeline")
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
-CACHE_VERSION = "hlopar-plan-v2"  # bumped when the planner's output changes
+RNG_MODES = ("exact", "per-microbatch")
+CACHE_VERSION = "hlopar-plan-v3"  # bumped when the planner's output changes
 
 
 # --------------------------------------------------------------------------- the cluster
@@ -182,8 +183,8 @@ def _cache_root() -> Path:
 
 
 def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = None, schedule: str = "eager-1f1b",
-              method: str = "auto", batch_args: Sequence[int] | None = None, cache: bool = True,
-              log: Callable[[str], None] = lambda message: None) -> PlannedStep:
+              method: str = "auto", batch_args: Sequence[int] | None = None, rng: str = "exact",
+              cache: bool = True, log: Callable[[str], None] = lambda message: None) -> PlannedStep:
     """Plans a training step's StableHLO text for a (resolved) cluster and writes its bundle,
     or reads the cached one. Module docstring."""
     from hlopar.codegen.pipeline_program import pipeline_program
@@ -204,7 +205,7 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
     if num_microbatches is None:
         num_microbatches = 1 if method == "shard" else _default_microbatches(module, batch_args, cluster)
     options = {"microbatches": num_microbatches, "schedule": schedule, "method": method,
-               "batch_args": list(batch_args) if batch_args is not None else None}
+               "batch_args": list(batch_args) if batch_args is not None else None, "rng": rng}
     key = hashlib.sha256(json.dumps({"version": CACHE_VERSION, "jax": jax.__version__, "text": text,
                                      "cluster": cluster.key(), "options": options},
                                     sort_keys=True).encode()).hexdigest()[:24]
@@ -215,7 +216,7 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
         log(f"plan read from the cache ({bundle})")
         return PlannedStep(program, bundle, plan, True, time.perf_counter() - clock)
 
-    plan = _plan_module(module, cluster, num_microbatches, schedule, method, batch_args, context)
+    plan = _plan_module(module, cluster, num_microbatches, schedule, method, batch_args, rng, context)
     program = pipeline_program(module, split_backward=split)
     if cache:
         _write_cached(bundle, program, module, plan, schedule, options, cluster)
@@ -228,7 +229,7 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
 
 
 def _plan_module(module, cluster: Cluster, microbatches: int, schedule: str, method: str,
-                 batch_args: Sequence[int] | None, context) -> dict:
+                 batch_args: Sequence[int] | None, rng: str, context) -> dict:
     """Runs the planning passes on an imported module; returns the plan report
     (`hlopar-auto-parallel`'s shape: split, clustering, stages, cross_mesh) with the passes'
     warnings (`warnings`: formatted diagnostics, also those of `context`'s earlier passes)."""
@@ -241,7 +242,7 @@ def _plan_module(module, cluster: Cluster, microbatches: int, schedule: str, met
     with tempfile.TemporaryDirectory(prefix="hlopar-plan-") as scratch:
         paths = {k: str(Path(scratch) / f"{k}.json") for k in ("split", "clustering", "stages", "cross_mesh")}
         SplitMicrobatchesPass(microbatches=microbatches, batch_args=tuple(batch_args) if batch_args is not None
-                              else None, report=paths["split"]).run(module, context)
+                              else None, rng=rng, report=paths["split"]).run(module, context)
         if method == "shard":
             stages = _one_mesh_program(module, cluster, microbatches)
         else:
@@ -323,12 +324,14 @@ class ParallelizedFunction:
     """What `parallelize` returns: call it like `fn`. Module docstring."""
 
     def __init__(self, fn: Callable, *, cluster: Cluster | None, num_microbatches: int | None, schedule: str,
-                 batch_argnums, donate_argnums: Sequence[int], method: str, timeout: float, cache: bool,
+                 batch_argnums, donate_argnums: Sequence[int], method: str, rng: str, timeout: float, cache: bool,
                  verbose: bool):
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        if rng not in RNG_MODES:
+            raise ValueError(f"rng must be one of {', '.join(RNG_MODES)}, got {rng!r}")
         self.fn = fn
         self.cluster = cluster
         self.num_microbatches = num_microbatches
@@ -337,6 +340,7 @@ class ParallelizedFunction:
             (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums)
         self.donate_argnums = tuple((donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums)
         self.method = method
+        self.rng = rng
         self.timeout = timeout
         self.cache = cache
         self.verbose = verbose
@@ -356,6 +360,34 @@ class ParallelizedFunction:
         leaves, tree = jax.tree_util.tree_flatten(args)
         return (tree, tuple((tuple(np.shape(x)), str(_dtype(x))) for x in leaves))
 
+    def plan(self, *args) -> tuple[PlannedStep, Any]:
+        """Lowers and plans the step for these arguments, starting nothing: the plan and
+        JAX's lowering. Raises `PlanningError` in the user's terms; the passes' warnings are
+        raised as `HloparWarning`s."""
+        cluster = (self.cluster or Cluster.local()).resolved()
+        self._progress.phase("lowering")
+        clock = time.perf_counter()
+        abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), args)
+        lowered = jax.jit(self.fn, keep_unused=True, donate_argnums=self.donate_argnums).lower(*abstract)
+        # With debug info: each op's location is the user's source line, each argument
+        # named by its pytree path, so that messages speak of their code.
+        text = lowered.as_text(debug_info=True)
+        self._log(f"lowered {self.__name__} in {time.perf_counter() - clock:.1f} s; planning for "
+                  f"{cluster.num_hosts} host(s) x {cluster.devices_per_host} {cluster.device_kind} device(s), "
+                  f"method {self.method}, schedule {self.schedule}")
+        self._progress.phase("planning")
+        try:
+            planned = plan_step(text, cluster, num_microbatches=self.num_microbatches, schedule=self.schedule,
+                                method=self.method, batch_args=self._batch_leaves(args), rng=self.rng,
+                                cache=self.cache, log=self._log)
+        except (DiagnosticError, RolesError) as error:
+            raise PlanningError(f"hlopar cannot parallelize {self.__name__}{_defined_at(self.fn)}:\n"
+                                f"{in_api_terms(str(error))}") from None
+        for message in planned.plan.get("warnings", ()):
+            warnings.warn(in_api_terms(message), HloparWarning, stacklevel=2)
+        self._log(describe_plan(planned))
+        return planned, lowered
+
     def compile(self, *args) -> _Compiled:
         """Lowers, plans and starts the workers for these arguments (what the first call
         does); returns the compiled state."""
@@ -370,27 +402,7 @@ class ParallelizedFunction:
         cluster = (self.cluster or Cluster.local()).resolved()
         self._progress = progress = Progress(self.verbose)
         try:
-            progress.phase("lowering")
-            clock = time.perf_counter()
-            abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), args)
-            lowered = jax.jit(self.fn, keep_unused=True, donate_argnums=self.donate_argnums).lower(*abstract)
-            # With debug info: each op's location is the user's source line, each argument
-            # named by its pytree path, so that messages speak of their code.
-            text = lowered.as_text(debug_info=True)
-            self._log(f"lowered {self.__name__} in {time.perf_counter() - clock:.1f} s; planning for "
-                      f"{cluster.num_hosts} host(s) x {cluster.devices_per_host} {cluster.device_kind} device(s), "
-                      f"method {self.method}, schedule {self.schedule}")
-            progress.phase("planning")
-            try:
-                planned = plan_step(text, cluster, num_microbatches=self.num_microbatches, schedule=self.schedule,
-                                    method=self.method, batch_args=self._batch_leaves(args), cache=self.cache,
-                                    log=self._log)
-            except (DiagnosticError, RolesError) as error:
-                raise PlanningError(f"hlopar cannot parallelize {self.__name__}{_defined_at(self.fn)}:\n"
-                                    f"{in_api_terms(str(error))}") from None
-            for message in planned.plan.get("warnings", ()):
-                warnings.warn(in_api_terms(message), HloparWarning, stacklevel=3)
-            self._log(describe_plan(planned))
+            planned, lowered = self.plan(*args)
             placement = placement_of(planned.program, cluster.devices_per_host, local=cluster.is_local,
                                      device_kind=cluster.device_kind)
             workers = len(placement.workers.slots)
@@ -547,6 +559,7 @@ _API_OPTIONS = (
     (re.compile(r"\bbatch-args=\.\.\."), "batch_argnums=... (the positional arguments that hold the batch)"),
     (re.compile(r"\bbatch-args="), "batch_argnums="),
     (re.compile(r"(?<![\w-])microbatches="), "num_microbatches="),
+    (re.compile(r"\brng=per-microbatch"), 'rng="per-microbatch"'),
 )
 
 
@@ -589,14 +602,17 @@ _SHARDING = re.compile(r"#sdy\.sharding<@[\w.]+, \[(.*?)\]>")
 
 def parallelize(fn: Callable | None = None, *, cluster: Cluster | None = None, num_microbatches: int | None = None,
                 schedule: str = "eager-1f1b", batch_argnums=..., donate_argnums: Sequence[int] | int = (),
-                method: str = "auto", timeout: float = 300.0, cache: bool = True, verbose: bool = True):
+                method: str = "auto", rng: str = "exact", timeout: float = 300.0, cache: bool = True,
+                verbose: bool = True):
     """`fn` (a pure JAX function, e.g. a training step) run over a cluster: a callable with
     `fn`'s signature and results. Usable as a decorator, with or without arguments.
-    `verbose=False` silences the first call's progress display and messages. Module
-    docstring."""
+    `verbose=False` silences the first call's progress display and messages. `rng`:
+    "exact" (random draws equal the full batch's; whole-shape generators are refused under
+    several microbatches) or "per-microbatch" (they draw per microbatch, with a warning;
+    docs/training_step.md). Module docstring."""
     def wrap(function: Callable) -> ParallelizedFunction:
         return ParallelizedFunction(function, cluster=cluster, num_microbatches=num_microbatches, schedule=schedule,
                                     batch_argnums=batch_argnums, donate_argnums=donate_argnums, method=method,
-                                    timeout=timeout, cache=cache, verbose=verbose)
+                                    rng=rng, timeout=timeout, cache=cache, verbose=verbose)
 
     return wrap if fn is None else wrap(fn)

@@ -145,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "arguments that are not training state)")
     parser.add_argument("--loss-result", type=_index, default=None, metavar="R",
                         help="the result that is the loss (default: found from the step)")
+    parser.add_argument("--rng", choices=("exact", "per-microbatch"), default="exact",
+                        help="per-microbatch: let whole-shape random generators (stablehlo.rng, rng_bit_generator) "
+                             "draw per microbatch, other numbers than the whole batch's (default: refuse them)")
     parser.add_argument("--timing", action="store_true", help="print the wall time of each phase to stderr")
     return parser
 
@@ -268,7 +271,8 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
     planner = AutoParallelPass(num_hosts=args.num_hosts, devices_per_host=args.devices_per_host,
                                microbatches=args.microbatches, split=True, schedule=args.schedule,
                                memory_per_device=memory, preset=args.preset, layers=args.layers,
-                               batch_args=args.batch_args, loss_result=args.loss_result, report=str(report))
+                               batch_args=args.batch_args, loss_result=args.loss_result, rng=args.rng,
+                               report=str(report))
     context = PassContext()
     steps: list[tuple[str, float]] = []
     Pipeline([Step(planner.name, hlopar_pass=planner)]).run(module, context, Instrumentation(timings=steps))

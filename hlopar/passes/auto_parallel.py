@@ -44,6 +44,9 @@ class AutoParallelPass(ModulePass):
     batch_args: tuple[int, ...] | None = option(
         None, "with split: arguments cut along dim 0, e.g. 19,20 (default: those that are not training state)")
     loss_result: int | None = option(None, "with split: the result that is the loss (default: found)")
+    rng: Literal["exact", "per-microbatch"] = option(
+        "exact", "with split: per-microbatch lets whole-shape random generators draw per microbatch "
+                 "(hlopar-split-microbatches' rng)")
     schedule: Literal["1f1b", "eager-1f1b", "eager-1f1b-wd", "gpipe"] = option("1f1b", "pipeline schedule")
     memory_per_device: float | None = option(None, "bytes per device, e.g. 80GiB (default: the preset's)", parse=parse_bytes)
     preset: str = option("cpu", f"cluster preset ({', '.join(sorted(CLUSTER_PRESETS))})")
@@ -59,7 +62,8 @@ class AutoParallelPass(ModulePass):
             steps: list[ModulePass] = [ImportPass()]
             if self.split:
                 steps.append(SplitMicrobatchesPass(microbatches=self.microbatches, batch_args=self.batch_args,
-                                                   loss_result=self.loss_result, report=paths["split"]))
+                                                   loss_result=self.loss_result, rng=self.rng,
+                                                   report=paths["split"]))
             steps += [
                 ClusterOperatorsPass(layers=self.layers, report=paths["clustering"]),
                 StageConstructionPass(

@@ -190,3 +190,28 @@ def test_the_plan_does_not_depend_on_the_order_of_arguments_and_results(cache):
     assert stages == stages2 and ops == ops2 and microbatches == microbatches2 == 2 and warned == warned2 == []
     assert ops["step"] > 0 and ops["batch"] > 0  # the optimizer runs once, the model per microbatch
     np.testing.assert_allclose(latency, latency2, rtol=1e-12)
+
+
+def _rbg_dropout(w, x, key):
+    h = x @ w
+    keep = jax.random.bernoulli(key, 0.5, h.shape)  # `rbg` keys draw with rng_bit_generator
+    return jnp.mean(jnp.where(keep, h, 0.0) ** 2), w
+
+
+def test_whole_shape_generators_need_the_users_consent(cache):
+    """A generator whose bits depend on the whole batch's shape cannot give a microbatch its
+    rows: refused, naming random numbers and `rng`; with rng="per-microbatch" planned, and
+    the pass's warning reaches the user as an HloparWarning at their source line."""
+    cluster = Cluster.local(num_hosts=1, devices_per_host=2)
+    args = (jnp.ones((4, 4)), jnp.ones((8, 4)), jax.random.key(0, impl="rbg"))
+    line = inspect.getsourcelines(_rbg_dropout)[1] + 2
+    with pytest.raises(hlopar.PlanningError, match=r'random[\s\S]*rng="per-microbatch"'):
+        hlopar.parallelize(_rbg_dropout, cluster=cluster, num_microbatches=2, verbose=False).plan(*args)
+    with pytest.warns(hlopar.HloparWarning) as warned:
+        planned, _ = hlopar.parallelize(_rbg_dropout, cluster=cluster, num_microbatches=2, rng="per-microbatch",
+                                        verbose=False).plan(*args)
+    assert planned.program.microbatches == 2
+    messages = [str(w.message) for w in warned]
+    assert len(messages) == 1 and messages[0].startswith(f"{__file__}:{line}:") and "per microbatch" in messages[0]
+    with pytest.raises(ValueError, match="rng must be one of"):
+        hlopar.parallelize(_rbg_dropout, rng="sometimes")
