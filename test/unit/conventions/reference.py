@@ -15,7 +15,7 @@ result but the parameters to 1e-5 relative per entry plus 1e-5 of the leaf's lar
 magnitude (float32 sums in another order; Adam's moments of cancelling gradients), integers
 and keys exactly. The parameters by their UPDATE (new - old), so that a small update of a
 large weight is not hidden in the weight's magnitude: to 1e-5 relative per entry plus 1e-5
-of the leaf's largest update plus one ulp of the parameter (`assert_updates_close`).
+of the leaf's largest update plus one ulp of the parameter (`numerics.assert_updates_close`).
 Per entry alone is too tight here: a bias's gradient is a sum over the batch whose terms
 cancel, its rounding error is relative to the largest terms, and SGD carries it into the
 update as it is (measured: 4e-5 relative on one entry of `jnp_loss_first`), Adam after
@@ -113,30 +113,6 @@ def first_moment_mask(results, params):
     return numerics.adam_noise_mask(jax.tree_util.tree_unflatten(treedef, leaves))
 
 
-def assert_updates_close(new, reference_new, old, *, mask=None) -> None:
-    """`new - old` against `reference_new - old`, leaf by leaf (module docstring)."""
-    leaves = jax.tree_util.tree_flatten_with_path(reference_new)[0]
-    assert jax.tree_util.tree_structure(new) == jax.tree_util.tree_structure(reference_new)
-    masks = [None] * len(leaves) if mask is None else jax.tree_util.tree_leaves(mask)
-    olds = [np.asarray(x, np.float64) for x in jax.tree_util.tree_leaves(old)]
-    # Noise moves an entry by up to Adam's step, the largest update of any parameter.
-    largest_of_all = max((float(np.max(np.abs(np.asarray(w, np.float64) - o))) for (_, w), o in zip(leaves, olds)
-                          if o.size), default=0.0)
-    for (path, want), have, before, noise in zip(leaves, jax.tree_util.tree_leaves(new), olds, masks, strict=True):
-        name = f"update of {jax.tree_util.keystr(path)}"
-        want, have = np.asarray(want), np.asarray(have)
-        assert have.shape == want.shape and have.dtype == want.dtype, name
-        got, expected = have.astype(np.float64) - before, want.astype(np.float64) - before
-        largest = float(np.max(np.abs(expected))) if expected.size else 0.0
-        ulp = np.spacing(np.maximum(np.abs(have), np.abs(want))).astype(np.float64)
-        bound = RTOL * np.abs(expected) + RTOL * largest + ulp
-        if noise is not None:
-            moved = np.abs(np.where(noise, got, 0.0))
-            assert np.all(moved <= largest_of_all * (1 + RTOL) + ulp), f"{name}: a noise entry moved {moved.max()}"
-            got, expected = np.where(noise, 0.0, got), np.where(noise, 0.0, expected)
-        np.testing.assert_array_less(np.abs(got - expected), bound + 1e-300, err_msg=name)
-
-
 def compare(case: Case, args: tuple, actual, expected) -> None:
     """`actual` (a parallel step's results) against `expected` (the reference): same pytree,
     then every leaf (module docstring)."""
@@ -149,4 +125,5 @@ def compare(case: Case, args: tuple, actual, expected) -> None:
     numerics.assert_trees_close(_plain(actual, have_params, noise),
                                 _plain(expected, {id(x) for x in jax.tree_util.tree_leaves(want_params)}, noise),
                                 rtol=RTOL, max_rtol=RTOL)
-    assert_updates_close(case.params_of(actual), want_params, case.params(args), mask=mask)
+    numerics.assert_updates_close(case.params_of(actual), want_params, case.params(args), rtol=RTOL,
+                                  max_rtol=RTOL, noise_mask=mask)
