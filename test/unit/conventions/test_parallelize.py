@@ -13,16 +13,18 @@ One Ray cluster and one plan cache for the module (Ray starts slowly on 2 cores)
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import hlopar
 from hlopar.runtime.local_ray import connect
 from reference import reference_step, trajectory, compare
-from steps import CASES
+from steps import CASES, cross_entropy, data, init_mlp, mlp
 
 ray = pytest.importorskip("ray")
 
@@ -106,25 +108,34 @@ def test_later_calls_keep_the_plan_and_the_workers(ray_cluster):
     assert all(planned is seen[0][0] and runtime is seen[0][1] for planned, runtime in seen)
 
 
-def test_a_loss_that_is_not_a_mean_is_refused_at_its_line():
-    """What docs/training_step.md says is refused: with microbatches, a loss whose gradient is
-    not the sum of the microbatches' (the log of a mean), named at the user's line, before
-    any worker starts."""
-    import inspect
+def log_of_mean_step(params, key, x, y):
+    def loss_fn(p):
+        return jnp.log(cross_entropy(mlp(p, x), y))  # refused: not a mean
 
-    import jax.numpy as jnp
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), loss
 
-    from steps import cross_entropy, data, init_mlp, mlp
 
-    def train_step(params, x, y):
-        def loss_fn(p):
-            return jnp.log(cross_entropy(mlp(p, x), y))
+def whole_shape_dropout_step(params, key, x, y):
+    def loss_fn(p):
+        h = jax.nn.relu(x @ p["w1"] + p["b1"])
+        h = jnp.where(jax.random.bernoulli(key, 0.5, h.shape), 2 * h, 0.0)  # refused: rbg draws the whole shape
+        return cross_entropy(h @ p["w2"] + p["b2"], y)
 
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), loss
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), loss
 
-    line = inspect.getsourcelines(train_step)[1] + 2
-    step = hlopar.parallelize(train_step, cluster=CLUSTER, verbose=False)
-    with pytest.raises(hlopar.api.PlanningError, match=rf"{__file__}:{line}:\d+: error: .*not a sum or a mean"):
-        step(init_mlp(), *data())
-    assert step.runtime is None
+
+@pytest.mark.parametrize(("step", "impl", "why"), [
+    (log_of_mean_step, "threefry2x32", "not a sum or a mean"),
+    (whole_shape_dropout_step, "rbg", r"rng_bit_generator.*rng=\"per-microbatch\""),
+], ids=["log_of_mean", "rbg_dropout"])
+def test_refusals_name_the_users_line(step, impl, why):
+    """What docs/training_step.md says is refused with microbatches, raised as PlanningError at
+    the line of the user's code that does it, before any worker starts."""
+    line = next(n for n, text in enumerate(inspect.getsourcelines(step)[0], inspect.getsourcelines(step)[1])
+                if "# refused" in text)
+    parallel = hlopar.parallelize(step, cluster=CLUSTER, verbose=False)
+    with pytest.raises(hlopar.api.PlanningError, match=rf"{__file__}:{line}:\d+: error: .*{why}"):
+        parallel(init_mlp(), jax.random.key(0, impl=impl), *data())
+    assert parallel.runtime is None
