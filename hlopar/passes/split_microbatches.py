@@ -125,7 +125,7 @@ from jaxlib.mlir import ir, passmanager
 from jaxlib.mlir.dialects import func as func_dialect
 from jaxlib.mlir.dialects import sdy, stablehlo
 
-from hlopar.analysis.auto_sharding.rules import OpRule, rule_of
+from hlopar.analysis.auto_sharding.rules import PASS_THROUGH_OPS, OpRule, rule_of
 from hlopar.analysis.sharding import ShardingPerValue, TensorSharding
 from hlopar.analysis.training_roles import ELEMENTWISE_OPS, RolesError, batch_arguments, classify
 from hlopar.ir.diagnostics import DiagnosticError, source_location
@@ -371,6 +371,10 @@ class _Splitter:
         clone.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
         if "res_attrs" in clone.attributes:
             del clone.attributes["res_attrs"]
+        for op in clone_ops:  # Shardy does not propagate through them: their readers read the operands
+            if op.name in PASS_THROUGH_OPS:
+                for operand, result in zip(op.operands, op.results):
+                    result.replace_all_uses_with(operand)
         try:
             passmanager.PassManager.parse("builtin.module(sdy-add-data-flow-edges,sdy-aggressive-propagate,"
                                           "func.func(sdy-sink-data-flow-edges))").run(clone_module)
@@ -385,6 +389,11 @@ class _Splitter:
                 self.div[arg] = (self.axis,) + (1,) * (rank - 1)
         for op, twin in zip(self.ops, clone_ops):
             self.rules.append(rule_of(twin))
+            if op.name in PASS_THROUGH_OPS:  # result k is operand k
+                for operand, result in zip(op.operands, op.results):
+                    if operand in self.div:
+                        self.div[result] = self.div[operand]
+                continue
             if twin.name in ("sdy.sharding_constraint", "sdy.reshard"):
                 per_value = (TensorSharding.parse(str(twin.attributes["sharding"])),)
             elif _SDY_SHARDING in twin.attributes:
@@ -545,6 +554,17 @@ class _Splitter:
             op = node.mlir_op
             reads = graph.reads(index)
             read_kinds = {kind[v] for v in reads}
+            if node.name in PASS_THROUGH_OPS:  # result k is operand k, of its kind
+                for operand, result in zip(node.operands, node.results):
+                    kind[result] = kind[operand]
+                if BATCH in read_kinds and STEP in read_kinds:
+                    raise SplitError(op, f"'{node.name}' holds per-example values together with values computed "
+                                         "once per step from the whole batch")
+                found.op_kinds.append(next((k for k in (BATCH, LOCAL, LOCAL_SUM, SUM, STEP) if k in read_kinds),
+                                           None))
+                if BATCH in read_kinds:
+                    found.per_example.add(index)
+                continue
             carries = [self.divided(value_of(graph, v)) is not None for v in node.results]
             if any(carries) or BATCH in read_kinds:
                 found.per_example.add(index)

@@ -1,5 +1,6 @@
 """`jax.checkpoint`'s optimization barrier passes its operands through: a checkpointed model
-is planned as its unchecked twin and computes what one device computes."""
+is planned (sharded, and split into microbatches) as its unchecked twin and computes what
+one device computes."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from hlopar.codegen.spmd import compile_spmd
 from hlopar.ir.module import parse_module, print_module
 from hlopar.passes.base import PassContext
 from hlopar.passes.pipeline import Pipeline
+from hlopar.runtime.local_executor import run_microbatched
 
 WIDTH, BATCH, LAYERS = 64, 32, 4
 
@@ -81,6 +83,18 @@ def test_checkpointed_model_computes_what_one_device_computes():
     reference = jax.jit(_step(True))(*args)
     outputs = compile_spmd(module, jax.devices()[:8])(*jax.tree_util.tree_leaves(args))
     # Sums of 64-term products regrouped across devices: float32 rounding, a few ulps.
+    assert_trees_close(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(reference), list(outputs)),
+                       reference, rtol=1e-6, atol=1e-7)
+
+
+def test_checkpointed_model_splits_into_microbatches():
+    """The barrier's per-example operands stay per microbatch, its weights independent of
+    the batch: 4 microbatches accumulate to the whole batch's step."""
+    args = _args()
+    reference = jax.jit(_step(True))(*args)
+    module = parse_module(jax.jit(_step(True)).lower(*args).as_text())
+    outputs = run_microbatched(module, jax.tree_util.tree_leaves(args), 4)
+    # The loss and gradients summed over 4 microbatches instead of in one reduction: rounding.
     assert_trees_close(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(reference), list(outputs)),
                        reference, rtol=1e-6, atol=1e-7)
 
