@@ -131,6 +131,7 @@ from hlopar.analysis.training_roles import ELEMENTWISE_OPS, RolesError, batch_ar
 from hlopar.ir.diagnostics import DiagnosticError, source_location
 from hlopar.ir.extract import Extraction, extract_function, value_of
 from hlopar.ir.graph import FuncGraph
+from hlopar.ir.signature import FuncSignature
 from hlopar.passes.base import ModulePass, PassContext, option
 from hlopar.passes.batch_statistics import mean_divisions, reduced_count, rescale_mean, splat_value
 from hlopar.passes.microbatch_index import count_globally, microbatch_index_values, read_index_arg
@@ -322,14 +323,15 @@ class _Splitter:
             if not given:
                 raise SplitError(self.main, "no argument looks like a batch (every argument is training state, "
                                             "a random key or a scalar); name them with batch-args=...")
+        names = FuncSignature.of(self.main)
         for i in given:
             if not 0 <= i < len(graph.args):
                 raise SplitError(self.main, f"batch argument {i} does not exist: @main has {len(graph.args)} arguments")
             if not shapes[i] or shapes[i][0] is None:
-                raise SplitError(self.main, f"batch argument {i} ({graph.values[graph.args[i]].type}) has no static "
-                                            "leading dim")
+                raise SplitError(self.main, f"batch {names.arg(i)} ({graph.values[graph.args[i]].type}) has no "
+                                            "static leading dim")
             if shapes[i][0] % self.b:
-                raise SplitError(self.main, f"batch argument {i} has leading dim {shapes[i][0]}, not divisible by "
+                raise SplitError(self.main, f"batch {names.arg(i)} has leading dim {shapes[i][0]}, not divisible by "
                                             f"{self.b} microbatches")
         return tuple(sorted(set(given)))
 
@@ -674,12 +676,15 @@ class _Splitter:
                                         "(give loss-result=N)")
         value = graph.results[loss]
         if kind[value] == LOCAL:
-            raise SplitError(self.main, f"the loss (result {loss}) is computed from a statistic of the batch other "
+            raise SplitError(self.main, f"the loss ({FuncSignature.of(self.main).result(loss)}) is computed from a "
+                                        "statistic of the batch other "
                                         "than through per-example values: with microbatches its microbatches' "
                                         "values would not add up to it")
         if kind[value] is None:
-            raise SplitError(self.main, f"the loss (result {loss}) does not depend on the batch arguments "
-                                        f"{list(self.batch_args)}")
+            names = FuncSignature.of(self.main)
+            raise SplitError(self.main, f"the loss ({names.result(loss)}) does not depend on the batch arguments "
+                                        f"({', '.join(names.arg(i) for i in self.batch_args)}); name them with "
+                                        "batch-args=...")
         if kind[value] == STEP:
             culprit = self._first_nonlinear(value, kind)
             raise SplitError(culprit, f"the loss (result {loss}) is not a sum or a mean over the batch: "
