@@ -519,7 +519,9 @@ class ParallelizedFunction:
 
 
 def _dtype(x) -> np.dtype:
-    return x.dtype if hasattr(x, "dtype") else np.result_type(x)
+    """As `jax.jit` sees it: a Python scalar is of JAX's default type (int32, float32 without
+    x64), so `TrainState.create`'s `step=0` and the int32 the step returns are one signature."""
+    return x.dtype if hasattr(x, "dtype") else jax.dtypes.canonicalize_dtype(np.result_type(x))
 
 
 def _is_key(dtype) -> bool:

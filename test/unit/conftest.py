@@ -5,6 +5,10 @@ Tests that read the shared corpus carry the `corpus` marker and find it through
 `hlopar.corpus.corpus_dir()` (`HLOPAR_CORPUS`, default `../shared/corpus`); where it is
 absent they are skipped with the reason "corpus not found at <path> (set HLOPAR_CORPUS)".
 
+`ray_cluster` (module scope): a local Ray of hlopar's own, started as `parallelize` starts it
+(`runtime.local_ray`: no fork of the test process, never another cluster on the machine), and a
+plan cache of the module's own.
+
 Strict skips (`HLOPAR_STRICT_SKIPS=1`, set by `.ci/run` for the run that has the corpus): a
 test skipped for any reason but one that a CI machine may truly lack fails instead, so that
 nothing is skipped silently. The reasons allowed (`ALLOWED_SKIPS`, matched in the reason,
@@ -24,6 +28,24 @@ use_host_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 ALLOWED_SKIPS = re.compile(r"\b(gpus?|cuda|nccl|rocm|tpus?|several hosts)\b", re.IGNORECASE)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    import ray
+
+    from hlopar.runtime import local_ray
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HLOPAR_CACHE_DIR", str(tmp_path_factory.mktemp("hlopar-cache")))
+        if ray.is_initialized():
+            ray.shutdown()
+        local = local_ray.connect(None, 4)
+        try:
+            yield local
+        finally:
+            ray.shutdown()
+            local.stop()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,7 +8,7 @@ single-device JAX (`reference.py`: what the reference is and the tolerances).
 3.5 to 8 minutes for the default cases (2 cores, lightly to heavily shared), the
 Flax steps the dearest.
 
-One Ray cluster and one plan cache for the module (Ray starts slowly on 2 cores).
+One Ray cluster and one plan cache for the module (conftest's `ray_cluster`: Ray starts slowly on 2 cores).
 """
 
 from __future__ import annotations
@@ -22,26 +22,11 @@ import numpy as np
 import pytest
 
 import hlopar
-from hlopar.runtime.local_ray import connect
 from reference import reference_step, trajectory, compare
 from steps import CASES, cross_entropy, data, init_mlp, mlp
 
-ray = pytest.importorskip("ray")
-
 CLUSTER = hlopar.Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu")
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("HLOPAR_CACHE_DIR", str(tmp_path_factory.mktemp("hlopar-cache")))
-        local = connect(None, num_cpus=4)  # as parallelize starts it: no fork of this process
-        try:
-            yield
-        finally:
-            ray.shutdown()
-            local.stop()
 
 
 def train(name: str, method: str, schedule: str = "eager-1f1b") -> None:
@@ -90,9 +75,6 @@ def test_every_schedule(ray_cluster, name, schedule):
     train(name, "auto", schedule)
 
 
-@pytest.mark.xfail(strict=True, reason="api: TrainState.create sets step=0, a Python int: the signature says int64 "
-                                       "(np.result_type), the step's result int32, so the second call plans and "
-                                       "starts workers again (api._dtype should canonicalize as jax does; lead)")
 def test_later_calls_keep_the_plan_and_the_workers(ray_cluster):
     """`flax.training.train_state.TrainState.create` starts the count at the Python int 0; the
     next step passes the int32 array the step returned. Same step, same plan, same workers."""

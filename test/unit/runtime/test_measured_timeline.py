@@ -13,18 +13,6 @@ from hlopar.codegen.schedules import RUN, SEND, draw_timeline, write_chrome_trac
 from hlopar.codegen.schedules.simulator import COMPUTE
 from hlopar.codegen.schedules.timeline import SEND_LANE
 from hlopar.models import get_train_step
-from hlopar.runtime import local_ray
-
-
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    local = local_ray.connect(None, 4)
-    yield
-    local.stop()
 
 
 def test_measured_timeline(ray_cluster, tmp_path, monkeypatch):

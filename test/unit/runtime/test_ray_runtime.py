@@ -38,19 +38,6 @@ RTOL = 1e-5
 UPDATE_MAX_RTOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
-    old = os.environ.get("HLOPAR_CACHE_DIR")
-    os.environ["HLOPAR_CACHE_DIR"] = str(tmp_path_factory.mktemp("hlopar-cache"))
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-    if old is None:
-        os.environ.pop("HLOPAR_CACHE_DIR", None)
-    else:
-        os.environ["HLOPAR_CACHE_DIR"] = old
-
-
 def start(model: str):
     step = get_train_step(model, "tiny")
     params = step.init(jax.random.PRNGKey(0))
