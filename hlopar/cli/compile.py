@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -244,6 +245,24 @@ def _install(staging: str, output: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+# The split and planning passes' options their messages name -> hlopar-compile's flags.
+_CLI_OPTIONS = (
+    (re.compile(r"\bbatch-args=\.\.\."), "--batch-args I,J"),
+    (re.compile(r"\bbatch-args="), "--batch-args "),
+    (re.compile(r"\bloss-result=N\b"), "--loss-result R"),
+    (re.compile(r"\bloss-result="), "--loss-result "),
+    (re.compile(r"\brng=per-microbatch"), "--rng per-microbatch"),
+    (re.compile(r"(?<![\w-])microbatches="), "--microbatches "),
+)
+
+
+def in_cli_terms(message: str) -> str:
+    """A pass's message as an hlopar-compile user reads it: options named as its flags."""
+    for pattern, replacement in _CLI_OPTIONS:
+        message = pattern.sub(replacement, message)
+    return message
+
+
 def _compile(args: argparse.Namespace, staging: str) -> int:
     from hlopar.codegen.bundle import write_bundle
     from hlopar.codegen.pipeline_program import ProgramError, pipeline_program
@@ -275,10 +294,13 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
                                report=str(report))
     context = PassContext()
     steps: list[tuple[str, float]] = []
-    Pipeline([Step(planner.name, hlopar_pass=planner)]).run(module, context, Instrumentation(timings=steps))
+    try:
+        Pipeline([Step(planner.name, hlopar_pass=planner)]).run(module, context, Instrumentation(timings=steps))
+    except DiagnosticError as error:
+        raise error.reworded(in_cli_terms) from None
     timings += steps
     for diagnostic in context.diagnostics:
-        sys.stderr.write(diagnostic.format(args.input) + "\n")
+        sys.stderr.write(diagnostic.reworded(in_cli_terms).format(args.input) + "\n")
     plan = json.loads(report.read_text())
     report.unlink()
 

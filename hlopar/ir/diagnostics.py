@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from jaxlib.mlir import ir
 
@@ -56,6 +57,11 @@ class Diagnostic:
         lines += [note.format(default_file) for note in self.notes]
         return "\n".join(lines)
 
+    def reworded(self, reword: Callable[[str], str]) -> Diagnostic:
+        """The same diagnostic with `reword` applied to its message and its notes' (a tool
+        naming the passes' options as its own flags)."""
+        return replace(self, message=reword(self.message), notes=tuple(n.reworded(reword) for n in self.notes))
+
     @staticmethod
     def from_mlir(info) -> Diagnostic:
         """Converts an `ir.DiagnosticInfo` (or a live `ir.Diagnostic`)."""
@@ -79,6 +85,9 @@ class DiagnosticError(Exception):
     def __init__(self, diagnostics: list[Diagnostic] | tuple[Diagnostic, ...]):
         self.diagnostics = tuple(diagnostics)
         super().__init__("\n".join(d.format() for d in self.diagnostics))
+
+    def reworded(self, reword: Callable[[str], str]) -> DiagnosticError:
+        return DiagnosticError([d.reworded(reword) for d in self.diagnostics])
 
     @staticmethod
     def from_mlir_error(error: ir.MLIRError) -> DiagnosticError:
