@@ -37,7 +37,9 @@ passes a result of this call back as an argument (new parameters, optimizer stat
 driver sends nothing for it. `batch_argnums`: the positional arguments holding the batch
 (each leaf cut along dim 0 into microbatches); `...` lets the split pass find them (the
 arguments that are not training state). `num_microbatches=None`: the largest divisor of the
-batch size not above max(4, 2 × num_hosts) ("shard": 1). `donate_argnums`: as in `jax.jit`,
+batch size not above max(4, 2 × num_hosts) ("shard": 1), or 1, with an `HloparWarning` saying
+why, where the split pass refuses that many (a number the user gives is refused instead).
+`donate_argnums`: as in `jax.jit`,
 the donated jax arrays are deleted after the call.
 
 Faults: a step whose worker dies, raises or stalls raises `WorkerError` within `timeout`
@@ -62,7 +64,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -202,9 +204,10 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
     module = parse_module(text)
     context = PassContext()
     ImportPass().run(module, context)
-    if num_microbatches is None:
+    chosen = num_microbatches is None  # hlopar's choice, not the user's: it may fall back to 1
+    if chosen:
         num_microbatches = 1 if method == "shard" else _default_microbatches(module, batch_args, cluster)
-    options = {"microbatches": num_microbatches, "schedule": schedule, "method": method,
+    options = {"microbatches": num_microbatches, "chosen": chosen, "schedule": schedule, "method": method,
                "batch_args": list(batch_args) if batch_args is not None else None, "rng": rng}
     key = hashlib.sha256(json.dumps({"version": CACHE_VERSION, "jax": jax.__version__, "text": text,
                                      "cluster": cluster.key(), "options": options},
@@ -216,7 +219,21 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
         log(f"plan read from the cache ({bundle})")
         return PlannedStep(program, bundle, plan, True, time.perf_counter() - clock)
 
-    plan = _plan_module(module, cluster, num_microbatches, schedule, method, batch_args, rng, context)
+    try:
+        plan = _plan_module(module, cluster, num_microbatches, schedule, method, batch_args, rng, context)
+    except DiagnosticError as error:
+        refusal = next((d for d in error.diagnostics if d.message.startswith("hlopar-split-microbatches:")), None)
+        if not chosen or num_microbatches == 1 or refusal is None:
+            raise
+        # The user asked for no number of microbatches: one, where nothing needs a split,
+        # beats a refusal (said as a warning, with what the split would have needed).
+        module = parse_module(text)
+        context = PassContext()
+        ImportPass().run(module, context)
+        plan = _plan_module(module, cluster, 1, schedule, method, batch_args, rng, context)
+        plan["warnings"].insert(0, replace(refusal, severity="warning", message=(
+            f"{refusal.message}; so the step is not split into the {num_microbatches} microbatches hlopar would "
+            "have chosen: planned with one microbatch (num_microbatches=1)")).format())
     program = pipeline_program(module, split_backward=split)
     if cache:
         _write_cached(bundle, program, module, plan, schedule, options, cluster)

@@ -215,3 +215,29 @@ def test_whole_shape_generators_need_the_users_consent(cache):
     assert len(messages) == 1 and messages[0].startswith(f"{__file__}:{line}:") and "per microbatch" in messages[0]
     with pytest.raises(ValueError, match="rng must be one of"):
         hlopar.parallelize(_rbg_dropout, rng="sometimes")
+
+
+def _scanned_layers(ws, x, y):
+    def loss_fn(ws):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        return jnp.mean((h - y) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(ws)  # the backward loop sums over the batch
+    return ws - 0.1 * grads, loss
+
+
+def test_hlopars_own_microbatch_count_falls_back_to_one_where_the_split_is_refused(cache):
+    """A split the user did not ask for is not worth a refusal: with `num_microbatches`
+    left to hlopar, a step the split refuses (here a layer stack under `scan`, whose backward
+    sums over the batch inside its loop) is planned with one microbatch, and a warning says
+    why at the user's line. A number the user gave is refused as before."""
+    cluster = Cluster.local(num_hosts=1, devices_per_host=2)
+    args = (jnp.ones((3, 4, 4)), jnp.ones((8, 4)), jnp.ones((8, 4)))
+    with pytest.warns(hlopar.HloparWarning) as warned:
+        planned, _ = hlopar.parallelize(_scanned_layers, cluster=cluster, verbose=False).plan(*args)
+    assert planned.program.microbatches == 1
+    messages = [str(w.message) for w in warned]
+    assert len(messages) == 1 and messages[0].startswith(f"{__file__}:")
+    assert "inside a loop" in messages[0] and "planned with one microbatch (num_microbatches=1)" in messages[0]
+    with pytest.raises(hlopar.PlanningError, match="inside a loop"):
+        hlopar.parallelize(_scanned_layers, cluster=cluster, num_microbatches=2, verbose=False).plan(*args)
