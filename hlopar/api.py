@@ -381,7 +381,9 @@ class ParallelizedFunction:
         """Lowers and plans the step for these arguments, starting nothing: the plan and
         JAX's lowering. Raises `PlanningError` in the user's terms; the passes' warnings are
         raised as `HloparWarning`s."""
-        cluster = (self.cluster or Cluster.local()).resolved()
+        return self._plan((self.cluster or Cluster.local()).resolved(), args)
+
+    def _plan(self, cluster: Cluster, args: tuple) -> tuple[PlannedStep, Any]:
         self._progress.phase("lowering")
         clock = time.perf_counter()
         abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), args)
@@ -401,7 +403,7 @@ class ParallelizedFunction:
             raise PlanningError(f"hlopar cannot parallelize {self.__name__}{_defined_at(self.fn)}:\n"
                                 f"{in_api_terms(str(error))}") from None
         for message in planned.plan.get("warnings", ()):
-            warnings.warn(in_api_terms(message), HloparWarning, stacklevel=2)
+            warnings.warn(in_api_terms(message), HloparWarning, stacklevel=3)
         self._log(describe_plan(planned))
         return planned, lowered
 
@@ -419,7 +421,7 @@ class ParallelizedFunction:
         cluster = (self.cluster or Cluster.local()).resolved()
         self._progress = progress = Progress(self.verbose)
         try:
-            planned, lowered = self.plan(*args)
+            planned, lowered = self._plan(cluster, args)
             placement = placement_of(planned.program, cluster.devices_per_host, local=cluster.is_local,
                                      device_kind=cluster.device_kind)
             workers = len(placement.workers.slots)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import gc
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple
@@ -316,6 +316,19 @@ class FuncGraph:
 
     def __repr__(self) -> str:
         return f"FuncGraph(@{self.name}: {len(self.ops)} ops, {self.num_ops} with nested, {len(self.values)} values)"
+
+
+def reaches(successors: Callable[[int], Iterable[int]], start: int, targets: Container[int]) -> bool:
+    """Whether a path of one or more edges leads from op `start` to an op in `targets`."""
+    seen, stack = {start}, [start]
+    while stack:
+        for following in successors(stack.pop()):
+            if following in targets:
+                return True
+            if following not in seen:
+                seen.add(following)
+                stack.append(following)
+    return False
 
 
 def module_graphs(module: ir.Module | ir.Operation) -> dict[str, FuncGraph]:

@@ -29,7 +29,7 @@ import numpy as np
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo
 
-from hlopar.ir.graph import FuncGraph
+from hlopar.ir.graph import FuncGraph, reaches
 
 __all__ = ["mean_divisions", "reduced_count", "rescale_mean", "splat_value"]
 
@@ -101,7 +101,7 @@ def mean_divisions(graph: FuncGraph, kinds: Mapping[int, str | None], per_exampl
             continue
         count = next(iter(counts))
         expected = 1.0 / count if inverse else float(count)
-        if np.isclose(constant, expected, rtol=1e-6, atol=0.0) and _used_per_example(graph, i, per_example):
+        if np.isclose(constant, expected, rtol=1e-6, atol=0.0) and reaches(graph.successors, i, per_example):
             found.append(i)
     return found
 
@@ -140,15 +140,3 @@ def _counts(graph: FuncGraph, value: int, per_example: Collection[int],
                 seen.add(v)
                 stack.append(v)
     return counts
-
-
-def _used_per_example(graph: FuncGraph, op: int, per_example: Collection[int]) -> bool:
-    stack, seen = [op], {op}
-    while stack:
-        for successor in graph.successors(stack.pop()):
-            if successor in per_example:
-                return True
-            if successor not in seen:
-                seen.add(successor)
-                stack.append(successor)
-    return False

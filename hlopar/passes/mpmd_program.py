@@ -56,7 +56,7 @@ from jaxlib.mlir.dialects import mpmd, sdy
 from hlopar.analysis.mesh import quote_string
 from hlopar.analysis.sharding import ShardingPerValue, TensorSharding
 from hlopar.ir.extract import Extraction, clone_into, extract_function
-from hlopar.ir.graph import FuncGraph
+from hlopar.ir.graph import FuncGraph, reaches
 from hlopar.passes.auto_sharding import SDY_SHARDING, AutoShardingPass
 from hlopar.passes.base import PassContext
 
@@ -132,7 +132,7 @@ def form_fragments(reads: Sequence[Iterable[int]], keys: Sequence[Hashable | Non
         chosen = None
         for candidate in by_key.get(key, ()):
             new = sources - preds[candidate] - {candidate}
-            if not new or not _reaches(succs, candidate, new):
+            if not new or not reaches(succs.__getitem__, candidate, new):
                 chosen = candidate
                 break
         if chosen is None:
@@ -158,18 +158,6 @@ def form_fragments(reads: Sequence[Iterable[int]], keys: Sequence[Hashable | Non
             if not waiting[g]:
                 heapq.heappush(ready, (members[g][0], g))
     return order
-
-
-def _reaches(succs: Sequence[set[int]], start: int, targets: set[int]) -> bool:
-    seen, stack = {start}, [start]
-    while stack:
-        for nxt in succs[stack.pop()]:
-            if nxt in targets:
-                return True
-            if nxt not in seen:
-                seen.add(nxt)
-                stack.append(nxt)
-    return False
 
 
 @dataclass(frozen=True)
