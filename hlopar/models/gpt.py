@@ -12,12 +12,15 @@ float32 (``dtype`` is a config field). The parameter counts these give (`param_c
 350M -> 0.356B, 1.3B -> 1.316B, 2.6B -> 2.651B, 6.7B -> 6.658B, 15B -> 15.37B, 39B -> 39.09B.
 
 The layers are a Python loop (unrolled, no `lax.scan`) inside ``jax.named_scope("layer_<i>")``,
-so each layer is its own run of ops in the IR and its ops' locations carry its name.
+so each layer is its own run of ops in the IR and its ops' locations carry its name. With
+``scan_layers=True`` (configurations ``<name>-scan``) the layers' parameters are stacked along a
+leading layer axis and the blocks run under ``jax.lax.scan``, the style of large-model code
+bases: the IR holds one block, inside a ``stablehlo.while``, whatever the depth.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +39,7 @@ class GPTConfig:
     vocab_size: int = 51200
     batch_size: int = 1024
     dtype: str = "float32"
+    scan_layers: bool = False  # stacked layer parameters, blocks under lax.scan
 
     @property
     def ffn_hidden(self) -> int:
@@ -53,19 +57,23 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     "15B": GPTConfig(hidden_size=5120, num_layers=48, num_heads=32),
     "39B": GPTConfig(hidden_size=8192, num_layers=48, num_heads=64),
 }
+GPT_CONFIGS.update({f"{name}-scan": replace(config, scan_layers=True) for name, config in list(GPT_CONFIGS.items())})
 
 
 def param_specs(config: GPTConfig):
     """The parameters as a tree of `ParamSpec`."""
     dtype, d = config.dtype, config.hidden_size
+    block = L.init_transformer_block(d, config.ffn_hidden, dtype)
+    if config.scan_layers:
+        layers = jax.tree_util.tree_map(lambda s: replace(s, shape=(config.num_layers,) + s.shape), block)
+    else:
+        layers = [block] * config.num_layers
     return {
         "embed": {
             "tokens": L.normal((config.vocab_size, d), dtype),
             "positions": L.normal((config.seq_len, d), dtype),
         },
-        "layers": [
-            L.init_transformer_block(d, config.ffn_hidden, dtype) for _ in range(config.num_layers)
-        ],
+        "layers": layers,
         "final_ln": L.init_layer_norm(d, dtype),
     }
 
@@ -75,9 +83,16 @@ def forward(config: GPTConfig, params, tokens: jax.Array) -> jax.Array:
     with jax.named_scope("embed"):
         x = jnp.take(params["embed"]["tokens"], tokens, axis=0)
         x = x + params["embed"]["positions"][None, : tokens.shape[1]]
-    for i, layer in enumerate(params["layers"]):
-        with jax.named_scope(f"layer_{i}"):
-            x = L.transformer_block(layer, x, config.num_heads, causal=True)
+    if config.scan_layers:
+        def block(x, layer):
+            return L.transformer_block(layer, x, config.num_heads, causal=True), None
+
+        with jax.named_scope("layers"):
+            x, _ = jax.lax.scan(block, x, params["layers"])
+    else:
+        for i, layer in enumerate(params["layers"]):
+            with jax.named_scope(f"layer_{i}"):
+                x = L.transformer_block(layer, x, config.num_heads, causal=True)
     with jax.named_scope("head"):
         x = L.layer_norm(params["final_ln"], x)
         return jnp.einsum("bsd,vd->bsv", x, params["embed"]["tokens"])
