@@ -46,6 +46,11 @@ Faults: a step whose worker dies, raises or stalls raises `WorkerError` within `
 seconds (at once when Ray sees the worker die); the next call starts fresh workers and sends
 the arguments again. `save(dir)` / `restore(dir)`: each worker writes / reads back its shards
 of the last step's results (the training state).
+
+Workers: each asks Ray for its GPUs and a hundredth of a core (`ray_runtime.WORKER_CPUS`), so
+several parallelized functions live in one process. `close()` (also `with parallelize(...) as
+step:`, and garbage collection of the function) stops them and frees their placement group;
+a later call starts them again. A cluster that can never hold the workers is refused at once.
 """
 
 from __future__ import annotations
@@ -81,7 +86,7 @@ __all__ = ["Cluster", "HloparWarning", "ParallelizedFunction", "PlannedStep", "P
 METHODS = ("auto", "shard", "pipeline")
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
 RNG_MODES = ("exact", "per-microbatch")
-CACHE_VERSION = "hlopar-plan-v3"  # bumped when the planner's output changes
+CACHE_VERSION = "hlopar-plan-v4"  # bumped when the planner's output changes
 
 
 # --------------------------------------------------------------------------- the cluster
@@ -124,7 +129,7 @@ class Cluster:
                            local.preset or ("cpu" if local.device_kind == "cpu" else "v100-p3.16xlarge"))
         import ray
 
-        _connect(self, 0)
+        _connect(self)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         gpus = min((n["Resources"].get("GPU", 0) for n in nodes), default=0)
         kind = self.device_kind or ("gpu" if gpus else "cpu")
@@ -138,15 +143,16 @@ class Cluster:
                 "preset": self.preset}
 
 
-def _connect(cluster: Cluster, workers: int) -> None:
-    """Ray up: the cluster's address, or a local Ray of hlopar's own started here, sized for
-    `workers` actors (`runtime.local_ray`: never another cluster on the machine, quiet)."""
+def _connect(cluster: Cluster) -> None:
+    """Ray up: the cluster's address, or a local Ray of hlopar's own started here with the
+    machine's cores (`runtime.local_ray`: never another cluster on the machine, quiet; a
+    worker asks for a hundredth of a core, `ray_runtime.WORKER_CPUS`)."""
     import ray
 
     from hlopar.runtime.local_ray import connect
 
     if not ray.is_initialized():
-        connect(cluster.address, max(workers, os.cpu_count() or 1))
+        connect(cluster.address, os.cpu_count() or 1)
 
 
 # --------------------------------------------------------------------------- planning
@@ -192,8 +198,6 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
     from hlopar.codegen.pipeline_program import pipeline_program
     from hlopar.codegen.schedules import get_schedule
     from hlopar.ir.module import parse_module
-    from hlopar.passes.base import PassContext
-    from hlopar.passes.import_program import ImportPass
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
@@ -201,14 +205,13 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     clock = time.perf_counter()
     split = get_schedule(schedule).split_backward
-    module = parse_module(text)
-    context = PassContext()
-    ImportPass().run(module, context)
+    step_batch_args = batch_args
+    module, context, pieces, batch_args = _imported(text, method, step_batch_args)
     chosen = num_microbatches is None  # hlopar's choice, not the user's: it may fall back to 1
     if chosen:
         num_microbatches = 1 if method == "shard" else _default_microbatches(module, batch_args, cluster)
     options = {"microbatches": num_microbatches, "chosen": chosen, "schedule": schedule, "method": method,
-               "batch_args": list(batch_args) if batch_args is not None else None, "rng": rng}
+               "batch_args": list(step_batch_args) if step_batch_args is not None else None, "rng": rng}
     key = hashlib.sha256(json.dumps({"version": CACHE_VERSION, "jax": jax.__version__, "text": text,
                                      "cluster": cluster.key(), "options": options},
                                     sort_keys=True).encode()).hexdigest()[:24]
@@ -227,13 +230,12 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
             raise
         # The user asked for no number of microbatches: one, where nothing needs a split,
         # beats a refusal (said as a warning, with what the split would have needed).
-        module = parse_module(text)
-        context = PassContext()
-        ImportPass().run(module, context)
+        module, context, pieces, batch_args = _imported(text, method, step_batch_args)
         plan = _plan_module(module, cluster, 1, schedule, method, batch_args, rng, context)
         plan["warnings"].insert(0, replace(refusal, severity="warning", message=(
             f"{refusal.message}; so the step is not split into the {num_microbatches} microbatches hlopar would "
             "have chosen: planned with one microbatch (num_microbatches=1)")).format())
+    plan["layer_pieces"] = pieces.to_json() if pieces else None
     program = pipeline_program(module, split_backward=split)
     if cache:
         _write_cached(bundle, program, module, plan, schedule, options, cluster)
@@ -243,6 +245,28 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
     seconds = time.perf_counter() - clock
     log(f"planned in {seconds:.1f} s ({bundle})")
     return PlannedStep(program, bundle, plan, False, seconds)
+
+
+def _imported(text: str, method: str, batch_args: Sequence[int] | None):
+    """The step's module imported, and for a pipelined method its scans over layers unrolled
+    with their stacked values split per layer (`hlopar-unstack-layer-scans`): (module, pass
+    context, `LayerPieces` or None, the batch arguments in the module's numbering)."""
+    from hlopar.ir.module import parse_module
+    from hlopar.passes.auto_sharding import planned_functions
+    from hlopar.passes.base import PassContext
+    from hlopar.passes.import_program import ImportPass
+    from hlopar.passes.unstack_layer_scans import LayerPieces, UnstackLayerScansPass
+
+    module = parse_module(text)
+    context = PassContext()
+    ImportPass().run(module, context)
+    if method == "shard":  # one stage: the loops stay loops
+        return module, context, None, batch_args
+    UnstackLayerScansPass().run(module, context)
+    pieces = LayerPieces.of(planned_functions(module)[0])
+    if pieces is not None and batch_args is not None:
+        batch_args = list(pieces.arguments_of(batch_args))
+    return module, context, pieces, batch_args
 
 
 def _plan_module(module, cluster: Cluster, microbatches: int, schedule: str, method: str,
@@ -335,6 +359,7 @@ class _Compiled:
     out_dtypes: list = field(default_factory=list)  # per result leaf: its dtype (typed keys are rewrapped)
     returned: list = field(default_factory=list)  # (weakref to a returned leaf, result position)
     generation: int = 0  # runtime generation the returned leaves are kept by
+    pieces: Any = None  # passes.unstack_layer_scans.LayerPieces: stacked layers split per layer, or None
 
 
 class ParallelizedFunction:
@@ -363,6 +388,7 @@ class ParallelizedFunction:
         self.verbose = verbose
         self._progress = Progress(verbose)
         self._compiled: _Compiled | None = None
+        self._release: weakref.finalize | None = None  # stops the workers when this function is collected
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", "parallelized")
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -416,6 +442,7 @@ class ParallelizedFunction:
                 self._restart()
             return self._compiled
         self.shutdown()
+        from hlopar.passes.unstack_layer_scans import LayerPieces
         from hlopar.runtime.ray_runtime import RayRuntime, placement_of
 
         cluster = (self.cluster or Cluster.local()).resolved()
@@ -425,12 +452,14 @@ class ParallelizedFunction:
             placement = placement_of(planned.program, cluster.devices_per_host, local=cluster.is_local,
                                      device_kind=cluster.device_kind)
             workers = len(placement.workers.slots)
-            _connect(cluster, workers)
+            _connect(cluster)
             runtime = RayRuntime(planned.program, self.schedule, placement, timeout=self.timeout,
-                                 worker_timeout=self.timeout, log=self._log, phase=progress.phase)
+                                 worker_timeout=self.timeout, log=progress.message, phase=progress.phase)
             self._compiled = _Compiled(signature, lowered.out_tree, planned, runtime, cluster,
-                                       [info.dtype for info in jax.tree_util.tree_leaves(lowered.out_info)])
+                                       [info.dtype for info in jax.tree_util.tree_leaves(lowered.out_info)],
+                                       pieces=LayerPieces.from_json(planned.plan.get("layer_pieces")))
             self._log(f"starting {workers} Ray worker(s)")
+            self._release_with(runtime)
             runtime.start()
         finally:
             progress.done()
@@ -438,6 +467,7 @@ class ParallelizedFunction:
 
     def _restart(self) -> None:
         self._log("restarting the workers")
+        self._release_with(self._compiled.runtime)
         try:
             self._compiled.runtime.start()
         finally:
@@ -467,7 +497,10 @@ class ParallelizedFunction:
                     if ref() is leaf:
                         resident[i] = r
                         break
-        results = runtime.run([_key_data(leaf) for leaf in leaves], resident)
+        arguments = [_key_data(leaf) for leaf in leaves]
+        if compiled.pieces is not None:  # stacked layers run as one piece per layer
+            arguments, resident = compiled.pieces.split(arguments), compiled.pieces.resident(resident)
+        results = _joined(compiled, runtime.run(arguments, resident))
         outputs = _outputs(results, compiled.out_dtypes)
         compiled.returned = [(weakref.ref(x), r) for r, x in enumerate(outputs)]
         compiled.generation = runtime.generation
@@ -494,10 +527,30 @@ class ParallelizedFunction:
     def runtime(self):
         return self._compiled.runtime if self._compiled else None
 
-    def shutdown(self) -> None:
-        """Stops the workers (the next call starts them again)."""
+    def close(self) -> None:
+        """Stops the workers and frees what they held in Ray (their placement group); the
+        next call starts them again. Also at the end of a `with` block and when the function
+        is garbage-collected."""
+        if self._release is not None:
+            self._release.detach()
         if self._compiled is not None:
             self._compiled.runtime.shutdown()
+
+    shutdown = close  # the earlier name
+
+    def __enter__(self) -> ParallelizedFunction:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _release_with(self, runtime) -> None:
+        """Collecting this function stops `runtime`'s workers (a finalizer holding the
+        runtime, which must hold nothing of the function: it logs through the progress
+        display, not `self._log`). At exit Ray's disconnection ends them anyway."""
+        if self._release is None or not self._release.alive:
+            self._release = weakref.finalize(self, runtime.shutdown)
+            self._release.atexit = False
 
     # -- saving the training state
 
@@ -525,7 +578,7 @@ class ParallelizedFunction:
                              f"{compiled.planned.bundle.name}")
         if not compiled.runtime.alive:
             self._restart()
-        results = compiled.runtime.load(directory)
+        results = _joined(compiled, compiled.runtime.load(directory))
         outputs = _outputs(results, compiled.out_dtypes)
         compiled.returned = [(weakref.ref(x), r) for r, x in enumerate(outputs)]
         compiled.generation = compiled.runtime.generation
@@ -535,6 +588,11 @@ class ParallelizedFunction:
         if self._compiled is None or not self._compiled.runtime.alive or self._compiled.runtime.step_id == 0:
             raise RuntimeError("nothing to save: the workers have not run a step")
         return self._compiled
+
+
+def _joined(compiled: _Compiled, results: list) -> list:
+    """The step's results from the program's: pieces of stacked layers concatenated."""
+    return compiled.pieces.join(results) if compiled.pieces is not None else results
 
 
 def _dtype(x) -> np.dtype:

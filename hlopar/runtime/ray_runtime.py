@@ -33,7 +33,12 @@ owning their receivers, results and saves leave each worker as its shards.
 
 Placement. One placement-group bundle per host of the cluster, holding that host's workers
 (STRICT_SPREAD over the nodes of a real cluster, PACK on the local machine, where hosts are
-simulated by separate processes exactly as on a real cluster).
+simulated by separate processes exactly as on a real cluster). A worker asks Ray for what it
+holds: its GPUs, and a hundredth of a core (`WORKER_CPUS`): CPU devices are threads on the
+host's cores, which every worker shares, so several parallelized functions fit on one
+machine. A request no node set of the cluster could ever hold (`unplaceable`: too many GPUs,
+fewer nodes than hosts) fails at once, naming what was asked and what exists; only what
+could still become free (held by other workers) is waited for, `timeout` seconds.
 
 Faults. Every wait is bounded: the driver waits for a step with `ray.wait` and a deadline
 and notices a dead worker (`RayActorError`) as soon as Ray does, a worker waits for a
@@ -64,8 +69,8 @@ from hlopar.runtime.host_devices import host_device_environment
 from hlopar.runtime.step_arguments import step_arguments
 from hlopar.runtime.transports import Mailbox, TransportError, pack, transport_for, unpack, unpack_shards
 
-__all__ = ["MeshWorker", "Placement", "RayRuntime", "WorkerError", "WorkerProgram", "placement_of",
-           "worker_programs"]
+__all__ = ["WORKER_CPUS", "MeshWorker", "Placement", "RayRuntime", "WorkerError", "WorkerProgram", "placement_of",
+           "unplaceable", "worker_programs"]
 
 
 class WorkerError(RuntimeError):
@@ -122,6 +127,9 @@ def worker_programs(program: PipelineProgram, streams: PipelineStreams,
     return out
 
 
+WORKER_CPUS = 0.01  # what a worker asks of a host's cores (module docstring)
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where workers go: one per (mesh, host), and whether hosts are simulated on this machine."""
@@ -130,10 +138,94 @@ class Placement:
     local: bool
     device_kind: str  # cpu or gpu
 
+    @property
+    def strategy(self) -> str:
+        return "PACK" if self.local else "STRICT_SPREAD"
+
+    @property
+    def hosts(self) -> list[int]:
+        return sorted({s.host for s in self.workers.slots.values()})
+
+    def worker_resources(self, name: str) -> dict[str, float]:
+        """What worker `name` asks Ray for: its GPUs, and `WORKER_CPUS` of a core."""
+        need = {"CPU": WORKER_CPUS}
+        if self.device_kind == "gpu":
+            need["GPU"] = float(len(self.workers.slots[name].devices))
+        return need
+
+    def bundles(self) -> list[dict[str, float]]:
+        """One placement-group bundle per host (`hosts` order): its workers' resources."""
+        out = []
+        for host in self.hosts:
+            bundle: dict[str, float] = {}
+            for name, slot in self.workers.slots.items():
+                if slot.host == host:
+                    for resource, amount in self.worker_resources(name).items():
+                        bundle[resource] = round(bundle.get(resource, 0.0) + amount, 4)
+            out.append(bundle)
+        return out
+
+    def describe(self) -> str:
+        """The request in the user's terms: per host, its bundle and workers."""
+        rows = []
+        for host, bundle in zip(self.hosts, self.bundles()):
+            names = [f"{n} ({len(s.devices)} {self.device_kind} devices)" for n, s in self.workers.slots.items()
+                     if s.host == host]
+            rows.append(f"host {host}: {_resources(bundle)} for {', '.join(names)}")
+        return "; ".join(rows) + (" (PACK: on any nodes)" if self.local else
+                                  f" (STRICT_SPREAD: {len(rows)} distinct nodes, one per host)")
+
 
 def placement_of(program: PipelineProgram, devices_per_host: int, *, local: bool, device_kind: str) -> Placement:
     """One worker per (mesh, host of its devices) (module docstring)."""
     return Placement(worker_layout(program.devices, devices_per_host), local, device_kind)
+
+
+def _fits(bundle: Mapping[str, float], node: Mapping[str, float]) -> bool:
+    return all(amount <= node.get(resource, 0.0) + 1e-9 for resource, amount in bundle.items())
+
+
+def unplaceable(bundles: Sequence[Mapping[str, float]], strategy: str,
+                nodes: Sequence[Mapping[str, float]]) -> str | None:
+    """Why no placement of `bundles` on `nodes` (each node's total resources) can ever exist,
+    whatever else runs there, or None. PACK: the totals fit and each bundle fits some node
+    (necessary, enough for one bundle per host); STRICT_SPREAD: each bundle on its own
+    node (a matching of bundles to nodes, by augmenting paths)."""
+    if not nodes:
+        return "the Ray cluster has no alive node"
+    for resource in sorted({r for b in bundles for r in b}):
+        need = sum(b.get(resource, 0.0) for b in bundles)
+        have = sum(n.get(resource, 0.0) for n in nodes)
+        if need > have + 1e-9:
+            return f"they need {need:g} {resource} in all, the Ray cluster has {have:g}"
+    for k, bundle in enumerate(bundles):
+        if not any(_fits(bundle, node) for node in nodes):
+            return f"no node can hold host {k}'s workers ({_resources(bundle)})"
+    if strategy != "STRICT_SPREAD":
+        return None
+    if len(bundles) > len(nodes):
+        return f"{len(bundles)} hosts need {len(bundles)} distinct nodes, the Ray cluster has {len(nodes)}"
+    holder: dict[int, int] = {}  # node -> bundle
+
+    def assign(b: int, seen: set[int]) -> bool:
+        for n, node in enumerate(nodes):
+            if n not in seen and _fits(bundles[b], node):
+                seen.add(n)
+                if n not in holder or assign(holder[n], seen):
+                    holder[n] = b
+                    return True
+        return False
+
+    for b in range(len(bundles)):
+        if not assign(b, set()):
+            return f"no {len(bundles)} distinct nodes can hold one host's workers each"
+    return None
+
+
+def _resources(amounts: Mapping[str, float], only: Sequence[str] | None = None) -> str:
+    """`{CPU: 2, GPU: 0}`: the amounts of `only` (default: each resource of `amounts`)."""
+    keys = sorted(amounts) if only is None else only
+    return "{" + ", ".join(f"{k}: {amounts.get(k, 0.0):g}" for k in keys) + "}"
 
 
 # --------------------------------------------------------------------------- the worker
@@ -551,7 +643,6 @@ class RayRuntime:
 
     def start(self) -> None:
         import ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.shutdown()
@@ -559,37 +650,16 @@ class RayRuntime:
         self.phase("starting workers")
         kind = self.placement.device_kind
         slots = self.layout.slots
-        hosts = sorted({s.host for s in slots.values()})
-        bundle_of_host = {h: k for k, h in enumerate(hosts)}
-        bundles = []
-        for h in hosts:
-            here = [s for s in slots.values() if s.host == h]
-            bundle = {"CPU": float(len(here))}
-            if kind == "gpu":
-                bundle["GPU"] = float(sum(len(s.devices) for s in here))
-            bundles.append(bundle)
-        strategy = "PACK" if self.placement.local else "STRICT_SPREAD"
-        have = ray.cluster_resources()
-        for resource in ("CPU", "GPU"):
-            need = sum(b.get(resource, 0.0) for b in bundles)
-            if need > have.get(resource, 0.0):
-                self.shutdown()
-                raise WorkerError(f"the workers need {need:g} {resource} in all, the Ray cluster has "
-                                  f"{have.get(resource, 0.0):g}")
-        self.group = placement_group(bundles, strategy=strategy)
-        try:
-            ray.get(self.group.ready(), timeout=self.timeout)
-        except ray.exceptions.GetTimeoutError:
-            self.shutdown()
-            raise WorkerError(f"Ray could not place the workers ({bundles}, {strategy}) in {self.timeout:g} s: "
-                              f"the cluster has {ray.cluster_resources()}") from None
+        self._place()
+        bundle_of_host = {h: k for k, h in enumerate(self.placement.hosts)}
         clock = time.perf_counter()
         for name, slot in slots.items():
-            options = {"num_cpus": 1, "max_concurrency": 16, "max_restarts": 0,
+            need = self.placement.worker_resources(name)
+            options = {"num_cpus": need["CPU"], "max_concurrency": 16, "max_restarts": 0,
                        "scheduling_strategy": PlacementGroupSchedulingStrategy(
                            self.group, placement_group_bundle_index=bundle_of_host[slot.host])}
             if kind == "gpu":
-                options["num_gpus"] = len(slot.devices)
+                options["num_gpus"] = need["GPU"]
                 options["runtime_env"] = {"env_vars": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}}
             else:
                 options["runtime_env"] = {"env_vars": {
@@ -607,10 +677,37 @@ class RayRuntime:
             f"{n} ({len(slots[n].devices)} {kind} devices, {i['executables']} executables, "
             f"compiled in {i['compile_s']:.1f} s)" for n, i in self.setup_info.items()))
 
+    def _place(self) -> None:
+        """The workers' placement group, ready: refused at once if the cluster's nodes could
+        never hold it, else waited for up to `timeout` (other workers may free resources)."""
+        import ray
+        from ray.util.placement_group import placement_group
+
+        bundles, strategy = self.placement.bundles(), self.placement.strategy
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        why = unplaceable(bundles, strategy, nodes)
+        asked = sorted({r for b in bundles for r in b})
+        if why is not None:
+            raise WorkerError(f"Ray can never place the workers: {why}. Asked: {self.placement.describe()}; the "
+                              f"cluster has {len(nodes)} node(s): " + ", ".join(_resources(n, asked) for n in nodes))
+        self.group = placement_group(bundles, strategy=strategy)
+        try:
+            ray.get(self.group.ready(), timeout=self.timeout)
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown()
+            raise WorkerError(
+                f"Ray could not place the workers in {self.timeout:g} s: asked {self.placement.describe()}; the "
+                f"cluster has {_resources(ray.cluster_resources(), asked)}, of which "
+                f"{_resources(ray.available_resources(), asked)} is free (other workers hold the rest: close() the "
+                "parallelized functions no longer needed)") from None
+
     def shutdown(self) -> None:
         """Kills the workers (if any) and frees their placement group."""
         import ray
 
+        if not ray.is_initialized():  # disconnected: the workers went with the connection
+            self.actors, self.group = {}, None
+            return
         for actor in self.actors.values():
             try:
                 ray.kill(actor, no_restart=True)
