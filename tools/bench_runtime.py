@@ -1,28 +1,47 @@
 #!/usr/bin/env python3
-"""The Ray runtime's overhead, and the CPU transport's throughput.
+"""hlopar's runtime against what users run instead, in one process and one run.
 
-    python tools/bench_runtime.py [--json] [--steps 5] [--hidden 256] [--layers 4] [--seq 64] [--batch 16]
-                                  [--microbatches 2] [--schedule 1f1b] [--sizes 1,16,64]
+    python tools/bench_runtime.py [--json] [--quick] [--steps 5] [--warmup 2] [--ways W,W,...]
+                                  [--hidden 256] [--layers 4] [--seq 64] [--batch 16] [--vocab 1024]
+                                  [--transport 1,16,64]
 
-1. Overhead. A GPT (the zoo's model at the given size) trains through `hlopar.parallelize`
-   on 2 simulated hosts x 4 CPU devices (two Ray workers: one per mesh and host, Ray started
-   here). For each step after the first (warm-up: planning, worker start, compilation) it
-   reports:
-   - `wall_s`: the call as the user sees it (arguments sent, the step, every result back on
-     the driver as jax arrays);
-   - `runtime_s`: the driver's `RayRuntime.run` (the same minus turning the results into jax
-     arrays);
-   - `executables_s`: the sum, over the meshes, of the time their executables ran
-     (measured by the workers in the same run, each execution waited for; a mesh across
-     both hosts: its slower worker's, the two run the same SPMD program together);
-   - `critical_s`: the slowest worker's own step time (`run_step`, the stream and the
-     updates, without the driver's calls);
-   and the ratios wall / executables and runtime / executables. With 2 cores shared by two
-   workers, the two meshes' executables do not overlap, so the sum is the compute the step
-   cannot go below.
-2. Transport. A payload of each size (MiB) goes from one Ray actor to another through
-   `ObjectStoreTransport.send` (the receiver's `deliver` puts it in its mailbox, the sender
-   waits for the call), against `numpy.copy` of the same bytes in one process.
+The zoo's GPT (`hlopar.models.gpt`; by default hidden 256, 4 layers, 4 heads, seq 64, batch
+16, vocabulary 1024: 3.4 M parameters, Adam) trains from the same initial state in each of
+these ways, on the 8 CPU devices of this process (`XLA_FLAGS` set here) or on hlopar's Ray
+workers (each its own 8 or 4 CPU devices, on the same cores):
+
+- `jit-1-device`: `jax.jit` on one device (the ratios' denominator, `ratio_to_jit`);
+- `jit-data-parallel`: `jax.jit` with the batch sharded over the 8 devices, the parameters
+  and optimizer state replicated;
+- `jit-plan-shardings`: `jax.jit` with the shardings of hlopar's `method="shard"` plan on
+  `Cluster.local(1, 8)`, read from the planned fragments' `sdy.sharding`s (each argument as
+  its first reader lays it out, each result as its producer does) on the same 8 devices:
+  the plan without hlopar's runtime;
+- `hlopar-<method>-<hosts>x<devices>`: `hlopar.parallelize(method=...)` on
+  `Cluster.local(hosts, devices)`: shard, auto and pipeline on 1 x 8, and pipeline on 2 x 4
+  (two simulated hosts, 2 microbatches, 1f1b).
+
+A step is the call and reading the loss as a Python float (what a training loop that logs
+does); its time is the time from the end of one step to the end of the next, so a runtime
+that returns before its work is done pays for it at the next step. Each way runs a first
+call (compilation, planning, worker start: `first_call_s`), `--warmup` steps, then
+`--steps` timed steps; `step_s` is their median. Each hlopar function is closed before the
+next way starts. The losses after the same number of steps are printed beside each other
+(they agree to rounding: the same training).
+
+For hlopar rows the runtime's own timing (`ParallelizedFunction.last_stats`) is reported as
+medians too: `critical_s`, the slowest worker's own step (its `run_step`: stream, waits
+and updates), `executables_s` (the sum over meshes of their executables' run time) and
+`step_over_critical`. The targets of issue 18 are checked in `targets`: the "shard" plan at
+most 1.05x `jit-plan-shardings`, a pipelined plan's step at most 1.2x its slowest worker's
+critical path.
+
+`--json` prints `{"machine", "config", "rows": [{"way", "step_s", "ratio_to_jit", ...}],
+"targets"}`. `--quick` (a test runs it): a GPT of hidden 64, 2 layers, seq 16, batch 8,
+vocabulary 128, 1 warm-up and 2 timed steps, the three `jax.jit` ways and hlopar's "shard"
+plan. `--transport SIZES`: also the CPU transport's throughput, a payload of each size (MiB)
+from one Ray actor to another through `ObjectStoreTransport.send` against `numpy.copy` of
+the same bytes.
 """
 
 from __future__ import annotations
@@ -30,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -44,79 +64,218 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import ray  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import hlopar  # noqa: E402
+from hlopar.codegen.spmd import main_shardings  # noqa: E402
 from hlopar.models import gpt  # noqa: E402
-from hlopar.runtime import local_ray  # noqa: E402
-from hlopar.runtime.transports import Mailbox, ObjectStoreTransport, Payload  # noqa: E402
+
+JIT_WAYS = ("jit-1-device", "jit-data-parallel", "jit-plan-shardings")
+HLOPAR_WAYS = {  # way -> (method, hosts, devices per host, options)
+    "hlopar-shard-1x8": ("shard", 1, 8, {}),
+    "hlopar-auto-1x8": ("auto", 1, 8, {}),
+    "hlopar-pipeline-1x8": ("pipeline", 1, 8, {}),
+    "hlopar-pipeline-2x4": ("pipeline", 2, 4, {"num_microbatches": 2, "schedule": "1f1b"}),
+}
+WAYS = JIT_WAYS + tuple(HLOPAR_WAYS)
+QUICK_WAYS = JIT_WAYS + ("hlopar-shard-1x8",)
+TARGET_SAME_SHARDINGS = 1.05
+TARGET_CRITICAL = 1.2
 
 
-def bench_overhead(args) -> dict:
+# --------------------------------------------------------------------------- timing
+
+
+def timed(call, args, warmup: int, steps: int) -> dict:
+    """First call, warm-up, then `steps` steps of `call` (the step's outputs fed back)."""
+    params, state, batch = args
+    clock = time.perf_counter()
+    params, state, loss = call(params, state, batch)
+    loss = float(loss)
+    first = time.perf_counter() - clock
+    for _ in range(warmup):
+        params, state, loss = call(params, state, batch)
+        loss = float(loss)
+    times, stats = [], []
+    clock = time.perf_counter()
+    for _ in range(steps):
+        params, state, loss = call(params, state, batch)
+        loss = float(loss)
+        now = time.perf_counter()
+        times.append(now - clock)
+        clock = now
+        stats.append(getattr(call, "last_stats", None))
+    return {"step_s": statistics.median(times), "steps_s": times, "first_call_s": first, "loss": loss,
+            **_worker_medians(stats)}
+
+
+def _worker_medians(stats: list) -> dict:
+    """Medians of the runtime's own step timing (hlopar rows; nothing for jax.jit)."""
+    stats = [s for s in stats if s is not None and getattr(s, "workers", None)]
+    if not stats:
+        return {}
+    critical = statistics.median(max(w["step_s"] for w in s.workers.values()) for s in stats)
+    return {"critical_s": critical, "executables_s": statistics.median(s.executable_s for s in stats),
+            "driver_s": statistics.median(s.wall_s for s in stats)}
+
+
+# --------------------------------------------------------------------------- the ways
+
+
+def jit_way(way: str, step, args, plan_shardings, counts: dict) -> dict:
+    """`step.step` under `jax.jit` as `way` lays it out; arguments placed before timing."""
+    devices = jax.devices()[:8]
+    if way == "jit-1-device":
+        ins = outs = None
+        placed = jax.device_put(args, devices[0])
+    else:
+        if way == "jit-data-parallel":
+            mesh = Mesh(np.array(devices), ("data",))
+            replicated, rows = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+            ins = (jax.tree_util.tree_map(lambda _: replicated, args[0]),
+                   jax.tree_util.tree_map(lambda _: replicated, args[1]),
+                   jax.tree_util.tree_map(lambda _: rows, args[2]))
+            outs = (ins[0], ins[1], replicated)
+        else:
+            ins, outs = plan_shardings
+        placed = jax.device_put(args, ins)
+    jitted = jax.jit(step.step, in_shardings=ins, out_shardings=outs) if ins is not None else jax.jit(step.step)
+    return {"way": way, **timed(jitted, placed, **counts)}
+
+
+def planned_shardings(step, args) -> tuple:
+    """The `method="shard"` plan's shardings on `Cluster.local(1, 8)`, as `jax.jit` takes them
+    (pytrees of `NamedSharding` for the arguments and the results)."""
+    parallel = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", verbose=False)
+    planned, lowered = parallel.plan(*args)
+    program = planned.program
+    if len(program.meshes) != 1 or program.index_arg is not None:
+        raise SystemExit(f"the shard plan has meshes {program.meshes} and index argument {program.index_arg}: "
+                         "jit-plan-shardings needs one mesh and the step's own arguments")
+    devices = [jax.devices()[d] for d in program.devices[program.meshes[0]]]
+    shardings = {}
+    for fragment in program.fragments:
+        shardings[fragment.name] = main_shardings(fragment.module, devices)
+
+    def of_value(v: int, reading: bool):
+        value = program.values[v]
+        if value.argument is not None and reading:
+            for fragment in program.fragments:  # the first reader's layout
+                if v in fragment.operands:
+                    return shardings[fragment.name][0][len(fragment.accumulate) + fragment.operands.index(v)]
+        if value.producer is not None:
+            fragment = program.fragments[value.producer]
+            return shardings[fragment.name][1][fragment.results.index(v)]
+        if value.argument is not None:
+            return of_value(v, True)
+        raise SystemExit(f"value {v} of the shard plan is neither an argument nor made by a fragment")
+
+    by_argument = {value.argument: v for v, value in enumerate(program.values) if value.argument is not None}
+    ins = [of_value(by_argument[i], True) for i in range(len(program.argument_shapes))]
+    outs = [of_value(v, False) for v in program.results]
+    return (jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), ins),
+            jax.tree_util.tree_unflatten(lowered.out_tree, outs))
+
+
+def hlopar_way(way: str, step, args, counts: dict) -> dict:
+    method, hosts, per_host, options = HLOPAR_WAYS[way]
+    with hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(hosts, per_host), method=method,
+                            batch_argnums=(2,), verbose=False, **options) as parallel:
+        row = timed(parallel, args, **counts)
+        program = parallel.runtime.program
+        row.update({"way": way, "method": method, "cluster": f"{hosts}x{per_host}",
+                    "microbatches": program.microbatches,
+                    "meshes": {m: len(program.devices[m]) for m in program.meshes},
+                    "workers": len(parallel.runtime.layout.slots)})
+    if "critical_s" in row:
+        row["step_over_critical"] = row["step_s"] / row["critical_s"]
+    return row
+
+
+def bench(args) -> dict:
     config = gpt.GPTConfig(hidden_size=args.hidden, num_layers=args.layers, num_heads=max(1, args.hidden // 64),
                            seq_len=args.seq, vocab_size=args.vocab, batch_size=args.batch)
     step = gpt.train_step(config)
     params = step.init(jax.random.PRNGKey(0))
-    state = step.init_opt_state(params)
-    batch = step.make_batch(jax.random.PRNGKey(1))
-    parallel = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(num_hosts=2, devices_per_host=4),
-                                  num_microbatches=args.microbatches, schedule=args.schedule, batch_argnums=(2,),
-                                  verbose=not args.json)
-    clock = time.perf_counter()
-    params, state, loss = parallel(params, state, batch)
-    first = time.perf_counter() - clock
+    train_args = (params, step.init_opt_state(params), step.make_batch(jax.random.PRNGKey(1)))
+    counts = {"warmup": args.warmup, "steps": args.steps}
     rows = []
-    for _ in range(args.steps):
-        clock = time.perf_counter()
-        params, state, loss = parallel(params, state, batch)
-        wall = time.perf_counter() - clock
-        stats = parallel.last_stats
-        executables = stats.executable_s
-        rows.append({"wall_s": wall, "runtime_s": stats.wall_s, "executables_s": executables,
-                     "critical_s": max(w["step_s"] for w in stats.workers.values()),
-                     "sent_bytes": sum(w["sent_bytes"] for w in stats.workers.values()),
-                     "loss": float(loss)})
-    program = parallel.runtime.program
-    parallel.shutdown()
-    median = {k: statistics.median(r[k] for r in rows) for k in ("wall_s", "runtime_s", "executables_s", "critical_s")}
-    return {"config": {"hidden": args.hidden, "layers": args.layers, "seq": args.seq, "batch": args.batch,
-                       "vocab": args.vocab, "params": step.param_count(), "microbatches": args.microbatches,
-                       "schedule": args.schedule, "meshes": {m: list(program.devices[m]) for m in program.meshes}},
-            "first_call_s": first, "steps": rows, "median": median,
-            "wall_over_executables": median["wall_s"] / median["executables_s"],
-            "runtime_over_executables": median["runtime_s"] / median["executables_s"]}
+    plan_shardings = planned_shardings(step, train_args) if "jit-plan-shardings" in args.ways else None
+    for way in args.ways:
+        row = (jit_way(way, step, train_args, plan_shardings, counts) if way in JIT_WAYS
+               else hlopar_way(way, step, train_args, counts))
+        rows.append(row)
+        if not args.json:
+            print(f"  {way}: {row['step_s']:.4f} s/step (first call {row['first_call_s']:.1f} s)", file=sys.stderr)
+    by_way = {r["way"]: r for r in rows}
+    base = by_way.get("jit-1-device")
+    for row in rows:
+        row["ratio_to_jit"] = row["step_s"] / base["step_s"] if base else None
+        for key, other in (("ratio_to_data_parallel", "jit-data-parallel"),
+                           ("ratio_to_plan_shardings", "jit-plan-shardings")):
+            if row["way"].startswith("hlopar-") and other in by_way:
+                row[key] = row["step_s"] / by_way[other]["step_s"]
+    targets = {}
+    if "hlopar-shard-1x8" in by_way and "jit-plan-shardings" in by_way:
+        ratio = by_way["hlopar-shard-1x8"]["ratio_to_plan_shardings"]
+        targets["shard_over_plan_shardings"] = {"ratio": ratio, "target": TARGET_SAME_SHARDINGS,
+                                                "met": ratio <= TARGET_SAME_SHARDINGS}
+    for row in rows:
+        if len(row.get("meshes", ())) > 1 and "step_over_critical" in row:
+            targets[f"{row['way']}_over_critical"] = {"ratio": row["step_over_critical"], "target": TARGET_CRITICAL,
+                                                      "met": row["step_over_critical"] <= TARGET_CRITICAL}
+    return {"machine": machine(), "config": {"hidden": args.hidden, "layers": args.layers, "seq": args.seq,
+                                             "batch": args.batch, "vocab": args.vocab,
+                                             "params": step.param_count(), "warmup": args.warmup,
+                                             "steps": args.steps},
+            "rows": rows, "targets": targets}
 
 
-@ray.remote
-class _Receiver:
-    def __init__(self):
-        self.mailbox = Mailbox()
-
-    def deliver(self, step, items):
-        for (name, m), payload in items.items():
-            self.mailbox.put((step, name, m), payload)
-        return sum(p.nbytes for p in items.values())
-
-    def take(self, step):
-        return self.mailbox.take((step, "t", 0), 60).nbytes
+def machine() -> dict:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
+        else platform.processor()
+    return {"nproc": os.cpu_count(), "cpu": model, "jax": jax.__version__, "devices": len(jax.devices())}
 
 
-@ray.remote
-class _Sender:
-    def send(self, peer, nbytes: int, repeats: int) -> list[float]:
-        data = np.random.default_rng(0).random(nbytes // 8)
-        transport = ObjectStoreTransport()
-        times = []
-        for k in range(repeats):
-            clock = time.perf_counter()
-            ray.get(transport.send(peer, k, {("t", 0): Payload(array=data)}))
-            times.append(time.perf_counter() - clock)
-            ray.get(peer.take.remote(k))
-        return times
+# --------------------------------------------------------------------------- the CPU transport
 
 
 def bench_transport(sizes_mib: list[float], repeats: int) -> list[dict]:
-    receiver, sender = _Receiver.remote(), _Sender.remote()
+    import ray
+
+    from hlopar.runtime.transports import Mailbox, ObjectStoreTransport, Payload
+
+    class Receiver:
+        def __init__(self):
+            self.mailbox = Mailbox()
+
+        def deliver(self, step, items):
+            for (name, m), payload in items.items():
+                self.mailbox.put((step, name, m), payload)
+            return sum(p.nbytes for p in items.values())
+
+        def take(self, step):
+            return self.mailbox.take((step, "t", 0), 60).nbytes
+
+    class Sender:
+        def send(self, peer, nbytes: int, repeats: int) -> list[float]:
+            data = np.random.default_rng(0).random(nbytes // 8)
+            transport = ObjectStoreTransport()
+            times = []
+            for k in range(repeats):
+                clock = time.perf_counter()
+                ray.get(transport.send(peer, k, {("t", 0): Payload(array=data)}))
+                times.append(time.perf_counter() - clock)
+                ray.get(peer.take.remote(k))
+            return times
+
+    if not ray.is_initialized():
+        from hlopar.runtime.local_ray import connect
+
+        connect(None, os.cpu_count() or 1)
+    receiver = ray.remote(num_cpus=0.01)(Receiver).remote()
+    sender = ray.remote(num_cpus=0.01)(Sender).remote()
     rows = []
     for mib in sizes_mib:
         nbytes = int(mib * 2**20)
@@ -136,42 +295,67 @@ def bench_transport(sizes_mib: list[float], repeats: int) -> list[dict]:
     return rows
 
 
+# --------------------------------------------------------------------------- the report
+
+
+def print_table(report: dict) -> None:
+    c, m = report["config"], report["machine"]
+    print(f"GPT hidden {c['hidden']}, {c['layers']} layers, seq {c['seq']}, batch {c['batch']}, vocab {c['vocab']} "
+          f"({c['params'] / 1e6:.2f} M params); {m['nproc']} cores ({m['cpu']}), jax {m['jax']}; median of "
+          f"{c['steps']} steps after {c['warmup']} warm-up")
+    print(f"{'way':<22} {'step s':>8} {'x jit':>6} {'x plan-sh':>9} {'x dp':>6} {'crit s':>7} {'step/crit':>9} "
+          f"{'1st call s':>10} {'loss':>9}  meshes")
+    for r in report["rows"]:
+        def num(key, spec):
+            return format(r[key], spec) if r.get(key) is not None else "-"
+
+        print(f"{r['way']:<22} {r['step_s']:8.4f} {num('ratio_to_jit', '6.2f'):>6} "
+              f"{num('ratio_to_plan_shardings', '9.2f'):>9} {num('ratio_to_data_parallel', '6.2f'):>6} "
+              f"{num('critical_s', '7.4f'):>7} {num('step_over_critical', '9.2f'):>9} {r['first_call_s']:10.1f} "
+              f"{r['loss']:9.5f}  {r.get('meshes', '')}")
+    for name, t in report["targets"].items():
+        print(f"target {name}: {t['ratio']:.3f} (at most {t['target']}): {'met' if t['met'] else 'NOT met'}")
+    for r in report.get("transport", ()):
+        print(f"transport {r['mib']:g} MiB: {r['transport_s']:.5f} s ({r['transport_gbps']:.2f} GB/s) vs np.copy "
+              f"{r['copy_s']:.5f} s ({r['copy_gbps']:.2f} GB/s), {r['slowdown']:.1f}x")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--microbatches", type=int, default=2)
-    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "eager-1f1b"))
-    parser.add_argument("--sizes", default="1,16,64", help="transport payloads, MiB")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--skip-overhead", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="a small GPT, few steps, the jit ways and hlopar shard")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --quick 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps after the first call (default 2; --quick 1)")
+    parser.add_argument("--ways", default=None, help=f"comma-separated, of {', '.join(WAYS)}")
+    parser.add_argument("--hidden", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--vocab", type=int, default=None)
+    parser.add_argument("--transport", default=None, help="also the transport, payloads in MiB (e.g. 1,16,64)")
+    parser.add_argument("--repeats", type=int, default=5, help="transport repeats")
     args = parser.parse_args()
-    local = local_ray.connect(None, 4)  # hlopar's own local Ray, as parallelize starts it
-    report = {}
-    if not args.skip_overhead:
-        report["overhead"] = bench_overhead(args)
-    report["transport"] = bench_transport([float(s) for s in args.sizes.split(",")], args.repeats)
-    local.stop()
+    defaults = ({"steps": 2, "warmup": 1, "hidden": 64, "layers": 2, "seq": 16, "batch": 8, "vocab": 128}
+                if args.quick else {"steps": 5, "warmup": 2, "hidden": 256, "layers": 4, "seq": 64, "batch": 16,
+                                    "vocab": 1024})
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.ways = args.ways.split(",") if args.ways else list(QUICK_WAYS if args.quick else WAYS)
+    unknown = [w for w in args.ways if w not in WAYS]
+    if unknown:
+        parser.error(f"unknown ways {unknown}; the ways are {', '.join(WAYS)}")
+    if args.batch % 8:
+        parser.error(f"--batch {args.batch}: the data-parallel and sharded ways cut the batch over 8 devices")
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be at least 1 and --warmup at least 0")
+    report = bench(args)
+    if args.transport:
+        report["transport"] = bench_transport([float(s) for s in args.transport.split(",")], args.repeats)
     if args.json:
         print(json.dumps(report, indent=1))
-        return 0
-    if "overhead" in report:
-        o = report["overhead"]
-        print(f"GPT {o['config']}: first call {o['first_call_s']:.1f} s")
-        print(f"{'wall':>9} {'runtime':>9} {'execs':>9} {'critical':>9}  (seconds per step)")
-        for r in o["steps"]:
-            print(f"{r['wall_s']:9.4f} {r['runtime_s']:9.4f} {r['executables_s']:9.4f} {r['critical_s']:9.4f}")
-        print(f"median: wall / executables = {o['wall_over_executables']:.3f}, "
-              f"runtime / executables = {o['runtime_over_executables']:.3f}")
-    print(f"{'MiB':>6} {'transport s':>12} {'GB/s':>7} {'copy s':>9} {'GB/s':>7} {'slowdown':>9}")
-    for r in report["transport"]:
-        print(f"{r['mib']:6g} {r['transport_s']:12.5f} {r['transport_gbps']:7.2f} {r['copy_s']:9.5f} "
-              f"{r['copy_gbps']:7.2f} {r['slowdown']:9.1f}")
+    else:
+        print_table(report)
     return 0
 
 

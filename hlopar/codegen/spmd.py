@@ -42,7 +42,6 @@ class SpmdExecutable:
 
 def compile_spmd(module: ir.Operation, devices: Sequence[jax.Device]) -> SpmdExecutable:
     """Compiles `module` (its `@main`) for `devices`, in the order of the module's mesh."""
-    mesh = _jax_mesh(module, devices)
     func = _main(module)
     options = backend.get_compile_options(
         num_replicas=1, num_partitions=len(devices), device_assignment=np.array([[d.id for d in devices]])
@@ -53,12 +52,22 @@ def compile_spmd(module: ir.Operation, devices: Sequence[jax.Device]) -> SpmdExe
     function_type = ir.FunctionType(ir.TypeAttr(func.attributes["function_type"]).value)
     return SpmdExecutable(
         executable,
-        [_named(attrs, mesh) for attrs in _value_attrs(func, "arg_attrs", len(function_type.inputs))],
-        [_named(attrs, mesh) for attrs in _value_attrs(func, "res_attrs", len(function_type.results))],
+        *main_shardings(module, devices),
         [tuple(ir.RankedTensorType(t).shape) for t in function_type.results],
         [(tuple(ir.RankedTensorType(t).shape), _numpy_dtype(ir.RankedTensorType(t).element_type))
          for t in function_type.inputs],
     )
+
+
+def main_shardings(module: ir.Operation, devices: Sequence[jax.Device]) -> tuple[list[NamedSharding],
+                                                                                 list[NamedSharding]]:
+    """`@main`'s arguments' and results' `sdy.sharding`s as `NamedSharding`s on `devices` (in
+    the order of the module's mesh): what `jax.jit(in_shardings=, out_shardings=)` takes."""
+    mesh = _jax_mesh(module, devices)
+    func = _main(module)
+    function_type = ir.FunctionType(ir.TypeAttr(func.attributes["function_type"]).value)
+    return ([_named(attrs, mesh) for attrs in _value_attrs(func, "arg_attrs", len(function_type.inputs))],
+            [_named(attrs, mesh) for attrs in _value_attrs(func, "res_attrs", len(function_type.results))])
 
 
 def _numpy_dtype(element: ir.Type) -> np.dtype:

@@ -1,0 +1,43 @@
+"""`tools/bench_runtime.py --quick --json` (issue 18, item 4): one process measures `jax.jit`
+on one device, data-parallel and with the "shard" plan's own shardings, and hlopar's "shard"
+plan, from the same initial state; the rows say so in the structure the docs cite, and every
+way trains the same (equal losses). About 45 s on 2 cores: heavy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.heavy
+def test_quick_benchmark_rows(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HLOPAR_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_runtime.py"), "--quick", "--json"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert set(report["machine"]) == {"nproc", "cpu", "jax", "devices"} and report["machine"]["devices"] == 8
+    assert report["config"]["steps"] == 2 and report["config"]["warmup"] == 1
+    rows = {r["way"]: r for r in report["rows"]}
+    assert list(rows) == ["jit-1-device", "jit-data-parallel", "jit-plan-shardings", "hlopar-shard-1x8"]
+    for row in rows.values():
+        assert row["step_s"] > 0 and len(row["steps_s"]) == 2 and row["first_call_s"] >= row["step_s"]
+        assert row["ratio_to_jit"] == pytest.approx(row["step_s"] / rows["jit-1-device"]["step_s"], rel=1e-12)
+        # The same training: after the same number of steps, the same loss.
+        assert row["loss"] == pytest.approx(rows["jit-1-device"]["loss"], rel=1e-5)
+    assert rows["jit-1-device"]["ratio_to_jit"] == 1.0
+    assert "critical_s" not in rows["jit-1-device"]
+    shard = rows["hlopar-shard-1x8"]
+    assert (shard["method"], shard["cluster"], shard["meshes"], shard["workers"]) == ("shard", "1x8", {"m0": 8}, 1)
+    assert shard["ratio_to_plan_shardings"] == pytest.approx(shard["step_s"] / rows["jit-plan-shardings"]["step_s"])
+    assert shard["ratio_to_data_parallel"] == pytest.approx(shard["step_s"] / rows["jit-data-parallel"]["step_s"])
+    assert 0 < shard["executables_s"] and 0 < shard["critical_s"]
+    target = report["targets"]["shard_over_plan_shardings"]
+    assert target == {"ratio": shard["ratio_to_plan_shardings"], "target": 1.05, "met": target["ratio"] <= 1.05}
