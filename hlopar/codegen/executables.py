@@ -9,7 +9,8 @@ going through the host.
 Gradient accumulation happens inside the executable that makes the gradients:
 `accumulating_module` turns a module into one that also takes an accumulator per summed
 result and returns accumulator + result in its place, the accumulator donated to that
-result. Donation is written the way JAX writes it in the StableHLO it lowers:
+result (a per-example result's rows are written into it in place: `_accumulated`).
+Donation is written the way JAX writes it in the StableHLO it lowers:
 `tf.aliasing_output = k : i32` on an argument whose buffer result k may reuse (XLA's
 `input_output_alias`), `jax.buffer_donor = true` on an argument that may be reused by any
 result. The PJRT runtime then consumes the donated input: after `run`, the `jax.Array` passed
@@ -30,6 +31,7 @@ from jaxlib.mlir.dialects import stablehlo
 
 from hlopar.codegen.spmd import SpmdExecutable, compile_spmd
 from hlopar.ir.extract import clone_into
+from hlopar.passes.per_example_results import PER_EXAMPLE_ATTR
 
 __all__ = ["ALIASING_OUTPUT", "BUFFER_DONOR", "DeviceExecutable", "accumulating_module", "compile_executable",
            "set_donation"]
@@ -149,10 +151,23 @@ def accumulating_module(module: ir.Operation, accumulate: Sequence[int], keep: C
             out = [mapping.get(v, v) for v in operations[-1].operands]
             raw = [out[k] for k in keep]
             for j, k in enumerate(accumulate):
-                out[k] = stablehlo.AddOp(entry.arguments[j], out[k]).result
+                out[k] = _accumulated(entry.arguments[j], out[k])
             func_dialect.ReturnOp(out + raw)
         step.erase()
     return clone
+
+
+def _accumulated(accumulator: ir.Value, value: ir.Value) -> ir.Value:
+    """accumulator + value; for a microbatch's rows of a per-example result placed in zeros
+    (`passes.per_example_results`), the rows written into the accumulator in place: the same
+    sum, as no other microbatch writes those rows, without adding a whole batch of zeros."""
+    placed = value.owner if isinstance(value, ir.OpResult) else None
+    if placed is not None and PER_EXAMPLE_ATTR in placed.attributes:
+        rows = stablehlo.DynamicUpdateSliceOp(accumulator, placed.operands[1], list(placed.operands[2:]))
+        if _SDY_SHARDING in placed.attributes:
+            rows.operation.attributes[_SDY_SHARDING] = placed.attributes[_SDY_SHARDING]
+        return rows.result
+    return stablehlo.AddOp(accumulator, value).result
 
 
 def _main(module: ir.Operation) -> ir.Operation:

@@ -25,7 +25,7 @@ import numpy as np
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo
 
-__all__ = ["INDEX_ARG_ATTR", "count_globally", "microbatch_index_values", "read_index_arg"]
+__all__ = ["INDEX_ARG_ATTR", "count_globally", "microbatch_index_values", "microbatch_offset", "read_index_arg"]
 
 INDEX_ARG_ATTR = "hlopar.microbatch_index_arg"
 
@@ -65,30 +65,37 @@ def count_globally(main: ir.Operation, iota: ir.Operation, kind_attrs: dict[str,
     """Replaces `iota` (already of the microbatch's shape, along a dim the split divided) by
     iota + k * size, k the microbatch index (module docstring). Returns the new ops, which
     get `kind_attrs` when the iota was at the top level of `@main`."""
-    index = index_argument(main)
     result_type = ir.RankedTensorType(iota.results[0].type)
-    element = result_type.element_type
     dim = ir.IntegerAttr(iota.attributes["iota_dimension"]).value
-    scalar = ir.RankedTensorType.get([], element)
     with ir.InsertionPoint(iota), iota.location:
-        k = stablehlo.ReshapeOp(ir.RankedTensorType.get([], ir.RankedTensorType(index.type).element_type), index)
-        converted = stablehlo.ConvertOp(scalar, k.result)
-        size = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(scalar, _number(element, result_type.shape[dim])))
-        offset = stablehlo.MulOp(converted.result, size.result)
-        spread = stablehlo.BroadcastInDimOp(result_type, offset.result, ir.DenseI64ArrayAttr.get([]))
+        offset, made = microbatch_offset(main, result_type.shape[dim], result_type.element_type)
+        spread = stablehlo.BroadcastInDimOp(result_type, offset, ir.DenseI64ArrayAttr.get([]))
         local = stablehlo.IotaOp(result_type, iota.attributes["iota_dimension"])
         total = stablehlo.AddOp(local.result, spread.result)
-    made = [op.operation for op in (k, converted, size, offset, spread, local, total)]
+    made += [op.operation for op in (spread, local, total)]
     top = iota.parent == main
     iota.results[0].replace_all_uses_with(total.result)
     iota.erase()
     if top:
         for op in made:
-            if op is size.operation:
-                continue  # a constant: independent of the batch
+            if op.name == "stablehlo.constant":
+                continue  # independent of the batch
             for key, value in kind_attrs.items():
                 op.attributes[key] = value
     return made
+
+
+def microbatch_offset(main: ir.Operation, size: int, element: ir.Type) -> tuple[ir.Value, list[ir.Operation]]:
+    """k * size, a scalar of `element` (k the microbatch index), made at the current insertion
+    point: the position of microbatch k's first row along a dim of `size` rows per microbatch.
+    Returns it and the ops made."""
+    index = index_argument(main)
+    scalar = ir.RankedTensorType.get([], element)
+    k = stablehlo.ReshapeOp(ir.RankedTensorType.get([], ir.RankedTensorType(index.type).element_type), index)
+    converted = stablehlo.ConvertOp(scalar, k.result)
+    rows = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(scalar, _number(element, size)))
+    offset = stablehlo.MulOp(converted.result, rows.result)
+    return offset.result, [op.operation for op in (k, converted, rows, offset)]
 
 
 def _number(element: ir.Type, value: int) -> ir.Attribute:

@@ -27,7 +27,8 @@ padding part of it, concatenating, sorting, reversing along it, a non-splat cons
 batch shape); a reduction over the batch that is not a sum (max, a reduce of several
 values, a reduce with a non-zero init, a scatter into a non-zero buffer); a sum over the
 batch inside a loop or a branch; a parameter combined with the batch along its batch dim;
-a result that carries the batch (per-example outputs: they would have to be concatenated);
+a result that carries the batch spread over several dims (per-example results with the batch
+in one dim are concatenated along it: `per_example_results`);
 ops hlopar cannot resize (custom calls, dynamic-shape ops); a statistic of the whole batch
 used per example that is not a mean (below); whole-shape random generators (`stablehlo.rng`,
 `rng_bit_generator`) unless `rng=per-microbatch`, which resizes them with a warning.
@@ -64,7 +65,9 @@ The loss must not depend on a statistic other than through per-example values.
 and every value carrying the batch with their dims divided by B, all else unchanged (the 1/N
 of a loss's mean included; the counts of batch statistics divided by B). When an iota counts
 the batch, one more argument, the microbatch index `tensor<1xi32>` (B rows in the whole
-step: arange(B)), follows the step's own, named by `hlopar.microbatch_index_arg = N`.
+step: arange(B)), follows the step's own, named by `hlopar.microbatch_index_arg = N`; the
+index is added too where a result carries the batch: such a result keeps the whole batch's
+type, its microbatch's rows placed in zeros, a `sum` (`per_example_results`).
 `@main` gets `hlopar.microbatches = B : i64` and `hlopar.batch_args = array<i64: ...>` (the
 arguments cut along dim 0, in order, the index included), and every top-level op gets
 `hlopar.microbatch`, the kind of its results:
@@ -135,6 +138,7 @@ from hlopar.ir.signature import FuncSignature
 from hlopar.passes.base import ModulePass, PassContext, option
 from hlopar.passes.batch_statistics import mean_divisions, reduced_count, rescale_mean, splat_value
 from hlopar.passes.microbatch_index import count_globally, microbatch_index_values, read_index_arg
+from hlopar.passes.per_example_results import concatenated_dim, place_rows
 
 __all__ = [
     "BATCH", "KIND_ATTR", "STEP", "SUM", "SplitMicrobatchesPass", "SplitStep", "read_split", "split_step",
@@ -238,6 +242,7 @@ class _Splitter:
         self.div: dict[ir.Value, tuple[int, ...]] = {}  # values whose dims are divided
         self.rules: list[OpRule | None] = []
         self.iotas: list[ir.Operation] = []  # iotas along the batch, to count globally
+        self.per_example: dict[int, int] = {}  # results carrying the batch -> their batch dim
 
     def run(self) -> dict:
         self._propagate()
@@ -268,6 +273,7 @@ class _Splitter:
             batch_kind = {KIND_ATTR: ir.StringAttr.get(BATCH)}
             for iota in self.iotas:
                 count_globally(self.main, iota, batch_kind)
+            place_rows(self.main, self.per_example, batch_kind, {KIND_ATTR: ir.StringAttr.get(SUM)})
         batch_args = list(self.batch_args)
         if read_index_arg(self.main) is not None:
             batch_args.append(read_index_arg(self.main))
@@ -278,7 +284,7 @@ class _Splitter:
         counts["independent"] = sum(1 for x in kinds if x is None)
         return {"microbatches": self.b, "batch_args": batch_args, "loss_result": loss,
                 "resized_values": resized, "ops": counts, "means_per_microbatch": len(means),
-                "iotas_counting_globally": len(self.iotas)}
+                "iotas_counting_globally": len(self.iotas), "per_example_results": len(self.per_example)}
 
     def _hand_off(self, kinds: list[str | None]) -> None:
         """Per-microbatch values without examples that the ops run once read or `@main`
@@ -432,11 +438,16 @@ class _Splitter:
         name = op.name
         if name in ("stablehlo.return", "func.return", "sdy.return"):
             parent = op.parent
-            if name == "func.return":
-                number = next(i for i, d in enumerate(operands) if d)
-                raise SplitError(op, f"result {number} of @main carries the batch (per-example values): with "
-                                     f"{self.b} microbatches it would have to be concatenated along the batch, which "
-                                     "hlopar does not do (return a sum or a mean, or use microbatches=1)")
+            if name == "func.return":  # per-example results: concatenated along their batch dim
+                for number, div in enumerate(operands):
+                    if div and (dim := concatenated_dim(div, self.b)) is None:
+                        raise SplitError(op, f"{FuncSignature.of(self.main).result(number)} of @main carries the "
+                                             f"batch spread over several dims {div}: the {self.b} microbatches' "
+                                             "values cannot be concatenated along one (return it with the batch "
+                                             "in one dim, or use microbatches=1)")
+                    if div:
+                        self.per_example[number] = dim
+                return
             if parent.name in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
                 expected = [self.divided(v) for v in parent.results]
                 if operands != expected:

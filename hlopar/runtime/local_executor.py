@@ -16,8 +16,9 @@ results:
   next instruction whose dependencies have run. RUN executes the fragments it names for that
   microbatch on the stage's devices (F: forward; B: backward, or its input-gradient half
   when split; W: the weight-gradient half); the values that leave the per-microbatch part
-  (gradients, the loss's share) are summed inside those executables, in donated accumulators. SEND carries out the transfers it names
-  for the microbatch (an `mpmd.transfer` is a copy; a `hlopar.cross_mesh_transfer` runs its
+  (gradients, the loss's share) are summed inside those executables, in donated accumulators
+  (per-example results: the microbatch's rows written at their place). SEND carries out the
+  transfers it names for the microbatch (an `mpmd.transfer` is a copy; a `hlopar.cross_mesh_transfer` runs its
   unit ops device to device, `local_transfer.run_planned_transfer`), RECV checks they came;
   ACCUMULATE and FREE release what the schedule says is dead; UPDATE marks the end of a
   mesh's stream. When every stream has ended, the update fragments run once, in program

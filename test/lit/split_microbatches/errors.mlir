@@ -45,16 +45,6 @@ func.func @main(%w: tensor<8x4xf32>, %x: tensor<8x4xf32>) -> (tensor<8x4xf32>, t
 
 // -----
 
-// A per-example result.
-func.func @main(%w: tensor<4xf32>, %x: tensor<8x4xf32>) -> (tensor<8x4xf32>, tensor<f32>) {
-  %zero = stablehlo.constant dense<0.0> : tensor<f32>
-  %s = stablehlo.reduce(%x init: %zero) applies stablehlo.add across dimensions = [0, 1] : (tensor<8x4xf32>, tensor<f32>) -> tensor<f32>
-  // CHECK: errors.mlir:[[# @LINE + 1]]:{{[0-9]+}}: error: hlopar-split-microbatches: result 0 of @main carries the batch (per-example values): with 2 microbatches it would have to be concatenated along the batch
-  return %x, %s : tensor<8x4xf32>, tensor<f32>
-}
-
-// -----
-
 // A constant with a row per example.
 func.func @main(%w: tensor<4xf32>, %x: tensor<8x4xf32>) -> (tensor<4xf32>, tensor<f32>) {
   %zero = stablehlo.constant dense<0.0> : tensor<f32>

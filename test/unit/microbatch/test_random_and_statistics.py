@@ -299,8 +299,9 @@ def test_pipelined_runs_the_same(which, names):
 
 
 def _odd_step(w, x, y):
-    """What only a split would forbid: per-example predictions returned, a statistic that
-    is not a mean (x minus its batch sum), a sum over the batch inside a loop."""
+    """What only a split would forbid: a statistic that is not a mean (x minus its batch
+    sum), a sum over the batch inside a loop; and per-example predictions returned (concatenated
+    over microbatches since)."""
 
     def loss_fn(w):
         h = x @ w
@@ -342,8 +343,8 @@ def test_several_microbatches_name_what_needs_the_split():
     args = _odd_args()
     with pytest.raises(DiagnosticError) as error:
         _split(_odd_step, args, 2, batch_args=(1, 2))
-    assert ("result 2 of @main carries the batch (per-example values): with 2 microbatches it would have to be "
-            "concatenated along the batch") in str(error.value)
+    # The predictions are concatenated over microbatches (test_per_example_outputs.py): not what is refused.
+    assert "hlopar-split-microbatches:" in str(error.value) and "result 2" not in str(error.value)
     with pytest.raises(DiagnosticError) as error:
         _split(_sum_statistic_step, args, 2, batch_args=(1, 2))
     assert "a batch statistic that is not a mean over the batch" in str(error.value)
