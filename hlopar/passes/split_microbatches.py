@@ -242,7 +242,7 @@ class _Splitter:
         self.div: dict[ir.Value, tuple[int, ...]] = {}  # values whose dims are divided
         self.rules: list[OpRule | None] = []
         self.iotas: list[ir.Operation] = []  # iotas along the batch, to count globally
-        self.per_example: dict[int, int] = {}  # results carrying the batch -> their batch dim
+        self.per_example_results: dict[int, int] = {}  # results carrying the batch -> their batch dim
 
     def run(self) -> dict:
         self._propagate()
@@ -273,7 +273,7 @@ class _Splitter:
             batch_kind = {KIND_ATTR: ir.StringAttr.get(BATCH)}
             for iota in self.iotas:
                 count_globally(self.main, iota, batch_kind)
-            place_rows(self.main, self.per_example, batch_kind, {KIND_ATTR: ir.StringAttr.get(SUM)})
+            place_rows(self.main, self.per_example_results, batch_kind, {KIND_ATTR: ir.StringAttr.get(SUM)})
         batch_args = list(self.batch_args)
         if read_index_arg(self.main) is not None:
             batch_args.append(read_index_arg(self.main))
@@ -284,7 +284,7 @@ class _Splitter:
         counts["independent"] = sum(1 for x in kinds if x is None)
         return {"microbatches": self.b, "batch_args": batch_args, "loss_result": loss,
                 "resized_values": resized, "ops": counts, "means_per_microbatch": len(means),
-                "iotas_counting_globally": len(self.iotas), "per_example_results": len(self.per_example)}
+                "iotas_counting_globally": len(self.iotas), "per_example_results": len(self.per_example_results)}
 
     def _hand_off(self, kinds: list[str | None]) -> None:
         """Per-microbatch values without examples that the ops run once read or `@main`
@@ -446,7 +446,7 @@ class _Splitter:
                                              "values cannot be concatenated along one (return it with the batch "
                                              "in one dim, or use microbatches=1)")
                     if div:
-                        self.per_example[number] = dim
+                        self.per_example_results[number] = dim
                 return
             if parent.name in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
                 expected = [self.divided(v) for v in parent.results]
