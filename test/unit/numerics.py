@@ -180,3 +180,64 @@ def assert_step_close(outputs, reference: PyTree, params: PyTree, *, rtol: float
                          max_rtol=rtol if update_max_rtol is None else update_max_rtol,
                          noise_mask=adam_noise_mask(want_state.mu))
     assert_trees_close((state, loss), (want_state, want_loss), rtol=rtol, max_rtol=rtol)
+
+
+
+def assert_adam_step_close(actual: PyTree, expected: PyTree, params_before: PyTree, params_of, *,
+                           rtol: float) -> None:
+    """A training step's results against the reference's from the same arguments: the same
+    pytree; the parameters (``params_of(results)``) by update, Adam's noise masked by the
+    reference's first moment (where the step runs Adam); everything else (Adam's moments, whose
+    masked entries are left out too, the loss, metrics, the step count exactly, typed keys by
+    their key data) to `rtol` of each entry plus `rtol` of its leaf's largest."""
+    have, want = jax.tree_util.tree_structure(actual), jax.tree_util.tree_structure(expected)
+    assert have == want, f"results {have}, expected {want}"
+    want_params = params_of(expected)
+    mask = first_moment_mask(expected, want_params)
+    noise = None if mask is None else jax.tree_util.tree_leaves(mask)
+    have_params = {id(x) for x in jax.tree_util.tree_leaves(params_of(actual))}
+    assert_trees_close(_comparable(actual, have_params, noise),
+                       _comparable(expected, {id(x) for x in jax.tree_util.tree_leaves(want_params)}, noise),
+                       rtol=rtol, max_rtol=rtol)
+    assert_updates_close(params_of(actual), want_params, params_before, rtol=rtol, max_rtol=rtol, noise_mask=mask)
+
+
+def _is_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.numpy.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _moment(path) -> str | None:
+    """"mu" or "nu" for a leaf of Adam's moments (optax's `ScaleByAdamState`, the zoo's
+    `AdamState`, NNX's `opt_state[...]['mu']`), else None."""
+    name = jax.tree_util.keystr(path)
+    return next((m for m in ("mu", "nu") if f".{m}" in name or f"['{m}']" in name), None)
+
+
+def _comparable(tree: PyTree, params: set[int], noise: list | None) -> PyTree:
+    """`tree` with typed keys as their key data, the parameters (by id) blanked, and the
+    entries of Adam's moments that `noise` masks (leaves in the parameters' order) zeroed."""
+    count = {"mu": 0, "nu": 0}
+
+    def leaf(path, x):
+        if id(x) in params:
+            return np.zeros((), np.float32)
+        if _is_key(x):
+            return jax.random.key_data(x)
+        moment = _moment(path)
+        if moment is None or noise is None:
+            return x
+        mask = noise[count[moment]]
+        count[moment] += 1
+        return np.where(mask, np.zeros((), np.asarray(x).dtype), x)
+    return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def first_moment_mask(results: PyTree, params: PyTree) -> PyTree | None:
+    """The Adam noise mask of `params` from the first moment in `results` (its leaves in the
+    parameters' order), or None where the step runs no Adam."""
+    leaves = [x for path, x in jax.tree_util.tree_flatten_with_path(results)[0] if _moment(path) == "mu"]
+    if not leaves:
+        return None
+    treedef = jax.tree_util.tree_structure(params)
+    assert len(leaves) == treedef.num_leaves
+    return adam_noise_mask(jax.tree_util.tree_unflatten(treedef, leaves))

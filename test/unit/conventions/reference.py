@@ -72,58 +72,8 @@ def trajectory(case: Case, steps: int, microbatches: int = 1) -> list:
     return results
 
 
-def _is_key(x) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def _moment(path) -> str | None:
-    """"mu" or "nu" for a leaf of Adam's moments (optax's `ScaleByAdamState`, NNX's
-    `opt_state[...]['mu']`), else None."""
-    name = jax.tree_util.keystr(path)
-    return next((m for m in ("mu", "nu") if f".{m}" in name or f"['{m}']" in name), None)
-
-
-def _plain(tree, params: set[int], noise: list | None):
-    """`tree` with typed keys as their key data, the parameters (by id) blanked, and the
-    entries of Adam's moments that `noise` masks (leaves in the parameters' order) zeroed."""
-    count = {"mu": 0, "nu": 0}
-
-    def leaf(path, x):
-        if id(x) in params:
-            return np.zeros((), np.float32)
-        if _is_key(x):
-            return jax.random.key_data(x)
-        moment = _moment(path)
-        if moment is None or noise is None:
-            return x
-        mask = noise[count[moment]]
-        count[moment] += 1
-        return np.where(mask, np.zeros((), np.asarray(x).dtype), x)
-    return jax.tree_util.tree_map_with_path(leaf, tree)
-
-
-def first_moment_mask(results, params):
-    """The Adam noise mask of `params` from the first moment in `results` (its leaves in the
-    parameters' order), or None where the step runs no Adam."""
-    leaves = [x for path, x in jax.tree_util.tree_flatten_with_path(results)[0] if _moment(path) == "mu"]
-    if not leaves:
-        return None
-    treedef = jax.tree_util.tree_structure(params)
-    assert len(leaves) == treedef.num_leaves
-    return numerics.adam_noise_mask(jax.tree_util.tree_unflatten(treedef, leaves))
-
 
 def compare(case: Case, args: tuple, actual, expected) -> None:
     """`actual` (a parallel step's results) against `expected` (the reference): same pytree,
-    then every leaf (module docstring)."""
-    have, want = jax.tree_util.tree_structure(actual), jax.tree_util.tree_structure(expected)
-    assert have == want, f"{case.name}: results {have}, expected {want}"
-    want_params = case.params_of(expected)
-    mask = first_moment_mask(expected, want_params)
-    noise = None if mask is None else jax.tree_util.tree_leaves(mask)
-    have_params = {id(x) for x in jax.tree_util.tree_leaves(case.params_of(actual))}
-    numerics.assert_trees_close(_plain(actual, have_params, noise),
-                                _plain(expected, {id(x) for x in jax.tree_util.tree_leaves(want_params)}, noise),
-                                rtol=RTOL, max_rtol=RTOL)
-    numerics.assert_updates_close(case.params_of(actual), want_params, case.params(args), rtol=RTOL,
-                                  max_rtol=RTOL, noise_mask=mask)
+    then every leaf (module docstring; `numerics.assert_adam_step_close`)."""
+    numerics.assert_adam_step_close(actual, expected, case.params(args), case.params_of, rtol=RTOL)

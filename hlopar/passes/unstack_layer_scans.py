@@ -1,0 +1,578 @@
+"""hlopar-unstack-layer-scans: a layer stack under `scan` becomes one piece per layer.
+
+A scanned model (`jax.lax.scan` over stacked weights, Flax `nn.scan`) keeps its layers'
+parameters in arrays with a leading layer axis and runs its blocks in a `while` loop
+(`analysis.layer_scans`); its backward loop writes the stacked gradients, and the optimizer
+updates the stacked parameters and state elementwise. A pipeline stage must hold only its
+own layers, and stage construction cuts between top-level ops, so this pass:
+
+1. unrolls each loop over layers (its body cloned once per iteration, the counter folded to
+   constants by `canonicalize`), so that layer i's ops are ops of their own;
+2. splits every value stacked along the layer axis (the stacked parameters and optimizer
+   state among the arguments, the loop's stacked residuals, the stacked gradients, the
+   updated state among the results) into L pieces of leading dim 1: reads of layer i
+   (`dynamic_slice` at constant index i) read piece i, writes (`dynamic_update_slice`) replace
+   piece i, elementwise ops (the optimizer) run per piece, sums over the layer axis (a global
+   gradient norm) add the pieces' sums.
+
+A value is split only if everything that reads it can follow the pieces, and only if it is
+connected to a per-layer read or write; the rest is left as it is. `@main` then takes
+the pieces as arguments and returns them as results: `hlopar.layer_pieces` on `@main` says
+which argument and result of the original signature each one is a piece of (docs/ir.md),
+so a caller slices the stacked arrays it passes and concatenates the pieces it gets back
+(`layer_pieces.LayerPieces`).
+
+Unrolling is what makes the cut points ops; it costs IR size (the unrolled stack is the size
+of the same model written with a Python loop) and nothing at run time: the pieces are the
+slices a stage would hold anyway.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from jaxlib.mlir import ir, passmanager
+from jaxlib.mlir.dialects import func as func_dialect
+from jaxlib.mlir.dialects import stablehlo
+
+from hlopar.analysis.layer_scans import layer_scans
+from hlopar.ir.diagnostics import DiagnosticError
+from hlopar.ir.extract import clone_into
+from hlopar.ir.graph import FuncGraph
+from hlopar.ir.signature import FuncSignature
+from hlopar.passes.auto_sharding import planned_functions
+from hlopar.passes.base import ModulePass, PassContext, option
+
+__all__ = ["LAYER_PIECES_ATTR", "LayerPieces", "UnstackLayerScansPass", "unroll", "unstack"]
+
+LAYER_PIECES_ATTR = "hlopar.layer_pieces"
+
+ELEMENTWISE = frozenset(f"stablehlo.{name}" for name in (
+    "abs add and atan2 cbrt ceil clamp compare convert cosine divide exponential exponential_minus_one floor "
+    "imag is_finite log log_plus_one logistic maximum minimum multiply negate not or popcnt power real remainder "
+    "round_nearest_afz round_nearest_even rsqrt select shift_left shift_right_arithmetic shift_right_logical sign "
+    "sine sqrt subtract tan tanh xor").split()) | {"sdy.sharding_constraint"}
+_COMBINING = frozenset({"stablehlo.add", "stablehlo.maximum", "stablehlo.minimum", "stablehlo.and", "stablehlo.or"})
+
+
+@dataclass
+class UnstackLayerScansPass(ModulePass):
+    name = "hlopar-unstack-layer-scans"
+    summary = ("unroll scans over stacked layers and split their stacked parameters, state and results into one "
+               "piece per layer (so that stages can cut between layers)")
+
+    max_layers: int = option(512, "unroll loops over at most this many layers")
+    report: str | None = option(None, "write a JSON report of the unrolled loops and split values to this path")
+
+    def run(self, module: ir.Operation, context: PassContext) -> None:
+        funcs = planned_functions(module)
+        if len(funcs) != 1:
+            self.fail(module, f"expects one entry function (@main), found {len(funcs)}")
+        (main,) = funcs
+        with module.context, ir.Location.unknown():
+            graph = FuncGraph.from_func(main)
+            scans = [s for s in layer_scans(graph) if s.trips <= self.max_layers]
+            for scan in scans:
+                unroll(graph.ops[scan.op].mlir_op, scan.trips)
+            _canonicalize(module)
+            pieces = unstack(planned_functions(module)[0], {s.trips for s in scans}) if scans else None
+            if pieces is not None:
+                _canonicalize(module)  # what read or made the whole stacks is dead now
+        if self.report:
+            report = {"pass": self.name, "loops": [{"trips": s.trips, "stacked_operands": len(s.stacked)}
+                                                   for s in scans],
+                      "split_arguments": pieces.split_arguments if pieces else 0,
+                      "split_results": pieces.split_results if pieces else 0}
+            with open(self.report, "w") as out:
+                json.dump(report, out, indent=1)
+
+
+def unroll(loop: ir.Operation, trips: int) -> None:
+    """Replaces a `while` that runs `trips` times by `trips` copies of its body."""
+    body = loop.regions[1].blocks[0]
+    carried = list(loop.operands)
+    ops = list(body.operations)
+    with ir.InsertionPoint(loop), loop.location:
+        for _ in range(trips):
+            mapping = dict(zip(body.arguments, carried))
+            for op in ops[:-1]:
+                clone_into(op.operation, mapping)
+            carried = [mapping.get(v, v) for v in ops[-1].operands]
+    for old, new in zip(loop.results, carried):
+        old.replace_all_uses_with(new)
+    loop.erase()
+
+
+def _canonicalize(module: ir.Operation) -> None:
+    try:
+        passmanager.PassManager.parse("builtin.module(canonicalize,cse)", context=module.context).run(module)
+    except ir.MLIRError as error:
+        raise DiagnosticError.from_mlir_error(error) from None
+
+
+@dataclass(frozen=True)
+class LayerPieces:
+    """How an unstacked `@main`'s signature relates to the step's own: per argument and
+    result of `@main`, the number of the original one it is (piece -1) or a piece of
+    (piece i: rows i:i+1 of the original's leading layer axis)."""
+
+    arg_origin: tuple[int, ...]
+    arg_piece: tuple[int, ...]
+    result_origin: tuple[int, ...]
+    result_piece: tuple[int, ...]
+
+    @classmethod
+    def of(cls, main: ir.Operation) -> LayerPieces | None:
+        if LAYER_PIECES_ATTR not in main.attributes:
+            return None
+        attrs = {a.name: tuple(ir.DenseI64ArrayAttr(a.attr)) for a in ir.DictAttr(main.attributes[LAYER_PIECES_ATTR])}
+        return cls(**attrs)
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> LayerPieces | None:
+        return cls(**{k: tuple(v) for k, v in data.items()}) if data else None
+
+    def to_json(self) -> dict:
+        return {k: list(v) for k, v in asdict(self).items()}
+
+    def split(self, arguments: Sequence) -> list:
+        """`@main`'s arguments from the step's own."""
+        return [arguments[o] if p < 0 else arguments[o][p:p + 1] for o, p in zip(self.arg_origin, self.arg_piece)]
+
+    def join(self, results: Sequence, concatenate: Callable = np.concatenate) -> list:
+        """The step's results from `@main`'s: the pieces of each split one concatenated in order."""
+        joined: dict[int, list] = {}
+        for value, origin in zip(results, self.result_origin):
+            joined.setdefault(origin, []).append(value)
+        return [parts[0] if len(parts) == 1 else concatenate(parts) for _, parts in sorted(joined.items())]
+
+    def resident(self, resident: dict[int, int]) -> dict[int, int]:
+        """`{argument: result}` of values kept on the workers, from the step's numbering to `@main`'s."""
+        result_at = {(o, p): k for k, (o, p) in enumerate(zip(self.result_origin, self.result_piece))}
+        found = {}
+        for k, (o, p) in enumerate(zip(self.arg_origin, self.arg_piece)):
+            if o in resident and (resident[o], p) in result_at:
+                found[k] = result_at[(resident[o], p)]
+        return found
+
+    def arguments_of(self, originals: Iterable[int]) -> tuple[int, ...]:
+        """The numbers of `@main`'s arguments that are (pieces of) the given original ones."""
+        wanted = set(originals)
+        return tuple(k for k, o in enumerate(self.arg_origin) if o in wanted)
+
+
+# --------------------------------------------------------------------------- splitting
+
+
+@dataclass(frozen=True)
+class SplitSummary:
+    split_arguments: int
+    split_results: int
+
+
+def unstack(main: ir.Operation, counts: set[int]) -> SplitSummary:
+    """Splits the values of `main` stacked along a leading layer axis of a size in `counts`."""
+    splitter = _Splitter(main, counts)
+    return splitter.run()
+
+
+def _shape(value: ir.Value) -> list[int] | None:
+    try:
+        return list(ir.RankedTensorType(value.type).shape)
+    except ValueError:
+        return None
+
+
+def _piece_type(value: ir.Value) -> ir.Type:
+    t = ir.RankedTensorType(value.type)
+    return ir.RankedTensorType.get([1] + list(t.shape[1:]), t.element_type, t.encoding)
+
+
+def _constant_int(value: ir.Value) -> int | None:
+    """The value of a scalar integer computed from constants (an unrolled loop's layer index:
+    the counter, `L - 1 - i` of a reversed scan, JAX's wrap of negative indices), else None."""
+    owner = value.owner
+    if not isinstance(owner, ir.OpView):
+        return None
+    op = owner.operation
+    name = op.name
+    if name == "stablehlo.constant":
+        try:
+            attr = ir.DenseIntElementsAttr(op.attributes["value"])
+        except ValueError:
+            return None
+        return int(attr[0]) if attr.is_splat or len(attr) == 1 else None
+    if name in ("stablehlo.convert", "stablehlo.reshape", "stablehlo.broadcast_in_dim", "sdy.sharding_constraint"):
+        shape = _shape(op.results[0])
+        return _constant_int(op.operands[0]) if shape is not None and all(d == 1 for d in shape) else None
+    operands = [_constant_int(v) for v in op.operands]
+    if any(x is None for x in operands):
+        return None
+    if name == "stablehlo.compare":
+        a, b = operands
+        direction = str(op.attributes["comparison_direction"])
+        for key, result in (("LT", a < b), ("LE", a <= b), ("GT", a > b), ("GE", a >= b), ("EQ", a == b),
+                            ("NE", a != b)):
+            if key in direction:
+                return int(result)
+        return None
+    arithmetic = {
+        "stablehlo.add": lambda a, b: a + b, "stablehlo.subtract": lambda a, b: a - b,
+        "stablehlo.multiply": lambda a, b: a * b, "stablehlo.maximum": max, "stablehlo.minimum": min,
+        "stablehlo.negate": lambda a: -a, "stablehlo.select": lambda p, a, b: a if p else b,
+        "stablehlo.clamp": lambda lo, x, hi: min(max(x, lo), hi),
+    }
+    return arithmetic[name](*operands) if name in arithmetic else None
+
+
+def _dense_ints(op: ir.Operation, name: str) -> list[int]:
+    attr = op.attributes[name]
+    try:
+        return list(ir.DenseI64ArrayAttr(attr))
+    except ValueError:
+        return [int(x) for x in ir.DenseIntElementsAttr(attr)]
+
+
+class _Splitter:
+    def __init__(self, main: ir.Operation, counts: set[int]):
+        self.main = main
+        self.block = main.regions[0].blocks[0]
+        self.counts = counts
+        self.ops = [op.operation for op in self.block.operations]
+        self.ret = self.ops[-1]
+        self.pieces: dict[ir.Value, list[ir.Value]] = {}
+
+    # -- which values: every reader and the maker can follow the pieces, and a per-layer access
+
+    def _leading(self, value: ir.Value) -> int | None:
+        shape = _shape(value)
+        return shape[0] if shape and shape[0] in self.counts else None
+
+    def _layer_index(self, op: ir.Operation, sizes_or_update: list[int], indices: list[ir.Value]) -> int | None:
+        """The layer a dynamic_slice reads or a dynamic_update_slice writes, when it is one layer at a constant."""
+        if not indices or sizes_or_update[0] != 1:
+            return None
+        return _constant_int(indices[0])
+
+    def _reads_follow(self, value: ir.Value) -> bool:
+        for use in value.uses:
+            op, number = use.owner, use.operand_number
+            op = op.operation if isinstance(op, ir.OpView) else op
+            if op == self.ret or op.name in ELEMENTWISE:
+                continue
+            if op.parent != self.main:
+                return False
+            if op.name == "stablehlo.dynamic_slice" and number == 0:
+                if self._layer_index(op, _dense_ints(op, "slice_sizes"), list(op.operands)[1:]) is None:
+                    return False
+            elif op.name == "stablehlo.slice" and number == 0:
+                start, limit = _dense_ints(op, "start_indices"), _dense_ints(op, "limit_indices")
+                if limit[0] - start[0] != 1 or _dense_ints(op, "strides")[0] != 1:
+                    return False
+            elif op.name == "stablehlo.dynamic_update_slice" and number == 0:
+                if self._layer_index(op, _shape(op.operands[1]), list(op.operands)[2:]) is None:
+                    return False
+            elif op.name == "stablehlo.reduce" and number == 0:
+                if len(op.results) != 1 or not self._combines(op):
+                    return False
+            elif op.name == "stablehlo.transpose":
+                if _dense_ints(op, "permutation")[0] != 0:
+                    return False
+            elif op.name == "stablehlo.broadcast_in_dim":
+                if _dense_ints(op, "broadcast_dimensions")[0] != 0 or self._leading(op.results[0]) is None:
+                    return False
+            else:
+                return False
+        return True
+
+    def _combines(self, reduce: ir.Operation) -> bool:
+        body = reduce.regions[0].blocks[0]
+        ops = list(body.operations)
+        if len(ops) != 2 or ops[0].operation.name not in _COMBINING:
+            return False
+        if ops[0].operation.name == "stablehlo.add" and _constant_float(reduce.operands[1]) != 0:
+            dims = _dense_ints(reduce, "dimensions")
+            return 0 not in dims  # summing the pieces would add the initial value L times
+        return True
+
+    def _made_followably(self, value: ir.Value) -> bool:
+        owner = value.owner
+        if isinstance(owner, ir.Block):
+            return owner == self.block
+        op = owner.operation
+        if op.parent != self.main:
+            return False
+        name = op.name
+        if name in ELEMENTWISE or name == "stablehlo.dynamic_update_slice":
+            return True
+        if name == "stablehlo.constant":
+            return ir.DenseElementsAttr(op.attributes["value"]).is_splat
+        if name == "stablehlo.broadcast_in_dim":
+            dims = _dense_ints(op, "broadcast_dimensions")
+            return 0 not in dims or dims[0] == 0
+        if name == "stablehlo.transpose":
+            return _dense_ints(op, "permutation")[0] == 0
+        if name == "stablehlo.reduce":
+            return 0 not in _dense_ints(op, "dimensions") and len(op.results) == 1 and self._combines(op)
+        return False
+
+    def _linked(self, op: ir.Operation) -> list[ir.Value]:
+        """The stacked operands and results of `op` that are split together or not at all."""
+        values = [v for v in list(op.operands) + list(op.results) if self._leading(v) is not None]
+        if op.name == "stablehlo.dynamic_update_slice":
+            values = [op.operands[0], op.results[0]]
+        elif op.name in ("stablehlo.dynamic_slice", "stablehlo.slice"):
+            values = [op.operands[0]]
+        elif op.name == "stablehlo.reduce":
+            values = [v for v in (op.operands[0], op.results[0]) if self._leading(v) is not None]
+        return values
+
+    def _choose(self) -> set[ir.Value]:
+        candidates = [a for a in self.block.arguments if self._leading(a) is not None]
+        for op in self.ops[:-1]:
+            candidates += [r for r in op.results if self._leading(r) is not None]
+        chosen = {v for v in candidates if self._made_followably(v) and self._reads_follow(v)}
+        changed = True
+        while changed:  # values split together: all of them or none
+            changed = False
+            for op in self.ops[:-1]:
+                linked = self._linked(op)
+                if any(v in chosen for v in linked) and not all(v in chosen for v in linked):
+                    chosen.difference_update(linked)
+                    changed = True
+        # Only what is connected to a per-layer read or write.
+        seeds = set()
+        for op in self.ops[:-1]:
+            if op.name in ("stablehlo.dynamic_slice", "stablehlo.slice", "stablehlo.dynamic_update_slice"):
+                seeds.update(v for v in self._linked(op) if v in chosen)
+        component, frontier = set(seeds), list(seeds)
+        neighbours: dict[ir.Value, list[ir.Value]] = {}
+        for op in self.ops[:-1]:
+            linked = [v for v in self._linked(op) if v in chosen]
+            for v in linked:
+                neighbours.setdefault(v, []).extend(linked)
+        while frontier:
+            for w in neighbours.get(frontier.pop(), ()):
+                if w not in component:
+                    component.add(w)
+                    frontier.append(w)
+        return component
+
+    # -- rewriting
+
+    def run(self) -> SplitSummary:
+        chosen = self._choose()
+        if not chosen:
+            return SplitSummary(0, 0)
+        arguments = self._split_arguments(chosen)
+        for op in self.ops[:-1]:
+            if any(v in chosen for v in list(op.operands) + list(op.results)):
+                with ir.InsertionPoint(op), op.location:
+                    self._rewrite(op, chosen)
+        results = self._split_results(chosen)
+        for op in reversed(self.ops[:-1]):  # what read or made whole stacks (arguments erased below)
+            if all(not list(r.uses) for r in op.results) and any(v in chosen for v in op.operands):
+                op.erase()
+        for number in reversed(arguments):
+            self.block.erase_argument(number)
+        self._retype()
+        return SplitSummary(len(arguments), len(results))
+
+    def _split_arguments(self, chosen: set[ir.Value]) -> list[int]:
+        numbers = [a.arg_number for a in self.block.arguments if a in chosen]
+        arg_attrs = self._attrs("arg_attrs", len(self.block.arguments))
+        count = len(self.block.arguments)
+        names = FuncSignature.of(self.main).arg_names
+        origin = list(range(count))
+        piece = [-1] * count
+        new_attrs = list(arg_attrs)
+        for number in numbers:
+            argument = self.block.arguments[number]
+            layers = self._leading(argument)
+            name = names[number]
+            made = []
+            for i in range(layers):
+                location = ir.Location.name(f"{name}[{i}]") if name is not None else argument.location
+                made.append(self.block.add_argument(_piece_type(argument), location))
+                origin.append(number)
+                piece.append(i)
+                new_attrs.append(arg_attrs[number])
+            self.pieces[argument] = made
+        self._arg_origin = [o for k, o in enumerate(origin) if k not in set(numbers)]
+        self._arg_piece = [p for k, p in enumerate(piece) if k not in set(numbers)]
+        self._arg_attrs = [a for k, a in enumerate(new_attrs) if k not in set(numbers)]
+        return numbers
+
+    def _split_results(self, chosen: set[ir.Value]) -> list[int]:
+        old = list(self.ret.operands)
+        res_attrs = self._attrs("res_attrs", len(old))
+        values, origin, piece, attrs, split = [], [], [], [], []
+        for number, value in enumerate(old):
+            if value in chosen:
+                split.append(number)
+                for i, p in enumerate(self.pieces[value]):
+                    values.append(p)
+                    origin.append(number)
+                    piece.append(i)
+                    attrs.append(_suffixed(res_attrs[number], f"[{i}]"))
+            else:
+                values.append(value)
+                origin.append(number)
+                piece.append(-1)
+                attrs.append(res_attrs[number])
+        with ir.InsertionPoint(self.ret), self.ret.location:
+            func_dialect.ReturnOp(values)
+        self.ret.erase()
+        self._res_origin, self._res_piece, self._res_attrs = origin, piece, attrs
+        return split
+
+    def _retype(self) -> None:
+        main = self.main
+        ret = list(self.block.operations)[-1].operation
+        new_result = {(o, p): k for k, (o, p) in enumerate(zip(self._res_origin, self._res_piece))}
+        arg_attrs = []
+        for attrs, piece in zip(self._arg_attrs, self._arg_piece):
+            arg_attrs.append(_realiased(attrs, piece, new_result))
+        main.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
+            [a.type for a in self.block.arguments], [v.type for v in ret.operands]))
+        main.attributes["arg_attrs"] = ir.ArrayAttr.get(arg_attrs)
+        main.attributes["res_attrs"] = ir.ArrayAttr.get(self._res_attrs)
+        i64 = ir.IntegerType.get_signless(64)
+
+        def ints(xs):
+            return ir.DenseI64ArrayAttr.get(list(xs))
+
+        main.attributes[LAYER_PIECES_ATTR] = ir.DictAttr.get({
+            "arg_origin": ints(self._arg_origin), "arg_piece": ints(self._arg_piece),
+            "result_origin": ints(self._res_origin), "result_piece": ints(self._res_piece)})
+        del i64
+
+    def _attrs(self, key: str, count: int) -> list[ir.Attribute]:
+        if key in self.main.attributes:
+            return list(ir.ArrayAttr(self.main.attributes[key]))
+        return [ir.DictAttr.get({})] * count
+
+    def _piece_of(self, value: ir.Value, i: int, chosen: set[ir.Value]) -> ir.Value:
+        return self.pieces[value][i] if value in chosen else value
+
+    def _rewrite(self, op: ir.Operation, chosen: set[ir.Value]) -> None:
+        name = op.name
+        if name == "stablehlo.dynamic_slice" or name == "stablehlo.slice":
+            source = op.operands[0]
+            if name == "stablehlo.slice":
+                layer = _dense_ints(op, "start_indices")[0]
+            else:
+                layer = _constant_int(op.operands[1])
+            layer = min(max(layer, 0), len(self.pieces[source]) - 1)  # dynamic_slice clamps
+            piece = self.pieces[source][layer]
+            if _shape(piece) == _shape(op.results[0]):
+                op.results[0].replace_all_uses_with(piece)
+                return
+            clone = op.clone()
+            clone.operands[0] = piece
+            if name == "stablehlo.dynamic_slice":
+                clone.operands[1] = _zero_like(op.operands[1])
+            else:
+                start, limit = _dense_ints(op, "start_indices"), _dense_ints(op, "limit_indices")
+                clone.attributes["start_indices"] = ir.DenseI64ArrayAttr.get([0] + start[1:])
+                clone.attributes["limit_indices"] = ir.DenseI64ArrayAttr.get([limit[0] - start[0]] + limit[1:])
+            op.results[0].replace_all_uses_with(clone.results[0])
+            return
+        result = op.results[0] if len(op.results) == 1 else None
+        layers = self._leading(result) if result is not None and result in chosen else None
+        if name == "stablehlo.dynamic_update_slice":
+            base = self.pieces[op.operands[0]]
+            layer = min(max(_constant_int(op.operands[2]), 0), len(base) - 1)
+            update = op.operands[1]
+            if _shape(update) == _shape(base[layer]) and all(_constant_int(v) == 0 for v in list(op.operands)[3:]):
+                written = update
+            else:
+                clone = op.clone()
+                clone.operands[0] = base[layer]
+                clone.operands[2] = _zero_like(op.operands[2])
+                written = clone.results[0]
+            self.pieces[result] = base[:layer] + [written] + base[layer + 1:]
+            return
+        if name == "stablehlo.constant":
+            value = ir.DenseElementsAttr(op.attributes["value"])
+            shared = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(_piece_type(result), value.get_splat_value()))
+            self.pieces[result] = [shared.result] * layers
+            return
+        if name == "stablehlo.broadcast_in_dim" and op.operands[0] not in chosen:
+            clone = op.clone()
+            clone.results[0].set_type(_piece_type(result))
+            self.pieces[result] = [clone.results[0]] * layers
+            return
+        if name == "stablehlo.reduce" and result not in chosen:  # over the layer axis: sum the pieces' sums
+            source = self.pieces[op.operands[0]]
+            partial = []
+            for p in source:
+                clone = op.clone()
+                clone.operands[0] = p
+                partial.append(clone.results[0])
+            combine = list(op.regions[0].blocks[0].operations)[0].operation.name
+            total = partial[0]
+            for p in partial[1:]:
+                total = ir.Operation.create(combine, results=[total.type], operands=[total, p]).results[0]
+            result.replace_all_uses_with(total)
+            return
+        # Per piece: elementwise ops, transposes and broadcasts keeping the layer axis first,
+        # reductions over other dims.
+        made: list[list[ir.Value]] = [[] for _ in op.results]
+        for i in range(layers):
+            clone = op.clone()
+            for k, operand in enumerate(op.operands):
+                if operand in chosen:
+                    clone.operands[k] = self.pieces[operand][i]
+            for k, r in enumerate(op.results):
+                if r in chosen:
+                    clone.results[k].set_type(_piece_type(r))
+                    made[k].append(clone.results[k])
+        for k, r in enumerate(op.results):
+            if r in chosen:
+                self.pieces[r] = made[k]
+
+
+def _constant_float(value: ir.Value) -> float | None:
+    owner = value.owner
+    if not isinstance(owner, ir.OpView) or owner.operation.name != "stablehlo.constant":
+        return None
+    attr = ir.DenseElementsAttr(owner.operation.attributes["value"])
+    if not attr.is_splat:
+        return None
+    splat = attr.get_splat_value()
+    for kind in (ir.FloatAttr, ir.IntegerAttr, ir.BoolAttr):
+        try:
+            return float(kind(splat).value)
+        except (ValueError, TypeError):
+            continue
+    return None
+
+
+def _zero_like(index: ir.Value) -> ir.Value:
+    t = ir.RankedTensorType(index.type)
+    return stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(t, ir.IntegerAttr.get(t.element_type, 0))).result
+
+
+def _suffixed(attrs: ir.Attribute, suffix: str) -> ir.Attribute:
+    entries = {a.name: a.attr for a in ir.DictAttr(attrs)}
+    if "jax.result_info" in entries:
+        entries["jax.result_info"] = ir.StringAttr.get(ir.StringAttr(entries["jax.result_info"]).value + suffix)
+    return ir.DictAttr.get(entries)
+
+
+def _realiased(attrs: ir.Attribute, piece: int, new_result: dict[tuple[int, int], int]) -> ir.Attribute:
+    """An argument's attributes with `tf.aliasing_output` renumbered to the result piece it is donated to."""
+    entries = {a.name: a.attr for a in ir.DictAttr(attrs)}
+    if "tf.aliasing_output" in entries:
+        old = ir.IntegerAttr(entries["tf.aliasing_output"]).value
+        new = new_result.get((old, piece), new_result.get((old, -1)))
+        if new is None:
+            del entries["tf.aliasing_output"]
+        else:
+            entries["tf.aliasing_output"] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), new)
+    return ir.DictAttr.get(entries)

@@ -1,0 +1,150 @@
+"""hlopar-unstack-layer-scans: scans over stacked layers unrolled, stacked values split per layer.
+
+The rewritten step must compute the same numbers as the scanned one (compiled by stock
+jaxlib on one device, the pieces sliced from and concatenated back into the stacks), hold no
+loop over layers and no whole stack, and leave loops that are not over layers alone.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import scan_steps
+from hlopar.analysis.flops import function_flops
+from hlopar.analysis.layer_scans import layer_scans
+from hlopar.codegen.executables import compile_executable
+from hlopar.ir.graph import FuncGraph
+from hlopar.ir.module import parse_module, print_module
+from hlopar.ir.signature import FuncSignature
+from hlopar.models import gpt
+from hlopar.passes.auto_sharding import planned_functions
+from hlopar.passes.base import PassContext
+from hlopar.passes.import_program import ImportPass
+from hlopar.passes.unstack_layer_scans import LayerPieces, UnstackLayerScansPass
+from numerics import assert_adam_step_close, assert_trees_equal
+
+
+def _imported(text: str):
+    module = parse_module(text)
+    ImportPass().run(module, PassContext())
+    return module
+
+
+def _unstacked(text: str):
+    module = _imported(text)
+    UnstackLayerScansPass().run(module, PassContext())
+    return module
+
+
+def _main(module):
+    return planned_functions(module)[0]
+
+
+def _zoo(name: str):
+    s = gpt.train_step(name)
+    params = s.init(jax.random.key(0))
+    return s.step, (params, s.init_opt_state(params), s.make_batch(jax.random.key(1)))
+
+
+STEPS = {
+    "zoo_gpt_scan": lambda: _zoo("tiny-scan"),
+    "gpt_scan_sgd": lambda: scan_steps.gpt_scan(optimizer="sgd"),
+    "flax_scan_remat": lambda: scan_steps.flax_scan(remat=True),
+}
+
+
+def params_of(tree):
+    """The parameters among a step's arguments or results: the first, or a TrainState's."""
+    return tree[0].params if hasattr(tree[0], "params") else tree[0]
+
+
+def _run(module, leaves, pieces: LayerPieces | None):
+    executable = compile_executable(module, jax.devices()[:1])
+    arguments = [np.asarray(x) for x in leaves]
+    results = executable(*(pieces.split(arguments) if pieces else arguments))
+    return pieces.join(results) if pieces else results
+
+
+@pytest.mark.parametrize("name", list(STEPS))
+def test_unstacked_step_computes_the_scanned_steps_numbers(name):
+    step, args = STEPS[name]()
+    text = jax.jit(step).lower(*args).as_text()
+    leaves = [np.asarray(jnp.asarray(x)) for x in jax.tree_util.tree_leaves(args)]  # TrainState's step=0: int32
+    module = _unstacked(text)
+    pieces = LayerPieces.of(_main(module))
+    assert pieces is not None
+    tree = jax.tree_util.tree_structure(jax.eval_shape(step, *args))
+    got = jax.tree_util.tree_unflatten(tree, _run(module, leaves, pieces))
+    want = jax.tree_util.tree_unflatten(tree, _run(_imported(text), leaves, None))
+    # XLA fuses the unrolled layers differently from the loop body: rounding may differ (by
+    # 2 ulp at most, measured); Adam turns a zero gradient's rounding noise into steps of
+    # about lr (attention's key bias), masked.
+    assert_adam_step_close(got, want, params_of(args), params_of, rtol=2e-6)
+
+
+def test_the_zoo_gpt_unstacked_is_bit_exact_and_holds_no_stack():
+    """The zoo's scanned GPT: same bits as the loop; no loop, no whole stack, no per-layer slicing
+    left; each of the 12 stacked leaves of the parameters and of Adam's two moments is 2 pieces
+    of leading dim 1, named by its pytree path and layer; everything else is untouched."""
+    step, args = _zoo("tiny-scan")
+    text = jax.jit(step).lower(*args).as_text(debug_info=True)
+    module = _unstacked(text)
+    main = _main(module)
+    pieces = LayerPieces.of(main)
+    assert_trees_equal(_run(module, jax.tree_util.tree_leaves(args), pieces),
+                       _run(_imported(text), jax.tree_util.tree_leaves(args), None))
+    ir_text = print_module(module)
+    for gone in ("stablehlo.while", "stablehlo.dynamic_slice", "stablehlo.dynamic_update_slice",
+                 "stablehlo.concatenate"):
+        assert gone not in ir_text
+    stacked_leaves = 12 * 3  # block parameters, mu, nu
+    assert sorted(set(o for o, p in zip(pieces.arg_origin, pieces.arg_piece) if p >= 0)) == \
+        [i for i, x in enumerate(jax.tree_util.tree_leaves(args)) if np.ndim(x) > 0 and np.shape(x)[0] == 2
+         and i not in (49, 50)]  # the batch (4 x 16 tokens) is not a layer stack
+    assert len(pieces.arg_origin) == len(jax.tree_util.tree_leaves(args)) + stacked_leaves
+    assert len(pieces.result_origin) == 50 + stacked_leaves
+    assert [p for p in pieces.arg_piece if p >= 0] == [0, 1] * stacked_leaves
+    names = FuncSignature.of(main).arg_names
+    assert "params['layers']['attn']['qkv']['kernel'][1]" in names
+    assert "opt_state.nu['layers']['ln1']['bias'][0]" in names
+    info = [str(a) for a in main.attributes["res_attrs"]]
+    assert any("result[1].mu['layers']['mlp']['fc1']['kernel'][0]" in a for a in info)
+
+
+def test_the_unstacked_scan_is_its_unrolled_twin():
+    """Unstacked, the scanned zoo GPT has the FLOPs and heavy ops of the same GPT written with a
+    Python loop: stage construction sees the same layers."""
+    scanned = FuncGraph.from_func(_main(_unstacked(gpt.train_step("tiny-scan").lower())))
+    unrolled = FuncGraph.from_func(_main(_imported(gpt.train_step("tiny").lower())))
+    assert function_flops(scanned) == pytest.approx(function_flops(unrolled), rel=1e-9)
+    heavy = lambda g: sum(op.name == "stablehlo.dot_general" for op in g.ops)  # noqa: E731
+    assert heavy(scanned) == heavy(unrolled)
+
+
+def test_a_loop_over_time_is_not_a_layer_scan():
+    """A fori_loop whose operands are not stacked per iteration stays a loop, and nothing is split."""
+    def step(w, x):
+        return jax.lax.fori_loop(0, 4, lambda i, h: jnp.tanh(h @ w), x).sum()
+
+    text = jax.jit(step).lower(jnp.ones((4, 4)), jnp.ones((4, 4))).as_text()
+    assert layer_scans(FuncGraph.from_func(_main(_imported(text)))) == []
+    module = _unstacked(text)
+    assert "stablehlo.while" in print_module(module) and LayerPieces.of(_main(module)) is None
+
+
+def test_layer_pieces_split_and_join():
+    pieces = LayerPieces(arg_origin=(0, 1, 1), arg_piece=(-1, 0, 1), result_origin=(0, 0, 1),
+                         result_piece=(0, 1, -1))
+    stack = np.arange(6.0).reshape(2, 3)
+    a, p0, p1 = pieces.split([np.float32(7), stack])
+    assert a == 7 and p0.shape == p1.shape == (1, 3)
+    np.testing.assert_array_equal(np.concatenate([p0, p1]), stack)
+    joined = pieces.join([p0, p1, np.float32(1)])
+    assert len(joined) == 2
+    np.testing.assert_array_equal(joined[0], stack)
+    assert pieces.resident({1: 0}) == {1: 0, 2: 1}
+    assert pieces.arguments_of([1]) == (1, 2)
+    assert LayerPieces.from_json(pieces.to_json()) == pieces
