@@ -14,9 +14,15 @@ workers (each its own 8 or 4 CPU devices, on the same cores):
 - `jit-data-parallel`: `jax.jit` with the batch sharded over the 8 devices, the parameters
   and optimizer state replicated;
 - `jit-plan-shardings`: `jax.jit` with the shardings of hlopar's `method="shard"` plan on
-  `Cluster.local(1, 8)`, read from the planned fragments' `sdy.sharding`s (each argument as
-  its first reader lays it out, each result as its producer does) on the same 8 devices:
-  the plan without hlopar's runtime;
+  `Cluster.local(1, 8)`, read from the planned fragments' `sdy.sharding`s on the same 8
+  devices: each result as the fragment making it lays it out, the parameters and optimizer
+  state also so as arguments (where they live between steps; a fragment reading them in
+  another layout reshards inside the program), the batch as its first reader reads it:
+  XLA's own propagation inside from the plan's boundary layouts;
+- `xla-shard-plan`: the whole step planned by `hlopar-auto-sharding` on the same 1 x 8 mesh
+  (every op's sharding, as the "shard" plan's one stage is planned) and compiled as one
+  executable by stock jaxlib (`codegen.executables.compile_executable`), run in this
+  process on `jax.Array`s: the plan without hlopar's runtime;
 - `hlopar-<method>-<hosts>x<devices>`: `hlopar.parallelize(method=...)` on
   `Cluster.local(hosts, devices)`: shard, auto and pipeline on 1 x 8, and pipeline on 2 x 4
   (two simulated hosts, 2 microbatches, 1f1b).
@@ -33,12 +39,12 @@ For hlopar rows the runtime's own timing (`ParallelizedFunction.last_stats`) is 
 medians too: `critical_s`, the slowest worker's own step (its `run_step`: stream, waits
 and updates), `executables_s` (the sum over meshes of their executables' run time) and
 `step_over_critical`. The targets of issue 18 are checked in `targets`: the "shard" plan at
-most 1.05x `jit-plan-shardings`, a pipelined plan's step at most 1.2x its slowest worker's
-critical path.
+most 1.05x the same plan without the runtime, against both `jit-plan-shardings` and
+`xla-shard-plan`; a pipelined plan's step at most 1.2x its slowest worker's critical path.
 
 `--json` prints `{"machine", "config", "rows": [{"way", "step_s", "ratio_to_jit", ...}],
 "targets"}`. `--quick` (a test runs it): a GPT of hidden 64, 2 layers, seq 16, batch 8,
-vocabulary 128, 1 warm-up and 2 timed steps, the three `jax.jit` ways and hlopar's "shard"
+vocabulary 128, 1 warm-up and 2 timed steps, the ways in this process and hlopar's "shard"
 plan. `--transport SIZES`: also the CPU transport's throughput, a payload of each size (MiB)
 from one Ray actor to another through `ObjectStoreTransport.send` against `numpy.copy` of
 the same bytes.
@@ -70,7 +76,7 @@ import hlopar  # noqa: E402
 from hlopar.codegen.spmd import main_shardings  # noqa: E402
 from hlopar.models import gpt  # noqa: E402
 
-JIT_WAYS = ("jit-1-device", "jit-data-parallel", "jit-plan-shardings")
+JIT_WAYS = ("jit-1-device", "jit-data-parallel", "jit-plan-shardings", "xla-shard-plan")
 HLOPAR_WAYS = {  # way -> (method, hosts, devices per host, options)
     "hlopar-shard-1x8": ("shard", 1, 8, {}),
     "hlopar-auto-1x8": ("auto", 1, 8, {}),
@@ -143,6 +149,32 @@ def jit_way(way: str, step, args, plan_shardings, counts: dict) -> dict:
     return {"way": way, **timed(jitted, placed, **counts)}
 
 
+def whole_plan_way(step, args, counts: dict) -> dict:
+    """`xla-shard-plan` (module docstring): hlopar-auto-sharding's plan of the whole step on
+    1 x 8 as one executable; each step runs it on the last step's `jax.Array`s."""
+    from hlopar.codegen.executables import compile_executable
+    from hlopar.ir.module import parse_module
+    from hlopar.passes.auto_sharding import AutoShardingPass
+    from hlopar.passes.base import PassContext
+    from hlopar.passes.import_program import ImportPass
+
+    clock = time.perf_counter()
+    lowered = jax.jit(step.step, keep_unused=True).lower(*args)
+    module = parse_module(lowered.as_text())
+    context = PassContext()
+    ImportPass().run(module, context)
+    AutoShardingPass(mesh_shape=(1, 8), axis_names=("x", "y"), preset="cpu").run(module, context)
+    executable = compile_executable(module, jax.devices()[:8])
+
+    def call(params, state, batch):
+        return jax.tree_util.tree_unflatten(lowered.out_tree, executable.run(jax.tree_util.tree_leaves(
+            (params, state, batch))))
+
+    setup = time.perf_counter() - clock
+    row = timed(call, args, **counts)
+    return {"way": "xla-shard-plan", **row, "first_call_s": row["first_call_s"] + setup}
+
+
 def planned_shardings(step, args) -> tuple:
     """The `method="shard"` plan's shardings on `Cluster.local(1, 8)`, as `jax.jit` takes them
     (pytrees of `NamedSharding` for the arguments and the results)."""
@@ -153,28 +185,24 @@ def planned_shardings(step, args) -> tuple:
         raise SystemExit(f"the shard plan has meshes {program.meshes} and index argument {program.index_arg}: "
                          "jit-plan-shardings needs one mesh and the step's own arguments")
     devices = [jax.devices()[d] for d in program.devices[program.meshes[0]]]
-    shardings = {}
-    for fragment in program.fragments:
-        shardings[fragment.name] = main_shardings(fragment.module, devices)
+    shardings = {f.name: main_shardings(f.module, devices) for f in program.fragments}
+    replicated = NamedSharding(shardings[program.fragments[0].name][0][0].mesh, PartitionSpec())
 
-    def of_value(v: int, reading: bool):
-        value = program.values[v]
-        if value.argument is not None and reading:
-            for fragment in program.fragments:  # the first reader's layout
-                if v in fragment.operands:
-                    return shardings[fragment.name][0][len(fragment.accumulate) + fragment.operands.index(v)]
-        if value.producer is not None:
-            fragment = program.fragments[value.producer]
-            return shardings[fragment.name][1][fragment.results.index(v)]
-        if value.argument is not None:
-            return of_value(v, True)
-        raise SystemExit(f"value {v} of the shard plan is neither an argument nor made by a fragment")
+    def read_as(v: int) -> NamedSharding:  # the first reader's layout (an unread argument: replicated)
+        for fragment in program.fragments:
+            if v in fragment.operands:
+                return shardings[fragment.name][0][len(fragment.accumulate) + fragment.operands.index(v)]
+        return replicated
+
+    def made_as(v: int) -> NamedSharding:  # its producer's layout (an argument returned as it is: read_as)
+        fragment = program.fragments[program.values[v].producer] if program.values[v].producer is not None else None
+        return shardings[fragment.name][1][fragment.results.index(v)] if fragment else read_as(v)
 
     by_argument = {value.argument: v for v, value in enumerate(program.values) if value.argument is not None}
-    ins = [of_value(by_argument[i], True) for i in range(len(program.argument_shapes))]
-    outs = [of_value(v, False) for v in program.results]
-    return (jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args), ins),
-            jax.tree_util.tree_unflatten(lowered.out_tree, outs))
+    ins = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args),
+                                       [read_as(by_argument[i]) for i in range(len(program.argument_shapes))])
+    outs = jax.tree_util.tree_unflatten(lowered.out_tree, [made_as(v) for v in program.results])
+    return (outs[0], outs[1], ins[2]), outs  # the state where the step leaves it
 
 
 def hlopar_way(way: str, step, args, counts: dict) -> dict:
@@ -202,8 +230,12 @@ def bench(args) -> dict:
     rows = []
     plan_shardings = planned_shardings(step, train_args) if "jit-plan-shardings" in args.ways else None
     for way in args.ways:
-        row = (jit_way(way, step, train_args, plan_shardings, counts) if way in JIT_WAYS
-               else hlopar_way(way, step, train_args, counts))
+        if way == "xla-shard-plan":
+            row = whole_plan_way(step, train_args, counts)
+        elif way in JIT_WAYS:
+            row = jit_way(way, step, train_args, plan_shardings, counts)
+        else:
+            row = hlopar_way(way, step, train_args, counts)
         rows.append(row)
         if not args.json:
             print(f"  {way}: {row['step_s']:.4f} s/step (first call {row['first_call_s']:.1f} s)", file=sys.stderr)
@@ -212,14 +244,15 @@ def bench(args) -> dict:
     for row in rows:
         row["ratio_to_jit"] = row["step_s"] / base["step_s"] if base else None
         for key, other in (("ratio_to_data_parallel", "jit-data-parallel"),
-                           ("ratio_to_plan_shardings", "jit-plan-shardings")):
+                           ("ratio_to_plan_shardings", "jit-plan-shardings"), ("ratio_to_whole_plan", "xla-shard-plan")):
             if row["way"].startswith("hlopar-") and other in by_way:
                 row[key] = row["step_s"] / by_way[other]["step_s"]
     targets = {}
-    if "hlopar-shard-1x8" in by_way and "jit-plan-shardings" in by_way:
-        ratio = by_way["hlopar-shard-1x8"]["ratio_to_plan_shardings"]
-        targets["shard_over_plan_shardings"] = {"ratio": ratio, "target": TARGET_SAME_SHARDINGS,
-                                                "met": ratio <= TARGET_SAME_SHARDINGS}
+    for key, other in (("ratio_to_plan_shardings", "jit-plan-shardings"), ("ratio_to_whole_plan", "xla-shard-plan")):
+        if "hlopar-shard-1x8" in by_way and other in by_way:
+            ratio = by_way["hlopar-shard-1x8"][key]
+            targets[f"shard_over_{key[len('ratio_to_'):]}"] = {"ratio": ratio, "target": TARGET_SAME_SHARDINGS,
+                                                               "met": ratio <= TARGET_SAME_SHARDINGS}
     for row in rows:
         if len(row.get("meshes", ())) > 1 and "step_over_critical" in row:
             targets[f"{row['way']}_over_critical"] = {"ratio": row["step_over_critical"], "target": TARGET_CRITICAL,
@@ -303,14 +336,15 @@ def print_table(report: dict) -> None:
     print(f"GPT hidden {c['hidden']}, {c['layers']} layers, seq {c['seq']}, batch {c['batch']}, vocab {c['vocab']} "
           f"({c['params'] / 1e6:.2f} M params); {m['nproc']} cores ({m['cpu']}), jax {m['jax']}; median of "
           f"{c['steps']} steps after {c['warmup']} warm-up")
-    print(f"{'way':<22} {'step s':>8} {'x jit':>6} {'x plan-sh':>9} {'x dp':>6} {'crit s':>7} {'step/crit':>9} "
-          f"{'1st call s':>10} {'loss':>9}  meshes")
+    print(f"{'way':<22} {'step s':>8} {'x jit':>6} {'x plan-sh':>9} {'x whole':>7} {'x dp':>6} {'crit s':>7} "
+          f"{'step/crit':>9} {'1st call s':>10} {'loss':>9}  meshes")
     for r in report["rows"]:
         def num(key, spec):
             return format(r[key], spec) if r.get(key) is not None else "-"
 
         print(f"{r['way']:<22} {r['step_s']:8.4f} {num('ratio_to_jit', '6.2f'):>6} "
-              f"{num('ratio_to_plan_shardings', '9.2f'):>9} {num('ratio_to_data_parallel', '6.2f'):>6} "
+              f"{num('ratio_to_plan_shardings', '9.2f'):>9} {num('ratio_to_whole_plan', '7.2f'):>7} "
+              f"{num('ratio_to_data_parallel', '6.2f'):>6} "
               f"{num('critical_s', '7.4f'):>7} {num('step_over_critical', '9.2f'):>9} {r['first_call_s']:10.1f} "
               f"{r['loss']:9.5f}  {r.get('meshes', '')}")
     for name, t in report["targets"].items():
@@ -323,7 +357,7 @@ def print_table(report: dict) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="a small GPT, few steps, the jit ways and hlopar shard")
+    parser.add_argument("--quick", action="store_true", help="a small GPT, few steps, the in-process ways and hlopar shard")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="steps after the first call (default 2; --quick 1)")
     parser.add_argument("--ways", default=None, help=f"comma-separated, of {', '.join(WAYS)}")
