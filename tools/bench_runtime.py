@@ -117,12 +117,15 @@ def timed(call, args, warmup: int, steps: int) -> dict:
 
 def _worker_medians(stats: list) -> dict:
     """Medians of the runtime's own step timing (hlopar rows; nothing for jax.jit)."""
-    stats = [s for s in stats if s is not None and getattr(s, "workers", None)]
+    stats = [s for s in stats if s is not None]
     if not stats:
         return {}
-    critical = statistics.median(max(w["step_s"] for w in s.workers.values()) for s in stats)
-    return {"critical_s": critical, "executables_s": statistics.median(s.executable_s for s in stats),
-            "driver_s": statistics.median(s.wall_s for s in stats)}
+    try:
+        critical = statistics.median(max(w["step_s"] for w in s.workers.values()) for s in stats)
+        return {"critical_s": critical, "executables_s": statistics.median(s.executable_s for s in stats),
+                "driver_s": statistics.median(s.wall_s for s in stats)}
+    except (AttributeError, KeyError, TypeError, ValueError) as error:  # the runtime's timing changed shape
+        return {"runtime_stats": f"unreadable: {type(error).__name__}: {error}"}
 
 
 # --------------------------------------------------------------------------- the ways
@@ -347,6 +350,9 @@ def print_table(report: dict) -> None:
               f"{num('ratio_to_data_parallel', '6.2f'):>6} "
               f"{num('critical_s', '7.4f'):>7} {num('step_over_critical', '9.2f'):>9} {r['first_call_s']:10.1f} "
               f"{r['loss']:9.5f}  {r.get('meshes', '')}")
+    for r in report["rows"]:
+        if "runtime_stats" in r:
+            print(f"{r['way']}: the runtime's own timing is {r['runtime_stats']}")
     for name, t in report["targets"].items():
         print(f"target {name}: {t['ratio']:.3f} (at most {t['target']}): {'met' if t['met'] else 'NOT met'}")
     for r in report.get("transport", ()):
