@@ -25,8 +25,9 @@ Refused with B > 1 (the pass fails, located; each message says what would need t
 split): a batch dim not divisible by B; an op that moves data along the batch (slicing or
 padding part of it, concatenating, sorting, reversing along it, a non-splat constant of
 batch shape); a reduction over the batch that is not a sum (max, a reduce of several
-values, a reduce with a non-zero init, a scatter into a non-zero buffer); a sum over the
-batch inside a loop or a branch; a parameter combined with the batch along its batch dim;
+values, a reduce with a non-zero init, a scatter into a non-zero buffer); inside a loop or
+branch, anything but accumulating sums over the batch (below); a parameter combined with the
+batch along its batch dim;
 a result that carries the batch spread over several dims (per-example results with the batch
 in one dim are concatenated along it: `per_example_results`);
 ops hlopar cannot resize (custom calls, dynamic-shape ops); a statistic of the whole batch
@@ -35,6 +36,25 @@ used per example that is not a mean (below); whole-shape random generators (`sta
 
 `microbatches=1` splits nothing, so none of these checks run: the step runs as written
 (per-example results, loops, statistics and generators included) and equals one device.
+
+## Loops and branches (scanned layer stacks)
+
+A loop that reads or carries the batch runs per microbatch, as a whole. The backward of a
+layer stack under `scan` sums each layer's weight gradients over the batch inside the loop
+and writes them into a stacked carry (`dynamic_update_slice` at the layer index) or adds
+them to a carried accumulator. Such a carry, started at zeros (or at a sum) and given only
+sums through ops linear in them, is a sum: its microbatches' values add up to the whole
+batch's, so it is accumulated over microbatches like a top-level gradient
+(`_control_flow_kinds`: the kinds of the values inside, to a fixed point over the
+iterations). The loop's kind is `batch` where it also carries the batch (the activations'
+cotangent); its sums leave through a reshape of kind `sum` (as statistics do), its results
+independent of the batch that the ops run once read are read from its operands where the
+loop returns them unchanged, else refused. Branches (`case`, `if`) likewise. Refused inside:
+a sum over the batch used per example (a batch statistic inside the loop), an op not linear
+in the sums it reads (an update inside the loop), a trip count or branch chosen from sums,
+and a carry that starts from a value independent of the batch and gets sums. Splat constants
+with a dim of the batch size get one copy per use first (`_unshare_splats`): `cse` merges
+equal splats whatever their dims mean.
 
 ## Random numbers and other iotas along the batch
 
@@ -116,6 +136,7 @@ would otherwise run once after it (statistics, whatever they compute) are marked
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -154,6 +175,8 @@ BATCH, SUM, STEP = "batch", "sum", "step"
 # Per-microbatch values that carry no examples, written "batch" (they run per microbatch):
 LOCAL = "local"  # a statistic of the microbatch (from its means over the batch): averaged when it leaves
 LOCAL_SUM = "local-sum"  # linear in the microbatch's sums, statistics as coefficients: summed when it leaves
+# Inside a loop: a carried value that is zero so far (zeros that sums are written or added into).
+ZERO = "zero"
 _SDY_SHARDING = "sdy.sharding"
 
 # Ops that only need their result types changed when a dim is divided (besides elementwise ops).
@@ -228,6 +251,7 @@ class _KindPass:
     per_example: set[int] = field(default_factory=set)  # ops reading or carrying per-example values
     reductions: dict[int, int | None] = field(default_factory=dict)  # of those, sums over the batch: count
     statistics: list[tuple[int, int]] = field(default_factory=list)  # (op, value of the whole batch it uses)
+    refusals: list[SplitError] = field(default_factory=list)  # inside loops and branches, in the order found
 
 
 class _Splitter:
@@ -270,6 +294,7 @@ class _Splitter:
                 op.mlir_op.attributes[KIND_ATTR] = ir.StringAttr.get(BATCH if kind in (LOCAL, LOCAL_SUM) else kind)
         if self.b > 1:
             self._hand_off(kinds)
+            self._hand_off_control_flow(kinds, value_kind)
             batch_kind = {KIND_ATTR: ir.StringAttr.get(BATCH)}
             for iota in self.iotas:
                 count_globally(self.main, iota, batch_kind)
@@ -318,6 +343,37 @@ class _Splitter:
                 for use in outside:
                     use.owner.operands[use.operand_number] = handed.result
 
+    def _hand_off_control_flow(self, kinds: list[str | None], value_kind: dict[int, str | None]) -> None:
+        """A loop or branch run per microbatch has one kind (`batch` where it carries the
+        batch) but results of several. Its sums (a scanned stack's stacked gradients) that the
+        ops run once read or `@main` returns leave through a reshape of kind `sum`, as
+        statistics do (`_hand_off`). Its results independent of the batch would be summed
+        too: where the loop returns a carry unchanged they are read from its operand instead,
+        else refused."""
+        per_microbatch = {self.graph.ops[i].mlir_op for i in self.per_microbatch}
+        for node, kind in zip(self.graph.ops, kinds):
+            op = node.mlir_op
+            if kind is None or not op.regions or node.name in _SUM_OPS:
+                continue
+            last = op
+            for number, (vid, value) in enumerate(zip(node.results, op.results)):
+                outside = [use for use in value.uses if _top_op(use.owner, self.main) not in per_microbatch]
+                if not outside or value_kind[vid] == kind:
+                    continue
+                if value_kind[vid] == SUM:
+                    with ir.InsertionPoint.after(last), op.location:
+                        handed = stablehlo.ReshapeOp(value.type, value)
+                    handed.operation.attributes[KIND_ATTR] = ir.StringAttr.get(SUM)
+                    replacement, last = handed.result, handed.operation
+                elif value_kind[vid] is None and _invariant(op, number):
+                    replacement = op.operands[number]
+                else:
+                    raise SplitError(op, f"result {number} of {_where(op)} does not depend on the batch but is "
+                                         "computed by a loop or branch that runs per microbatch, and is read after "
+                                         "the sums over microbatches: hlopar cannot tell it from a sum")
+                for use in outside:
+                    use.owner.operands[use.operand_number] = replacement
+
     def _batch_args(self, given: Sequence[int] | None) -> tuple[int, ...]:
         graph = self.graph
         shapes = [graph.values[a].shape for a in graph.args]
@@ -353,6 +409,9 @@ class _Splitter:
     # -- Shardy propagation on a clone
 
     def _propagate(self) -> None:
+        size = math.gcd(*(self.graph.values[self.graph.args[i]].shape[0] for i in self.batch_args))
+        if _unshare_splats(self.main, size):
+            self.graph, self.ops = FuncGraph.from_func(self.main), _walk(self.main)
         clone_module = self.module.clone()
         clone = _main(clone_module)
         body = clone_module.regions[0].blocks[0]
@@ -498,8 +557,6 @@ class _Splitter:
         if reduced:
             if any(results):
                 raise SplitError(op, f"'{name}' sums over part of the batch only")
-            if _region_depth(op, self.main) > 0:
-                raise SplitError(op, f"'{name}' sums over the batch inside a loop or branch: not supported")
             why = self._not_a_sum(op)
             if why:
                 raise SplitError(op, f"'{name}' reduces over the batch but {why}: microbatches can only sum")
@@ -540,6 +597,8 @@ class _Splitter:
                                      first.per_example)
             means = [i for i in means if i not in before_loss]
         found = self._kind_pass(frozenset(means))
+        if found.refusals:
+            raise found.refusals[0]
         self._mark_per_microbatch(found)
         error = None
         if self.b == 1:
@@ -581,21 +640,19 @@ class _Splitter:
             carries = [self.divided(value_of(graph, v)) is not None for v in node.results]
             if any(carries) or BATCH in read_kinds:
                 found.per_example.add(index)
-                found.statistics += [(index, v) for v in reads if kind[v] in (SUM, STEP)]
+                results = [BATCH if c else SUM for c in carries]  # a sum over the batch: checked by _check_op
                 if op.regions and node.name not in _SUM_OPS:
-                    # A loop or branch: results without the batch dim must not depend on it.
-                    outer = {value_of(graph, v) for v in reads if kind[v] is not None}
-                    for number, tainted in enumerate(self._tainted_results(op, outer)):
-                        if tainted and not carries[number] and self.b > 1:
-                            raise SplitError(op, f"result {number} of '{node.name}' is computed from per-example "
-                                                 "values but has no batch dim (a sum over the batch inside a loop "
-                                                 "or branch): not supported with several microbatches")
+                    # A loop or branch: what it carries or returns, from the ops inside.
                     found.reductions[index] = None
+                    if self.b > 1:
+                        known = {value_of(graph, v): kind[v] for v in reads}
+                        results = [None if k == ZERO else k for k in self._control_flow_kinds(op, known, found)]
                 else:
+                    found.statistics += [(index, v) for v in reads if kind[v] in (SUM, STEP)]
                     if not any(carries):
                         found.reductions[index] = reduced_count(graph, index)
-                for v, c in zip(node.results, carries):
-                    kind[v] = BATCH if c else SUM  # a sum over the batch: checked by _check_op
+                for v, k in zip(node.results, results):
+                    kind[v] = k
                 found.op_kinds.append(BATCH if any(carries) else SUM)
                 continue
             summed = [kind[v] in (SUM, LOCAL_SUM) for v in node.operands]
@@ -635,41 +692,94 @@ class _Splitter:
                 for v in self.graph.ops[i].results:
                     found.value_kind[v] = LOCAL
 
-    def _tainted_results(self, op: ir.Operation, outer: set[ir.Value]) -> list[bool]:
-        """Per result of a loop or branch op, whether it depends on the batch or on sums
-        (`outer`: the values from outside that do)."""
-        tainted = set(outer) | set(self.div)
+    # -- kinds inside loops and branches that read or carry the batch
 
-        def flows(block) -> None:
-            for inner in block.operations:
-                inner = inner.operation
-                reads = [v for nested in _walk_self(inner) for v in nested.operands]
-                if any(v in tainted for v in reads):
-                    tainted.update(inner.results)
-
+    def _control_flow_kinds(self, op: ir.Operation, known: dict[ir.Value, str | None],
+                            found: _KindPass) -> list[str | None]:
+        """The kind of each result of a loop or branch run per microbatch, from the ops inside
+        (`known`: the kinds of the values defined so far, the values it reads included; it
+        gets those of the values inside). Such an op may carry the batch and accumulate sums
+        over it: a carry that starts at zeros (or a sum) and that the body writes sums into
+        (`dynamic_update_slice`, the stacked gradients of a scanned layer stack) or adds sums
+        to is a sum, whose microbatches' values add up to the whole batch's. Refused (to
+        `found.refusals`): a sum used per example inside (a batch statistic), any op that is
+        not linear in the sums it reads (an update inside the loop), a trip count or branch
+        chosen from sums, and a carry that mixes a sum with a value independent of the batch."""
         if op.name == "stablehlo.while":
             cond, body = (region.blocks[0] for region in op.regions)
-            for position, operand in enumerate(op.operands):
-                if operand in tainted:
-                    tainted.update((cond.arguments[position], body.arguments[position]))
+            state = [ZERO if known.get(v) is None and _is_zero(v) else self._kind_in(v, known) for v in op.operands]
             while True:
-                flows(body)
-                returned = list(body.operations)[-1].operands
-                new = [p for p, v in enumerate(returned) if v in tainted and body.arguments[p] not in tainted]
-                if not new:
+                for block in (cond, body):
+                    for arg, k in zip(block.arguments, state):
+                        known[arg] = k
+                if self._block_kinds(cond, known, found)[0] not in (None, ZERO, BATCH):
+                    self._refuse(found, op, f"{_where(op)} runs a number of iterations chosen from sums over the "
+                                            "batch: each microbatch would run its own")
+                joined = [_join(k, r) for k, r in zip(state, self._block_kinds(body, known, found))]
+                if joined == state:
                     break
-                for p in new:
-                    tainted.update((cond.arguments[p], body.arguments[p]))
-            return [body.arguments[p] in tainted for p in range(len(op.results))]
-        if any(v in tainted for v in op.operands):
-            return [True] * len(op.results)  # the branch index depends on the batch
-        found = [False] * len(op.results)
-        for region in op.regions:
-            block = region.blocks[0]
-            flows(block)
-            for p, v in enumerate(list(block.operations)[-1].operands):
-                found[p] = found[p] or v in tainted
-        return found
+                state = joined
+        else:  # stablehlo.case / stablehlo.if: the branch index (a scalar) must not depend on the batch
+            if self._kind_in(op.operands[0], known) not in (None, ZERO):
+                self._refuse(found, op, f"{_where(op)} chooses its branch from a sum over the batch: each "
+                                        "microbatch would choose its own")
+            branches = [self._block_kinds(region.blocks[0], known, found) for region in op.regions]
+            state = [functools.reduce(_join, kinds) for kinds in zip(*branches)]
+        kinds = [BATCH if self.divided(r) is not None else k for r, k in zip(op.results, state)]
+        for number, k in enumerate(kinds):
+            if k == STEP:
+                self._refuse(found, op, f"result {number} of {_where(op)} is a sum over the batch in some "
+                                        "iterations or branches and a value independent of it in others (a sum "
+                                        "written into a buffer that does not start at zeros?): its microbatches' "
+                                        "values would not add up to the whole batch's")
+        return kinds
+
+    def _block_kinds(self, block: ir.Block, known: dict[ir.Value, str | None], found: _KindPass) -> list[str | None]:
+        """Kinds of the values a region's block computes; those it returns."""
+        for inner in block.operations:
+            inner = inner.operation
+            if inner.name == "stablehlo.return":
+                return [self._kind_in(v, known) for v in inner.operands]
+            for result, k in zip(inner.results, self._inner_kinds(inner, known, found)):
+                known[result] = k
+        raise AssertionError("a region without stablehlo.return")
+
+    def _inner_kinds(self, op: ir.Operation, known: dict[ir.Value, str | None], found: _KindPass) -> list[str | None]:
+        """The kinds of an op's results inside a loop or branch that runs per microbatch."""
+        if op.name in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
+            return self._control_flow_kinds(op, known, found)
+        reads = [self._kind_in(v, known) for v in op.operands]
+        carries = [self.divided(r) is not None for r in op.results]
+        if op.name in PASS_THROUGH_OPS:  # result k is operand k
+            return [BATCH if c else k for c, k in zip(carries, reads)]
+        if any(carries) or BATCH in reads:
+            summed = [v for v, k in zip(op.operands, reads) if k in (SUM, STEP)]
+            if summed:
+                self._refuse(found, op, f"{_where(op)} uses a sum over the batch ({_origin(summed[0])}) per "
+                                        "example inside a loop or branch: a statistic of the batch used inside a "
+                                        "loop cannot be split into microbatches (with microbatches=1 the step runs "
+                                        "as written)")
+            return [BATCH if c else SUM for c in carries]  # a sum over the batch: checked by _check_op
+        if all(k in (None, ZERO) for k in reads):
+            return [None] * len(op.results)
+        if {LOCAL, LOCAL_SUM} & set(reads):
+            self._refuse(found, op, f"{_where(op)} computes a value without examples from statistics of the "
+                                    "microbatch inside a loop or branch: not supported")
+        elif STEP not in reads and _linear(op.name, op, reads):
+            return [SUM] * len(op.results)
+        elif STEP not in reads:
+            self._refuse(found, op, f"{_where(op)} is not linear in the sums over the batch it reads, inside a loop "
+                                    "or branch that runs once per microbatch: only sums can be accumulated over "
+                                    "microbatches (an update or a statistic computed inside the loop?)")
+        return [STEP] * len(op.results)
+
+    def _kind_in(self, value: ir.Value, known: dict[ir.Value, str | None]) -> str | None:
+        return BATCH if self.divided(value) is not None else known.get(value)
+
+    @staticmethod
+    def _refuse(found: _KindPass, op: ir.Operation, message: str) -> None:
+        if not any(r.op == op and str(r) == message for r in found.refusals):
+            found.refusals.append(SplitError(op, message))
 
     def _check_loss(self, kind: dict[int, str | None]) -> int | None:
         """The loss result; with several microbatches it must be a sum over the batch (with
@@ -1046,14 +1156,6 @@ def _walk_self(op: ir.Operation) -> list[ir.Operation]:
     return [op] + _walk(op)
 
 
-def _region_depth(op: ir.Operation, func: ir.Operation) -> int:
-    depth, parent = 0, op.parent
-    while parent is not None and parent != func:
-        depth += 1
-        parent = parent.parent
-    return depth
-
-
 def _sharding(rank: int, batch_dim: int | None, *, closed: bool) -> ir.Attribute:
     dims = []
     for d in range(rank):
@@ -1112,30 +1214,80 @@ def _kind_of(graph: FuncGraph, kinds: list[str | None], v: int, batch_args: Sequ
 
 
 def _linear(name: str, op: ir.Operation, kinds: list[str | None]) -> bool:
-    """Whether an op is linear in its sum operands (`kinds`: SUM or None per operand)."""
+    """Whether an op is linear in its sum operands (`kinds`: SUM, None or ZERO per operand;
+    none STEP)."""
     sums = [k == SUM for k in kinds]
-    others = [v for v, s in zip(op.operands, sums) if not s]
+    zeros = [k == ZERO or _is_zero(v) for k, v in zip(kinds, op.operands)]
     if name in _STRUCTURAL_OPS or name == "stablehlo.convert":
         return sums[0] and all(sums)
     if name in ("stablehlo.add", "stablehlo.subtract", "stablehlo.concatenate"):
-        return all(sums) or all(_is_zero(v) for v in others)
+        return all(s or z for s, z in zip(sums, zeros))
     if name in ("stablehlo.multiply", "stablehlo.dot_general", "stablehlo.dot"):
         return sum(sums) == 1
     if name == "stablehlo.divide":
         return sums == [True, False]
     if name == "stablehlo.pad":
-        return sums[0] and _is_zero(op.operands[1])
+        return sums[0] and zeros[1]
     if name == "stablehlo.select":
-        return not sums[0] and all(s or _is_zero(v) for s, v in zip(sums[1:], op.operands[1:]))
+        return not sums[0] and all(s or z for s, z in zip(sums[1:], zeros[1:]))
     if name == "stablehlo.reduce":
         n = len(op.results)
-        return n == 1 and sums[0] and _adds(op) and _is_zero(op.operands[1])
+        return n == 1 and sums[0] and _adds(op) and zeros[1]
+    if name == "stablehlo.dynamic_update_slice":  # a sum written into a sum (or zeros) at given indices
+        return all(s or z for s, z in zip(sums[:2], zeros[:2])) and not any(sums[2:])
+    if name in ("stablehlo.dynamic_slice", "stablehlo.gather"):
+        return sums[0] and not any(sums[1:])
     return False
 
 
 def _where(op: ir.Operation) -> str:
     location = source_location(op.location)
     return f"'{op.name}' ({location})" if location is not None else f"'{op.name}'"
+
+
+def _unshare_splats(func: ir.Operation, size: int) -> bool:
+    """Gives each use of a splat constant with a dim of the batch's `size` (a constant, or a
+    broadcast of one) its own copy; whether there was any to copy. `cse` merges equal splats
+    whatever they mean: with a batch of 8 and a sequence of 8, one `broadcast 0 : 8x8` may
+    serve the tokens (batch x sequence) and a causal mask (sequence x sequence), and the
+    batch cannot be split along the one and not the other."""
+    copied = False
+    for op in reversed(_walk(func)):
+        if len(op.results) != 1 or not isinstance(op.results[0].type, ir.RankedTensorType):
+            continue
+        if size not in ir.RankedTensorType(op.results[0].type).shape or splat_value(op.results[0]) is None:
+            continue
+        for use in list(op.results[0].uses)[1:]:
+            copy = op.clone(ip=ir.InsertionPoint.after(op))
+            use.owner.operands[use.operand_number] = copy.results[0]
+            copied = True
+    return copied
+
+
+def _invariant(op: ir.Operation, number: int) -> bool:
+    """Whether a loop returns its carry `number` unchanged (its result is its operand)."""
+    if op.name != "stablehlo.while":
+        return False
+    body = op.regions[1].blocks[0]
+    return list(body.operations)[-1].operands[number] == body.arguments[number]
+
+
+def _origin(value: ir.Value) -> str:
+    """Where a value is made, for messages."""
+    if isinstance(value, ir.OpResult):
+        return f"at {_where(value.owner)}"
+    return "a value the loop carries" if value.owner.owner.name == "stablehlo.while" else "an argument"
+
+
+def _join(a: str | None, b: str | None) -> str | None:
+    """The kind of a value that is `a` or `b` (a loop's carry over iterations, a branch's
+    result): zeros join anything; a sum and a value independent of the batch join to STEP
+    (their microbatches' values would not add up)."""
+    if a == b or b == ZERO:
+        return a
+    if a == ZERO:
+        return b
+    return BATCH if BATCH in (a, b) else STEP
 
 
 def _strip_split_attrs(func: ir.Operation) -> None:
