@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """hlopar's runtime against what users run instead, in one process and one run.
 
-    python tools/bench_runtime.py [--json] [--quick] [--steps 5] [--warmup 2] [--ways W,W,...]
+    python tools/bench_runtime.py [--json] [--quick] [--steps 5] [--warmup 2] [--rounds 3] [--ways W,W,...]
                                   [--hidden 256] [--layers 4] [--seq 64] [--batch 16] [--vocab 1024]
                                   [--transport 1,16,64]
 
@@ -29,11 +29,12 @@ workers (each its own 8 or 4 CPU devices, on the same cores):
 
 A step is the call and reading the loss as a Python float (what a training loop that logs
 does); its time is the time from the end of one step to the end of the next, so a runtime
-that returns before its work is done pays for it at the next step. Each way runs a first
-call (compilation, planning, worker start: `first_call_s`), `--warmup` steps, then
-`--steps` timed steps; `step_s` is their median. Each hlopar function is closed before the
-next way starts. The losses after the same number of steps are printed beside each other
-(they agree to rounding: the same training).
+that returns before its work is done pays for it at the next step. Each way first runs a
+first call (compilation, planning, worker start: `first_call_s`); then, `--rounds` times,
+each way in turn runs `--warmup` untimed and `--steps` timed steps (all hlopar functions
+open at once: a load that comes and goes on a shared machine falls on every way alike);
+`step_s` is the median of a way's timed steps. The losses after the same number of steps
+are printed beside each other (they agree to rounding: the same training).
 
 For hlopar rows the runtime's own timing (`ParallelizedFunction.last_stats`) is reported as
 medians too: `critical_s`, the slowest worker's own step (its `run_step`: stream, waits
@@ -59,6 +60,8 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,27 +95,46 @@ TARGET_CRITICAL = 1.2
 # --------------------------------------------------------------------------- timing
 
 
-def timed(call, args, warmup: int, steps: int) -> dict:
-    """First call, warm-up, then `steps` steps of `call` (the step's outputs fed back)."""
-    params, state, batch = args
-    clock = time.perf_counter()
-    params, state, loss = call(params, state, batch)
-    loss = float(loss)
-    first = time.perf_counter() - clock
-    for _ in range(warmup):
-        params, state, loss = call(params, state, batch)
-        loss = float(loss)
-    times, stats = [], []
-    clock = time.perf_counter()
-    for _ in range(steps):
-        params, state, loss = call(params, state, batch)
-        loss = float(loss)
-        now = time.perf_counter()
-        times.append(now - clock)
-        clock = now
-        stats.append(getattr(call, "last_stats", None))
-    return {"step_s": statistics.median(times), "steps_s": times, "first_call_s": first, "loss": loss,
-            **_worker_medians(stats)}
+@dataclass
+class Runner:
+    """One way, set up: its step, the arguments its next step takes (the last step's outputs),
+    what the row says of it, and what its steps measured so far."""
+
+    way: str
+    call: Callable
+    args: tuple
+    row: dict
+    close: Callable = lambda: None
+    times: list = field(default_factory=list)
+    stats: list = field(default_factory=list)
+    loss: float = float("nan")
+
+    def step(self) -> None:
+        params, state, loss = self.call(*self.args)
+        self.args = (params, state, self.args[2])
+        self.loss = float(loss)
+
+    def first(self) -> Runner:
+        clock = time.perf_counter()
+        self.step()
+        self.row["first_call_s"] = self.row.get("first_call_s", 0.0) + time.perf_counter() - clock
+        return self
+
+    def measure(self, warmup: int, steps: int) -> None:
+        """`warmup` steps, then `steps` timed ones, each from the end of the last."""
+        for _ in range(warmup):
+            self.step()
+        clock = time.perf_counter()
+        for _ in range(steps):
+            self.step()
+            now = time.perf_counter()
+            self.times.append(now - clock)
+            clock = now
+            self.stats.append(getattr(self.call, "last_stats", None))
+
+    def result(self) -> dict:
+        return {"way": self.way, "step_s": statistics.median(self.times), "steps_s": self.times, **self.row,
+                "loss": self.loss, **_worker_medians(self.stats)}
 
 
 def _worker_medians(stats: list) -> dict:
@@ -131,28 +153,25 @@ def _worker_medians(stats: list) -> dict:
 # --------------------------------------------------------------------------- the ways
 
 
-def jit_way(way: str, step, args, plan_shardings, counts: dict) -> dict:
+def jit_way(way: str, step, args, plan_shardings) -> Runner:
     """`step.step` under `jax.jit` as `way` lays it out; arguments placed before timing."""
     devices = jax.devices()[:8]
     if way == "jit-1-device":
-        ins = outs = None
-        placed = jax.device_put(args, devices[0])
+        return Runner(way, jax.jit(step.step), jax.device_put(args, devices[0]), {}).first()
+    if way == "jit-data-parallel":
+        mesh = Mesh(np.array(devices), ("data",))
+        replicated, rows = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
+        ins = (jax.tree_util.tree_map(lambda _: replicated, args[0]),
+               jax.tree_util.tree_map(lambda _: replicated, args[1]),
+               jax.tree_util.tree_map(lambda _: rows, args[2]))
+        outs = (ins[0], ins[1], replicated)
     else:
-        if way == "jit-data-parallel":
-            mesh = Mesh(np.array(devices), ("data",))
-            replicated, rows = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
-            ins = (jax.tree_util.tree_map(lambda _: replicated, args[0]),
-                   jax.tree_util.tree_map(lambda _: replicated, args[1]),
-                   jax.tree_util.tree_map(lambda _: rows, args[2]))
-            outs = (ins[0], ins[1], replicated)
-        else:
-            ins, outs = plan_shardings
-        placed = jax.device_put(args, ins)
-    jitted = jax.jit(step.step, in_shardings=ins, out_shardings=outs) if ins is not None else jax.jit(step.step)
-    return {"way": way, **timed(jitted, placed, **counts)}
+        ins, outs = plan_shardings
+    jitted = jax.jit(step.step, in_shardings=ins, out_shardings=outs)
+    return Runner(way, jitted, jax.device_put(args, ins), {}).first()
 
 
-def whole_plan_way(step, args, counts: dict) -> dict:
+def whole_plan_way(step, args) -> Runner:
     """`xla-shard-plan` (module docstring): hlopar-auto-sharding's plan of the whole step on
     1 x 8 as one executable; each step runs it on the last step's `jax.Array`s."""
     from hlopar.codegen.executables import compile_executable
@@ -173,9 +192,7 @@ def whole_plan_way(step, args, counts: dict) -> dict:
         return jax.tree_util.tree_unflatten(lowered.out_tree, executable.run(jax.tree_util.tree_leaves(
             (params, state, batch))))
 
-    setup = time.perf_counter() - clock
-    row = timed(call, args, **counts)
-    return {"way": "xla-shard-plan", **row, "first_call_s": row["first_call_s"] + setup}
+    return Runner("xla-shard-plan", call, args, {"first_call_s": time.perf_counter() - clock}).first()
 
 
 def planned_shardings(step, args) -> tuple:
@@ -208,40 +225,50 @@ def planned_shardings(step, args) -> tuple:
     return (outs[0], outs[1], ins[2]), outs  # the state where the step leaves it
 
 
-def hlopar_way(way: str, step, args, counts: dict) -> dict:
+def hlopar_way(way: str, step, args) -> Runner:
     method, hosts, per_host, options = HLOPAR_WAYS[way]
-    with hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(hosts, per_host), method=method,
-                            batch_argnums=(2,), verbose=False, **options) as parallel:
-        row = timed(parallel, args, **counts)
-        program = parallel.runtime.program
-        row.update({"way": way, "method": method, "cluster": f"{hosts}x{per_host}",
-                    "microbatches": program.microbatches,
-                    "meshes": {m: len(program.devices[m]) for m in program.meshes},
-                    "workers": len(parallel.runtime.layout.slots)})
-    if "critical_s" in row:
-        row["step_over_critical"] = row["step_s"] / row["critical_s"]
-    return row
+    parallel = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(hosts, per_host), method=method,
+                                  batch_argnums=(2,), verbose=False, **options)
+    runner = Runner(way, parallel, args, {"method": method, "cluster": f"{hosts}x{per_host}"}, parallel.close).first()
+    program = parallel.runtime.program
+    runner.row.update({"microbatches": program.microbatches, "workers": len(parallel.runtime.layout.slots),
+                       "meshes": {m: len(program.devices[m]) for m in program.meshes}})
+    return runner
 
 
 def bench(args) -> dict:
+    """Sets every way up (first calls), then `rounds` rounds of each way's warm-up and timed
+    steps in turn (the hlopar functions stay open meanwhile), so that a load that comes and
+    goes on the machine falls on every way alike; medians over all timed steps."""
     config = gpt.GPTConfig(hidden_size=args.hidden, num_layers=args.layers, num_heads=max(1, args.hidden // 64),
                            seq_len=args.seq, vocab_size=args.vocab, batch_size=args.batch)
     step = gpt.train_step(config)
     params = step.init(jax.random.PRNGKey(0))
     train_args = (params, step.init_opt_state(params), step.make_batch(jax.random.PRNGKey(1)))
-    counts = {"warmup": args.warmup, "steps": args.steps}
-    rows = []
     plan_shardings = planned_shardings(step, train_args) if "jit-plan-shardings" in args.ways else None
-    for way in args.ways:
-        if way == "xla-shard-plan":
-            row = whole_plan_way(step, train_args, counts)
-        elif way in JIT_WAYS:
-            row = jit_way(way, step, train_args, plan_shardings, counts)
-        else:
-            row = hlopar_way(way, step, train_args, counts)
+    runners = []
+    try:
+        for way in args.ways:
+            if way == "xla-shard-plan":
+                runners.append(whole_plan_way(step, train_args))
+            elif way in JIT_WAYS:
+                runners.append(jit_way(way, step, train_args, plan_shardings))
+            else:
+                runners.append(hlopar_way(way, step, train_args))
+            if not args.json:
+                print(f"  {way}: first call {runners[-1].row['first_call_s']:.1f} s", file=sys.stderr)
+        for _ in range(args.rounds):
+            for runner in runners:
+                runner.measure(args.warmup, args.steps)
+    finally:
+        for runner in runners:
+            runner.close()
+    rows = []
+    for runner in runners:
+        row = runner.result()
+        if "critical_s" in row:
+            row["step_over_critical"] = row["step_s"] / row["critical_s"]
         rows.append(row)
-        if not args.json:
-            print(f"  {way}: {row['step_s']:.4f} s/step (first call {row['first_call_s']:.1f} s)", file=sys.stderr)
     by_way = {r["way"]: r for r in rows}
     base = by_way.get("jit-1-device")
     for row in rows:
@@ -263,7 +290,7 @@ def bench(args) -> dict:
     return {"machine": machine(), "config": {"hidden": args.hidden, "layers": args.layers, "seq": args.seq,
                                              "batch": args.batch, "vocab": args.vocab,
                                              "params": step.param_count(), "warmup": args.warmup,
-                                             "steps": args.steps},
+                                             "steps": args.steps, "rounds": args.rounds},
             "rows": rows, "targets": targets}
 
 
@@ -338,7 +365,7 @@ def print_table(report: dict) -> None:
     c, m = report["config"], report["machine"]
     print(f"GPT hidden {c['hidden']}, {c['layers']} layers, seq {c['seq']}, batch {c['batch']}, vocab {c['vocab']} "
           f"({c['params'] / 1e6:.2f} M params); {m['nproc']} cores ({m['cpu']}), jax {m['jax']}; median of "
-          f"{c['steps']} steps after {c['warmup']} warm-up")
+          f"{c['rounds']} x {c['steps']} steps, each round after {c['warmup']} warm-up")
     print(f"{'way':<22} {'step s':>8} {'x jit':>6} {'x plan-sh':>9} {'x whole':>7} {'x dp':>6} {'crit s':>7} "
           f"{'step/crit':>9} {'1st call s':>10} {'loss':>9}  meshes")
     for r in report["rows"]:
@@ -365,7 +392,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quick", action="store_true", help="a small GPT, few steps, the in-process ways and hlopar shard")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --quick 2)")
-    parser.add_argument("--warmup", type=int, default=None, help="steps after the first call (default 2; --quick 1)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps before each round's (default 2; --quick 1)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds over the ways (default 3; --quick 1)")
     parser.add_argument("--ways", default=None, help=f"comma-separated, of {', '.join(WAYS)}")
     parser.add_argument("--hidden", type=int, default=None)
     parser.add_argument("--layers", type=int, default=None)
@@ -375,9 +403,9 @@ def main() -> int:
     parser.add_argument("--transport", default=None, help="also the transport, payloads in MiB (e.g. 1,16,64)")
     parser.add_argument("--repeats", type=int, default=5, help="transport repeats")
     args = parser.parse_args()
-    defaults = ({"steps": 2, "warmup": 1, "hidden": 64, "layers": 2, "seq": 16, "batch": 8, "vocab": 128}
-                if args.quick else {"steps": 5, "warmup": 2, "hidden": 256, "layers": 4, "seq": 64, "batch": 16,
-                                    "vocab": 1024})
+    defaults = ({"steps": 2, "warmup": 1, "rounds": 1, "hidden": 64, "layers": 2, "seq": 16, "batch": 8, "vocab": 128}
+                if args.quick else {"steps": 5, "warmup": 2, "rounds": 3, "hidden": 256, "layers": 4, "seq": 64,
+                                    "batch": 16, "vocab": 1024})
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -387,8 +415,8 @@ def main() -> int:
         parser.error(f"unknown ways {unknown}; the ways are {', '.join(WAYS)}")
     if args.batch % 8:
         parser.error(f"--batch {args.batch}: the data-parallel and sharded ways cut the batch over 8 devices")
-    if args.steps < 1 or args.warmup < 0:
-        parser.error("--steps must be at least 1 and --warmup at least 0")
+    if args.steps < 1 or args.rounds < 1 or args.warmup < 0:
+        parser.error("--steps and --rounds must be at least 1, --warmup at least 0")
     report = bench(args)
     if args.transport:
         report["transport"] = bench_transport([float(s) for s in args.transport.split(",")], args.repeats)
