@@ -1,7 +1,8 @@
 """`tools/bench_runtime.py --quick --json` (issue 18, item 4): one process measures `jax.jit`
 on one device, data-parallel and with the "shard" plan's own shardings, the plan as one
-executable, and hlopar's "shard" plan, from the same initial state; the rows say so in the structure the docs cite, and every
-way trains the same (equal losses). About 45 s on an idle 2-core machine (70 s loaded): heavy."""
+executable, and hlopar's "shard" plan, from the same initial state; the rows say so in the
+structure the docs cite, and every way trains the same (equal losses). About 45 s on an idle
+2-core machine (70 s loaded): heavy."""
 
 from __future__ import annotations
 
