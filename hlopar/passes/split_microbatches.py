@@ -368,7 +368,7 @@ class _Splitter:
                 elif value_kind[vid] is None and _invariant(op, number):
                     replacement = op.operands[number]
                 else:
-                    raise SplitError(op, f"result {number} of {_where(op)} does not depend on the batch but is "
+                    raise SplitError(op, f"result {number} of '{op.name}' does not depend on the batch but is "
                                          "computed by a loop or branch that runs per microbatch, and is read after "
                                          "the sums over microbatches: hlopar cannot tell it from a sum")
                 for use in outside:
@@ -712,8 +712,8 @@ class _Splitter:
                 for block in (cond, body):
                     for arg, k in zip(block.arguments, state):
                         known[arg] = k
-                if self._block_kinds(cond, known, found)[0] not in (None, ZERO, BATCH):
-                    self._refuse(found, op, f"{_where(op)} runs a number of iterations chosen from sums over the "
+                if self._block_kinds(cond, known, _KindPass())[0] not in (None, ZERO, BATCH):
+                    self._refuse(found, op, f"'{op.name}' runs a number of iterations chosen from sums over the "
                                             "batch: each microbatch would run its own")
                 joined = [_join(k, r) for k, r in zip(state, self._block_kinds(body, known, found))]
                 if joined == state:
@@ -721,14 +721,14 @@ class _Splitter:
                 state = joined
         else:  # stablehlo.case / stablehlo.if: the branch index (a scalar) must not depend on the batch
             if self._kind_in(op.operands[0], known) not in (None, ZERO):
-                self._refuse(found, op, f"{_where(op)} chooses its branch from a sum over the batch: each "
+                self._refuse(found, op, f"'{op.name}' chooses its branch from a sum over the batch: each "
                                         "microbatch would choose its own")
             branches = [self._block_kinds(region.blocks[0], known, found) for region in op.regions]
             state = [functools.reduce(_join, kinds) for kinds in zip(*branches)]
         kinds = [BATCH if self.divided(r) is not None else k for r, k in zip(op.results, state)]
         for number, k in enumerate(kinds):
             if k == STEP:
-                self._refuse(found, op, f"result {number} of {_where(op)} is a sum over the batch in some "
+                self._refuse(found, op, f"result {number} of '{op.name}' is a sum over the batch in some "
                                         "iterations or branches and a value independent of it in others (a sum "
                                         "written into a buffer that does not start at zeros?): its microbatches' "
                                         "values would not add up to the whole batch's")
@@ -755,7 +755,7 @@ class _Splitter:
         if any(carries) or BATCH in reads:
             summed = [v for v, k in zip(op.operands, reads) if k in (SUM, STEP)]
             if summed:
-                self._refuse(found, op, f"{_where(op)} uses a sum over the batch ({_origin(summed[0])}) per "
+                self._refuse(found, op, f"'{op.name}' uses a sum over the batch ({_origin(summed[0])}) per "
                                         "example inside a loop or branch: a statistic of the batch used inside a "
                                         "loop cannot be split into microbatches (with microbatches=1 the step runs "
                                         "as written)")
@@ -763,14 +763,15 @@ class _Splitter:
         if all(k in (None, ZERO) for k in reads):
             return [None] * len(op.results)
         if {LOCAL, LOCAL_SUM} & set(reads):
-            self._refuse(found, op, f"{_where(op)} computes a value without examples from statistics of the "
+            self._refuse(found, op, f"'{op.name}' computes a value without examples from statistics of the "
                                     "microbatch inside a loop or branch: not supported")
         elif STEP not in reads and _linear(op.name, op, reads):
             return [SUM] * len(op.results)
         elif STEP not in reads:
-            self._refuse(found, op, f"{_where(op)} is not linear in the sums over the batch it reads, inside a loop "
+            self._refuse(found, op, f"'{op.name}' is not linear in the sums over the batch it reads, inside a loop "
                                     "or branch that runs once per microbatch: only sums can be accumulated over "
-                                    "microbatches (an update or a statistic computed inside the loop?)")
+                                    "microbatches (a sum added to or written into a value that is not zero, or an "
+                                    "update or a statistic computed inside the loop?)")
         return [STEP] * len(op.results)
 
     def _kind_in(self, value: ir.Value, known: dict[ir.Value, str | None]) -> str | None:
