@@ -31,20 +31,23 @@ Later calls only run. The bundle is cached on disk under `$HLOPAR_CACHE_DIR` (de
 options: a new process with the same step skips planning (codegen reads `program.mlir`
 back).
 
-Arguments and results. Results come back as jax arrays on the driver's default device, in
-`fn`'s output pytree. The workers also keep the results on their devices: when the next call
-passes a result of this call back as an argument (new parameters, optimizer state), the
-driver sends nothing for it. `batch_argnums`: the positional arguments holding the batch
+Arguments and results. Results stay on the workers that computed them: a call returns `fn`'s
+output pytree of `runtime.remote_array.RemoteArray`s (shape and dtype known; reading one,
+`float(loss)`, `np.asarray`, `jax.device_get`, printing, a jax function, fetches that one
+value, once). When the next call passes a result back as an argument (new parameters,
+optimizer state), the driver sends nothing for it. `batch_argnums`: the positional arguments holding the batch
 (each leaf cut along dim 0 into microbatches); `...` lets the split pass find them (the
 arguments that are not training state). `num_microbatches=None`: the largest divisor of the
 batch size not above max(4, 2 × num_hosts) ("shard": 1), or 1, with an `HloparWarning` saying
 why, where the split pass refuses that many (a number the user gives is refused instead).
 `donate_argnums`: as in `jax.jit`,
-the donated jax arrays are deleted after the call.
+the donated arrays are deleted after the call (a donated result is dropped on the workers at
+the next call; reading it raises).
 
 Faults: a step whose worker dies, raises or stalls raises `WorkerError` within `timeout`
 seconds (at once when Ray sees the worker die); the next call starts fresh workers and sends
-the arguments again. `save(dir)` / `restore(dir)`: each worker writes / reads back its shards
+the arguments again (results the dead workers held are lost unless read before; `restore`
+brings back a save). `save(dir)` / `restore(dir)`: each worker writes / reads back its shards
 of the last step's results (the training state).
 
 Workers: each asks Ray for its GPUs and a hundredth of a core (`ray_runtime.WORKER_CPUS`), so
@@ -79,6 +82,7 @@ import numpy as np
 from hlopar.analysis.training_roles import RolesError
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.progress import Progress
+from hlopar.runtime.remote_array import RemoteArray, is_key
 
 __all__ = ["Cluster", "HloparWarning", "ParallelizedFunction", "PlannedStep", "PlanningError", "parallelize",
            "plan_step"]
@@ -356,9 +360,7 @@ class _Compiled:
     planned: PlannedStep
     runtime: Any  # ray_runtime.RayRuntime
     cluster: Cluster
-    out_dtypes: list = field(default_factory=list)  # per result leaf: its dtype (typed keys are rewrapped)
-    returned: list = field(default_factory=list)  # (weakref to a returned leaf, result position)
-    generation: int = 0  # runtime generation the returned leaves are kept by
+    outputs: list = field(default_factory=list)  # per result leaf: its shape and dtype, and its name
     pieces: Any = None  # passes.unstack_layer_scans.LayerPieces: stacked layers split per layer, or None
 
 
@@ -456,7 +458,7 @@ class ParallelizedFunction:
             runtime = RayRuntime(planned.program, self.schedule, placement, timeout=self.timeout,
                                  worker_timeout=self.timeout, log=progress.message, phase=progress.phase)
             self._compiled = _Compiled(signature, lowered.out_tree, planned, runtime, cluster,
-                                       [info.dtype for info in jax.tree_util.tree_leaves(lowered.out_info)],
+                                       _output_leaves(lowered, self.__name__),
                                        pieces=LayerPieces.from_json(planned.plan.get("layer_pieces")))
             self._log(f"starting {workers} Ray worker(s)")
             self._release_with(runtime)
@@ -489,29 +491,35 @@ class ParallelizedFunction:
     def __call__(self, *args):
         compiled = self.compile(*args)
         runtime = compiled.runtime
-        leaves = jax.tree_util.tree_leaves(args)
-        resident = {}
-        if compiled.generation == runtime.generation:
-            for i, leaf in enumerate(leaves):
-                for ref, r in compiled.returned:
-                    if ref() is leaf:
-                        resident[i] = r
-                        break
-        arguments = [_key_data(leaf) for leaf in leaves]
-        if compiled.pieces is not None:  # stacked layers run as one piece per layer
-            arguments, resident = compiled.pieces.split(arguments), compiled.pieces.resident(resident)
-        results = _joined(compiled, runtime.run(arguments, resident))
-        outputs = _outputs(results, compiled.out_dtypes)
-        compiled.returned = [(weakref.ref(x), r) for r, x in enumerate(outputs)]
-        compiled.generation = runtime.generation
-        self._donate(args, outputs)
+        paths_and_leaves = jax.tree_util.tree_flatten_with_path(args)[0]
+        arguments, resident = [], {}  # resident: leaf -> (step, result leaf) the workers keep
+        for i, (path, leaf) in enumerate(paths_and_leaves):
+            if isinstance(leaf, RemoteArray):
+                held = leaf.resident_in(runtime)
+                if held is not None:
+                    arguments.append(_HELD)
+                    resident[i] = held
+                    continue
+                leaf = _read_argument(leaf, f"{self.__name__}'s argument {jax.tree_util.keystr(path)}")
+            arguments.append(_key_data(leaf))
+        step = runtime.run(*_program_arguments(compiled, arguments, resident, paths_and_leaves, self.__name__))
+        self._donate(args)
+        return self._results(compiled, step)
+
+    def _results(self, compiled: _Compiled, step: int):
+        """`fn`'s output pytree of the results of `step`, kept on the workers."""
+        runtime = compiled.runtime
+        parts = _result_parts(compiled)
+        outputs = [RemoteArray(runtime, runtime.generation, step, k, parts[k], out.shape, out.dtype,
+                               f"{name} (call {step})") for k, (out, name) in enumerate(compiled.outputs)]
         return jax.tree_util.tree_unflatten(compiled.out_tree, outputs)
 
-    def _donate(self, args: tuple, outputs: list) -> None:
-        keep = {id(x) for x in outputs}
+    def _donate(self, args: tuple) -> None:
+        """As `jax.jit` donates: the donated arguments are deleted (a result kept on the
+        workers is dropped there at the next step)."""
         for position in self.donate_argnums:
             for leaf in jax.tree_util.tree_leaves(args[position]):
-                if isinstance(leaf, jax.Array) and id(leaf) not in keep and not leaf.is_deleted():
+                if isinstance(leaf, (jax.Array, RemoteArray)) and not leaf.is_deleted():
                     leaf.delete()
 
     @property
@@ -578,11 +586,7 @@ class ParallelizedFunction:
                              f"{compiled.planned.bundle.name}")
         if not compiled.runtime.alive:
             self._restart()
-        results = _joined(compiled, compiled.runtime.load(directory))
-        outputs = _outputs(results, compiled.out_dtypes)
-        compiled.returned = [(weakref.ref(x), r) for r, x in enumerate(outputs)]
-        compiled.generation = compiled.runtime.generation
-        return jax.tree_util.tree_unflatten(compiled.out_tree, outputs)
+        return self._results(compiled, compiled.runtime.load(directory))
 
     def _require_run(self) -> _Compiled:
         if self._compiled is None or not self._compiled.runtime.alive or self._compiled.runtime.step_id == 0:
@@ -590,9 +594,61 @@ class ParallelizedFunction:
         return self._compiled
 
 
-def _joined(compiled: _Compiled, results: list) -> list:
-    """The step's results from the program's: pieces of stacked layers concatenated."""
-    return compiled.pieces.join(results) if compiled.pieces is not None else results
+class _Held:
+    """The place of an argument the workers keep (never read; pieces of it are itself)."""
+
+    def __getitem__(self, index) -> _Held:
+        return self
+
+
+_HELD = _Held()
+
+
+def _read_argument(leaf: RemoteArray, what: str):
+    """A result not kept by this function's workers, read to be sent (its key data for a key)."""
+    try:
+        return leaf.__jax_array__()
+    except RuntimeError as error:
+        raise RuntimeError(f"{what}: {error}") from None
+
+
+def _program_arguments(compiled: _Compiled, arguments: list, resident: dict, paths_and_leaves: list,
+                       name: str) -> tuple[list, dict]:
+    """@main's arguments and resident ones ({argument: (step, result position)}) from the
+    step's leaves: stacked layers cut into their pieces, each piece resident where the
+    result kept is cut alike (else the leaf is read and sent)."""
+    pieces = compiled.pieces
+    if pieces is None:  # a result leaf is @main's result of its number
+        return arguments, resident
+    program = pieces.split(arguments)
+    found = pieces.resident({i: o for i, (s, o) in resident.items()})
+    stray = {pieces.arg_origin[k] for k, a in enumerate(program) if a is _HELD and k not in found}
+    if stray:  # kept, but cut otherwise than this argument: read it
+        for i in stray:
+            path, leaf = paths_and_leaves[i]
+            arguments[i] = _key_data(_read_argument(leaf, f"{name}'s argument {jax.tree_util.keystr(path)}"))
+            del resident[i]
+        return _program_arguments(compiled, arguments, resident, paths_and_leaves, name)
+    return program, {k: (resident[pieces.arg_origin[k]][0], r) for k, r in found.items()}
+
+
+def _result_parts(compiled: _Compiled) -> list[tuple[int, ...]]:
+    """Per result leaf of the step, the positions of @main's results it is made of (the
+    pieces of a stacked one, in order; else itself)."""
+    pieces = compiled.pieces
+    if pieces is None:
+        return [(k,) for k in range(len(compiled.outputs))]
+    parts: dict[int, list[int]] = {}
+    for k, origin in enumerate(pieces.result_origin):
+        parts.setdefault(origin, []).append(k)
+    return [tuple(parts[o]) for o in sorted(parts)]
+
+
+def _output_leaves(lowered, name: str) -> list[tuple[jax.ShapeDtypeStruct, str]]:
+    """Per result leaf of `fn`: its shape and dtype, and its name (`train_step's result [1]['w']`)."""
+    flat = jax.tree_util.tree_flatten_with_path(lowered.out_info)[0]
+    return [(jax.ShapeDtypeStruct(info.shape, info.dtype), f"{name}'s result {jax.tree_util.keystr(path)}".rstrip())
+            for path, info in flat]
 
 
 def _dtype(x) -> np.dtype:
@@ -601,27 +657,9 @@ def _dtype(x) -> np.dtype:
     return x.dtype if hasattr(x, "dtype") else jax.dtypes.canonicalize_dtype(np.result_type(x))
 
 
-def _is_key(dtype) -> bool:
-    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
 def _key_data(leaf):
     """A typed key (`jax.random.key`) as the words the lowered program takes for it."""
-    return jax.random.key_data(leaf) if _is_key(_dtype(leaf)) else leaf
-
-
-def _outputs(results: Sequence, dtypes: Sequence) -> list:
-    """The workers' results as jax arrays, typed keys wrapped back from their words."""
-    return [jax.random.wrap_key_data(jax.device_put(r), impl=_key_impl(dtype)) if _is_key(dtype)
-            else jax.device_put(r) for r, dtype in zip(results, dtypes, strict=True)]
-
-
-def _key_impl(dtype) -> str:
-    """The name of the generator of a typed key's dtype (`key<fry>` -> "threefry2x32")."""
-    for name in ("threefry2x32", "rbg", "unsafe_rbg"):
-        if jax.random.key(0, impl=name).dtype == dtype:
-            return name
-    raise TypeError(f"hlopar does not know the random generator of {dtype} keys")
+    return jax.random.key_data(leaf) if is_key(_dtype(leaf)) else leaf
 
 
 class HloparWarning(UserWarning):

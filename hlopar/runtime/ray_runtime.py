@@ -17,9 +17,12 @@ one process:
   update result read by another mesh) is pulled by its reader from its maker (`fetch`),
   which answers once the value exists. Arguments are sent by the driver to every worker that
   reads them, directly or through a transfer chain that starts at an argument (a parameter
-  read on two meshes). The worker returns the step's results that live on its mesh, and
-  keeps them: the next call passes them back as arguments (new parameters, optimizer
-  state), and the driver then sends nothing for them (`resident`).
+  read on two meshes). The worker keeps the step's results that live on its mesh, by
+  (step, result), and returns none of them: the driver reads one when the caller does
+  (`result`, `runtime/remote_array.py`); the next call passes them back as arguments (new
+  parameters, optimizer state) and the driver sends nothing for them (`resident`; a worker
+  of another mesh that reads one asks its keepers for it, `pulled`); the ones the caller
+  dropped or donated go with the next call (`release`) and are dropped then.
 
 Devices. A worker owns the devices of its mesh on its host: on CPU its process is started
 with `XLA_FLAGS=--xla_force_host_platform_device_count=<its devices>` (its own CPU devices;
@@ -52,6 +55,7 @@ import json
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -244,7 +248,8 @@ class MeshWorker:
         self.mailbox = Mailbox()
         self.changed = threading.Condition()
         self.runs: dict[int, _WorkerRun] = {}
-        self.carry: dict[int, object] = {}  # result position -> the last step's value, on the devices
+        self.kept: dict[tuple[int, int], object] = {}  # (step, result position) -> its value, on the devices
+        self.last = 0  # the step whose results `save` writes
         self.peers: dict = {}
         self.delay = 0.0
 
@@ -316,10 +321,15 @@ class MeshWorker:
 
     # -- a step
 
-    def run_step(self, step: int, arguments: Mapping[int, object], resident: Mapping[int, int]) -> dict:
-        """Runs the mesh's stream and updates for one step. `arguments`: argument number ->
-        array (or an ObjectRef of one); `resident`: argument number -> the result position
-        of the last step whose kept value it is."""
+    def run_step(self, step: int, arguments: Mapping[int, object], resident: Mapping[int, tuple[int, int]],
+                 pulled: Mapping[int, tuple[int, int, tuple[str, ...]]] | None = None,
+                 release: Sequence[tuple[int, int]] = ()) -> dict:
+        """Runs the mesh's stream and updates for one step and keeps its results here (none
+        are returned: the driver reads one with `result`). `arguments`: argument number ->
+        array (or an ObjectRef of one); `resident`: argument number -> (step, result
+        position) of a value this worker keeps; `pulled`: the same, kept by the workers named
+        (another mesh's), asked for here; `release`: kept values no longer referenced (or
+        donated), dropped once this step's arguments are taken."""
         import ray
 
         if self.delay:
@@ -328,10 +338,18 @@ class MeshWorker:
         args = {}
         for i, value in arguments.items():
             args[i] = ray.get(value, timeout=self.timeout) if isinstance(value, ray.ObjectRef) else value
-        for i, r in resident.items():
-            if r not in self.carry:
-                raise RuntimeError(f"argument {i}: the worker {self.name} does not hold result {r}")
-            args[i] = self.carry[r]
+        for i, key in resident.items():
+            if key not in self.kept:
+                raise RuntimeError(f"argument {i}: the worker {self.name} does not hold result {key[1]} of step "
+                                   f"{key[0]}")
+            args[i] = self.kept[key]
+        for i, (s, r, holders) in (pulled or {}).items():
+            parts = ray.get([self.peers[h].result.remote(s, r) for h in holders], timeout=self.timeout)
+            if any(p is None for p in parts):
+                raise RuntimeError(f"argument {i}: result {r} of step {s} is no longer held by {', '.join(holders)}")
+            args[i] = parts[0] if not isinstance(parts[0], Pieces) else gather_pieces(parts)
+        for key in release:
+            self.kept.pop(key, None)
         run = _WorkerRun(self, step, args)
         with self.changed:
             self.runs = {s: r for s, r in self.runs.items() if s >= step - 1}
@@ -341,15 +359,17 @@ class MeshWorker:
         run.stream()
         run.updates()
         last = self.program.microbatches - 1
-        results = {}
-        carry = {}
         for r in self.wp.results:
-            value = run.read(self.program.results[r], last, once=True)
-            carry[r] = value
-            results[r] = host_value(value)
-        self.carry = carry
+            self.kept[(step, r)] = run.read(self.program.results[r], last, once=True)
+        self.last = step
         run.timing["step_s"] = time.perf_counter() - clock
-        return {"results": results, "timing": run.timing, "spans": run.spans}
+        return {"timing": run.timing, "spans": run.spans}
+
+    def result(self, step: int, r: int):
+        """A kept result as the driver (or a peer) reads it: the whole value, or on a
+        spanning mesh this worker's `Pieces`; None if it is no longer kept."""
+        value = self.kept.get((step, r))
+        return None if value is None else host_value(value)
 
     def deliver(self, step: int, items: Mapping) -> None:
         """A peer's SEND: payloads by (transfer, microbatch, sending worker)."""
@@ -376,7 +396,8 @@ class MeshWorker:
         """Writes the results this worker keeps (its shards of the training state) to
         `directory/<worker>.npz`: whole, or per device where the mesh spans hosts."""
         arrays = {}
-        for r, value in self.carry.items():
+        for r in self.wp.results:
+            value = self.kept[(self.last, r)]
             if getattr(value, "is_fully_addressable", True):
                 arrays[f"r{r}"] = np.asarray(value)
                 continue
@@ -387,9 +408,8 @@ class MeshWorker:
         np.savez(path, **arrays)
         return str(path)
 
-    def load(self, directory: str) -> dict[int, object]:
-        """Reads back what `save` wrote and keeps it as the last step's results; returns them
-        as `run_step` does."""
+    def load(self, directory: str, step: int) -> None:
+        """Reads back what `save` wrote and keeps it as the results of `step`."""
         import jax
 
         carry = {}
@@ -406,8 +426,8 @@ class MeshWorker:
         missing = set(self.wp.results) - set(carry)
         if missing:
             raise RuntimeError(f"{self.name}: the save holds no results {sorted(missing)}")
-        self.carry = carry
-        return {r: host_value(v) for r, v in carry.items()}
+        self.kept.update({(step, r): value for r, value in carry.items()})
+        self.last = step
 
 
 class _WorkerRun:
@@ -586,6 +606,7 @@ class StepStats:
     mesh_of: dict[str, str] = field(default_factory=dict)  # worker -> its mesh
     spans: dict[str, list[tuple]] = field(default_factory=dict)  # per worker: what it ran and sent, when
     started: float = 0.0  # the driver's wall clock when the step began
+    pulled: dict[str, tuple[int, ...]] = field(default_factory=dict)  # per worker: arguments kept by another mesh
 
     def timeline(self) -> Timeline:
         """The step as the workers measured it, one row per worker, times from the driver's
@@ -607,7 +628,9 @@ class StepStats:
 
 
 class RayRuntime:
-    """The driver: starts one `MeshWorker` per (mesh, host), feeds steps, collects results."""
+    """The driver: starts one `MeshWorker` per (mesh, host), feeds steps; the results stay
+    on the workers, read one at a time (`fetch_start`, `fetch_finish`) and dropped there once
+    released (`release`, sent with the next step)."""
 
     def __init__(self, program: PipelineProgram, schedule: str, placement: Placement, *,
                  timeout: float = 300.0, worker_timeout: float = 120.0, log=None, phase=None):
@@ -627,6 +650,8 @@ class RayRuntime:
         self.phase = phase or (lambda name: None)  # "starting workers", "compiling" (a progress display)
         self.setup_info: dict[str, dict] = {}
         self.last_stats: StepStats | None = None
+        self.released: deque[tuple[int, int, int]] = deque()  # (generation, step, result): to drop
+        self.fetched_bytes = 0  # result bytes read by the driver, in all
 
     @property
     def alive(self) -> bool:
@@ -728,23 +753,28 @@ class RayRuntime:
 
     # -- running
 
-    def run(self, arguments: Sequence, resident: Mapping[int, int] | None = None) -> list[np.ndarray]:
-        """One step on the whole batch. `arguments`: @main's arguments (host arrays);
-        `resident`: argument number -> result position of the last step on the same workers
-        whose value the argument is (the driver then does not send it)."""
+    def run(self, arguments: Sequence, resident: Mapping[int, tuple[int, int]] | None = None) -> int:
+        """One step on the whole batch; returns its number, by which its results are read
+        (the workers keep them). `arguments`: @main's arguments (host arrays; anything for
+        a resident one); `resident`: argument number -> (step, result position) of a result
+        the workers still keep (not sent: its mesh's workers use their copy, the workers of
+        another mesh that read it ask them for it)."""
         import ray
 
         if not self.alive:
             raise WorkerError("the workers are not running (start them first)")
         program = self.program
-        arguments = step_arguments(arguments, len(program.argument_shapes), program.index_arg, program.microbatches)
+        resident = dict(resident or {})
+        arguments = step_arguments([None if i in resident else a for i, a in enumerate(arguments)],
+                                   len(program.argument_shapes), program.index_arg, program.microbatches)
         for i in program.batch_args:
+            if i in resident:
+                continue
             shape, whole = program.argument_shapes[i], np.shape(arguments[i])
             expected = (shape[0] * program.microbatches, *shape[1:])
             if tuple(whole) != expected:
                 raise ValueError(f"batch argument {i} has shape {tuple(whole)}; {program.microbatches} microbatches "
                                  f"of {tuple(shape)} make {expected}")
-        resident = dict(resident or {})
         self.step_id += 1
         step = self.step_id
         slots = self.layout.slots
@@ -752,44 +782,75 @@ class RayRuntime:
         for slot in slots.values():
             for i in self.programs[slot.mesh].arguments:
                 readers[i] = readers.get(i, 0) + 1
+        release = self._released()
         shared: dict[int, object] = {}
-        calls, sent_by_worker, kept_by_worker = {}, {}, {}
+        calls, sent_by_worker, kept_by_worker, pulled_by_worker = {}, {}, {}, {}
         clock, started = time.perf_counter(), time.time()
         for name, slot in slots.items():
-            sent, kept = {}, {}
+            sent, kept, pulled = {}, {}, {}
             for i in self.programs[slot.mesh].arguments:
-                if i in resident and self.result_mesh(resident[i]) == slot.mesh:
-                    kept[i] = resident[i]
-                    continue
-                if readers[i] > 1:
+                if i in resident:
+                    s, r = resident[i]
+                    mesh = self.result_mesh(r)
+                    if mesh == slot.mesh:
+                        kept[i] = (s, r)
+                    else:
+                        pulled[i] = (s, r, tuple(w.name for w in self.layout.of_mesh(mesh)))
+                elif readers[i] > 1:
                     if i not in shared:
                         shared[i] = ray.put(np.asarray(arguments[i]))
                     sent[i] = shared[i]
                 else:
                     sent[i] = np.asarray(arguments[i])
-            calls[name] = self.actors[name].run_step.remote(step, sent, kept)
-            sent_by_worker[name], kept_by_worker[name] = tuple(sent), tuple(kept)
+            calls[name] = self.actors[name].run_step.remote(step, sent, kept, pulled, release.get(slot.mesh, ()))
+            sent_by_worker[name], kept_by_worker[name], pulled_by_worker[name] = tuple(sent), tuple(kept), tuple(pulled)
         outputs = self._gather(calls, f"step {step}")
-        results = self._collect({n: o["results"] for n, o in outputs.items()})
         self.last_stats = StepStats(time.perf_counter() - clock, {n: o["timing"] for n, o in outputs.items()},
                                     sent_by_worker, kept_by_worker, {n: s.mesh for n, s in slots.items()},
-                                    {n: o["spans"] for n, o in outputs.items()}, started)
-        return results
+                                    {n: o["spans"] for n, o in outputs.items()}, started, pulled=pulled_by_worker)
+        return step
 
-    def _collect(self, returned: Mapping[str, Mapping[int, object]]) -> list[np.ndarray]:
-        """Results by position from what each worker returned: whole values, or the pieces
-        of the workers of a spanning mesh put together."""
-        results: list = [None] * len(self.program.results)
-        parts: dict[int, list[Pieces]] = {}
-        for values in returned.values():
-            for r, value in values.items():
-                if isinstance(value, Pieces):
-                    parts.setdefault(r, []).append(value)
-                else:
-                    results[r] = value
-        for r, pieces in parts.items():
-            results[r] = gather_pieces(pieces)
-        return results
+    # -- the results, kept on the workers
+
+    def holds(self, generation: int) -> bool:
+        """Whether the workers that kept results of `generation` still run."""
+        return self.alive and generation == self.generation
+
+    def release(self, generation: int, step: int, r: int) -> None:
+        """Result `r` of `step` is no longer referenced (or donated): its workers drop it at
+        the start of the next step. Called from finalizers, in any thread."""
+        if generation == self.generation:
+            self.released.append((generation, step, r))
+
+    def _released(self) -> dict[str, list[tuple[int, int]]]:
+        """Per mesh, the kept results to drop (taken from `released`)."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        while self.released:
+            generation, step, r = self.released.popleft()
+            if generation == self.generation:
+                out.setdefault(self.result_mesh(r), []).append((step, r))
+        return out
+
+    def fetch_start(self, generation: int, step: int, results: Sequence[int]) -> tuple:
+        """Asks the workers that keep them for results of `step` (not waited for)."""
+        if not self.holds(generation):
+            raise RuntimeError("its workers were stopped (after a failure, or closed), and what they held with "
+                               "them; a value read before is kept, the state can be restored from a save")
+        return tuple({w.name: self.actors[w.name].result.remote(step, r)
+                      for w in self.layout.of_mesh(self.result_mesh(r))} for r in results)
+
+    def fetch_finish(self, pending: tuple, what: str) -> list[np.ndarray]:
+        """The results `fetch_start` asked for, as host arrays (a spanning mesh's pieces put
+        together)."""
+        out = []
+        for calls in pending:
+            parts = list(self._gather(calls, f"reading {what}").values())
+            if any(p is None for p in parts):
+                raise RuntimeError(f"{what} is no longer kept by the workers")
+            value = gather_pieces(parts) if isinstance(parts[0], Pieces) else parts[0]
+            self.fetched_bytes += value.nbytes
+            out.append(value)
+        return out
 
     def _gather(self, calls: Mapping[str, object], what: str) -> dict[str, object]:
         """Waits for one call per worker, up to `timeout`; on a dead worker, an error or the
@@ -835,7 +896,8 @@ class RayRuntime:
             "workers": {n: s.mesh for n, s in self.layout.slots.items()},
         }, indent=1) + "\n")
 
-    def load(self, directory: str | Path) -> list[np.ndarray]:
-        """Each worker reads back its kept results; returns them all (the host's copy)."""
-        return self._collect(self._gather({n: a.load.remote(str(directory)) for n, a in self.actors.items()},
-                                          "restore"))
+    def load(self, directory: str | Path) -> int:
+        """Each worker reads back its kept results as those of a new step; returns its number."""
+        self.step_id += 1
+        self._gather({n: a.load.remote(str(directory), self.step_id) for n, a in self.actors.items()}, "restore")
+        return self.step_id

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 import hlopar
-from hlopar.api import Cluster, _key_data, _outputs, describe_plan, plan_step
+from hlopar.api import Cluster, _key_data, describe_plan, plan_step
 from hlopar.models import get_train_step
 from hlopar.progress import Progress
 from hlopar.runtime.ray_runtime import placement_of, worker_programs
+from hlopar.runtime.remote_array import jax_value
 from reordered_steps import reordered_step_text
 
 CLUSTER = Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu").resolved()
@@ -166,11 +167,9 @@ def test_typed_keys_cross_to_the_workers_as_their_words():
     key = jax.random.key(7)
     words = _key_data(key)
     assert words.dtype == jnp.uint32 and words.shape == (2,)
-    back = _outputs([np.asarray(words), np.arange(3)], [key.dtype, np.dtype("int64")])
-    assert back[0].dtype == key.dtype and bool(jnp.all(jax.random.key_data(back[0]) == words))
-    np.testing.assert_array_equal(back[1], np.arange(3))
-    with pytest.raises(ValueError):  # one dtype per result, no more, no fewer
-        _outputs([words], [])
+    back = jax_value(np.asarray(words), key.dtype)
+    assert back.dtype == key.dtype and bool(jnp.all(jax.random.key_data(back) == words))
+    np.testing.assert_array_equal(jax_value(np.arange(3), np.dtype("int64")), np.arange(3))
 
 
 def test_the_plan_does_not_depend_on_the_order_of_arguments_and_results(cache):

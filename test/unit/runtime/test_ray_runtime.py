@@ -30,6 +30,7 @@ from numerics import assert_step_close, assert_trees_equal
 
 import hlopar
 from hlopar.models import get_train_step
+from hlopar.runtime.remote_array import RemoteArray
 
 
 CLUSTER = hlopar.Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu")
@@ -73,7 +74,7 @@ def train(model: str, steps: int, cluster=CLUSTER, **options) -> hlopar.api.Para
     try:
         for k in range(steps):
             out = parallel(p, s, batch)
-            assert isinstance(out[2], jax.Array)
+            assert isinstance(out[2], RemoteArray)  # kept on the workers until read
             compare(out, step.jitted_step(p, s, batch), p)  # this step, from the same inputs
             rp, rs, rloss = step.jitted_step(rp, rs, batch)  # single-device training from the start
             np.testing.assert_allclose(float(out[2]), float(rloss), rtol=1e-5)
@@ -197,6 +198,7 @@ def test_a_killed_worker_raises_and_the_next_call_restarts(ray_cluster, tmp_path
         first = parallel(params, state, batch)
         second = parallel(first[0], first[1], batch)
         parallel.save(tmp_path / "state")  # after the second step: a stale save would hold `first`
+        jax.device_get(second)  # read: kept on the driver, so it survives the workers
         runtime = parallel.runtime
         pids = runtime.worker_pids()
         ray.get(runtime.actors[sleeper].debug_delay.remote(30.0))  # still asleep when the victim dies
@@ -209,7 +211,10 @@ def test_a_killed_worker_raises_and_the_next_call_restarts(ray_cluster, tmp_path
         killer.join()
         assert not runtime.alive
 
-        # The next call starts fresh workers (they no longer hold the state: it is sent again).
+        # What the dead workers held and was never read is gone.
+        with pytest.raises(RuntimeError, match="cannot be read: its workers were stopped"):
+            float(first[2])
+        # The next call starts fresh workers (they no longer hold the state: what was read is sent again).
         third = parallel(second[0], second[1], batch)
         assert set(runtime.worker_pids().values()).isdisjoint(pids.values())
         compare(third, step.jitted_step(second[0], second[1], batch), second[0])
