@@ -16,7 +16,8 @@ Importable as ``scan_steps`` from every test folder (`test/unit/conftest.py`'s f
 `jax.jit`, `args` its first arguments. The convention of both: the batch is the LAST argument
 (a dict of int32 ``tokens`` and ``targets``, `BATCH` x `SEQ`), the step returns the new training
 state (the arguments before the batch, in order) followed by the loss, so
-`next_args(args, results)` gives the next step's arguments and `loss_of(results)` the loss.
+`next_args(args, results)` gives the next step's arguments, `loss_of(results)` the loss and
+`params_of(args or results)` the parameters.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def next_args(args: tuple, results: tuple) -> tuple:
 
 def loss_of(results: tuple) -> jax.Array:
     return results[-1]
+
+
+def params_of(tree: tuple):
+    """The parameters among a step's arguments or results: the first, or a TrainState's."""
+    return tree[0].params if hasattr(tree[0], "params") else tree[0]
 
 
 def _cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
