@@ -22,7 +22,11 @@ workers (each its own 8 or 4 CPU devices, on the same cores):
 - `xla-shard-plan`: the whole step planned by `hlopar-auto-sharding` on the same 1 x 8 mesh
   (every op's sharding, as the "shard" plan's one stage is planned) and compiled as one
   executable by stock jaxlib (`codegen.executables.compile_executable`), run in this
-  process on `jax.Array`s: the plan without hlopar's runtime;
+  process on `jax.Array`s: the plan as one program, without hlopar's runtime;
+- `fragments-shard-plan`: the "shard" plan's own executables (its forward, backward and
+  update fragments, what its worker runs) chained in this process on `jax.Array`s by
+  `local_executor.PipelinedStep`: the plan without Ray, the driver and the worker, so that
+  `hlopar-shard-1x8` over it is the Ray runtime's own cost;
 - `hlopar-<method>-<hosts>x<devices>`: `hlopar.parallelize(method=...)` on
   `Cluster.local(hosts, devices)`: shard, auto and pipeline on 1 x 8, and pipeline on 2 x 4
   (two simulated hosts, 2 microbatches, 1f1b).
@@ -40,13 +44,13 @@ For hlopar rows the runtime's own timing (`ParallelizedFunction.last_stats`) is 
 medians too: `critical_s`, the slowest worker's own step (its `run_step`: stream, waits
 and updates), `executables_s` (the sum over meshes of their executables' run time) and
 `step_over_critical`. The targets of issue 18 are checked in `targets`: the "shard" plan at
-most 1.05x the same plan without the runtime, against both `jit-plan-shardings` and
-`xla-shard-plan`; a pipelined plan's step at most 1.2x its slowest worker's critical path.
+most 1.05x the same plan without the runtime, against `jit-plan-shardings`, `xla-shard-plan`
+and `fragments-shard-plan`; a pipelined plan's step at most 1.2x its slowest worker's critical path.
 
 `--json` prints `{"machine", "config", "rows": [{"way", "step_s", "ratio_to_jit", ...}],
 "targets"}`. `--quick` (a test runs it): a GPT of hidden 64, 2 layers, seq 16, batch 8,
-vocabulary 128, 1 warm-up and 2 timed steps, the ways in this process and hlopar's "shard"
-plan. `--transport SIZES`: also the CPU transport's throughput, a payload of each size (MiB)
+vocabulary 128, 1 warm-up and 2 timed steps, the ways in this process but `xla-shard-plan`
+(planning the whole step is the slowest part) and hlopar's "shard" plan. `--transport SIZES`: also the CPU transport's throughput, a payload of each size (MiB)
 from one Ray actor to another through `ObjectStoreTransport.send` against `numpy.copy` of
 the same bytes.
 """
@@ -79,15 +83,15 @@ import hlopar  # noqa: E402
 from hlopar.codegen.spmd import main_shardings  # noqa: E402
 from hlopar.models import gpt  # noqa: E402
 
-JIT_WAYS = ("jit-1-device", "jit-data-parallel", "jit-plan-shardings", "xla-shard-plan")
+IN_PROCESS_WAYS = ("jit-1-device", "jit-data-parallel", "jit-plan-shardings", "xla-shard-plan", "fragments-shard-plan")
 HLOPAR_WAYS = {  # way -> (method, hosts, devices per host, options)
     "hlopar-shard-1x8": ("shard", 1, 8, {}),
     "hlopar-auto-1x8": ("auto", 1, 8, {}),
     "hlopar-pipeline-1x8": ("pipeline", 1, 8, {}),
     "hlopar-pipeline-2x4": ("pipeline", 2, 4, {"num_microbatches": 2, "schedule": "1f1b"}),
 }
-WAYS = JIT_WAYS + tuple(HLOPAR_WAYS)
-QUICK_WAYS = JIT_WAYS + ("hlopar-shard-1x8",)
+WAYS = IN_PROCESS_WAYS + tuple(HLOPAR_WAYS)
+QUICK_WAYS = ("jit-1-device", "jit-data-parallel", "jit-plan-shardings", "fragments-shard-plan", "hlopar-shard-1x8")
 TARGET_SAME_SHARDINGS = 1.05
 TARGET_CRITICAL = 1.2
 
@@ -195,11 +199,32 @@ def whole_plan_way(step, args) -> Runner:
     return Runner("xla-shard-plan", call, args, {"first_call_s": time.perf_counter() - clock}).first()
 
 
-def planned_shardings(step, args) -> tuple:
-    """The `method="shard"` plan's shardings on `Cluster.local(1, 8)`, as `jax.jit` takes them
-    (pytrees of `NamedSharding` for the arguments and the results)."""
+def shard_plan(step, args) -> tuple:
+    """The `method="shard"` plan on `Cluster.local(1, 8)` (as `hlopar-shard-1x8` plans it:
+    the same cache entry) and jax's lowering of the step."""
     parallel = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", verbose=False)
-    planned, lowered = parallel.plan(*args)
+    return parallel.plan(*args)
+
+
+def fragments_way(step, args, plan) -> Runner:
+    """`fragments-shard-plan` (module docstring)."""
+    from hlopar.runtime.local_executor import PipelinedStep
+
+    planned, lowered = plan
+    clock = time.perf_counter()
+    local = PipelinedStep(planned.program, "eager-1f1b", dict(enumerate(jax.devices())))
+
+    def call(params, state, batch):
+        return jax.tree_util.tree_unflatten(lowered.out_tree, local.run(jax.tree_util.tree_leaves(
+            (params, state, batch))))
+
+    return Runner("fragments-shard-plan", call, args, {"first_call_s": time.perf_counter() - clock}).first()
+
+
+def planned_shardings(args, plan) -> tuple:
+    """The `method="shard"` plan's shardings, as `jax.jit` takes them (pytrees of
+    `NamedSharding` for the arguments and the results)."""
+    planned, lowered = plan
     program = planned.program
     if len(program.meshes) != 1 or program.index_arg is not None:
         raise SystemExit(f"the shard plan has meshes {program.meshes} and index argument {program.index_arg}: "
@@ -245,13 +270,16 @@ def bench(args) -> dict:
     step = gpt.train_step(config)
     params = step.init(jax.random.PRNGKey(0))
     train_args = (params, step.init_opt_state(params), step.make_batch(jax.random.PRNGKey(1)))
-    plan_shardings = planned_shardings(step, train_args) if "jit-plan-shardings" in args.ways else None
+    plan = shard_plan(step, train_args) if {"jit-plan-shardings", "fragments-shard-plan"} & set(args.ways) else None
+    plan_shardings = planned_shardings(train_args, plan) if "jit-plan-shardings" in args.ways else None
     runners = []
     try:
         for way in args.ways:
             if way == "xla-shard-plan":
                 runners.append(whole_plan_way(step, train_args))
-            elif way in JIT_WAYS:
+            elif way == "fragments-shard-plan":
+                runners.append(fragments_way(step, train_args, plan))
+            elif way in IN_PROCESS_WAYS:
                 runners.append(jit_way(way, step, train_args, plan_shardings))
             else:
                 runners.append(hlopar_way(way, step, train_args))
@@ -274,11 +302,13 @@ def bench(args) -> dict:
     for row in rows:
         row["ratio_to_jit"] = row["step_s"] / base["step_s"] if base else None
         for key, other in (("ratio_to_data_parallel", "jit-data-parallel"),
-                           ("ratio_to_plan_shardings", "jit-plan-shardings"), ("ratio_to_whole_plan", "xla-shard-plan")):
+                           ("ratio_to_plan_shardings", "jit-plan-shardings"), ("ratio_to_whole_plan", "xla-shard-plan"),
+                           ("ratio_to_fragments", "fragments-shard-plan")):
             if row["way"].startswith("hlopar-") and other in by_way:
                 row[key] = row["step_s"] / by_way[other]["step_s"]
     targets = {}
-    for key, other in (("ratio_to_plan_shardings", "jit-plan-shardings"), ("ratio_to_whole_plan", "xla-shard-plan")):
+    for key, other in (("ratio_to_plan_shardings", "jit-plan-shardings"), ("ratio_to_whole_plan", "xla-shard-plan"),
+                       ("ratio_to_fragments", "fragments-shard-plan")):
         if "hlopar-shard-1x8" in by_way and other in by_way:
             ratio = by_way["hlopar-shard-1x8"][key]
             targets[f"shard_over_{key[len('ratio_to_'):]}"] = {"ratio": ratio, "target": TARGET_SAME_SHARDINGS,
@@ -366,14 +396,15 @@ def print_table(report: dict) -> None:
     print(f"GPT hidden {c['hidden']}, {c['layers']} layers, seq {c['seq']}, batch {c['batch']}, vocab {c['vocab']} "
           f"({c['params'] / 1e6:.2f} M params); {m['nproc']} cores ({m['cpu']}), jax {m['jax']}; median of "
           f"{c['rounds']} x {c['steps']} steps, each round after {c['warmup']} warm-up")
-    print(f"{'way':<22} {'step s':>8} {'x jit':>6} {'x plan-sh':>9} {'x whole':>7} {'x dp':>6} {'crit s':>7} "
-          f"{'step/crit':>9} {'1st call s':>10} {'loss':>9}  meshes")
+    print(f"{'way':<22} {'step s':>8} {'x jit':>6} {'x plan-sh':>9} {'x whole':>7} {'x frags':>7} {'x dp':>6} "
+          f"{'crit s':>7} {'step/crit':>9} {'1st call s':>10} {'loss':>9}  meshes")
     for r in report["rows"]:
         def num(key, spec):
             return format(r[key], spec) if r.get(key) is not None else "-"
 
         print(f"{r['way']:<22} {r['step_s']:8.4f} {num('ratio_to_jit', '6.2f'):>6} "
               f"{num('ratio_to_plan_shardings', '9.2f'):>9} {num('ratio_to_whole_plan', '7.2f'):>7} "
+              f"{num('ratio_to_fragments', '7.2f'):>7} "
               f"{num('ratio_to_data_parallel', '6.2f'):>6} "
               f"{num('critical_s', '7.4f'):>7} {num('step_over_critical', '9.2f'):>9} {r['first_call_s']:10.1f} "
               f"{r['loss']:9.5f}  {r.get('meshes', '')}")
@@ -390,7 +421,7 @@ def print_table(report: dict) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--quick", action="store_true", help="a small GPT, few steps, the in-process ways and hlopar shard")
+    parser.add_argument("--quick", action="store_true", help="a small GPT, few steps, fewer ways")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps before each round's (default 2; --quick 1)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds over the ways (default 3; --quick 1)")

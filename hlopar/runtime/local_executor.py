@@ -169,6 +169,10 @@ class PipelinedStep:
 
     def __call__(self, arguments: Sequence, schedule: str | None = None) -> list[np.ndarray]:
         """One step on the whole batch, following this step's streams or another schedule's."""
+        return [np.asarray(r) for r in self.run(arguments, schedule)]
+
+    def run(self, arguments: Sequence, schedule: str | None = None) -> list:
+        """The same, its results left on their devices (`jax.Array`s, as the fragments made them)."""
         program = self.program
         arguments = step_arguments(arguments, len(program.argument_shapes), program.index_arg, program.microbatches)
         streams = self.streams if schedule is None else self.streams_for(schedule)
@@ -176,7 +180,7 @@ class PipelinedStep:
         self.last_log = run.log
         run.streams()
         run.updates()
-        return [np.asarray(run.read(v, program.microbatches - 1, once=True)) for v in program.results]
+        return [run.read(v, program.microbatches - 1, once=True) for v in program.results]
 
 
 class _Run:
