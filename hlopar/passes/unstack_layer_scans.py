@@ -108,8 +108,11 @@ def unroll(loop: ir.Operation, trips: int) -> None:
 
 
 def _canonicalize(module: ir.Operation) -> None:
+    """Folds the unrolled counters and removes dead ops. Not `cse`: merging the layers'
+    identical ops (a zero buffer of the forward and one of the update) would make one value
+    that several stages' fragments read, made in whichever stage comes first."""
     try:
-        passmanager.PassManager.parse("builtin.module(canonicalize,cse)", context=module.context).run(module)
+        passmanager.PassManager.parse("builtin.module(canonicalize)", context=module.context).run(module)
     except ir.MLIRError as error:
         raise DiagnosticError.from_mlir_error(error) from None
 

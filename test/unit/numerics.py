@@ -184,12 +184,13 @@ def assert_step_close(outputs, reference: PyTree, params: PyTree, *, rtol: float
 
 
 def assert_adam_step_close(actual: PyTree, expected: PyTree, params_before: PyTree, params_of, *,
-                           rtol: float) -> None:
+                           rtol: float, max_rtol: float | None = None) -> None:
     """A training step's results against the reference's from the same arguments: the same
     pytree; the parameters (``params_of(results)``) by update, Adam's noise masked by the
     reference's first moment (where the step runs Adam); everything else (Adam's moments, whose
     masked entries are left out too, the loss, metrics, the step count exactly, typed keys by
-    their key data) to `rtol` of each entry plus `rtol` of its leaf's largest."""
+    their key data) to `rtol` of each entry plus `max_rtol` (default `rtol`) of its leaf's largest."""
+    max_rtol = rtol if max_rtol is None else max_rtol
     have, want = jax.tree_util.tree_structure(actual), jax.tree_util.tree_structure(expected)
     assert have == want, f"results {have}, expected {want}"
     want_params = params_of(expected)
@@ -198,8 +199,9 @@ def assert_adam_step_close(actual: PyTree, expected: PyTree, params_before: PyTr
     have_params = {id(x) for x in jax.tree_util.tree_leaves(params_of(actual))}
     assert_trees_close(_comparable(actual, have_params, noise),
                        _comparable(expected, {id(x) for x in jax.tree_util.tree_leaves(want_params)}, noise),
-                       rtol=rtol, max_rtol=rtol)
-    assert_updates_close(params_of(actual), want_params, params_before, rtol=rtol, max_rtol=rtol, noise_mask=mask)
+                       rtol=rtol, max_rtol=max_rtol)
+    assert_updates_close(params_of(actual), want_params, params_before, rtol=rtol, max_rtol=max_rtol,
+                         noise_mask=mask)
 
 
 def _is_key(x) -> bool:
