@@ -28,8 +28,9 @@ workers (each its own 8 or 4 CPU devices, on the same cores):
   `local_executor.PipelinedStep`: the plan without Ray, the driver and the worker, so that
   `hlopar-shard-1x8` over it is the Ray runtime's own cost;
 - `hlopar-<method>-<hosts>x<devices>`: `hlopar.parallelize(method=...)` on
-  `Cluster.local(hosts, devices)`: shard, auto and pipeline on 1 x 8, and pipeline on 2 x 4
-  (two simulated hosts, 2 microbatches, 1f1b).
+  `Cluster.local(hosts, devices)`: shard, auto and pipeline on 1 x 8; `hlopar-pipelined-2x4`:
+  a pipelined plan on two simulated hosts of 4 devices, 1f1b, the first of method
+  pipeline or auto, 2 or 4 microbatches, whose plan has several meshes (the row says which).
 
 A step is the call and reading the loss as a Python float (what a training loop that logs
 does); its time is the time from the end of one step to the end of the next, so a runtime
@@ -84,11 +85,14 @@ from hlopar.codegen.spmd import main_shardings  # noqa: E402
 from hlopar.models import gpt  # noqa: E402
 
 IN_PROCESS_WAYS = ("jit-1-device", "jit-data-parallel", "jit-plan-shardings", "xla-shard-plan", "fragments-shard-plan")
-HLOPAR_WAYS = {  # way -> (method, hosts, devices per host, options)
-    "hlopar-shard-1x8": ("shard", 1, 8, {}),
-    "hlopar-auto-1x8": ("auto", 1, 8, {}),
-    "hlopar-pipeline-1x8": ("pipeline", 1, 8, {}),
-    "hlopar-pipeline-2x4": ("pipeline", 2, 4, {"num_microbatches": 2, "schedule": "1f1b"}),
+HLOPAR_WAYS = {  # way -> hosts, devices per host, the (method, options) to try in turn
+    "hlopar-shard-1x8": (1, 8, [("shard", {})]),
+    "hlopar-auto-1x8": (1, 8, [("auto", {})]),
+    "hlopar-pipeline-1x8": (1, 8, [("pipeline", {})]),
+    # The planner chooses the stages (its costs change with the code): the first plan of
+    # several meshes.
+    "hlopar-pipelined-2x4": (2, 4, [(method, {"num_microbatches": b, "schedule": "1f1b"})
+                                    for b in (2, 4) for method in ("pipeline", "auto")]),
 }
 WAYS = IN_PROCESS_WAYS + tuple(HLOPAR_WAYS)
 QUICK_WAYS = ("jit-1-device", "jit-data-parallel", "jit-plan-shardings", "fragments-shard-plan", "hlopar-shard-1x8")
@@ -251,10 +255,17 @@ def planned_shardings(args, plan) -> tuple:
 
 
 def hlopar_way(way: str, step, args) -> Runner:
-    method, hosts, per_host, options = HLOPAR_WAYS[way]
-    parallel = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(hosts, per_host), method=method,
-                                  batch_argnums=(2,), verbose=False, **options)
-    runner = Runner(way, parallel, args, {"method": method, "cluster": f"{hosts}x{per_host}"}, parallel.close).first()
+    """`hlopar.parallelize` as `HLOPAR_WAYS` says; for a pipelined way, the first of its
+    candidates whose plan has several meshes (planned first, without workers), else the last."""
+    hosts, per_host, candidates = HLOPAR_WAYS[way]
+    clock = time.perf_counter()
+    for k, (method, options) in enumerate(candidates):
+        parallel = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(hosts, per_host), method=method,
+                                      batch_argnums=(2,), verbose=False, **options)
+        if len(candidates) == 1 or len(parallel.plan(*args)[0].program.meshes) > 1 or k == len(candidates) - 1:
+            break
+    runner = Runner(way, parallel, args, {"method": method, "cluster": f"{hosts}x{per_host}",
+                                          "first_call_s": time.perf_counter() - clock}, parallel.close).first()
     program = parallel.runtime.program
     runner.row.update({"microbatches": program.microbatches, "workers": len(parallel.runtime.layout.slots),
                        "meshes": {m: len(program.devices[m]) for m in program.meshes}})
@@ -397,7 +408,7 @@ def print_table(report: dict) -> None:
           f"({c['params'] / 1e6:.2f} M params); {m['nproc']} cores ({m['cpu']}), jax {m['jax']}; median of "
           f"{c['rounds']} x {c['steps']} steps, each round after {c['warmup']} warm-up")
     print(f"{'way':<22} {'step s':>8} {'x jit':>6} {'x plan-sh':>9} {'x whole':>7} {'x frags':>7} {'x dp':>6} "
-          f"{'crit s':>7} {'step/crit':>9} {'1st call s':>10} {'loss':>9}  meshes")
+          f"{'crit s':>7} {'step/crit':>9} {'1st call s':>10} {'loss':>9}  plan")
     for r in report["rows"]:
         def num(key, spec):
             return format(r[key], spec) if r.get(key) is not None else "-"
@@ -407,7 +418,7 @@ def print_table(report: dict) -> None:
               f"{num('ratio_to_fragments', '7.2f'):>7} "
               f"{num('ratio_to_data_parallel', '6.2f'):>6} "
               f"{num('critical_s', '7.4f'):>7} {num('step_over_critical', '9.2f'):>9} {r['first_call_s']:10.1f} "
-              f"{r['loss']:9.5f}  {r.get('meshes', '')}")
+              f"{r['loss']:9.5f}  " + (f"{r['method']} B={r['microbatches']} {r['meshes']}" if "meshes" in r else ""))
     for r in report["rows"]:
         if "runtime_stats" in r:
             print(f"{r['way']}: the runtime's own timing is {r['runtime_stats']}")
