@@ -707,7 +707,8 @@ class _Splitter:
         chosen from sums, and a carry that mixes a sum with a value independent of the batch."""
         if op.name == "stablehlo.while":
             cond, body = (region.blocks[0] for region in op.regions)
-            state = [ZERO if known.get(v) is None and _is_zero(v) else self._kind_in(v, known) for v in op.operands]
+            state = [self._kind_in(v, known) for v in op.operands]
+            state = [ZERO if k is None and _is_zero(v) else k for k, v in zip(state, op.operands)]
             while True:
                 for block in (cond, body):
                     for arg, k in zip(block.arguments, state):
@@ -1151,10 +1152,6 @@ def _walk(func: ir.Operation) -> list[ir.Operation]:
 
     visit(func)
     return found
-
-
-def _walk_self(op: ir.Operation) -> list[ir.Operation]:
-    return [op] + _walk(op)
 
 
 def _sharding(rank: int, batch_dim: int | None, *, closed: bool) -> ir.Attribute:
