@@ -711,6 +711,12 @@ def describe_plan(planned: PlannedStep) -> str:
         lines.append(f"  {mesh}: stage {stage}, mesh {shape} on devices {list(program.devices[mesh])}, "
                      f"fragments {', '.join(f.name for f in fragments)}; {sharded} of {len(shardings)} "
                      f"annotated tensors sharded{latency}")
+    pieces = planned.plan.get("layer_pieces")
+    if pieces:
+        stacks = len({o for o, p in zip(pieces["arg_origin"], pieces["arg_piece"]) if p >= 0})
+        layers = max(pieces["arg_piece"]) + 1
+        lines.append(f"  scanned layer stack unrolled: {stacks} stacked argument(s) split into {layers} per-layer "
+                     "pieces, each held by its stage")
     return "\n".join(lines)
 
 

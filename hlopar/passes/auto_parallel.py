@@ -1,6 +1,6 @@
 """hlopar-auto-parallel: the whole planning pipeline under one pass name.
 
-    hlopar-import → [hlopar-split-microbatches] → hlopar-cluster-operators
+    hlopar-import → hlopar-unstack-layer-scans → [hlopar-split-microbatches] → hlopar-cluster-operators
                   → hlopar-stage-construction → hlopar-cross-mesh-resharding
 
 with the options of the passes it runs. With `split=true` the step is first rewritten into
@@ -28,6 +28,7 @@ from hlopar.passes.cross_mesh_resharding import CrossMeshReshardingPass
 from hlopar.passes.import_program import ImportPass
 from hlopar.passes.split_microbatches import SplitMicrobatchesPass
 from hlopar.passes.stage_construction import StageConstructionPass
+from hlopar.passes.unstack_layer_scans import UnstackLayerScansPass
 
 
 @dataclass
@@ -51,6 +52,8 @@ class AutoParallelPass(ModulePass):
     memory_per_device: float | None = option(None, "bytes per device, e.g. 80GiB (default: the preset's)", parse=parse_bytes)
     preset: str = option("cpu", f"cluster preset ({', '.join(sorted(CLUSTER_PRESETS))})")
     layers: int | None = option(None, "number of layers, or auto", parse=parse_count_or_auto)
+    unstack_layers: bool = option(True, "unroll scans over stacked layers and split their stacks per layer "
+                                        "(hlopar-unstack-layer-scans), so that stages can cut between layers")
     report: str | None = option(None, "write one JSON report of every step's decisions to this path")
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
@@ -58,8 +61,10 @@ class AutoParallelPass(ModulePass):
             self.fail(module, "split=true needs a number of microbatches (microbatches=B), not auto")
         with tempfile.TemporaryDirectory(prefix="hlopar-auto-parallel-") as scratch:
             paths = {key: str(Path(scratch) / f"{key}.json") if self.report else None
-                     for key in ("split", "clustering", "stages", "cross_mesh")}
+                     for key in ("layer_scans", "split", "clustering", "stages", "cross_mesh")}
             steps: list[ModulePass] = [ImportPass()]
+            if self.unstack_layers:
+                steps.append(UnstackLayerScansPass(report=paths["layer_scans"]))
             if self.split:
                 steps.append(SplitMicrobatchesPass(microbatches=self.microbatches, batch_args=self.batch_args,
                                                    loss_result=self.loss_result, rng=self.rng,

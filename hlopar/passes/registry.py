@@ -10,11 +10,12 @@ from hlopar.passes.cross_mesh_resharding import CrossMeshReshardingPass
 from hlopar.passes.import_program import ImportPass
 from hlopar.passes.split_microbatches import SplitMicrobatchesPass
 from hlopar.passes.stage_construction import StageConstructionPass
+from hlopar.passes.unstack_layer_scans import UnstackLayerScansPass
 
 HLOPAR_PASSES: dict[str, type[ModulePass]] = {
     cls.name: cls
     for cls in (ImportPass, AutoShardingPass, ClusterOperatorsPass, StageConstructionPass, CrossMeshReshardingPass,
-                AutoParallelPass, SplitMicrobatchesPass)
+                AutoParallelPass, SplitMicrobatchesPass, UnstackLayerScansPass)
 }
 
 

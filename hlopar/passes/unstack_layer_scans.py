@@ -30,6 +30,7 @@ slices a stage would hold anyway.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
@@ -73,6 +74,7 @@ class UnstackLayerScansPass(ModulePass):
         if len(funcs) != 1:
             self.fail(module, f"expects one entry function (@main), found {len(funcs)}")
         (main,) = funcs
+        clock = time.perf_counter()
         with module.context, ir.Location.unknown():
             graph = FuncGraph.from_func(main)
             scans = [s for s in layer_scans(graph) if s.trips <= self.max_layers]
@@ -83,8 +85,8 @@ class UnstackLayerScansPass(ModulePass):
             if pieces is not None:
                 _canonicalize(module)  # what read or made the whole stacks is dead now
         if self.report:
-            report = {"pass": self.name, "loops": [{"trips": s.trips, "stacked_operands": len(s.stacked)}
-                                                   for s in scans],
+            report = {"pass": self.name, "seconds": time.perf_counter() - clock,
+                      "loops": [{"trips": s.trips, "stacked_operands": len(s.stacked)} for s in scans],
                       "split_arguments": pieces.split_arguments if pieces else 0,
                       "split_results": pieces.split_results if pieces else 0}
             with open(self.report, "w") as out:
