@@ -761,8 +761,8 @@ class _Splitter:
                                         "loop cannot be split into microbatches (with microbatches=1 the step runs "
                                         "as written)")
             return [BATCH if c else SUM for c in carries]  # a sum over the batch: checked by _check_op
-        if all(k in (None, ZERO) for k in reads):
-            return [None] * len(op.results)
+        if all(k in (None, ZERO) for k in reads):  # independent of the batch; zeros may start a sum
+            return [ZERO if _is_zero(r) else None for r in op.results]
         if {LOCAL, LOCAL_SUM} & set(reads):
             self._refuse(found, op, f"'{op.name}' computes a value without examples from statistics of the "
                                     "microbatch inside a loop or branch: not supported")

@@ -3,8 +3,8 @@
 // (dynamic_update_slice at the layer index) and adds another to a carried accumulator.
 // Those carries are sums: they leave the loop, which runs per microbatch, through a reshape
 // of kind sum, and are accumulated over microbatches like top-level gradients.
-// RUN: hlopar-opt %s -p 'builtin.module(hlopar-split-microbatches{microbatches=2})' | FileCheck %s --check-prefix=B2
-// RUN: hlopar-opt %s -p 'builtin.module(hlopar-split-microbatches{microbatches=2 functions=true})' | FileCheck %s --check-prefix=FN
+// RUN: hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-split-microbatches{microbatches=2})' | FileCheck %s --check-prefix=B2
+// RUN: hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-split-microbatches{microbatches=2 functions=true})' | FileCheck %s --check-prefix=FN
 
 // B2-LABEL: func.func public @main
 // B2-SAME:    (%arg0: tensor<3x4x4xf32>, %arg1: tensor<4xf32>, %arg2: tensor<4x4xf32>)
@@ -63,4 +63,32 @@ func.func public @main(%w: tensor<3x4x4xf32>, %b: tensor<4xf32>, %x: tensor<8x4x
   %db = stablehlo.multiply %lrb, %loop#3 : tensor<4xf32>
   %b2 = stablehlo.subtract %b, %db : tensor<4xf32>
   return %w2, %b2, %loss : tensor<3x4x4xf32>, tensor<4xf32>, tensor<f32>
+}
+
+// -----
+
+// A branch (`jax.lax.cond`) that runs per microbatch: one branch sums over the batch, the
+// other returns zeros; either way its result is a sum over the batch (the branch taken does
+// not depend on it), used as such by the update.
+// B2-LABEL: func.func public @main
+// B2-SAME:    (%arg0: tensor<4xf32>, %arg1: tensor<4x4xf32>, %arg2: tensor<i32>)
+// B2:         %[[CASE:.*]] = "stablehlo.case"(%arg2)
+// B2:           stablehlo.reduce(%arg1 init: {{.*}}) applies stablehlo.add across dimensions = [0] : (tensor<4x4xf32>, tensor<f32>) -> tensor<4xf32>
+// B2:         {hlopar.microbatch = "sum"} : (tensor<i32>) -> tensor<4xf32>
+// B2:         %[[DW:.*]] = stablehlo.multiply %{{.*}}, %[[CASE]] {hlopar.microbatch = "sum"} : tensor<4xf32>
+// B2-NEXT:    stablehlo.subtract %arg0, %[[DW]] {hlopar.microbatch = "step"} : tensor<4xf32>
+func.func public @main(%w: tensor<4xf32>, %x: tensor<8x4xf32>, %k: tensor<i32>) -> (tensor<4xf32>, tensor<f32>) {
+  %zero = stablehlo.constant dense<0.0> : tensor<f32>
+  %g = "stablehlo.case"(%k) ({
+    %s = stablehlo.reduce(%x init: %zero) applies stablehlo.add across dimensions = [0] : (tensor<8x4xf32>, tensor<f32>) -> tensor<4xf32>
+    stablehlo.return %s : tensor<4xf32>
+  }, {
+    %zeros = stablehlo.broadcast_in_dim %zero, dims = [] : (tensor<f32>) -> tensor<4xf32>
+    stablehlo.return %zeros : tensor<4xf32>
+  }) : (tensor<i32>) -> tensor<4xf32>
+  %loss = stablehlo.reduce(%x init: %zero) applies stablehlo.add across dimensions = [0, 1] : (tensor<8x4xf32>, tensor<f32>) -> tensor<f32>
+  %lr = stablehlo.constant dense<0.1> : tensor<4xf32>
+  %dw = stablehlo.multiply %lr, %g : tensor<4xf32>
+  %w2 = stablehlo.subtract %w, %dw : tensor<4xf32>
+  return %w2, %loss : tensor<4xf32>, tensor<f32>
 }

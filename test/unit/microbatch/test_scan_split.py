@@ -10,7 +10,9 @@ largest, 1e-4 after the first step; Adam's noise masked), the losses with
 single-device training from the start to 1e-5. Two ways: the split step run by the local
 executor (`MicrobatchedStep`, no Ray: seconds), and `hlopar.parallelize` on 2 hosts x 4 CPU
 devices with `method="shard"` and 4 microbatches (the loops stay loops: one stage; Ray,
-about 45 s a case on 2 cores, the checkpointed twins `heavy`).
+about 45 s a case on 2 cores, the checkpointed twins `heavy`). Also: `lax.cond` inside the
+scanned layer (branches that sum over the batch), and a batch statistic inside the loop,
+refused at the user's line.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 import pytest
 import scan_steps
 from microbatch_steps import imported, run_pipeline
-from numerics import assert_adam_step_close
+from numerics import assert_adam_step_close, assert_updates_close
 
 import hlopar
 from hlopar.ir.graph import FuncGraph
@@ -104,6 +106,33 @@ def test_split_step_equals_one_device(name):
         return jax.tree_util.tree_unflatten(treedef, executor(flat))
 
     train(step, args, run_step)
+
+
+def branching_scan_step(w, flag, x, y):
+    """Layers under scan whose activation is chosen by `lax.cond`: the backward's branches
+    (`stablehlo.case`) sum the weight gradients over the batch."""
+    def loss_fn(w):
+        def layer(h, wi):
+            return jax.lax.cond(flag, lambda h: jnp.tanh(h @ wi), lambda h: jax.nn.relu(h @ wi), h), None
+
+        h, _ = jax.lax.scan(layer, x, w)
+        return jnp.mean((h - y) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(w)
+    return w - 0.1 * grads, loss
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_branch_inside_the_scan_equals_one_device(flag):
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    args = (jax.random.normal(keys[0], (3, 4, 4)) / 2, jnp.array(flag), jax.random.normal(keys[1], (8, 4)),
+            jax.random.normal(keys[2], (8, 4)))
+    text = jax.jit(branching_scan_step).lower(*args).as_text()
+    module = run_pipeline(imported(text), f"hlopar-split-microbatches{{microbatches={MICROBATCHES} batch-args=2,3}}")
+    new_w, loss = MicrobatchedStep(module)([np.asarray(a) for a in args])
+    want_w, want_loss = jax.jit(branching_scan_step)(*args)
+    assert_updates_close(new_w, want_w, args[0], rtol=RTOL, max_rtol=RTOL)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
 
 
 def centred_scan_step(params, x, y):
