@@ -167,15 +167,16 @@ def test_statistic_inside_the_loop_is_refused_at_the_users_line():
     assert planned.program.microbatches == 1
 
 
-@pytest.mark.parametrize("name", [
-    "gpt", "flax_remat",
-    pytest.param("gpt_remat", marks=pytest.mark.heavy), pytest.param("flax", marks=pytest.mark.heavy),
+@pytest.mark.parametrize(("name", "method"), [
+    ("gpt", "shard"), ("flax_remat", "shard"), ("gpt", "auto"),
+    pytest.param("gpt_remat", "shard", marks=pytest.mark.heavy), pytest.param("flax", "shard", marks=pytest.mark.heavy),
 ])
-def test_parallelize_equals_one_device(ray_cluster, name):
-    """`hlopar.parallelize` with method="shard" and 4 microbatches: one stage on the 8
-    devices, the loops kept, 3 steps equal one device."""
+def test_parallelize_equals_one_device(ray_cluster, name, method):
+    """`hlopar.parallelize` with 4 microbatches, 3 steps equal to one device: method="shard"
+    keeps the loops (one stage on the 8 devices); method="auto" unrolls the stack first
+    (`hlopar-unstack-layer-scans`) and may pipeline it (GPT: a batch of 8 and a sequence of 8)."""
     step, args = model(name)
-    parallel = hlopar.parallelize(step, cluster=CLUSTER, method="shard", num_microbatches=MICROBATCHES,
+    parallel = hlopar.parallelize(step, cluster=CLUSTER, method=method, num_microbatches=MICROBATCHES,
                                   verbose=False)
     try:
         train(step, args, lambda arguments: parallel(*arguments))
