@@ -1,11 +1,12 @@
 """Scanned layer stacks through `hlopar.parallelize`, pipelined: each stage holds only its
 layers' slices of the stacked parameters and optimizer state, and the steps equal one device.
 
-The models: the Flax ``nn.scan`` Transformer of `scan_steps` with 6 layers (TrainState, optax
-Adam), also with `nn.remat` around each block, and the zoo's GPT with ``scan_layers``
-(`jax.lax.scan` over stacked weights, 4 layers). On 2 hosts x 4 CPU devices (the "cpu" preset)
-the planner pipelines the Flax model into 2 stages of 1x4 with its layers spread over both
-(5 and 1, and the head); for the zoo GPT it finds one mesh of 2x4 faster and plans one stage,
+The models: the plain-JAX `lax.scan` GPT (optax Adam) and the Flax ``nn.scan`` Transformer
+(TrainState) of `scan_steps` with 6 layers, each also with `jax.checkpoint` / `nn.remat` around
+each block, and the zoo's GPT with ``scan_layers`` (4 layers). On 2 hosts x 4 CPU devices (the
+"cpu" preset) the planner pipelines the `scan_steps` models into 2 stages of 1x4 with their
+layers spread over both (5 and 1, or 3 and 3 for the checkpointed GPT, the head on the
+second); for the zoo GPT it finds one mesh of 2x4 faster and plans one stage,
 its layers still unrolled and split per layer (that is what method="auto" does with a scan).
 """
 
@@ -33,6 +34,8 @@ def _zoo_gpt():
 
 MODELS = {  # (step and arguments, whether the planner pipelines the layers on CLUSTER)
     "zoo_gpt_scan": (_zoo_gpt, False),
+    "gpt_scan": (lambda: scan_steps.gpt_scan(layers=6), True),
+    "gpt_scan_remat": (lambda: scan_steps.gpt_scan(layers=6, remat=True), True),
     "flax_scan": (lambda: scan_steps.flax_scan(layers=6), True),
     "flax_scan_remat": (lambda: scan_steps.flax_scan(layers=6, remat=True), True),
 }
