@@ -508,9 +508,14 @@ class _Splitter:
             self.pieces[result] = [shared.result] * layers
             return
         if name == "stablehlo.broadcast_in_dim" and op.operands[0] not in chosen:
-            clone = op.clone()
-            clone.results[0].set_type(_piece_type(result))
-            self.pieces[result] = [clone.results[0]] * layers
+            # One per layer, as the unrolled model has: a shared one would be made by the first
+            # layer's stage and sent to every other stage.
+            made = []
+            for _ in range(layers):
+                clone = op.clone()
+                clone.results[0].set_type(_piece_type(result))
+                made.append(clone.results[0])
+            self.pieces[result] = made
             return
         if name == "stablehlo.reduce" and result not in chosen:  # over the layer axis: sum the pieces' sums
             source = self.pieces[op.operands[0]]

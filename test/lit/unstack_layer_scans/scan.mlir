@@ -22,9 +22,11 @@
 // CHECK:         %[[H2:.*]] = stablehlo.dot_general %[[T1]], %[[W1]]
 // CHECK:         %[[T2:.*]] = stablehlo.tanh %[[H2]]
 // CHECK:         %[[Y1:.*]] = stablehlo.broadcast_in_dim %{{.*}}, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// CHECK:         %[[HALF:.*]] = stablehlo.broadcast_in_dim %{{.*}}, dims = [] : (tensor<f32>) -> tensor<1x4x4xf32>
-// CHECK:         %[[U0:.*]] = stablehlo.multiply %arg1, %[[HALF]] : tensor<1x4x4xf32>
-// CHECK:         %[[U1:.*]] = stablehlo.multiply %arg2, %[[HALF]] : tensor<1x4x4xf32>
+// One broadcast per layer (a shared one would tie the layers' stages together).
+// CHECK:         %[[HALF0:.*]] = stablehlo.broadcast_in_dim %{{.*}}, dims = [] : (tensor<f32>) -> tensor<1x4x4xf32>
+// CHECK:         %[[HALF1:.*]] = stablehlo.broadcast_in_dim %{{.*}}, dims = [] : (tensor<f32>) -> tensor<1x4x4xf32>
+// CHECK:         %[[U0:.*]] = stablehlo.multiply %arg1, %[[HALF0]] : tensor<1x4x4xf32>
+// CHECK:         %[[U1:.*]] = stablehlo.multiply %arg2, %[[HALF1]] : tensor<1x4x4xf32>
 // CHECK:         return %[[U0]], %[[U1]], %[[Y0]], %[[Y1]], %[[T2]]
 // CHECK-NOT:     stablehlo.dynamic_slice
 // CHECK-NOT:     stablehlo.dynamic_update_slice
