@@ -82,7 +82,7 @@ import numpy as np
 from hlopar.analysis.training_roles import RolesError
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.progress import Progress
-from hlopar.runtime.remote_array import RemoteArray, is_key
+from hlopar.runtime.remote_array import RemoteArray, is_key, jax_value
 
 __all__ = ["Cluster", "HloparWarning", "ParallelizedFunction", "PlannedStep", "PlanningError", "parallelize",
            "plan_step"]
@@ -455,11 +455,14 @@ class ParallelizedFunction:
                                      device_kind=cluster.device_kind)
             workers = len(placement.workers.slots)
             _connect(cluster)
+            outputs = _output_leaves(lowered, self.__name__)
+            pieces = LayerPieces.from_json(planned.plan.get("layer_pieces"))
+            parts = _result_parts(pieces, len(outputs))
             runtime = RayRuntime(planned.program, self.schedule, placement, timeout=self.timeout,
-                                 worker_timeout=self.timeout, log=progress.message, phase=progress.phase)
-            self._compiled = _Compiled(signature, lowered.out_tree, planned, runtime, cluster,
-                                       _output_leaves(lowered, self.__name__),
-                                       pieces=LayerPieces.from_json(planned.plan.get("layer_pieces")))
+                                 worker_timeout=self.timeout, log=progress.message, phase=progress.phase,
+                                 returned=[r for k, (out, _) in enumerate(outputs) if is_key(out.dtype)
+                                           for r in parts[k]])
+            self._compiled = _Compiled(signature, lowered.out_tree, planned, runtime, cluster, outputs, pieces=pieces)
             self._log(f"starting {workers} Ray worker(s)")
             self._release_with(runtime)
             runtime.start()
@@ -502,16 +505,25 @@ class ParallelizedFunction:
                     continue
                 leaf = _read_argument(leaf, f"{self.__name__}'s argument {jax.tree_util.keystr(path)}")
             arguments.append(_key_data(leaf))
-        step = runtime.run(*_program_arguments(compiled, arguments, resident, paths_and_leaves, self.__name__))
+        step, returned = runtime.run(*_program_arguments(compiled, arguments, resident, paths_and_leaves,
+                                                         self.__name__))
         self._donate(args)
-        return self._results(compiled, step)
+        return self._results(compiled, step, returned)
 
-    def _results(self, compiled: _Compiled, step: int):
-        """`fn`'s output pytree of the results of `step`, kept on the workers."""
+    def _results(self, compiled: _Compiled, step: int, returned: dict):
+        """`fn`'s output pytree of the results of `step`: kept on the workers, but typed keys,
+        which came back with the step (`returned`) and are jax's own key arrays, the only
+        keys `jax.random` takes."""
         runtime = compiled.runtime
-        parts = _result_parts(compiled)
-        outputs = [RemoteArray(runtime, runtime.generation, step, k, parts[k], out.shape, out.dtype,
-                               f"{name} (call {step})") for k, (out, name) in enumerate(compiled.outputs)]
+        parts = _result_parts(compiled.pieces, len(compiled.outputs))
+        outputs = []
+        for k, (out, name) in enumerate(compiled.outputs):
+            if is_key(out.dtype):
+                words = [returned[r] for r in parts[k]]
+                outputs.append(jax_value(words[0] if len(words) == 1 else np.concatenate(words), out.dtype))
+            else:
+                outputs.append(RemoteArray(runtime, runtime.generation, step, k, parts[k], out.shape, out.dtype,
+                                           f"{name} (call {step})"))
         return jax.tree_util.tree_unflatten(compiled.out_tree, outputs)
 
     def _donate(self, args: tuple) -> None:
@@ -586,7 +598,7 @@ class ParallelizedFunction:
                              f"{compiled.planned.bundle.name}")
         if not compiled.runtime.alive:
             self._restart()
-        return self._results(compiled, compiled.runtime.load(directory))
+        return self._results(compiled, *compiled.runtime.load(directory))
 
     def _require_run(self) -> _Compiled:
         if self._compiled is None or not self._compiled.runtime.alive or self._compiled.runtime.step_id == 0:
@@ -632,12 +644,11 @@ def _program_arguments(compiled: _Compiled, arguments: list, resident: dict, pat
     return program, {k: (resident[pieces.arg_origin[k]][0], r) for k, r in found.items()}
 
 
-def _result_parts(compiled: _Compiled) -> list[tuple[int, ...]]:
-    """Per result leaf of the step, the positions of @main's results it is made of (the
-    pieces of a stacked one, in order; else itself)."""
-    pieces = compiled.pieces
+def _result_parts(pieces, count: int) -> list[tuple[int, ...]]:
+    """Per result leaf of the step (`count` of them), the positions of @main's results it is
+    made of (the pieces of a stacked one, in order, `LayerPieces`; else itself)."""
     if pieces is None:
-        return [(k,) for k in range(len(compiled.outputs))]
+        return [(k,) for k in range(count)]
     parts: dict[int, list[int]] = {}
     for k, origin in enumerate(pieces.result_origin):
         parts.setdefault(origin, []).append(k)

@@ -56,7 +56,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -323,9 +323,10 @@ class MeshWorker:
 
     def run_step(self, step: int, arguments: Mapping[int, object], resident: Mapping[int, tuple[int, int]],
                  pulled: Mapping[int, tuple[int, int, tuple[str, ...]]] | None = None,
-                 release: Sequence[tuple[int, int]] = ()) -> dict:
-        """Runs the mesh's stream and updates for one step and keeps its results here (none
-        are returned: the driver reads one with `result`). `arguments`: argument number ->
+                 release: Sequence[tuple[int, int]] = (), returned: Collection[int] = ()) -> dict:
+        """Runs the mesh's stream and updates for one step and keeps its results here; returns
+        only those of `returned` (typed keys: a few bytes, which the driver holds as jax's
+        own key arrays), the driver reads any other with `result`. `arguments`: argument number ->
         array (or an ObjectRef of one); `resident`: argument number -> (step, result
         position) of a value this worker keeps; `pulled`: the same, kept by the workers named
         (another mesh's), asked for here; `release`: kept values no longer referenced (or
@@ -361,9 +362,19 @@ class MeshWorker:
         last = self.program.microbatches - 1
         for r in self.wp.results:
             self.kept[(step, r)] = run.read(self.program.results[r], last, once=True)
-        self.last = step
         run.timing["step_s"] = time.perf_counter() - clock
-        return {"timing": run.timing, "spans": run.spans}
+        return {"timing": run.timing, "spans": run.spans, "results": self._returned(step, returned)}
+
+    def _returned(self, step: int, returned: Collection[int]) -> dict:
+        """The results of `step` in `returned` that live here, as `result` gives them; the
+        previous step's copies are dropped (the driver holds them, `save` needs only the
+        last)."""
+        mine = [r for r in returned if r in self.wp.results]
+        if self.last != step:
+            for r in mine:
+                self.kept.pop((self.last, r), None)
+        self.last = step
+        return {r: self.result(step, r) for r in mine}
 
     def result(self, step: int, r: int):
         """A kept result as the driver (or a peer) reads it: the whole value, or on a
@@ -408,8 +419,9 @@ class MeshWorker:
         np.savez(path, **arrays)
         return str(path)
 
-    def load(self, directory: str, step: int) -> None:
-        """Reads back what `save` wrote and keeps it as the results of `step`."""
+    def load(self, directory: str, step: int, returned: Collection[int] = ()) -> dict:
+        """Reads back what `save` wrote and keeps it as the results of `step`; returns those
+        of `returned` (as `run_step`)."""
         import jax
 
         carry = {}
@@ -427,7 +439,7 @@ class MeshWorker:
         if missing:
             raise RuntimeError(f"{self.name}: the save holds no results {sorted(missing)}")
         self.kept.update({(step, r): value for r, value in carry.items()})
-        self.last = step
+        return self._returned(step, returned)
 
 
 class _WorkerRun:
@@ -633,8 +645,10 @@ class RayRuntime:
     released (`release`, sent with the next step)."""
 
     def __init__(self, program: PipelineProgram, schedule: str, placement: Placement, *,
-                 timeout: float = 300.0, worker_timeout: float = 120.0, log=None, phase=None):
+                 timeout: float = 300.0, worker_timeout: float = 120.0, log=None, phase=None,
+                 returned: Collection[int] = ()):
         self.program = program
+        self.returned = tuple(returned)  # results that come back with each step (typed keys)
         self.schedule = schedule
         self.placement = placement
         self.layout = placement.workers
@@ -753,12 +767,13 @@ class RayRuntime:
 
     # -- running
 
-    def run(self, arguments: Sequence, resident: Mapping[int, tuple[int, int]] | None = None) -> int:
+    def run(self, arguments: Sequence, resident: Mapping[int, tuple[int, int]] | None = None
+            ) -> tuple[int, dict[int, np.ndarray]]:
         """One step on the whole batch; returns its number, by which its results are read
-        (the workers keep them). `arguments`: @main's arguments (host arrays; anything for
-        a resident one); `resident`: argument number -> (step, result position) of a result
-        the workers still keep (not sent: its mesh's workers use their copy, the workers of
-        another mesh that read it ask them for it)."""
+        (the workers keep them), and the values of the `returned` ones. `arguments`: @main's
+        arguments (host arrays; anything for a resident one); `resident`: argument number ->
+        (step, result position) of a result the workers still keep (not sent: its mesh's
+        workers use their copy, the workers of another mesh that read it ask them for it)."""
         import ray
 
         if not self.alive:
@@ -802,13 +817,14 @@ class RayRuntime:
                     sent[i] = shared[i]
                 else:
                     sent[i] = np.asarray(arguments[i])
-            calls[name] = self.actors[name].run_step.remote(step, sent, kept, pulled, release.get(slot.mesh, ()))
+            calls[name] = self.actors[name].run_step.remote(step, sent, kept, pulled, release.get(slot.mesh, ()),
+                                                            self.returned)
             sent_by_worker[name], kept_by_worker[name], pulled_by_worker[name] = tuple(sent), tuple(kept), tuple(pulled)
         outputs = self._gather(calls, f"step {step}")
         self.last_stats = StepStats(time.perf_counter() - clock, {n: o["timing"] for n, o in outputs.items()},
                                     sent_by_worker, kept_by_worker, {n: s.mesh for n, s in slots.items()},
                                     {n: o["spans"] for n, o in outputs.items()}, started, pulled=pulled_by_worker)
-        return step
+        return step, self._assembled(outputs)
 
     # -- the results, kept on the workers
 
@@ -840,17 +856,23 @@ class RayRuntime:
                       for w in self.layout.of_mesh(self.result_mesh(r))} for r in results)
 
     def fetch_finish(self, pending: tuple, what: str) -> list[np.ndarray]:
-        """The results `fetch_start` asked for, as host arrays (a spanning mesh's pieces put
-        together)."""
+        """The results `fetch_start` asked for, as host arrays."""
         out = []
         for calls in pending:
             parts = list(self._gather(calls, f"reading {what}").values())
             if any(p is None for p in parts):
                 raise RuntimeError(f"{what} is no longer kept by the workers")
-            value = gather_pieces(parts) if isinstance(parts[0], Pieces) else parts[0]
-            self.fetched_bytes += value.nbytes
-            out.append(value)
+            out.append(_whole(parts))
+            self.fetched_bytes += out[-1].nbytes
         return out
+
+    def _assembled(self, outputs: Mapping[str, Mapping]) -> dict[int, np.ndarray]:
+        """The `returned` results from what each worker returned."""
+        parts: dict[int, list] = {}
+        for output in outputs.values():
+            for r, value in output["results"].items():
+                parts.setdefault(r, []).append(value)
+        return {r: _whole(values) for r, values in parts.items()}
 
     def _gather(self, calls: Mapping[str, object], what: str) -> dict[str, object]:
         """Waits for one call per worker, up to `timeout`; on a dead worker, an error or the
@@ -896,8 +918,15 @@ class RayRuntime:
             "workers": {n: s.mesh for n, s in self.layout.slots.items()},
         }, indent=1) + "\n")
 
-    def load(self, directory: str | Path) -> int:
-        """Each worker reads back its kept results as those of a new step; returns its number."""
+    def load(self, directory: str | Path) -> tuple[int, dict[int, np.ndarray]]:
+        """Each worker reads back its kept results as those of a new step; returns as `run`."""
         self.step_id += 1
-        self._gather({n: a.load.remote(str(directory), self.step_id) for n, a in self.actors.items()}, "restore")
-        return self.step_id
+        loaded = self._gather({n: a.load.remote(str(directory), self.step_id, self.returned)
+                               for n, a in self.actors.items()}, "restore")
+        return self.step_id, self._assembled({n: {"results": values} for n, values in loaded.items()})
+
+
+def _whole(parts: Sequence) -> np.ndarray:
+    """A result from its workers' answers: the whole value, or a spanning mesh's pieces put
+    together."""
+    return gather_pieces(parts) if isinstance(parts[0], Pieces) else parts[0]

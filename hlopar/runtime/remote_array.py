@@ -8,13 +8,14 @@ once: `np.asarray`, `float`, `int`, `bool`, printing, indexing, arithmetic, `jax
 (`copy_to_host_async` starts the fetch, so a tree of them is fetched in parallel), and any
 jax function or `jax.jit`, which see it as the jax array it holds: the class is registered
 with jax's abstractification and argument handlers (`core.pytype_aval_mappings`,
-`dtypes.canonicalize_value_handlers`, jax internals, checked at import), because jax no
+`dtypes.canonicalize_value_handlers`: jax internals; a jax that moves them fails this
+module's import), because jax no
 longer calls `__jax_array__` when it abstractifies arguments. It stays a pytree leaf, so
 the results have exactly `fn`'s pytree structure.
 
-Typed random keys (`jax.random.key`) travel as their key data and come back as keys when
-read (`jax.device_get`, jax functions). Eager `jax.random` functions test for jax's own key
-class and refuse one: pass it through `jnp.asarray` or a jitted function first.
+Typed random keys (`jax.random.key`) are not RemoteArrays: `jax.random`'s functions take
+only jax's own key arrays, so a key result comes back with its step (a few bytes; the api
+wraps its key data, `jax_value`) and is sent again when passed back.
 
 A result the caller no longer references is released: its finalizer tells the runtime,
 which drops it on the workers at the start of the next step. A donated one
@@ -82,7 +83,7 @@ class RemoteArray:
     def __init__(self, source: ResultSource, generation: int, step: int, result: int, parts: tuple[int, ...], shape,
                  dtype, what: str = "a result"):
         self.shape = tuple(int(n) for n in shape)
-        self.dtype = dtype if is_key(dtype) else np.dtype(dtype)
+        self.dtype = np.dtype(dtype)  # never a key's (module docstring)
         self._source = source
         self._generation = generation
         self._step = step
@@ -106,9 +107,6 @@ class RemoteArray:
 
     @property
     def nbytes(self) -> int:
-        if is_key(self.dtype):  # its key data's
-            words = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(self.shape, self.dtype))
-            return int(np.prod(words.shape, dtype=np.int64)) * words.dtype.itemsize
         return self.size * self.dtype.itemsize
 
     def __len__(self) -> int:
@@ -162,11 +160,6 @@ class RemoteArray:
 
     def __array__(self, dtype=None, copy=None):
         value = self._jax()
-        if is_key(self.dtype):
-            # As jax: `jax.device_get` of a key array gives the key array; numpy has no keys.
-            if dtype is None and copy is None:
-                return value
-            raise TypeError("a typed PRNG key cannot be converted to a NumPy array; use jax.random.key_data")
         return np.asarray(value, dtype=dtype) if copy is None else np.array(value, dtype=dtype, copy=copy)
 
     def __float__(self) -> float:

@@ -1,8 +1,8 @@
 """Results stay on the workers (`runtime/remote_array.py`): a step returns `RemoteArray`s in
 `fn`'s pytree, the driver receives the bytes of what it reads and nothing else, a result
 passed back moves nothing, an unreferenced or donated one is dropped on the workers, and a
-result reads like the jax array it holds (numpy, jax functions, `jax.jit`, printing), typed
-keys as keys.
+result reads like the jax array it holds (numpy, jax functions, `jax.jit`, printing); typed
+keys come back with the step as jax's own key arrays.
 
 What reaches the driver is counted at its one door: every `ray.get` the driver makes,
 each returned object pickled with protocol 5, whose out-of-band buffers are the bytes of
@@ -109,7 +109,7 @@ def keyed_step(w, key, x):
     return {"w": w - 0.1 * grad}, key, loss
 
 
-def test_results_read_like_the_jax_arrays_they_hold(ray_cluster, monkeypatch):
+def test_results_read_like_the_jax_arrays_they_hold(ray_cluster, monkeypatch, tmp_path):
     w = jnp.arange(12, dtype=jnp.float32).reshape(4, 3) / 10
     x = jnp.ones((8, 4), jnp.float32)
     key = jax.random.key(3)
@@ -117,13 +117,13 @@ def test_results_read_like_the_jax_arrays_they_hold(ray_cluster, monkeypatch):
     try:
         out = parallel(w, key, x)
         expected = jax.jit(keyed_step)(w, key, x)
-        # fn's pytree, every leaf a RemoteArray, nothing read yet.
+        # fn's pytree, every leaf a RemoteArray but the key (a jax key array), nothing read yet.
         assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(expected)
-        assert all(isinstance(leaf, RemoteArray) for leaf in jax.tree_util.tree_leaves(out))
-        assert parallel.runtime.fetched_bytes == 0
         new, new_key, loss = out
+        assert isinstance(new["w"], RemoteArray) and isinstance(loss, RemoteArray)
+        assert parallel.runtime.fetched_bytes == 0
         assert (new["w"].shape, new["w"].dtype, new["w"].ndim, new["w"].size) == ((4, 3), np.float32, 2, 12)
-        assert new_key.dtype == key.dtype and new_key.shape == ()
+        assert isinstance(new_key, jax.Array) and new_key.dtype == key.dtype and new_key.shape == ()
 
         # Reading: each value fetched once, alone.
         counted = DriverBytes(monkeypatch)
@@ -138,23 +138,29 @@ def test_results_read_like_the_jax_arrays_they_hold(ray_cluster, monkeypatch):
         np.testing.assert_array_equal(jax.device_get(new)["w"], np.asarray(new["w"]))
         assert counted.take()[0] == 48
 
-        # Keys come back as keys; jax functions and jax.jit take results as the arrays they hold.
-        got_key = jax.device_get(new_key)
-        assert got_key.dtype == key.dtype
-        np.testing.assert_array_equal(jax.random.key_data(got_key), jax.random.key_data(expected[1]))
-        with pytest.raises(TypeError, match="key_data"):
-            np.asarray(new_key, dtype=np.uint32)
-        np.testing.assert_array_equal(jax.jit(lambda k: jax.random.key_data(k))(new_key),
-                                      jax.random.key_data(expected[1]))
+        # The key is jax's own (eager jax.random takes it); jax functions and jax.jit take
+        # results as the arrays they hold.
+        np.testing.assert_array_equal(jax.random.key_data(new_key), jax.random.key_data(expected[1]))
+        np.testing.assert_array_equal(jax.random.key_data(jax.random.split(new_key)),
+                                      jax.random.key_data(jax.random.split(expected[1])))
         np.testing.assert_allclose(jnp.sum(new["w"]), jnp.sum(expected[0]["w"]), rtol=1e-6)
         again = jax.jit(keyed_step)(new["w"], new_key, x)
 
-        # Passed back, nothing moves; the step equals single-device JAX's from the same values.
+        # Passed back, the state moves nothing (the key's 8 bytes go and come back); the step
+        # equals single-device JAX's from the same values.
         counted.take()
         second = parallel(new["w"], new_key, x)
-        assert parallel.last_stats.kept == {"m0": (0, 1)} and counted.take()[0] == 0
+        assert parallel.last_stats.kept == {"m0": (0,)} and parallel.last_stats.sent == {"m0": (1, 2)}
+        assert counted.take()[0] == 8
         np.testing.assert_allclose(second[0]["w"], again[0]["w"], rtol=1e-6)
         np.testing.assert_allclose(second[2], again[2], rtol=1e-6)
+
+        # A save holds the key too; restored, the state is kept on the workers again.
+        parallel.save(tmp_path / "saved")
+        restored = parallel.restore(tmp_path / "saved")
+        assert isinstance(restored[0]["w"], RemoteArray) and isinstance(restored[1], jax.Array)
+        np.testing.assert_array_equal(jax.random.key_data(restored[1]), jax.random.key_data(second[1]))
+        np.testing.assert_array_equal(restored[0]["w"], second[0]["w"])
     finally:
         parallel.shutdown()
 
