@@ -65,11 +65,8 @@ MUTATIONS = (
     Mutation(
         "restore-stale",
         "hlopar/runtime/ray_runtime.py",
-        (("        self.carry = carry\n        run.timing[\"step_s\"]",
-          "        self.previous, self.carry = self.carry, carry\n        run.timing[\"step_s\"]"),
-         ("        for r, value in self.carry.items():\n            if getattr(value, \"is_fully_addressable\"",
-          "        for r, value in (getattr(self, \"previous\", None) or self.carry).items():\n"
-          "            if getattr(value, \"is_fully_addressable\"")),
+        (("            value = self.kept[(self.last, r)]\n",
+          "            value = self.kept.get((self.last - 1, r), self.kept[(self.last, r)])\n"),),
         ("test/unit/runtime/test_ray_runtime.py::test_a_killed_worker_raises_and_the_next_call_restarts",),
         why="save writes the state of the step before the last one",
     ),
