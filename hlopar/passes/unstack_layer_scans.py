@@ -83,6 +83,7 @@ class UnstackLayerScansPass(ModulePass):
             _canonicalize(module)
             pieces = unstack(planned_functions(module)[0], {s.trips for s in scans}) if scans else None
             if pieces is not None:
+                recompute_invariants(planned_functions(module)[0])
                 _canonicalize(module)  # what read or made the whole stacks is dead now
         if self.report:
             report = {"pass": self.name, "seconds": time.perf_counter() - clock,
@@ -107,6 +108,39 @@ def unroll(loop: ir.Operation, trips: int) -> None:
     for old, new in zip(loop.results, carried):
         old.replace_all_uses_with(new)
     loop.erase()
+
+
+# Ops cheap to recompute wherever their result is read, when they read only constants.
+_RECOMPUTABLE = frozenset({"stablehlo.iota", "stablehlo.broadcast_in_dim", "stablehlo.reshape",
+                           "stablehlo.transpose", "stablehlo.convert"}) | ELEMENTWISE
+
+
+def recompute_invariants(main: ir.Operation) -> int:
+    """Gives each reader of a value computed from constants alone (a causal mask: iota,
+    compare, broadcast) its own copy of the ops that make it; returns how many ops were added.
+
+    JAX hoists such loop invariants out of a scan, so once unrolled every layer reads the one
+    copy, as big as an attention score tensor: a value that would cross every stage boundary.
+    The unrolled model computes it in each layer, and XLA fuses it there."""
+    block = main.regions[0].blocks[0]
+    ops = [op.operation for op in block.operations]
+    invariant: set[ir.Value] = set()
+    for op in ops:
+        if op.name == "stablehlo.constant" or (op.name in _RECOMPUTABLE
+                                               and all(v in invariant for v in op.operands)):
+            invariant.update(op.results)
+    added = 0
+    for op in reversed(ops):
+        if op.name == "stablehlo.constant" or not op.results or op.results[0] not in invariant:
+            continue
+        uses = [(use.owner.operation if isinstance(use.owner, ir.OpView) else use.owner, use.operand_number)
+                for use in op.results[0].uses]
+        for user, number in uses[1:]:
+            with ir.InsertionPoint(user), user.location:
+                clone = op.clone()
+            user.operands[number] = clone.results[0]
+            added += 1
+    return added
 
 
 def _canonicalize(module: ir.Operation) -> None:
