@@ -83,7 +83,6 @@ class UnstackLayerScansPass(ModulePass):
             _canonicalize(module)
             pieces = unstack(planned_functions(module)[0], {s.trips for s in scans}) if scans else None
             if pieces is not None:
-                recompute_invariants(planned_functions(module)[0])
                 _canonicalize(module)  # what read or made the whole stacks is dead now
         if self.report:
             report = {"pass": self.name, "seconds": time.perf_counter() - clock,
@@ -95,52 +94,64 @@ class UnstackLayerScansPass(ModulePass):
 
 
 def unroll(loop: ir.Operation, trips: int) -> None:
-    """Replaces a `while` that runs `trips` times by `trips` copies of its body."""
+    """Replaces a `while` that runs `trips` times by `trips` copies of its body.
+
+    A value the loop carries unchanged and that is computed from constants alone (the causal
+    mask JAX hoists out of a scan) is recomputed at the start of each copy, as each layer of
+    the model written with a Python loop computes it: one shared copy, as big as an attention
+    score tensor, would be read by every layer across every stage boundary."""
     body = loop.regions[1].blocks[0]
     carried = list(loop.operands)
     ops = list(body.operations)
+    returned = list(ops[-1].operands)
+    recomputed = [k for k, (arg, value) in enumerate(zip(body.arguments, carried))
+                  if returned[k] == arg and _from_constants(value) and not _is_constant(value)]
     with ir.InsertionPoint(loop), loop.location:
         for _ in range(trips):
             mapping = dict(zip(body.arguments, carried))
+            for k in recomputed:
+                mapping[body.arguments[k]] = _recompute(carried[k])
             for op in ops[:-1]:
                 clone_into(op.operation, mapping)
             carried = [mapping.get(v, v) for v in ops[-1].operands]
+            for k in recomputed:
+                carried[k] = loop.operands[k]
     for old, new in zip(loop.results, carried):
         old.replace_all_uses_with(new)
     loop.erase()
 
 
-# Ops cheap to recompute wherever their result is read, when they read only constants.
+# Ops cheap to recompute where a layer reads their result, when they read only constants.
 _RECOMPUTABLE = frozenset({"stablehlo.iota", "stablehlo.broadcast_in_dim", "stablehlo.reshape",
                            "stablehlo.transpose", "stablehlo.convert"}) | ELEMENTWISE
 
 
-def recompute_invariants(main: ir.Operation) -> int:
-    """Gives each reader of a value computed from constants alone (a causal mask: iota,
-    compare, broadcast) its own copy of the ops that make it; returns how many ops were added.
+def _is_constant(value: ir.Value) -> bool:
+    owner = value.owner
+    return isinstance(owner, ir.OpView) and owner.operation.name == "stablehlo.constant"
 
-    JAX hoists such loop invariants out of a scan, so once unrolled every layer reads the one
-    copy, as big as an attention score tensor: a value that would cross every stage boundary.
-    The unrolled model computes it in each layer, and XLA fuses it there."""
-    block = main.regions[0].blocks[0]
-    ops = [op.operation for op in block.operations]
-    invariant: set[ir.Value] = set()
-    for op in ops:
-        if op.name == "stablehlo.constant" or (op.name in _RECOMPUTABLE
-                                               and all(v in invariant for v in op.operands)):
-            invariant.update(op.results)
-    added = 0
-    for op in reversed(ops):
-        if op.name == "stablehlo.constant" or not op.results or op.results[0] not in invariant:
-            continue
-        uses = [(use.owner.operation if isinstance(use.owner, ir.OpView) else use.owner, use.operand_number)
-                for use in op.results[0].uses]
-        for user, number in uses[1:]:
-            with ir.InsertionPoint(user), user.location:
-                clone = op.clone()
-            user.operands[number] = clone.results[0]
-            added += 1
-    return added
+
+def _from_constants(value: ir.Value) -> bool:
+    """Whether `value` is computed by recomputable ops from constants and iotas alone."""
+    owner = value.owner
+    if not isinstance(owner, ir.OpView):
+        return False
+    op = owner.operation
+    if op.name == "stablehlo.constant":
+        return True
+    return op.name in _RECOMPUTABLE and all(_from_constants(v) for v in op.operands)
+
+
+def _recompute(value: ir.Value) -> ir.Value:
+    """A fresh copy, at the insertion point, of the ops that make `value` from constants."""
+    op = value.owner.operation
+    if op.name == "stablehlo.constant":
+        return value
+    operands = [_recompute(operand) for operand in op.operands]  # made first: they come before
+    clone = op.clone()
+    for k, operand in enumerate(operands):
+        clone.operands[k] = operand
+    return clone.results[list(op.results).index(value)]
 
 
 def _canonicalize(module: ir.Operation) -> None:
