@@ -44,6 +44,10 @@ def _state_layouts(name: str, remat: bool, unstack: bool) -> tuple[list[tuple[in
 # Below this many elements (LayerNorm scales and biases, 16 floats here) sharding or not costs
 # next to nothing either way: ties the solver may break differently.
 SMALL = 256
+# At this many elements or fewer (the 16x16 attention projections) a split by rows or by columns
+# differs by less than the checkpointed step's second forward adds to the activations' resharding
+# costs: both plans shard these, along either dim. Larger weights (MLP, embedding) keep their layout.
+LAYOUT_TIES = 256
 
 
 @pytest.mark.parametrize("unstack", [False, True], ids=["loop", "unrolled"])
@@ -61,4 +65,6 @@ def test_checkpointed_stack_shards_the_state_as_its_unchecked_twin(name, unstack
     assert [('"' in checked[i][1]) for i in weights] == [('"' in twin[i][1]) for i in weights]
     assert sum('"' in twin[i][1] for i in weights) > len(weights) // 2  # most weights sharded
     if unstack or name == "gpt_scan":
-        assert [checked[i][1] for i in weights] == [twin[i][1] for i in weights]
+        large = [i for i in weights if twin[i][0] > LAYOUT_TIES]
+        assert len(large) >= 6
+        assert [checked[i][1] for i in large] == [twin[i][1] for i in large]

@@ -74,7 +74,8 @@ def test_registry_lists_every_family_with_a_tiny_config():
     assert set(MODELS) == {"mlp", "gpt", "moe", "wide_resnet", "u_transformer"}
     for model in MODELS:
         assert "tiny" in list_configs(model)
-    assert list_configs("gpt") == ["tiny", "350M", "1.3B", "2.6B", "6.7B", "15B", "39B"]
+    gpt = ["tiny", "350M", "1.3B", "2.6B", "6.7B", "15B", "39B"]
+    assert list_configs("gpt") == gpt + [f"{name}-scan" for name in gpt]
     assert list_configs("moe") == ["tiny", "380M", "1.3B", "2.4B", "10B", "27B", "70B"]
     assert list_configs("wide_resnet") == ["tiny", "250M", "1B", "2B", "4B", "6.8B", "13B"]
     assert list_configs("u_transformer") == ["tiny", "2.1B"]

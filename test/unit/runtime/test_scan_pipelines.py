@@ -6,8 +6,8 @@ The models: the plain-JAX `lax.scan` GPT (optax Adam) and the Flax ``nn.scan`` T
 each block, and the zoo's GPT with ``scan_layers`` (4 layers). On 2 hosts x 4 CPU devices (the
 "cpu" preset) the planner pipelines the `scan_steps` models into 2 stages of 1x4 with their
 layers spread over both (5 and 1, or 3 and 3 for the checkpointed GPT, the head on the
-second); for the zoo GPT it finds one mesh of 2x4 faster and plans one stage,
-its layers still unrolled and split per layer (that is what method="auto" does with a scan).
+second); the zoo GPT too (layers 0-2 and 3-5 of its clustered operators, its 4 blocks split
+between the two stages).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _zoo_gpt():
 
 
 MODELS = {  # (step and arguments, whether the planner pipelines the layers on CLUSTER)
-    "zoo_gpt_scan": (_zoo_gpt, False),
+    "zoo_gpt_scan": (_zoo_gpt, True),
     "gpt_scan": (lambda: scan_steps.gpt_scan(layers=6), True),
     "gpt_scan_remat": (lambda: scan_steps.gpt_scan(layers=6, remat=True), True),
     "flax_scan": (lambda: scan_steps.flax_scan(layers=6), True),
