@@ -8,6 +8,7 @@ from hlopar.passes.auto_sharding import AutoShardingPass
 from hlopar.passes.cluster_operators import ClusterOperatorsPass
 from hlopar.passes.cross_mesh_resharding import CrossMeshReshardingPass
 from hlopar.passes.import_program import ImportPass
+from hlopar.passes.rematerialize import RematerializePass
 from hlopar.passes.split_microbatches import SplitMicrobatchesPass
 from hlopar.passes.stage_construction import StageConstructionPass
 from hlopar.passes.unstack_layer_scans import UnstackLayerScansPass
@@ -15,7 +16,7 @@ from hlopar.passes.unstack_layer_scans import UnstackLayerScansPass
 HLOPAR_PASSES: dict[str, type[ModulePass]] = {
     cls.name: cls
     for cls in (ImportPass, AutoShardingPass, ClusterOperatorsPass, StageConstructionPass, CrossMeshReshardingPass,
-                AutoParallelPass, SplitMicrobatchesPass, UnstackLayerScansPass)
+                AutoParallelPass, SplitMicrobatchesPass, UnstackLayerScansPass, RematerializePass)
 }
 
 
