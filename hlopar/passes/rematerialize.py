@@ -121,9 +121,12 @@ class RematerializePass(ModulePass):
                     self.fail(backward, "a backward fragment without a stage (stage=k) cannot be rematerialized")
                 if self._rematerialize(main, backward, context):
                     changed.add(stage)
-            for op in _fragments(main):
-                if fragment_role(op) == "forward" and _stage(op) in changed:
-                    _prune(op)
+            for stage in changed:
+                forwards = [_prune(op) for op in _fragments(main) if fragment_role(op) == "forward"
+                            and _stage(op) == stage]
+                # A forward fragment left with nothing to do goes (not the stage's last one).
+                for op in [op for op in forwards if not len(op.results) and len(_body(op)) == 1][:len(forwards) - 1]:
+                    op.erase()
         module.verify()
 
     def _rematerialize(self, main: ir.Operation, backward: ir.Operation, context: PassContext) -> bool:
@@ -182,7 +185,7 @@ class _StageForward:
                     view.outer[number[operand]] = operand
                 number[argument] = number[operand]
                 view.inner.setdefault(number[operand], argument)
-            body = [op.operation for op in block.operations]
+            body = _body(fragment)
             for op in body[:-1]:
                 read = _read_values(op, number)
                 view.read_values.append(read)
@@ -231,16 +234,16 @@ def _recompute_in(backward: ir.Operation, view: _StageForward, plan: Recompute) 
     new.attributes[REMAT_ATTR] = ir.UnitAttr.get()
 
 
-def _prune(fragment: ir.Operation) -> None:
+def _prune(fragment: ir.Operation) -> ir.Operation:
     """Drops the results of a forward fragment no one reads, and the ops only they needed."""
     returned = list(_terminator(fragment).operands)
     used = [v for v, result in zip(returned, fragment.results) if _has_uses(result)]
     if len(used) < len(returned):
         fragment = _rebuilt(fragment, returned=used)
-    ops = [op.operation for op in fragment.regions[0].blocks[0].operations][:-1]
-    for op in reversed(ops):
+    for op in reversed(_body(fragment)[:-1]):
         if len(op.results) and not any(_has_uses(r) for r in op.results) and _clonable(op):
             op.erase()
+    return fragment
 
 
 def _rebuilt(fragment: ir.Operation, *, operands: Sequence[ir.Value] | None = None,
@@ -295,6 +298,11 @@ def _fragments(main: ir.Operation) -> list[ir.Operation]:
 def _terminator(fragment: ir.Operation) -> ir.Operation:
     operations = fragment.regions[0].blocks[0].operations
     return operations[len(operations) - 1].operation
+
+
+def _body(fragment: ir.Operation) -> list[ir.Operation]:
+    """The fragment's ops, its terminator last."""
+    return [op.operation for op in fragment.regions[0].blocks[0].operations]
 
 
 def _has_uses(value: ir.Value) -> bool:
