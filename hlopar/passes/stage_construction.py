@@ -6,7 +6,9 @@ ILP (`analysis/stages/layer_costs`), composes span costs (`span_costs`), runs th
 Eq. 3–4 with early pruning (`stage_dp`) for each microbatch count asked for, assigns
 physical devices (`submeshes.assign_devices`, Appendix A) and rewrites the entry function
 into an MPMD program (`mpmd_program.write_mpmd_program`): one mesh per stage, each stage's
-forward and backward on its mesh, update fragments where their parameters live.
+forward and backward on its mesh, update fragments where their parameters live. The backward
+fragment of a stage planned rematerialized (`remat`, `span_costs`) carries the unit attribute
+`hlopar.remat`: `hlopar-rematerialize` makes it recompute the forward from the stage's inputs.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS, LogicalMesh, 
 from hlopar.analysis.auto_sharding.graph_problem import tensor_info
 from hlopar.analysis.auto_sharding.resharding import resharding_cost
 from hlopar.analysis.auto_sharding.rules import rule_of
-from hlopar.analysis.stages.layer_costs import plan_layers, trivial_axes_key
-from hlopar.analysis.stages.span_costs import LayerArrays, span_table
+from hlopar.analysis.stages.layer_costs import FORWARD, ROLES, kernel_counts, plan_layers, trivial_axes_key, value_bytes
+from hlopar.analysis.stages.span_costs import REMAT_MODES, LayerArrays, span_table
 from hlopar.analysis.stages.stage_dp import stage_dp
 from hlopar.analysis.training_roles import RolesError, batch_arguments, batch_candidates, state_pairs
 from hlopar.analysis.stages.submeshes import (
@@ -45,6 +47,7 @@ from hlopar.passes.mpmd_program import StageMesh, write_mpmd_program
 from hlopar.passes.split_microbatches import MICROBATCHES_ATTR
 
 AXIS_NAMES = ("x", "y")
+REMAT_ATTR = "hlopar.remat"
 WEIGHT_UPDATE_SHARDING = "weight-update-sharding"
 INTRA_OP_OPTIONS = ("default", WEIGHT_UPDATE_SHARDING)
 
@@ -56,7 +59,7 @@ class PipelinePlan:
     microbatches: int
     total_latency: float
     t_max: float
-    stages: tuple[dict, ...]  # per stage: layers, submesh, logical shape, devices, latency, memory
+    stages: tuple[dict, ...]  # per stage: layers, submesh, logical shape, devices, latency, memory, remat
     runner_ups: tuple[dict, ...]
     candidates: tuple[dict, ...]  # per microbatch count tried: its best latency
 
@@ -79,6 +82,8 @@ class StageConstructionPass(ModulePass):
     workers: int | None = option(None, "processes solving layer ILPs (default: one per CPU core)")
     epsilon: float = option(1e-6, "t_max step of the DP's enumeration, seconds (Alpa §5.2)")
     plan_shardings: bool = option(True, "plan each stage's intra-op shardings (false: stages replicated)")
+    remat: Literal["auto", "always", "never"] = option(
+        "auto", "rematerialize stages: auto (where it pays), always (every stage that stashes activations), never")
     report: str | None = option(None, "write a JSON report of the plan to this path")
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
@@ -88,6 +93,8 @@ class StageConstructionPass(ModulePass):
         func = funcs[0]
         if self.num_hosts < 1 or self.devices_per_host < 1:
             self.fail(func, "num-hosts and devices-per-host must be positive")
+        if self.remat not in REMAT_MODES:
+            self.fail(func, f"remat must be one of {', '.join(REMAT_MODES)}, got {self.remat!r}")
         start = time.perf_counter()
         with module.context, ir.Location.unknown():
             graph = FuncGraph.from_func(func)
@@ -105,6 +112,7 @@ class StageConstructionPass(ModulePass):
             emit = time.perf_counter()
             write_mpmd_program(module, stage_of_op, layering.roles, meshes,
                                plan_shardings=self.plan_shardings, preset=self.preset)
+            mark_rematerialized(module, [k for k, s in enumerate(plan.stages) if s["remat"]])
             timings["mpmd_program"] = time.perf_counter() - emit
         if self.report:
             timings["total"] = time.perf_counter() - start
@@ -135,7 +143,7 @@ class StageConstructionPass(ModulePass):
         timings["layer_ilps"] = time.perf_counter() - clock
 
         clock = time.perf_counter()
-        arrays, received = _layer_arrays(graph, layering, layers, plans, meshes)
+        arrays, received = _layer_arrays(graph, layering, layers, plans, meshes, CLUSTER_PRESETS[self.preset])
         timings["span_costs"] = 0.0
         timings["stage_dp"] = 0.0
         candidates = []
@@ -152,6 +160,7 @@ class StageConstructionPass(ModulePass):
                 in_flight=lambda s, b=microbatches: in_flight_microbatches(self.schedule, s, b),
                 memory_per_device=self._memory_per_device(),
                 max_stages=min(layering.num_layers, self.num_hosts * self.devices_per_host),
+                remat=self.remat,
             )
             dp_clock = time.perf_counter()
             timings["span_costs"] += dp_clock - table_clock
@@ -190,6 +199,7 @@ class StageConstructionPass(ModulePass):
                 "devices": list(ids),
                 "latency": float(table.latency[i, j, m, s - 1]),
                 "memory_bytes": float(table.memory[i, j, m, s - 1]),
+                "remat": bool(table.remat[i, j, m, s - 1]),
             })
         runner_ups = tuple(
             {"total_latency": r.total_latency, "t_max": r.t_max,
@@ -274,6 +284,18 @@ class StageConstructionPass(ModulePass):
         }
 
 
+def mark_rematerialized(module: ir.Operation, stages: list[int]) -> None:
+    """Puts `hlopar.remat` on the backward fragments (origin `"stage<k>"(1)`) of these stages."""
+    if not stages:
+        return
+    main = planned_functions(module)[0]
+    for op in main.regions[0].blocks[0].operations:
+        op = op.operation
+        if (op.name == "mpmd.fragment" and "stage_id" in op.attributes and '"(' in str(op.attributes["origin"])
+                and ir.IntegerAttr(op.attributes["stage_id"]).value in stages):
+            op.attributes[REMAT_ATTR] = ir.UnitAttr.get(module.context)
+
+
 def _stage_of_ops(layering: Layering, plan: PipelinePlan) -> list[int]:
     stage_of_layer = {}
     for k, stage in enumerate(plan.stages):
@@ -304,15 +326,26 @@ def _batch_size(graph: FuncGraph) -> int:
     return math.gcd(*(int(s) for s in sizes if s)) if any(sizes) else 1
 
 
-def _layer_arrays(graph: FuncGraph, layering: Layering, layers: list[FuncGraph], plans, meshes) -> tuple[LayerArrays, np.ndarray]:
-    """The per-layer arrays of `span_costs` and the bytes each layer reads from each other."""
+def _layer_arrays(graph: FuncGraph, layering: Layering, layers: list[FuncGraph], plans, meshes,
+                  preset) -> tuple[LayerArrays, np.ndarray]:
+    """The per-layer arrays of `span_costs` and the bytes each layer reads from each other.
+    Each layer's latencies gain the preset's per-kernel overheads (`ClusterPreset.op_seconds`):
+    its forward and backward kernels' in the part paid per microbatch, its update kernels'
+    (run once per step) in the rest."""
     meshes = [mesh for mesh, _ in meshes]
     L, G = len(layers), len(meshes)
 
     def field_of(name):
         return np.array([[getattr(plans[l][g], name) for l in range(L)] for g in range(G)], dtype=float)
 
+    overhead = np.zeros((len(ROLES), L))
+    for l, layer in enumerate(layers):
+        counts = kernel_counts(layer, layering.roles)
+        overhead[:, l] = [preset.op_seconds(*counts[role]) for role in ROLES]
+    forward_overhead, per_microbatch_overhead = overhead[0], overhead[0] + overhead[1]
+
     received = np.zeros((L, L))
+    inputs = np.zeros((G, L, L))
     resharding = np.zeros((G, L, L))
     result_position = [{v: k for k, v in enumerate(layer.results)} for layer in layers]
     arg_position = [{v: k for k, v in enumerate(layer.args)} for layer in layers]
@@ -320,8 +353,12 @@ def _layer_arrays(graph: FuncGraph, layering: Layering, layers: list[FuncGraph],
         for v in layer.results:
             readers = {layering.layers[u] for u in graph.values[v].users} - {a}
             info = tensor_info(graph, v)
+            forward_readers = {layering.layers[u] for u in graph.values[v].users if layering.roles[u] == FORWARD}
             for b in readers:
                 received[a, b] += info.dtype_bytes * math.prod(info.shape) if info.is_tensor else 0
+                if b > a and b in forward_readers:
+                    for g, mesh in enumerate(meshes):
+                        inputs[g, a, b] += value_bytes(info, plans[b][g].arg_layouts[arg_position[b][v]], mesh)
                 if not info.is_tensor or not info.shape:
                     continue
                 low, high = min(a, b), max(a, b)
@@ -331,11 +368,14 @@ def _layer_arrays(graph: FuncGraph, layering: Layering, layers: list[FuncGraph],
                     if src is not None and dst is not None and src != dst:
                         resharding[g, low, high] += resharding_cost(info.shape, info.dtype_bytes, src, dst, mesh)
     arrays = LayerArrays(
-        latency=field_of("latency"),
-        fixed_latency=field_of("fixed_latency"),
+        latency=field_of("latency") + overhead.sum(axis=0),
+        fixed_latency=field_of("fixed_latency") + per_microbatch_overhead,
         state_bytes=field_of("state_bytes"),
         gradient_bytes=field_of("gradient_bytes"),
         activation_bytes=field_of("activation_bytes"),
         resharding=resharding,
+        forward_latency=field_of("forward_latency") + forward_overhead,
+        forward_fixed_latency=field_of("forward_fixed_latency") + forward_overhead,
+        input_bytes=inputs,
     )
     return arrays, received

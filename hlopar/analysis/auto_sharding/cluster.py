@@ -117,6 +117,13 @@ class ClusterPreset:
 
     Bandwidths follow the module's convention (per device, one direction, all devices busy);
     latencies are the order of magnitude of one small collective's start-up time.
+
+    What makes small microbatches slow beyond communication start-ups, for the stage
+    latencies of `hlopar-stage-construction` (`op_seconds`): `kernel_launch_s`, the time
+    paid per kernel a device runs whatever its size, and `matmul_half_flops`, the FLOPs per
+    device at which a matrix product reaches half the peak (Hockney's n-half: a product of f
+    FLOPs runs at peak * f / (f + n-half), so it takes its FLOPs at peak plus n-half / peak).
+    Both are assumptions, orders of magnitude (see `CLUSTER_PRESETS`), not measurements.
     """
 
     name: str
@@ -128,17 +135,45 @@ class ClusterPreset:
     device_memory_bytes: float
     devices_per_host: int
     description: str = ""
+    kernel_launch_s: float = 0.0
+    matmul_half_flops: float = 0.0
 
     def __post_init__(self) -> None:
         if self.devices_per_host < 1:
             raise ValueError(f"preset {self.name!r}: devices_per_host must be >= 1, got {self.devices_per_host}")
+        for field_name in ("kernel_launch_s", "matmul_half_flops"):
+            value = getattr(self, field_name)
+            if not value >= 0 or math.isinf(value):
+                raise ValueError(f"preset {self.name!r}: {field_name} must be finite and >= 0, got {value!r}")
+
+    def matmul_efficiency(self, flops: float) -> float:
+        """The fraction of the peak a matrix product of `flops` FLOPs per device reaches."""
+        return flops / (flops + self.matmul_half_flops) if flops > 0 else 0.0
+
+    def op_seconds(self, kernels: float, matmuls: float) -> float:
+        """Seconds `kernels` kernel launches, `matmuls` of them matrix products, cost beyond
+        their FLOPs at peak (which the intra-op costs already hold): a launch each, and
+        n-half / peak per product (`matmul_efficiency`)."""
+        return kernels * self.kernel_launch_s + matmuls * self.matmul_half_flops / self.device_flops
+
+
+# Every GPU preset: a kernel launch costs ~5 us, the order of the CUDA launch latency NVIDIA
+# quotes ("a few microseconds", CUDA C++ Best Practices Guide and the CUDA Graphs blog post of
+# 2019); XLA fuses elementwise ops, so one launch is charged per op that roots a fusion
+# (`layer_costs.kernel_counts`). Matrix products reach half the peak at n-half FLOPs per
+# device, set so that n-half / peak is ~8 us (the ramp of NVIDIA's "Matrix Multiplication
+# Background" guide, where GEMMs of a few GFLOPs run well below the tensor cores' peak, read
+# as an order of magnitude: a 1024^3 product, 2.1 GFLOP, at about 2/3 of a V100's peak). Assumptions.
+_GPU_LAUNCH_S = 5e-6
+_GPU_HALF_PEAK_S = 8e-6
 
 
 def _gpu_node(
     name: str, nvlink: float, nic_per_gpu: float, nic_latency_s: float, flops: float, memory_gib: int, description: str
 ) -> ClusterPreset:
     """8 GPUs on NVLink (one-way B/s per GPU), each with `nic_per_gpu` B/s to other nodes."""
-    return ClusterPreset(name, 10e-6, nvlink, nic_latency_s, nic_per_gpu, flops, memory_gib * _GIB, 8, description)
+    return ClusterPreset(name, 10e-6, nvlink, nic_latency_s, nic_per_gpu, flops, memory_gib * _GIB, 8, description,
+                         kernel_launch_s=_GPU_LAUNCH_S, matmul_half_flops=_GPU_HALF_PEAK_S * flops)
 
 
 CLUSTER_PRESETS: dict[str, ClusterPreset] = {
@@ -149,6 +184,8 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
         # (`--xla_force_host_platform_device_count=8`) share those cores. Inter-host is 10 GbE.
         # FLOP/s: ~180 GFLOP/s measured for a 1024² f32 matmul on the whole machine, over its 8
         # devices; memory: its 24 GiB over 8. Calibrate on the machine at hand when it matters.
+        # Per-kernel overhead and the matmul ramp are left at zero (not measured on XLA:CPU):
+        # on this preset small microbatches cost only their collective start-ups.
         ClusterPreset(
             name="cpu",
             intra_host_latency_s=10e-6,

@@ -11,7 +11,14 @@ Per (layer, mesh) the plan gives what the stage DP and the memory check need: th
 objective (communication plus compute, Alpa §4.2 with compute costs from FLOPs), the part of
 it that does not shrink with the microbatch (collective start-up latency), and per-device
 bytes of the state the layer reads, of its gradients, and of the forward values its backward
-reads (the activations a pipeline schedule stashes per microbatch in flight).
+reads (the activations a pipeline schedule stashes per microbatch in flight), and the share
+of the latency that its forward ops make (what a rematerialized stage runs a second time).
+
+A layer whose forward the user already checkpoints (`jax.checkpoint`: the backward holds an
+`optimization_barrier` and a second copy of the forward ops) is charged as it is: the copies
+are backward ops (they are no ancestors of the loss, `training_roles`), so their time is in
+the backward's share and their values are no activations; only the checkpoint's residuals
+are stashed.
 """
 
 from __future__ import annotations
@@ -26,15 +33,20 @@ from dataclasses import dataclass, replace
 
 from hlopar.analysis.auto_sharding import ilp
 from hlopar.analysis.auto_sharding.cluster import LogicalMesh
-from hlopar.analysis.auto_sharding.graph_problem import StrategyCache, build_problem, tensor_info
+from hlopar.analysis.auto_sharding.graph_problem import HEAVY_OPS, StrategyCache, TensorInfo, build_problem, tensor_info
 from hlopar.analysis.auto_sharding.resharding import per_device_bytes
 from hlopar.analysis.auto_sharding.rules import OpRule
+from hlopar.analysis.loops import trip_count
 from hlopar.analysis.sharding import ShardingSpec
 from hlopar.ir.graph import FuncGraph
 
-__all__ = ["LayerPlan", "layer_signature", "plan_layer"]
+__all__ = ["LayerPlan", "kernel_counts", "layer_signature", "plan_layer", "value_bytes"]
 
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
+ROLES = (FORWARD, BACKWARD, UPDATE)
+MATMUL_OPS = frozenset({"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"})
+# Ops that root a kernel of their own once XLA has fused the elementwise ops around them.
+KERNEL_OPS = HEAVY_OPS | {"stablehlo.reduce"}
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,8 @@ class LayerPlan:
     state_bytes: float  # function arguments the layer reads (parameters, optimizer state, batch)
     gradient_bytes: float  # values its backward hands to its update ops
     activation_bytes: float  # forward values its backward reads: stashed per microbatch in flight
+    forward_latency: float  # the forward ops' share of `latency` (their nodes, the edges into them)
+    forward_fixed_latency: float  # the forward ops' share of `fixed_latency`
     arg_layouts: tuple[ShardingSpec | None, ...]  # per `subgraph.args`, the layout the plan wants
     result_layouts: tuple[ShardingSpec | None, ...]  # per `subgraph.results`, the layout made
     status: str  # the ILP's status
@@ -133,13 +147,7 @@ def _layer_plan(layer, roles, mesh, problem, choices, solution, seconds: float) 
         return specs[number] if number < len(specs) else None
 
     def nbytes(value_id: int) -> float:
-        info = tensor_info(layer, value_id)
-        spec = layout(value_id)
-        if not info.is_tensor or not info.shape:
-            return float(info.dtype_bytes)
-        if spec is None or len(spec.dims) != len(info.shape):
-            return float(math.prod(info.shape) * info.dtype_bytes)
-        return float(per_device_bytes(info.shape, info.dtype_bytes, spec, mesh))
+        return value_bytes(tensor_info(layer, value_id), layout(value_id), mesh)
 
     values = layer.values
     inside = {op.index for op in layer.ops}
@@ -155,12 +163,16 @@ def _layer_plan(layer, roles, mesh, problem, choices, solution, seconds: float) 
             elif role == BACKWARD and UPDATE in readers:
                 gradient += nbytes(v)
     state = sum(nbytes(v) for v in layer.args if values[v].is_arg)
+    role_of = {op.id: roles[top.index] for top in layer.ops for op in top.walk()}
+    forward = [node.kind in ("op", "loop", "case") and role_of.get(node.index) == FORWARD for node in nodes]
     return LayerPlan(
         latency=solution.objective,
         fixed_latency=_start_up_latency(problem, choices, mesh),
         state_bytes=state,
         gradient_bytes=gradient,
         activation_bytes=activation,
+        forward_latency=_objective_share(problem.problem, choices, forward),
+        forward_fixed_latency=_start_up_latency(problem, choices, mesh, forward),
         arg_layouts=tuple(layout(v) for v in layer.args),
         result_layouts=tuple(layout(v) for v in layer.results),
         status=solution.status,
@@ -208,19 +220,60 @@ def _restricted(problem: ilp.Problem, allowed: Mapping[int, Sequence[int]]) -> i
     return replace(problem, nodes=nodes, edges=edges)
 
 
-def _start_up_latency(problem, choices: Sequence[int], mesh: LogicalMesh) -> float:
+def _start_up_latency(problem, choices: Sequence[int], mesh: LogicalMesh, only: Sequence[bool] | None = None) -> float:
     """Alpha terms of the chosen plan: each collective of a chosen strategy at its axes'
-    latency, each resharding edge that costs anything at the mesh's largest latency."""
+    latency, each resharding edge that costs anything at the mesh's largest latency. With
+    `only`, of the nodes it marks and the edges into them."""
     fast = LogicalMesh(tuple(replace(a, bandwidth_bytes_per_s=1e30) for a in mesh.axes), mesh.device_flops, mesh.device_memory_bytes)
     total = 0.0
-    for node, choice in zip(problem.nodes, choices):
-        strategy = node.strategies[choice]
-        total += node.scale * sum(c.cost(fast) for c in strategy.collectives)
+    for v, (node, choice) in enumerate(zip(problem.nodes, choices)):
+        if only is None or only[v]:
+            total += node.scale * sum(c.cost(fast) for c in node.strategies[choice].collectives)
     worst = max((a.latency_s for a in mesh.axes if a.size > 1), default=0.0)
     for edge in problem.problem.edges:
-        if edge.costs[choices[edge.src]][choices[edge.dst]] > 0:
+        if (only is None or only[edge.dst]) and edge.costs[choices[edge.src]][choices[edge.dst]] > 0:
             total += worst
     return total
+
+
+def _objective_share(problem: ilp.Problem, choices: Sequence[int], only: Sequence[bool]) -> float:
+    """The part of the ILP objective at `choices` that the marked nodes and the edges into
+    them make."""
+    total = sum(node.costs[c] for node, c, keep in zip(problem.nodes, choices, only) if keep)
+    return total + sum(e.costs[choices[e.src]][choices[e.dst]] for e in problem.edges if only[e.dst])
+
+
+def value_bytes(info: TensorInfo, spec: ShardingSpec | None, mesh: LogicalMesh) -> float:
+    """Per-device bytes of a value laid out as `spec` on `mesh` (whole without a layout that
+    fits its rank)."""
+    if not info.is_tensor or not info.shape:
+        return float(info.dtype_bytes)
+    if spec is None or len(spec.dims) != len(info.shape):
+        return float(math.prod(info.shape) * info.dtype_bytes)
+    return float(per_device_bytes(info.shape, info.dtype_bytes, spec, mesh))
+
+
+def kernel_counts(layer: FuncGraph, roles: Sequence[str]) -> dict[str, tuple[float, float]]:
+    """Per role, the kernels the layer's ops launch per step and how many are matrix products:
+    one per op that roots a fusion (`KERNEL_OPS`; elementwise ops fuse into them), ops inside
+    a `while` once per trip. An estimate of what an accelerator launches, for the per-kernel
+    overheads of `ClusterPreset.op_seconds`."""
+    counts = {role: [0.0, 0.0] for role in ROLES}
+
+    def visit(op, role: str, scale: float) -> None:
+        if op.name in KERNEL_OPS:
+            counts[role][0] += scale
+            counts[role][1] += scale * (op.name in MATMUL_OPS)
+        inner = scale * trip_count(layer, op) if op.name == "stablehlo.while" else scale
+        for region in op.regions:
+            for block in region:
+                for child in block.ops:
+                    visit(child, role, inner)
+
+    for top in layer.ops:
+        if roles[top.index] in counts:
+            visit(top, roles[top.index], 1.0)
+    return {role: (k, m) for role, (k, m) in counts.items()}
 
 
 def trivial_axes_key(mesh: LogicalMesh) -> tuple:

@@ -13,23 +13,37 @@ prefix sums:
   forward, their gradients coming back) over the link between meshes, over B;
 - memory (Eq. 5 generalized to the schedule): state + gradients + the activations of the
   microbatches in flight, `in_flight(schedule, s, B)` of them, each 1/B of a step's.
+
+Rematerialization is one more option per (span, logical mesh), beside keeping the forward
+activations: the stage stashes only its inputs per microbatch in flight and its backward
+recomputes the forward from them. Memory: state + gradients + the span's inputs (per
+microbatch) × in flight + one microbatch's activations (the recompute's peak, held once).
+Latency: the span's per-microbatch latency plus its forward share once more. The table keeps
+the fastest option that fits, keeping activations on ties, so a span is rematerialized only
+where that is feasible and the other is not, or where it lets a faster logical mesh or
+intra-op option fit; the pass weighs the microbatch counts this opens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
-__all__ = ["LayerArrays", "SpanTable", "span_table"]
+__all__ = ["LayerArrays", "REMAT_MODES", "SpanTable", "span_table"]
+
+REMAT_MODES = ("auto", "always", "never")
 
 
 @dataclass(frozen=True)
 class LayerArrays:
     """Per logical mesh g and layer l (arrays of shape (G, L)), from `layer_costs.LayerPlan`;
     `resharding[g, a, b]` the seconds to convert layer a's output layouts to layer b's input
-    layouts (a < b) on mesh g, per step."""
+    layouts (a < b) on mesh g, per step. What prices rematerialization (None: not priced):
+    the forward share of the latencies and `input_bytes[g, a, b]`, the per-device bytes of
+    the values of layer a that the forward ops of layer b read (a < b), per step."""
 
     latency: np.ndarray
     fixed_latency: np.ndarray
@@ -37,17 +51,22 @@ class LayerArrays:
     gradient_bytes: np.ndarray
     activation_bytes: np.ndarray
     resharding: np.ndarray  # (G, L, L), zero on and below the diagonal
+    forward_latency: np.ndarray | None = None
+    forward_fixed_latency: np.ndarray | None = None
+    input_bytes: np.ndarray | None = None  # (G, L, L), zero on and below the diagonal
 
 
 @dataclass(frozen=True)
 class SpanTable:
     """`latency[i, j, m, s-1]`: the best per-microbatch latency of layers i..j on submesh m
     with s stages from this one to the last (inf: out of memory or j < i); `mesh[i, j, m, s-1]`
-    the logical mesh (index g) that achieves it; `memory[i, j, m, s-1]` its bytes per device."""
+    the logical mesh (index g) that achieves it; `memory[i, j, m, s-1]` its bytes per device;
+    `remat[i, j, m, s-1]` whether it is the rematerialized option."""
 
     latency: np.ndarray
     mesh: np.ndarray
     memory: np.ndarray
+    remat: np.ndarray
 
 
 def span_table(
@@ -62,13 +81,21 @@ def span_table(
     memory_per_device: float,
     max_stages: int,
     per_microbatch: bool = False,
+    remat: Literal["auto", "always", "never"] = "never",
 ) -> SpanTable:
     """The table Eq. 3 reads. `received_bytes[a, b]`: bytes layer b reads from layer a per step
     (a != b); `meshes_of_submesh[m]` the logical meshes (indices g) of submesh m;
     `transfer_seconds(bytes, submesh_size)` the time to bring bytes into a stage of that size
     from another mesh; `in_flight(s)` the microbatches whose activations a stage with s stages
     after it (itself included) keeps at once. With `per_microbatch`, the layers were planned
-    on the program of one microbatch already: their costs and activations are not scaled."""
+    on the program of one microbatch already: their costs and activations are not scaled.
+    `remat`: "auto" weighs both options (module docstring), "always" rematerializes every span
+    that stashes activations, "never" keeps them all."""
+    if remat not in REMAT_MODES:
+        raise ValueError(f"remat must be one of {', '.join(REMAT_MODES)}, got {remat!r}")
+    if remat != "never" and (layers.forward_latency is None or layers.forward_fixed_latency is None
+                             or layers.input_bytes is None):
+        raise ValueError(f"remat={remat} needs the layers' forward latencies and input bytes")
     num_meshes, num_layers = layers.latency.shape
     B = 1.0 if per_microbatch else float(microbatches)
     per_micro = layers.fixed_latency + (layers.latency - layers.fixed_latency) / B  # (G, L)
@@ -76,6 +103,10 @@ def span_table(
     lat_span += _inner_pair_sums(layers.resharding) / B
     state_span = _span_sums(layers.state_bytes + layers.gradient_bytes)
     act_span = _span_sums(layers.activation_bytes) / B
+    if remat != "never":
+        forward_micro = layers.forward_fixed_latency + (layers.forward_latency - layers.forward_fixed_latency) / B
+        recompute_span = _span_sums(forward_micro)
+        inputs_span = _inputs_by_span(layers.input_bytes) / B
 
     received = _received_by_span(received_bytes)  # (L, L)
     valid = np.triu(np.ones((num_layers, num_layers), dtype=bool))
@@ -86,18 +117,28 @@ def span_table(
     latency = np.full(shape, np.inf)
     chosen = np.full(shape, -1, dtype=np.int64)
     memory = np.full(shape, np.inf)
+    rematerialized = np.zeros(shape, dtype=bool)
+    options = {"never": (False,), "auto": (False, True), "always": (False, True)}[remat]
     for m, meshes in enumerate(meshes_of_submesh):
         transfer = np.vectorize(lambda b: transfer_seconds(b, submesh_sizes[m]) if b > 0 else 0.0, otypes=[float])(received) / B
-        for g in meshes:
-            need = state_span[g][:, :, None] + act_span[g][:, :, None] * flight[None, None, :]  # (L, L, S)
-            t = np.where(valid, lat_span[g] + transfer, np.inf)[:, :, None]
-            t = np.where(need <= memory_per_device, t, np.inf)
-            t = np.broadcast_to(t, shape[:2] + (max_stages,))
-            better = t < latency[:, :, m, :]
-            latency[:, :, m, :] = np.where(better, t, latency[:, :, m, :])
-            chosen[:, :, m, :] = np.where(better, g, chosen[:, :, m, :])
-            memory[:, :, m, :] = np.where(better, need, memory[:, :, m, :])
-    return SpanTable(latency, chosen, memory)
+        for option in options:  # keeping first: it wins ties
+            for g in meshes:
+                usable = valid if remat != "always" else valid & ((act_span[g] > 0) == option)
+                t = lat_span[g] + transfer
+                if option:
+                    need = (state_span[g] + act_span[g])[:, :, None] + inputs_span[g][:, :, None] * flight[None, None, :]
+                    t = t + recompute_span[g]
+                else:
+                    need = state_span[g][:, :, None] + act_span[g][:, :, None] * flight[None, None, :]  # (L, L, S)
+                t = np.where(usable, t, np.inf)[:, :, None]
+                t = np.where(need <= memory_per_device, t, np.inf)
+                t = np.broadcast_to(t, shape[:2] + (max_stages,))
+                better = t < latency[:, :, m, :]
+                latency[:, :, m, :] = np.where(better, t, latency[:, :, m, :])
+                chosen[:, :, m, :] = np.where(better, g, chosen[:, :, m, :])
+                memory[:, :, m, :] = np.where(better, need, memory[:, :, m, :])
+                rematerialized[:, :, m, :] = np.where(better, option, rematerialized[:, :, m, :])
+    return SpanTable(latency, chosen, memory, rematerialized)
 
 
 def _span_sums(per_layer: np.ndarray) -> np.ndarray:
@@ -110,6 +151,18 @@ def _inner_pair_sums(pairs: np.ndarray) -> np.ndarray:
     """(G, L, L) strictly upper triangular → (G, L, L): sum of pairs[a, b] over i <= a < b <= j."""
     rows = np.cumsum(np.triu(pairs, k=1), axis=-1)  # [g, a, j] = sum over b <= j
     return np.flip(np.cumsum(np.flip(rows, axis=-2), axis=-2), axis=-2)  # sum over a >= i
+
+
+def _inputs_by_span(pairs: np.ndarray) -> np.ndarray:
+    """(G, L, L) strictly upper triangular → (G, L, L): sum of pairs[a, b] over a < i <= b <= j,
+    what layers i..j read from layers before them (a value read by several of them counts
+    once per reader)."""
+    x = np.triu(np.asarray(pairs, dtype=float), k=1)
+    before = np.cumsum(x, axis=-2) - x  # [g, i, b] = sum over a < i of x[g, a, b]
+    rows = np.cumsum(before, axis=-1)  # [g, i, j] = sum over b <= j
+    diagonal = np.diagonal(rows, offset=-1, axis1=-2, axis2=-1)  # rows[g, i, i-1] for i >= 1
+    start = np.concatenate([np.zeros(rows.shape[:-2] + (1,)), diagonal], axis=-1)
+    return rows - start[..., :, None]
 
 
 def _received_by_span(received_bytes: np.ndarray) -> np.ndarray:

@@ -1,0 +1,137 @@
+"""Rematerialization in stage construction (issue 15): what a layer's plan says about its
+forward (the time a rematerialized stage pays again), a user's `jax.checkpoint` charged once,
+and the pass's `remat` option marking backward fragments `hlopar.remat`."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jaxlib.mlir import ir
+
+from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS, logical_mesh
+from hlopar.analysis.auto_sharding.rules import rule_of
+from hlopar.analysis.stages.layer_costs import kernel_counts, plan_layer
+from hlopar.ir.graph import FuncGraph
+from hlopar.ir.module import parse_module
+from hlopar.models import get_train_step
+from hlopar.passes.auto_sharding import _run_upstream_on, planned_functions
+from hlopar.passes.base import PassContext
+from hlopar.passes.cluster_operators import ClusterOperatorsPass
+from hlopar.passes.pipeline import Pipeline
+
+WIDTH, BATCH, LAYERS = 64, 32, 3
+
+
+def _mlp_step(checkpointed: bool):
+    def layer(w, h):
+        return jnp.tanh(jnp.tanh(h @ w) @ w)
+
+    block = jax.checkpoint(layer) if checkpointed else layer
+
+    def loss_fn(ws, x, y):
+        h = x
+        for w in ws:
+            h = block(w, h)
+        return jnp.mean((h - y) ** 2)
+
+    def step(ws, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(ws, x, y)
+        return [w - 0.1 * g for w, g in zip(ws, grads)], loss
+
+    return step
+
+
+@functools.cache
+def layer_plans(checkpointed: bool, shape: tuple[int, int] = (1, 2)):
+    args = ([jnp.zeros((WIDTH, WIDTH))] * LAYERS, jnp.zeros((BATCH, WIDTH)), jnp.zeros((BATCH, WIDTH)))
+    module = parse_module(jax.jit(_mlp_step(checkpointed)).lower(*args).as_text())
+    Pipeline.parse("builtin.module(hlopar-import)", module.context).run(module, PassContext())
+    graph = FuncGraph.from_module(module)
+    with module.context, ir.Location.unknown():
+        layering, _ = ClusterOperatorsPass(layers=LAYERS).cluster(graph)
+        _run_upstream_on(module, [planned_functions(module)[0]], "sdy-populate-op-sharding-rules")
+        rules = {op.id: rule_of(op.mlir_op) for op in graph.walk()}
+    mesh = logical_mesh(shape, ("x", "y"))
+    layers = [graph.subgraph([op.index for op in graph.ops if layering.layers[op.index] == l]) for l in range(LAYERS)]
+    return module, [(plan_layer(layer, rules, layering.roles, mesh), kernel_counts(layer, layering.roles))
+                    for layer in layers]
+
+
+def test_forward_share_and_kernels_of_a_layer():
+    _, plans = layer_plans(False)
+    for plan, counts in plans:
+        assert 0 < plan.forward_latency < plan.latency
+        assert 0 <= plan.forward_fixed_latency <= plan.fixed_latency
+    # Each block is two matmuls forward (the tanh fuses into them) and twice as many back.
+    assert sum(counts["forward"][1] for _, counts in plans) == 2 * LAYERS
+    assert sum(counts["backward"][1] for _, counts in plans) == 4 * LAYERS - 1  # no gradient for x
+    assert all(counts["update"] == (0.0, 0.0) for _, counts in plans)
+
+
+def test_a_users_checkpoint_is_charged_once():
+    """With `jax.checkpoint` the backward already recomputes: its copy of the forward is
+    backward time, its values are no stashed activations (only the checkpoint's residuals),
+    and the forward share, what a rematerialized stage would pay again, is the twin's (on
+    one device, where the two plan alike)."""
+    _, plain = layer_plans(False, (1, 1))
+    _, checked = layer_plans(True, (1, 1))
+    total = lambda plans, field: sum(getattr(p, field) for p, _ in plans)  # noqa: E731
+    assert total(checked, "activation_bytes") < total(plain, "activation_bytes")
+    assert total(checked, "forward_latency") == pytest.approx(total(plain, "forward_latency"), rel=1e-9)
+    assert total(checked, "latency") > total(plain, "latency")
+    forward = lambda plans: sum(c["forward"][1] for _, c in plans)  # noqa: E731
+    backward = lambda plans: sum(c["backward"][1] for _, c in plans)  # noqa: E731
+    assert forward(checked) == forward(plain) and backward(checked) == backward(plain) + forward(plain)
+
+
+def test_preset_overheads():
+    v100 = CLUSTER_PRESETS["v100-p3.16xlarge"]
+    assert v100.op_seconds(10, 4) == pytest.approx(10 * 5e-6 + 4 * 8e-6, rel=1e-12)
+    assert v100.matmul_efficiency(v100.matmul_half_flops) == pytest.approx(0.5)
+    assert v100.matmul_efficiency(2 * 1024**3) == pytest.approx(2 * 1024**3 / (2 * 1024**3 + 1e9), rel=1e-12)
+    assert CLUSTER_PRESETS["cpu"].op_seconds(10, 4) == 0.0
+
+
+@functools.cache
+def planned(remat: str, tmp_dir: str):
+    module = parse_module(get_train_step("gpt", "tiny").lower())
+    report = f"{tmp_dir}/stages-{remat}.json"
+    Pipeline.parse("builtin.module(hlopar-import,hlopar-cluster-operators,hlopar-stage-construction{"
+                   f"num-hosts=2 devices-per-host=4 microbatches=2 remat={remat} report={report}}})",
+                   module.context).run(module, PassContext())
+    with open(report) as f:
+        stages = json.load(f)["stages"]
+    main = planned_functions(module)[0]
+    fragments = [(str(op.operation.attributes["origin"]), "hlopar.remat" in op.operation.attributes)
+                 for op in main.regions[0].blocks[0].operations if op.operation.name == "mpmd.fragment"]
+    return stages, fragments
+
+
+@pytest.fixture(scope="module")
+def tmp_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("remat"))
+
+
+def test_remat_always_marks_every_backward_fragment(tmp_dir):
+    stages, fragments = planned("always", tmp_dir)
+    assert len(stages) >= 2 and all(s["remat"] for s in stages)
+    marked = [origin for origin, remat in fragments if remat]
+    assert marked == [origin for origin, _ in fragments if '"(1)' in origin] and len(marked) == len(stages)
+
+
+@pytest.mark.parametrize("remat", ["never", "auto"])
+def test_no_mark_where_nothing_is_rematerialized(tmp_dir, remat):
+    """On the cpu preset the tiny GPT fits with its activations: auto keeps them."""
+    stages, fragments = planned(remat, tmp_dir)
+    assert not any(s["remat"] for s in stages)
+    assert not any(remat for _, remat in fragments)
+    # Rematerializing costs time; it saves memory on the first stage, which keeps both
+    # microbatches in flight (the last keeps one: there its stashed inputs cost more).
+    always, _ = planned("always", tmp_dir)
+    assert [s["layers"] for s in always] == [s["layers"] for s in stages]
+    assert all(kept["latency"] < recomputed["latency"] for kept, recomputed in zip(stages, always))
+    assert stages[0]["memory_bytes"] > always[0]["memory_bytes"]
