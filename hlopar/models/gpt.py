@@ -8,14 +8,16 @@ batch and positions.
 Configurations: Alpa (Zheng et al., OSDI'22), Appendix B, Table 6 (hidden size, #layers,
 #heads), with sequence length 1024 and vocabulary 51200 for all models (Appendix B) and the
 global batch size 1024 of Table 4. Table 4 lists FP16 for GPT-3; the default dtype here is
-float32 (``dtype`` is a config field). The parameter counts these give (`param_count`):
+float32 (``dtype`` is a config field), and ``<name>-fp16`` (for the Table 6 names) is the same
+model in Alpa's precision (parameters, optimizer state and activations in float16). The parameter counts these give (`param_count`):
 350M -> 0.356B, 1.3B -> 1.316B, 2.6B -> 2.651B, 6.7B -> 6.658B, 15B -> 15.37B, 39B -> 39.09B.
 
 The layers are a Python loop (unrolled, no `lax.scan`) inside ``jax.named_scope("layer_<i>")``,
 so each layer is its own run of ops in the IR and its ops' locations carry its name. With
 ``scan_layers=True`` (configurations ``<name>-scan``) the layers' parameters are stacked along a
 leading layer axis and the blocks run under ``jax.lax.scan``, the style of large-model code
-bases: the IR holds one block, inside a ``stablehlo.while``, whatever the depth.
+bases: the IR holds one block, inside a ``stablehlo.while``, whatever the depth
+(``<name>-fp16-scan`` in float16).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     "15B": GPTConfig(hidden_size=5120, num_layers=48, num_heads=32),
     "39B": GPTConfig(hidden_size=8192, num_layers=48, num_heads=64),
 }
+GPT_CONFIGS.update({f"{name}-fp16": replace(config, dtype="float16")  # Alpa's precision, Table 4
+                    for name, config in list(GPT_CONFIGS.items()) if name != "tiny"})
 GPT_CONFIGS.update({f"{name}-scan": replace(config, scan_layers=True) for name, config in list(GPT_CONFIGS.items())})
 
 

@@ -75,7 +75,10 @@ def test_registry_lists_every_family_with_a_tiny_config():
     for model in MODELS:
         assert "tiny" in list_configs(model)
     gpt = ["tiny", "350M", "1.3B", "2.6B", "6.7B", "15B", "39B"]
+    gpt += [f"{name}-fp16" for name in gpt[1:]]
     assert list_configs("gpt") == gpt + [f"{name}-scan" for name in gpt]
+    assert MODELS["gpt"].configs["39B-fp16-scan"] == dataclasses.replace(MODELS["gpt"].configs["39B"], dtype="float16",
+                                                                         scan_layers=True)
     assert list_configs("moe") == ["tiny", "380M", "1.3B", "2.4B", "10B", "27B", "70B"]
     assert list_configs("wide_resnet") == ["tiny", "250M", "1B", "2B", "4B", "6.8B", "13B"]
     assert list_configs("u_transformer") == ["tiny", "2.1B"]
