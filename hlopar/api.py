@@ -90,6 +90,7 @@ __all__ = ["Cluster", "HloparWarning", "ParallelizedFunction", "PlannedStep", "P
 METHODS = ("auto", "shard", "pipeline")
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
 RNG_MODES = ("exact", "per-microbatch")
+REMAT_MODES = ("auto", "always", "never")
 CACHE_VERSION = "hlopar-plan-v4"  # bumped when the planner's output changes
 
 
@@ -196,7 +197,8 @@ def _cache_root() -> Path:
 
 def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = None, schedule: str = "eager-1f1b",
               method: str = "auto", batch_args: Sequence[int] | None = None, rng: str = "exact",
-              cache: bool = True, log: Callable[[str], None] = lambda message: None) -> PlannedStep:
+              remat: str = "auto", cache: bool = True,
+              log: Callable[[str], None] = lambda message: None) -> PlannedStep:
     """Plans a training step's StableHLO text for a (resolved) cluster and writes its bundle,
     or reads the cached one. Module docstring."""
     from hlopar.codegen.pipeline_program import pipeline_program
@@ -215,7 +217,8 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
     if chosen:
         num_microbatches = 1 if method == "shard" else _default_microbatches(module, batch_args, cluster)
     options = {"microbatches": num_microbatches, "chosen": chosen, "schedule": schedule, "method": method,
-               "batch_args": list(step_batch_args) if step_batch_args is not None else None, "rng": rng}
+               "batch_args": list(step_batch_args) if step_batch_args is not None else None, "rng": rng,
+               "remat": remat}
     key = hashlib.sha256(json.dumps({"version": CACHE_VERSION, "jax": jax.__version__, "text": text,
                                      "cluster": cluster.key(), "options": options},
                                     sort_keys=True).encode()).hexdigest()[:24]
@@ -227,7 +230,7 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
         return PlannedStep(program, bundle, plan, True, time.perf_counter() - clock)
 
     try:
-        plan = _plan_module(module, cluster, num_microbatches, schedule, method, batch_args, rng, context)
+        plan = _plan_module(module, cluster, num_microbatches, schedule, method, batch_args, rng, remat, context)
     except DiagnosticError as error:
         refusal = next((d for d in error.diagnostics if d.message.startswith("hlopar-split-microbatches:")), None)
         if not chosen or num_microbatches == 1 or refusal is None:
@@ -235,7 +238,7 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
         # The user asked for no number of microbatches: one, where nothing needs a split,
         # beats a refusal (said as a warning, with what the split would have needed).
         module, context, pieces, batch_args = _imported(text, method, step_batch_args)
-        plan = _plan_module(module, cluster, 1, schedule, method, batch_args, rng, context)
+        plan = _plan_module(module, cluster, 1, schedule, method, batch_args, rng, remat, context)
         plan["warnings"].insert(0, replace(refusal, severity="warning", message=(
             f"{refusal.message}; so the step is not split into the {num_microbatches} microbatches hlopar would "
             "have chosen: planned with one microbatch (num_microbatches=1)")).format())
@@ -274,13 +277,15 @@ def _imported(text: str, method: str, batch_args: Sequence[int] | None):
 
 
 def _plan_module(module, cluster: Cluster, microbatches: int, schedule: str, method: str,
-                 batch_args: Sequence[int] | None, rng: str, context) -> dict:
+                 batch_args: Sequence[int] | None, rng: str, remat: str, context) -> dict:
     """Runs the planning passes on an imported module; returns the plan report
     (`hlopar-auto-parallel`'s shape: split, clustering, stages, cross_mesh) with the passes'
     warnings (`warnings`: formatted diagnostics, also those of `context`'s earlier passes)."""
+    from hlopar.passes.auto_parallel import stage_remat
     from hlopar.passes.base import PassContext
     from hlopar.passes.cluster_operators import ClusterOperatorsPass
     from hlopar.passes.cross_mesh_resharding import CrossMeshReshardingPass
+    from hlopar.passes.rematerialize import RematerializePass
     from hlopar.passes.split_microbatches import SplitMicrobatchesPass
     from hlopar.passes.stage_construction import StageConstructionPass
 
@@ -294,8 +299,10 @@ def _plan_module(module, cluster: Cluster, microbatches: int, schedule: str, met
             ClusterOperatorsPass(report=paths["clustering"]).run(module, context)
             StageConstructionPass(num_hosts=cluster.num_hosts, devices_per_host=cluster.devices_per_host,
                                   microbatches=microbatches, schedule=schedule, preset=cluster.preset,
-                                  plan_shardings=method != "pipeline", report=paths["stages"]).run(module, context)
+                                  plan_shardings=method != "pipeline", report=paths["stages"],
+                                  **stage_remat(remat)).run(module, context)
             stages = None
+        RematerializePass(all=remat == "always").run(module, context)
         CrossMeshReshardingPass(cluster=cluster.preset, devices_per_host=cluster.devices_per_host,
                                 report=paths["cross_mesh"]).run(module, context)
         plan = {"pass": "hlopar.parallelize", "method": method}
@@ -369,13 +376,16 @@ class ParallelizedFunction:
 
     def __init__(self, fn: Callable, *, cluster: Cluster | None, num_microbatches: int | None, schedule: str,
                  batch_argnums, donate_argnums: Sequence[int], method: str, rng: str, timeout: float, cache: bool,
-                 verbose: bool):
+                 verbose: bool, remat: str | bool = "auto"):
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         if rng not in RNG_MODES:
             raise ValueError(f"rng must be one of {', '.join(RNG_MODES)}, got {rng!r}")
+        remat = {True: "always", False: "never"}[remat] if isinstance(remat, bool) else remat
+        if remat not in REMAT_MODES:
+            raise ValueError(f"remat must be True, False or one of {', '.join(REMAT_MODES)}, got {remat!r}")
         self.fn = fn
         self.cluster = cluster
         self.num_microbatches = num_microbatches
@@ -385,6 +395,7 @@ class ParallelizedFunction:
         self.donate_argnums = tuple((donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums)
         self.method = method
         self.rng = rng
+        self.remat = remat
         self.timeout = timeout
         self.cache = cache
         self.verbose = verbose
@@ -426,7 +437,7 @@ class ParallelizedFunction:
         try:
             planned = plan_step(text, cluster, num_microbatches=self.num_microbatches, schedule=self.schedule,
                                 method=self.method, batch_args=self._batch_leaves(args), rng=self.rng,
-                                cache=self.cache, log=self._log)
+                                remat=self.remat, cache=self.cache, log=self._log)
         except (DiagnosticError, RolesError) as error:
             raise PlanningError(f"hlopar cannot parallelize {self.__name__}{_defined_at(self.fn)}:\n"
                                 f"{in_api_terms(str(error))}") from None
@@ -737,16 +748,19 @@ _SHARDING = re.compile(r"#sdy\.sharding<@[\w.]+, \[(.*?)\]>")
 def parallelize(fn: Callable | None = None, *, cluster: Cluster | None = None, num_microbatches: int | None = None,
                 schedule: str = "eager-1f1b", batch_argnums=..., donate_argnums: Sequence[int] | int = (),
                 method: str = "auto", rng: str = "exact", timeout: float = 300.0, cache: bool = True,
-                verbose: bool = True):
+                verbose: bool = True, remat: str | bool = "auto"):
     """`fn` (a pure JAX function, e.g. a training step) run over a cluster: a callable with
     `fn`'s signature and results. Usable as a decorator, with or without arguments.
     `verbose=False` silences the first call's progress display and messages. `rng`:
     "exact" (random draws equal the full batch's; whole-shape generators are refused under
     several microbatches) or "per-microbatch" (they draw per microbatch, with a warning;
-    docs/training_step.md). Module docstring."""
+    docs/training_step.md). `remat`: which pipeline stages recompute their forward in the
+    backward instead of keeping its activations ("auto": where stage construction finds it
+    pays; True or "always"; False or "never"; docs/codegen.md, "Rematerialization"). Module
+    docstring."""
     def wrap(function: Callable) -> ParallelizedFunction:
         return ParallelizedFunction(function, cluster=cluster, num_microbatches=num_microbatches, schedule=schedule,
                                     batch_argnums=batch_argnums, donate_argnums=donate_argnums, method=method,
-                                    rng=rng, timeout=timeout, cache=cache, verbose=verbose)
+                                    rng=rng, timeout=timeout, cache=cache, verbose=verbose, remat=remat)
 
     return wrap if fn is None else wrap(fn)

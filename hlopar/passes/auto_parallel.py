@@ -1,17 +1,20 @@
 """hlopar-auto-parallel: the whole planning pipeline under one pass name.
 
     hlopar-import → hlopar-unstack-layer-scans → [hlopar-split-microbatches] → hlopar-cluster-operators
-                  → hlopar-stage-construction → hlopar-cross-mesh-resharding
+                  → hlopar-stage-construction → hlopar-rematerialize → hlopar-cross-mesh-resharding
 
 with the options of the passes it runs. With `split=true` the step is first rewritten into
 the step of one of `microbatches` microbatches (gradient accumulation; the program a
 pipeline runtime runs), and stages are planned on that per-microbatch program. Its report
 gathers theirs in one JSON object (`split`, `clustering`, `stages`, `cross_mesh`). Pipeline
-schedules and codegen come after it (`hlopar-compile`).
+schedules and codegen come after it (`hlopar-compile`). `remat` is stage construction's choice
+of rematerialized stages (`auto`: where it pays; `always`; `never`), which
+hlopar-rematerialize then carries out (with `always`, on every backward fragment).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from dataclasses import dataclass
@@ -26,6 +29,7 @@ from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_a
 from hlopar.passes.cluster_operators import ClusterOperatorsPass
 from hlopar.passes.cross_mesh_resharding import CrossMeshReshardingPass
 from hlopar.passes.import_program import ImportPass
+from hlopar.passes.rematerialize import RematerializePass
 from hlopar.passes.split_microbatches import SplitMicrobatchesPass
 from hlopar.passes.stage_construction import StageConstructionPass
 from hlopar.passes.unstack_layer_scans import UnstackLayerScansPass
@@ -52,6 +56,9 @@ class AutoParallelPass(ModulePass):
     memory_per_device: float | None = option(None, "bytes per device, e.g. 80GiB (default: the preset's)", parse=parse_bytes)
     preset: str = option("cpu", f"cluster preset ({', '.join(sorted(CLUSTER_PRESETS))})")
     layers: int | None = option(None, "number of layers, or auto", parse=parse_count_or_auto)
+    remat: Literal["auto", "always", "never"] = option(
+        "auto", "rematerialized stages (hlopar-rematerialize): auto (where stage construction finds it pays), "
+                "always, never")
     unstack_layers: bool = option(True, "unroll scans over stacked layers and split their stacks per layer "
                                         "(hlopar-unstack-layer-scans), so that stages can cut between layers")
     report: str | None = option(None, "write one JSON report of every step's decisions to this path")
@@ -75,7 +82,9 @@ class AutoParallelPass(ModulePass):
                     num_hosts=self.num_hosts, devices_per_host=self.devices_per_host,
                     microbatches=self.microbatches, schedule=self.schedule,
                     memory_per_device=self.memory_per_device, preset=self.preset, report=paths["stages"],
+                    **stage_remat(self.remat),
                 ),
+                RematerializePass(all=self.remat == "always"),
                 CrossMeshReshardingPass(cluster=self.preset, devices_per_host=self.devices_per_host,
                                         report=paths["cross_mesh"]),
             ]
@@ -89,3 +98,10 @@ class AutoParallelPass(ModulePass):
                     Path(self.report).write_text(json.dumps(merged, indent=1) + "\n")
                 except OSError as error:
                     self.fail(module, f"cannot write the report to '{self.report}': {error.strerror}")
+
+
+def stage_remat(remat: str) -> dict:
+    """StageConstructionPass's `remat` option, where it has one (stage construction that
+    cannot plan rematerialized stages gets none; `always` is then carried out by
+    hlopar-rematerialize's `all` alone)."""
+    return {"remat": remat} if "remat" in {f.name for f in dataclasses.fields(StageConstructionPass)} else {}
