@@ -1,0 +1,118 @@
+"""hlopar-rematerialize: the choice of ops to recompute over plain data, and the pass on a
+planned program.
+
+The program: the zoo's tiny MLP planned by hlopar-auto-parallel on 2 hosts x 4 CPU devices
+over 2 microbatches, without remat (two stages whose backwards read their forwards' ReLU
+activations), then rewritten with `all=true`. Each stage then stashes only the microbatch's
+examples (the simulated peak memory of every schedule drops by the activations it no longer
+holds), each forward returns only what the next stage or the loss needs, the step computes
+what one device does, and the pass run again changes nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from numerics import assert_step_close
+
+from hlopar.codegen.pipeline_program import pipeline_program
+from hlopar.codegen.schedules import StageCost, simulate
+from hlopar.ir.module import parse_module, print_module
+from hlopar.models import get_train_step
+from hlopar.passes.base import PassContext
+from hlopar.passes.pipeline import Pipeline
+from hlopar.passes.rematerialize import Recompute, RematerializePass, recompute_slice
+from hlopar.runtime.local_executor import PipelinedStep
+
+# Values 0 (x) and 1 (w) are inputs; op0: 2 = f(x); op1: 3 = g(2, w); op2: 4 = h(3); op3: 5 = k(x);
+# op4 reads 4 and defines nothing (a side effect).
+READS = [(0,), (2, 1), (3,), (0,), (4,)]
+DEFINES = [(2,), (3,), (4,), (5,), ()]
+
+
+def test_slice_follows_reads_back_to_the_inputs():
+    clonable = [True] * 5
+    assert recompute_slice(READS, DEFINES, clonable, [3]) == Recompute((0, 1), (0, 1), ())
+    assert recompute_slice(READS, DEFINES, clonable, [4, 2]) == Recompute((0, 1, 2), (0, 1), ())
+    assert recompute_slice(READS, DEFINES, clonable, [5]) == Recompute((3,), (0,), ())
+    # An input wanted as it is: nothing to clone.
+    assert recompute_slice(READS, DEFINES, clonable, [1]) == Recompute((), (1,), ())
+
+
+def test_slice_stops_at_ops_that_cannot_be_cloned():
+    clonable = [True, False, True, True, True]
+    # 3 comes from op1, which is not cloned: it is kept, and op0 (only op1 read it) is not needed.
+    assert recompute_slice(READS, DEFINES, clonable, [4]) == Recompute((2,), (), (3,))
+    assert recompute_slice(READS, DEFINES, clonable, [3, 5]) == Recompute((3,), (0,), (3,))
+
+
+def test_slice_checks_its_lists():
+    with pytest.raises(ValueError, match="2 read lists, 1 define lists"):
+        recompute_slice([(), ()], [()], [True, True], [])
+
+
+@functools.cache
+def _mlp():
+    step = get_train_step("mlp", "tiny")
+    params = step.init(jax.random.PRNGKey(0))
+    state = step.init_opt_state(params)
+    batch = step.make_batch(jax.random.PRNGKey(1))
+    arguments = [np.asarray(a) for a in jax.tree_util.tree_leaves((params, state, batch))]
+    module = parse_module(step.lower())
+    Pipeline.parse("builtin.module(hlopar-auto-parallel{num-hosts=2 devices-per-host=4 split=true microbatches=2 "
+                   "remat=never})", module.context).run(module, PassContext())
+    return print_module(module), arguments, params, step.jitted_step(params, state, batch), batch
+
+
+def _rematerialized(text: str) -> tuple[str, PassContext]:
+    module = parse_module(text)
+    context = PassContext()
+    RematerializePass(all=True).run(module, context)
+    return print_module(module), context
+
+
+def test_rematerialized_stages_stash_only_their_examples():
+    text, arguments, params, reference, batch = _mlp()
+    before = pipeline_program(parse_module(text))
+    after_text, context = _rematerialized(text)
+    after = pipeline_program(parse_module(after_text))
+    assert context.diagnostics == []
+    assert before.topology.num_stages == after.topology.num_stages == 2
+    examples = sum(np.asarray(leaf).nbytes for leaf in jax.tree_util.tree_leaves(batch)) // 2
+    for stage in range(2):
+        old = {f.role: f for f in before.fragments if f.stage == stage}
+        new = {f.role: f for f in after.fragments if f.stage == stage}
+        # Before: the backward reads activations of its forward; after, only the examples.
+        assert before.topology.activation_bytes[stage] > examples
+        assert after.topology.activation_bytes[stage] <= examples
+        assert len(new["forward"].results) < len(old["forward"].results)
+        assert new["forward"].flops <= old["forward"].flops
+        assert new["backward"].flops > old["backward"].flops  # one more forward
+        assert after_text.count("{hlopar.remat}") == 2
+    costs = [StageCost(1.0, 2.0)] * 2
+    for schedule in ("gpipe", "1f1b", "eager-1f1b"):
+        old_peak = simulate(before.streams(schedule), costs).peak_memory
+        new_peak = simulate(after.streams(schedule), costs).peak_memory
+        assert all(new_peak[m] < old_peak[m] for m in old_peak), (schedule, old_peak, new_peak)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_rematerialized_step_equals_one_device(schedule):
+    text, arguments, params, reference, _ = _mlp()
+    after, _ = _rematerialized(text)
+    outputs = PipelinedStep(parse_module(after), schedule)(arguments)
+    assert_step_close(outputs, reference, params, rtol=1e-5)
+
+
+def test_pass_is_idempotent_and_a_no_op_on_unmarked_programs():
+    text = _mlp()[0]
+    module = parse_module(text)
+    RematerializePass().run(module, PassContext())  # nothing marked
+    assert print_module(module) == text
+    once = _rematerialized(text)[0]
+    module = parse_module(once)
+    RematerializePass().run(module, PassContext())  # marked, nothing left to recompute
+    assert print_module(module) == once
