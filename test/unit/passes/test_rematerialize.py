@@ -99,7 +99,7 @@ def test_rematerialized_stages_stash_only_their_examples():
         assert all(new_peak[m] < old_peak[m] for m in old_peak), (schedule, old_peak, new_peak)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "eager-1f1b-wd"])
 def test_rematerialized_step_equals_one_device(schedule):
     text, arguments, params, reference, _ = _mlp()
     after, _ = _rematerialized(text)
