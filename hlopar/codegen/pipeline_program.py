@@ -63,6 +63,7 @@ from hlopar.codegen.weight_split import split_module
 from hlopar.ir.graph import FuncGraph, bit_width
 from hlopar.ir.module import print_module
 from hlopar.passes.microbatch_index import read_index_arg
+from hlopar.passes.mpmd_program import fragment_role
 from hlopar.passes.split_microbatches import BATCH, KIND_ATTR, STEP, read_split
 
 __all__ = ["FORWARD", "BACKWARD", "WEIGHT", "UPDATE", "PipelineProgram", "ProgramError", "ProgramFragment",
@@ -296,8 +297,7 @@ class _Reader:
         mesh = ir.StringAttr(op.attributes["mesh_name"]).value
         origin = str(op.attributes["origin"])
         stage = ir.IntegerAttr(op.attributes["stage_id"]).value if "stage_id" in op.attributes else None
-        # `"stage<k>"` forward, `"stage<k>"(1)` backward (a transpose count), `"stage<k>_update"`.
-        role = UPDATE if '_update"' in origin else BACKWARD if '"(' in origin else FORWARD
+        role = fragment_role(op)
         kinds = {ir.StringAttr(inner.attributes[KIND_ATTR]).value
                  for inner in _ops_in(op) if KIND_ATTR in inner.attributes}
         if self.microbatches == 1:

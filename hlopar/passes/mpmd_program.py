@@ -67,6 +67,7 @@ __all__ = [
     "ProgramLayout",
     "StageMesh",
     "form_fragments",
+    "fragment_role",
     "layout_program",
     "write_mpmd_program",
 ]
@@ -455,6 +456,13 @@ def _fitting(sharding: TensorSharding | None, mesh: StageMesh, shape: tuple[int,
     if spec.is_replicated:
         return None
     return TensorSharding.from_spec(mesh.name, spec)
+
+
+def fragment_role(fragment: ir.Operation) -> str:
+    """The role of a fragment this module wrote, read back from its origin (`_origin`)."""
+    origin = str(fragment.attributes["origin"])
+    # `"stage<k>"` forward, `"stage<k>"(1)` backward (a transpose count), `"stage<k>_update"`.
+    return "update" if '_update"' in origin else "backward" if '"(' in origin else "forward"
 
 
 def _origin(stage: int, role: str) -> ir.Attribute:

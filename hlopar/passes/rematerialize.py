@@ -45,8 +45,9 @@ from hlopar.analysis.mesh import quote_string
 from hlopar.ir.extract import clone_into
 from hlopar.passes.auto_sharding import planned_functions
 from hlopar.passes.base import ModulePass, PassContext, option
+from hlopar.passes.mpmd_program import fragment_role
 
-__all__ = ["REMAT_ATTR", "Recompute", "RematerializePass", "fragment_role", "recompute_slice"]
+__all__ = ["REMAT_ATTR", "Recompute", "RematerializePass", "recompute_slice"]
 
 REMAT_ATTR = "hlopar.remat"
 # Ops whose results are not a function of their operands (or that talk to the outside):
@@ -278,13 +279,6 @@ def _rebuilt(fragment: ir.Operation, *, operands: Sequence[ir.Value] | None = No
             result.replace_all_uses_with(new.results[returned.index(value)])
     fragment.erase()
     return new
-
-
-def fragment_role(fragment: ir.Operation) -> str:
-    """forward, backward or update, from the origin `mpmd_program` writes: `"stage<k>"`,
-    `"stage<k>"(1)` (a transpose count), `"stage<k>_update"`."""
-    origin = str(fragment.attributes["origin"])
-    return "update" if '_update"' in origin else "backward" if '"(' in origin else "forward"
 
 
 def _stage(fragment: ir.Operation) -> int | None:
