@@ -125,8 +125,8 @@ class RematerializePass(ModulePass):
             for stage in changed:
                 forwards = [_prune(op) for op in _fragments(main) if fragment_role(op) == "forward"
                             and _stage(op) == stage]
-                # A forward fragment left with nothing to do goes (not the stage's last one).
-                for op in [op for op in forwards if not len(op.results) and len(_body(op)) == 1][:len(forwards) - 1]:
+                empty = [op for op in forwards if not len(op.results) and len(_body(op)) == 1]
+                for op in empty[:len(forwards) - 1]:  # nothing to do: it goes, unless it is the stage's only one
                     op.erase()
         module.verify()
 
@@ -266,8 +266,9 @@ def _rebuilt(fragment: ir.Operation, *, operands: Sequence[ir.Value] | None = No
     new = ir.Operation.create(
         "mpmd.fragment", results=[result_type(v) for v in returned],
         operands=list(fragment.operands if operands is None else operands),
-        attributes={a.name: a.attr for a in map(fragment.attributes.__getitem__, range(len(fragment.attributes)))}, regions=1,
-        loc=fragment.location, ip=ir.InsertionPoint(fragment))
+        attributes={named.name: named.attr for named in map(fragment.attributes.__getitem__,
+                                                            range(len(fragment.attributes)))},
+        regions=1, loc=fragment.location, ip=ir.InsertionPoint(fragment))
     block.append_to(new.regions[0])
     if returned is not old_returned:
         with ir.InsertionPoint(terminator):

@@ -116,3 +116,13 @@ def test_pass_is_idempotent_and_a_no_op_on_unmarked_programs():
     module = parse_module(once)
     RematerializePass().run(module, PassContext())  # marked, nothing left to recompute
     assert print_module(module) == once
+
+
+def test_parallelize_takes_remat_as_a_mode_or_a_bool():
+    import hlopar
+
+    assert hlopar.parallelize(lambda x: x).remat == "auto"
+    assert hlopar.parallelize(lambda x: x, remat=True).remat == "always"
+    assert hlopar.parallelize(lambda x: x, remat=False).remat == "never"
+    with pytest.raises(ValueError, match="remat must be True, False or one of auto, always, never, got 'yes'"):
+        hlopar.parallelize(lambda x: x, remat="yes")
