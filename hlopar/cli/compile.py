@@ -29,6 +29,7 @@ from pathlib import Path
 
 from hlopar.cli.arguments import ArgumentParser
 from hlopar.cli.guard import run_isolated
+from hlopar.runtime.host_devices import use_host_devices
 
 SCHEDULE_CHOICES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
 BUNDLE_MARKER = "pipeline.json"
@@ -63,6 +64,9 @@ bundle (DIR):
   meshes/<mesh>/stream.json     the same stream as JSON
   simulation.json               simulated iteration time, bubble fraction, peak memory per mesh,
                                 and the costs used
+  memory.json                   every fragment's memory per device: predicted from the plan's
+                                layouts and as XLA compiles it (a plan that does not fit the
+                                device memory is refused); --no-memory-check skips it
   timeline.png                  the simulated timeline, one row per mesh (time axis in s/ms/us)
   timeline.json                 the same as a Chrome trace: open it in ui.perfetto.dev
 
@@ -149,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rng", choices=("exact", "per-microbatch"), default="exact",
                         help="per-microbatch: let whole-shape random generators (stablehlo.rng, rng_bit_generator) "
                              "draw per microbatch, other numbers than the whole batch's (default: refuse them)")
+    parser.add_argument("--no-memory-check", dest="memory_check", action="store_false",
+                        help="skip compiling every fragment to check its memory against the device's (memory.json)")
     parser.add_argument("--timing", action="store_true", help="print the wall time of each phase to stderr")
     return parser
 
@@ -165,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         sys.stderr.write(f"{args.output}: error: cannot write the bundle: {error.strerror}\n")
         return 1
+    # Before jaxlib loads: the memory check compiles each fragment for its mesh's CPU devices,
+    # and jaxlib's client would list them on stderr.
+    use_host_devices(args.num_hosts * args.devices_per_host)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
     try:
         status = run_isolated(lambda: _compile(args, staging), args.input)
         if status == 0:
@@ -194,8 +204,25 @@ def summary(directory: str) -> str:
                      f"{_seconds(stage['latency'])} per microbatch")
     lines.append(f"  step {_seconds(simulation['iteration_time_s'])} (simulated), "
                  f"bubble {100 * simulation['bubble_fraction']:.1f}%")
+    memory = bundle / "memory.json"
+    if memory.exists():
+        lines.append(_memory_line(json.loads(memory.read_text())))
     lines.append(f"  bundle: {bundle} (timeline.png, timeline.json for Perfetto)")
     return "\n".join(lines)
+
+
+def _memory_line(memory: dict) -> str:
+    """The fragment that needs the most memory per device, compiled and predicted."""
+    from hlopar.codegen.schedules.instructions import format_bytes
+
+    checked = [f for f in memory["fragments"] if f["compiled"] is not None]
+    if not checked:
+        return f"  memory: not checked ({'; '.join(memory['skipped'].values()) or 'no fragment'})"
+    top = max(checked, key=lambda f: f["need"])
+    predicted = top["predicted"]["total"] + top["resident"]
+    return (f"  memory: at most {format_bytes(top['need'])} per device ({top['fragment']} on {top['mesh']}, as XLA "
+            f"compiles it; predicted {format_bytes(predicted)}) of {format_bytes(memory['device_memory'] or 0)}; "
+            "every fragment in memory.json")
 
 
 def _seconds(value: float) -> str:
@@ -273,7 +300,6 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
     from hlopar.passes.auto_sharding import parse_bytes
     from hlopar.passes.base import PassContext
     from hlopar.passes.pipeline import Instrumentation, Pipeline, Step
-
     timings: list[tuple[str, float]] = []
     clock = time.perf_counter()
     memory = None
@@ -311,7 +337,7 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
         raise DiagnosticError([error_at(error.location, f"hlopar-compile: {error}")]) from None
     timings.append(("codegen", time.perf_counter() - clock))
     clock = time.perf_counter()
-    write_bundle(staging, program, print_module(module), plan, args.schedule)
+    write_bundle(staging, program, print_module(module), plan, args.schedule, memory_check=args.memory_check)
     timings.append(("bundle", time.perf_counter() - clock))
     if args.timing:
         total = sum(seconds for _, seconds in timings)

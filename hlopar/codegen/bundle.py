@@ -4,6 +4,7 @@
     DIR/program.mlir           the planned MPMD program
     DIR/pipeline.json          the program as a pipeline reads it (`PipelineProgram.summary`)
     DIR/simulation.json        the simulated step: iteration time, bubble, peak memory, costs used
+    DIR/memory.json            every fragment's per-device memory, predicted and as XLA compiles it
     DIR/timeline.png           the simulated timeline, one row per mesh (matplotlib)
     DIR/timeline.json          the same as a Chrome trace (Perfetto, chrome://tracing)
     DIR/meshes/<mesh>/<fragment>.mlir   each fragment's executable module
@@ -16,6 +17,10 @@ fragments (`analysis.flops`), and a split backward between B and W by the FLOPs 
 and W fragments; each SEND by the `predicted_time` of the cross-mesh transfers
 it carries (the cross-mesh resharding pass's simulator), summed; an `mpmd.transfer` that was
 not planned costs what `fallback` (an alpha-beta model) says for its bytes.
+
+Before anything is written, every fragment is compiled and its memory checked against the
+device memory of the plan's cluster (`codegen.memory_check`): a plan that does not fit is
+refused (`DiagnosticError`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from hlopar.codegen.memory_check import check_memory
 from hlopar.codegen.pipeline_program import PipelineProgram
 from hlopar.codegen.schedules import (
     AlphaBeta, MeshStream, PipelineStreams, SimResult, StageCost, Timeline, draw_timeline, simulate,
@@ -102,12 +108,21 @@ def simulation_summary(program: PipelineProgram, streams: PipelineStreams, costs
 
 
 def write_bundle(directory: str | Path, program: PipelineProgram, module_text: str, plan: Mapping,
-                 schedule: str) -> dict:
+                 schedule: str, memory_check: bool = True) -> dict:
     """Writes the bundle into `directory` (which must exist and be empty); returns the
     simulation summary. `plan` is the hlopar-auto-parallel report (its `stages` give the
-    per-stage latencies)."""
+    per-stage latencies, its `stages.cluster` the device memory). With `memory_check`, every
+    fragment is compiled first and a plan that does not fit the device memory is refused
+    (`codegen.memory_check.check_memory` raises), nothing written."""
     directory = Path(directory)
     streams = program.streams(schedule)
+    memory = None
+    if memory_check:
+        report = plan.get("stages") or {}
+        estimates = {program.topology.meshes[s["stage"]]: s["memory_bytes"] for s in report.get("stages") or ()
+                     if "memory_bytes" in s and s["stage"] < program.topology.num_stages}
+        memory = check_memory(program, streams, device_memory=(report.get("cluster") or {}).get("memory_per_device"),
+                              stage_memory=estimates).to_json()
     stages = (plan.get("stages") or {}).get("stages") or []
     latencies = {s["stage"]: float(s["latency"]) for s in stages}
     missing = [k for k in range(program.topology.num_stages) if k not in latencies]
@@ -135,6 +150,8 @@ def write_bundle(directory: str | Path, program: PipelineProgram, module_text: s
             "instructions": [i.to_dict() for i in stream.instructions],
         }, indent=1) + "\n")
     (directory / "simulation.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if memory is not None:
+        (directory / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
     timeline = Timeline.of(result)
     draw_timeline(timeline, directory / "timeline.png")
     write_chrome_trace(timeline, directory / "timeline.json")

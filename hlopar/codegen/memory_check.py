@@ -1,0 +1,216 @@
+"""The planner's memory held against XLA's: every fragment compiled, its memory compared.
+
+For each fragment of a pipeline program, `check_memory` puts side by side the predicted
+per-device memory of its executable (`analysis.fragment_memory`: the planner's layouts,
+never XLA's numbers) and what stock jaxlib allocates for it (`memory_analysis()` of the
+same module compiled for its mesh's devices: arguments, outputs, temporaries, aliased).
+
+What the schedule keeps alive on a mesh around a fragment is added to both (`resident`):
+the step's state on the mesh that the fragment does not read (parameters, optimizer state),
+the gradient accumulators it does not take, and the stashes of the other microbatches in
+flight (the most `stash.*` buffers the mesh's instruction stream holds at once, less the
+fragment's own microbatch). Not counted: the buffers of activations and gradients in
+transit between meshes (received and not yet used, made and not yet sent), the runtime's
+own allocations, and fragmentation.
+
+A fragment whose compiled memory plus what stays resident exceeds the device memory is
+refused (`check_memory(..., device_memory=...)` raises a `DiagnosticError` naming the
+fragment, its mesh, both numbers and the device memory): the plan is rejected before any
+worker starts. The check compiles for the devices this process has; a mesh with more
+devices than that is reported unchecked (`skipped`), never refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from hlopar.analysis.fragment_memory import FragmentMemory, fragment_memory, io_tiles
+from hlopar.codegen.pipeline_program import BACKWARD, FORWARD, WEIGHT, PipelineProgram, ProgramFragment
+from hlopar.codegen.schedules import PipelineStreams
+from hlopar.codegen.schedules.instructions import FREE, format_bytes
+from hlopar.ir.diagnostics import Diagnostic, DiagnosticError
+
+__all__ = ["FragmentCheck", "MemoryCheck", "check_memory", "compiled_memory"]
+
+
+@dataclass(frozen=True)
+class FragmentCheck:
+    """One fragment: predicted and compiled memory of its executable, per device, and what
+    the schedule keeps resident beside it."""
+
+    fragment: str
+    mesh: str
+    role: str
+    devices: int
+    predicted: FragmentMemory
+    compiled: FragmentMemory | None  # None: not compiled (`MemoryCheck.skipped` says why)
+    resident: int
+
+    @property
+    def ratio(self) -> float | None:
+        """Predicted over compiled total (None when not compiled)."""
+        if self.compiled is None or self.compiled.total == 0:
+            return None
+        return self.predicted.total / self.compiled.total
+
+    @property
+    def need(self) -> int:
+        """Bytes per device while it runs: the compiled executable (else the prediction) and
+        what stays resident."""
+        return (self.compiled or self.predicted).total + self.resident
+
+    def to_json(self) -> dict:
+        return {"fragment": self.fragment, "mesh": self.mesh, "role": self.role, "devices": self.devices,
+                "predicted": self.predicted.to_json(),
+                "compiled": self.compiled.to_json() if self.compiled is not None else None,
+                "ratio": self.ratio, "resident": self.resident, "need": self.need}
+
+
+@dataclass(frozen=True)
+class MemoryCheck:
+    """Every fragment's check, the device memory they were held against, and the meshes not
+    compiled (with why)."""
+
+    fragments: tuple[FragmentCheck, ...]
+    device_memory: float | None
+    platform: str | None  # the backend the fragments were compiled for
+    skipped: Mapping[str, str]  # mesh -> why its fragments were not compiled
+    stage_memory: Mapping[str, float]  # mesh -> stage construction's estimate for its stage (Eq. 5)
+
+    def meshes(self) -> list[dict]:
+        """Per mesh, the most a fragment needs (compiled, predicted) beside stage
+        construction's estimate for the stage."""
+        rows = []
+        for mesh in dict.fromkeys(f.mesh for f in self.fragments):
+            mine = [f for f in self.fragments if f.mesh == mesh]
+            compiled = [f.need for f in mine if f.compiled is not None]
+            rows.append({"mesh": mesh, "predicted_peak": max(f.predicted.total + f.resident for f in mine),
+                         "compiled_peak": max(compiled) if compiled else None,
+                         "stage_construction": self.stage_memory.get(mesh)})
+        return rows
+
+    def to_json(self) -> dict:
+        return {"device_memory": self.device_memory, "platform": self.platform, "skipped": dict(self.skipped),
+                "meshes": self.meshes(), "fragments": [f.to_json() for f in self.fragments]}
+
+    def over(self) -> list[FragmentCheck]:
+        """Per mesh, the fragment that needs the most memory, where it does not fit."""
+        if self.device_memory is None:
+            return []
+        worst: dict[str, FragmentCheck] = {}
+        for f in self.fragments:
+            if f.compiled is not None and f.need > max(self.device_memory, worst[f.mesh].need if f.mesh in worst else 0):
+                worst[f.mesh] = f
+        return list(worst.values())
+
+
+def compiled_memory(executable) -> FragmentMemory:
+    """XLA's per-device memory of a loaded executable (`memory_analysis()`)."""
+    stats = executable.get_compiled_memory_stats()
+    return FragmentMemory(int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes),
+                          int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes))
+
+
+def check_memory(program: PipelineProgram, streams: PipelineStreams, *, device_memory: float | None = None,
+                 devices: Sequence | None = None, executables: Mapping[str, object] | None = None,
+                 stage_memory: Mapping[str, float] | None = None) -> MemoryCheck:
+    """Predicts, compiles (or reads from `executables`: fragment name -> `DeviceExecutable`)
+    and compares every fragment; raises `DiagnosticError` when one does not fit
+    `device_memory`. `devices`: the local devices, indexed by physical id (default
+    `jax.devices()`); `stage_memory`: stage construction's estimate per mesh, reported
+    beside."""
+    import jax
+
+    from hlopar.codegen.executables import compile_executable
+
+    executables = dict(executables or {})
+    devices = list(jax.devices()) if devices is None else list(devices)
+    skipped = {mesh: f"mesh {mesh} uses devices {list(ids)}; this process has {len(devices)}"
+               for mesh, ids in program.devices.items() if max(ids, default=-1) >= len(devices)}
+    tiles = _value_tiles(program)
+    resident = _resident(program, streams, tiles)
+    checks = []
+    for fragment in program.fragments:
+        compiled = None
+        if fragment.mesh not in skipped:
+            executable = executables.get(fragment.name)
+            if executable is None:
+                executable = compile_executable(fragment.module, [devices[i] for i in program.devices[fragment.mesh]])
+            compiled = compiled_memory(executable.spmd.executable)
+        checks.append(FragmentCheck(fragment.name, fragment.mesh, fragment.role, len(program.devices[fragment.mesh]),
+                                    fragment_memory(fragment.module), compiled, resident[fragment.name]))
+    check = MemoryCheck(tuple(checks), device_memory, devices[0].platform if devices else None, skipped,
+                        dict(stage_memory or {}))
+    over = check.over()
+    if over:
+        raise DiagnosticError([Diagnostic("error", _refusal(f, device_memory)) for f in over])
+    return check
+
+
+def _refusal(f: FragmentCheck, device_memory: float) -> str:
+    c = f.compiled
+    return (f"the plan does not fit the devices' memory: fragment {f.fragment} on mesh {f.mesh} needs {_bytes(f.need)} "
+            f"per device as XLA compiles it (the executable {_bytes(c.total)}: arguments {_bytes(c.arguments)}, "
+            f"outputs {_bytes(c.outputs)}, temporaries {_bytes(c.temporaries)}, less {_bytes(c.aliased)} aliased; "
+            f"plus {_bytes(f.resident)} the schedule keeps resident on the mesh), the planner predicted "
+            f"{_bytes(f.predicted.total + f.resident)}; a device has {_bytes(device_memory)} "
+            "(memory_per_device, else the cluster preset's)")
+
+
+def _bytes(n: float) -> str:
+    return f"{int(n)} B" if n < 1e3 else f"{int(n)} B ({format_bytes(n)})"
+
+
+def _value_tiles(program: PipelineProgram) -> dict[int, int]:
+    """Bytes per device of every value a fragment reads or makes, from its module's layouts."""
+    tiles: dict[int, int] = {}
+    for f in program.fragments:
+        arguments, results = io_tiles(f.module)
+        for v, nbytes in zip(f.operands, arguments[len(f.accumulate):]):
+            tiles.setdefault(v, nbytes)
+        for v, nbytes in zip(f.results, results):
+            tiles.setdefault(v, nbytes)
+    return tiles
+
+
+def _resident(program: PipelineProgram, streams: PipelineStreams, tiles: Mapping[int, int]) -> dict[str, int]:
+    """Per fragment, the bytes per device its mesh keeps alive while it runs and that its
+    executable neither takes nor makes (module docstring)."""
+    in_flight = {s.mesh: _most_stashes(s.instructions) for s in streams.streams}
+    resident = {}
+    for mesh in program.meshes:
+        mine = [f for f in program.fragments if f.mesh == mesh]
+        state = {v for f in mine for v in f.operands
+                 if program.values[v].argument is not None and not program.values[v].per_microbatch}
+        sums = {f.results[k] for f in mine for k in f.accumulate}
+        stash = sum(tiles.get(v, 0) for v in _stash_values(program, mine))
+        for f in mine:
+            held = set(f.operands) | set(f.results)
+            others = sum(tiles.get(v, 0) for v in (state | sums) - held)
+            if f.role in (FORWARD, BACKWARD, WEIGHT):
+                others += stash * max(in_flight.get(mesh, 1) - 1, 0)
+            resident[f.name] = others
+    return resident
+
+
+def _stash_values(program: PipelineProgram, fragments: Sequence[ProgramFragment]) -> set[int]:
+    """What a mesh's backward reads per microbatch of its forward's results and of the
+    microbatch's examples (as `PipelineProgram`'s stash_bytes, per device)."""
+    read = {v for f in fragments if f.role in (BACKWARD, WEIGHT) for v in f.operands}
+    forward = {v for f in fragments if f.role == FORWARD for v in f.results}
+    return {v for v in read if v in forward or (program.values[v].argument is not None
+                                                and program.values[v].per_microbatch)}
+
+
+def _most_stashes(instructions) -> int:
+    """The most `stash.*` buffers a stream holds at once."""
+    live: set[str] = set()
+    most = 0
+    for inst in instructions:
+        live.update(name for name, _ in inst.allocates if name.startswith("stash."))
+        most = max(most, len(live))
+        if inst.op == FREE:
+            live.discard(inst.buffer)
+    return most
+
