@@ -2,8 +2,9 @@
 
 The zoo's tiny GPT and U-Transformer with `remat=True` (every stage's backward recomputes its
 forward from the stage's inputs, `hlopar-rematerialize`), pipelined on 2 hosts x 4 CPU devices
-(method="pipeline": two stages of 1x4) over 2 microbatches, with each schedule: one step's
-parameters, Adam state and loss equal one device's to 1e-5. The plan is checked to be
+(method="pipeline": two stages of 1x4; and once with method="auto", the stages sharded) over 2
+microbatches, with each schedule: one step's parameters, Adam state and loss equal one
+device's to 1e-5. The plan is checked to be
 rematerialized: each backward fragment is marked `hlopar.remat`, each forward returns only
 what the next stage or the loss needs, and each stage stashes only the microbatch's examples
 between its forward and backward (a few hundred bytes, where the plan without remat stashes
@@ -23,13 +24,17 @@ from numerics import assert_adam_step_close
 CLUSTER = hlopar.Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu")
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "eager-1f1b", "gpipe"])
-@pytest.mark.parametrize("model", ["gpt", "u_transformer"])
-def test_rematerialized_pipeline_equals_one_device(ray_cluster, model, schedule):
+CASES = [(model, schedule, "pipeline") for model in ("gpt", "u_transformer")
+         for schedule in ("1f1b", "eager-1f1b", "gpipe")]
+CASES.append(("gpt", "1f1b", "auto"))  # stages sharded: the clones keep the stage's layouts
+
+
+@pytest.mark.parametrize("model,schedule,method", CASES)
+def test_rematerialized_pipeline_equals_one_device(ray_cluster, model, schedule, method):
     ts = get_train_step(model, "tiny")
     params = ts.init(jax.random.key(0))
     args = (params, ts.init_opt_state(params), ts.make_batch(jax.random.key(1)))
-    parallel = hlopar.parallelize(ts.step, cluster=CLUSTER, method="pipeline", num_microbatches=2,
+    parallel = hlopar.parallelize(ts.step, cluster=CLUSTER, method=method, num_microbatches=2,
                                   schedule=schedule, remat=True, verbose=False)
     try:
         results = parallel(*args)
