@@ -3,6 +3,7 @@
 
     python tools/bench_stage_construction.py [--model gpt:39B] [--hosts 8] [--devices 8]
                                              [--layers 48] [--microbatches 64] [--preset ...]
+                                             [--remat auto|always|never]
 
 Exports the zoo model, then runs `hlopar-opt IN --pass-pipeline='builtin.module(hlopar-import,
 hlopar-unstack-layer-scans,hlopar-cluster-operators{layers=L},hlopar-stage-construction{...})' -o OUT`
@@ -42,6 +43,8 @@ def main() -> int:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--preset", default="a100-80g-nvlink")
     parser.add_argument("--memory-per-device", default="none")
+    parser.add_argument("--remat", default="auto", choices=("auto", "always", "never"),
+                        help="stage rematerialization (hlopar-stage-construction's remat option)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from hlopar.models import get_train_step
@@ -59,7 +62,7 @@ def main() -> int:
             f"hlopar-cluster-operators{{layers={args.layers} report={clustering}}},"
             f"hlopar-stage-construction{{num-hosts={args.hosts} devices-per-host={args.devices} "
             f"microbatches={args.microbatches} schedule={args.schedule} preset={args.preset} "
-            f"memory-per-device={args.memory_per_device} report={stages}}})"
+            f"memory-per-device={args.memory_per_device} remat={args.remat} report={stages}}})"
         )
         command = [sys.executable, "-m", "hlopar.cli.opt", str(source), f"--pass-pipeline={pipeline}",
                    "-o", str(Path(scratch) / "out.mlir")]
@@ -89,15 +92,18 @@ def main() -> int:
         ("hlopar-opt, file to file", wall),
     ]
     print(f"{args.model} on {args.hosts}x{args.devices} ({args.preset}), {report['num_layers']} layers, "
-          f"B={report['microbatches']}, {args.schedule}; export {export_s:.1f} s")
+          f"B={report['microbatches']}, {args.schedule}, remat={args.remat}; export {export_s:.1f} s")
     for name, seconds in rows:
         print(f"  {name:<60} {seconds:>8.2f} s")
     print("  stages:")
     for stage in report["stages"]:
         print(f"    layers {stage['layers'][0]:>2}-{stage['layers'][1]:<2} submesh {tuple(stage['submesh'])} "
               f"logical {tuple(stage['logical_shape'])} latency {stage['latency'] * 1e3:.1f} ms "
-              f"memory {stage['memory_bytes'] / 2**30:.1f} GiB")
+              f"memory {stage['memory_bytes'] / 2**30:.1f} GiB{' remat' if stage.get('remat') else ''}")
     print(f"  predicted step {report['predicted_step_seconds']:.3f} s, bubble {report['bubble_fraction']:.1%}")
+    tried = ", ".join(f"B={c['microbatches']}: " + (f"{c['total_latency']:.3f} s" if c["total_latency"] is not None
+                                                    else "no plan") for c in report["microbatch_candidates"])
+    print(f"  microbatch counts tried: {tried}")
     print(f"Algorithm 1: {algorithm_1:.1f} s (target {TARGET_TOTAL_S:.0f} s, ratio {algorithm_1 / TARGET_TOTAL_S:.2f}); "
           f"DP: {t['stage_dp']:.2f} s (target {TARGET_DP_S:.0f} s, ratio {t['stage_dp'] / TARGET_DP_S:.2f})")
     return 0
