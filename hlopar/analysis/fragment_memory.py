@@ -19,14 +19,20 @@ planner wrote, never from XLA:
   materializes; it keeps its own operands alive until its readers run. A value materializes
   when a non-fusible op makes it (a matrix product, a convolution, a reduction, a loop) or a
   non-fusible op reads it (XLA:CPU's matrix products read whole buffers). Reshapes and
-  sharding constraints are views of their operand.
+  sharding constraints are views of their operand; a sharding constraint that changes the
+  layout is a new buffer (the partitioner's collective), a scatter or dynamic update slice
+  writes into its operand's. What feeds a result runs as soon as its operands exist (XLA's
+  scheduler adds a gradient into its accumulator at once, freeing it). A convolution that
+  reads an operand in another dimension order than XLA:CPU's kernels take (a filter
+  gradient) reads a copy of it, made as soon as the operand exists. The bodies of loops and
+  conditionals count by their results alone.
 
 The total is arguments + outputs + temporaries - aliased: what one device holds while the
 fragment runs. It leaves out what the schedule keeps alive around the fragment (other
 microbatches' stashes, state the fragment does not read), which `codegen.memory_check`
-adds, and XLA's own choices this model does not make (buffer reuse across a fusion's
-operands, rematerialized broadcasts, the partitioner's collective buffers when a value
-changes layout inside the fragment).
+adds, and XLA's own choices this model does not make (a buffer shared by values whose
+lives do not overlap in XLA's order but do in program order, rematerialized broadcasts, a
+collective's scratch space, XLA:CPU's other relayout copies).
 """
 
 from __future__ import annotations
@@ -198,7 +204,8 @@ def _temporaries(graph: FuncGraph, mesh: DeviceMesh | None, size: dict[int, int]
     copies: dict[int, list[tuple[int, int]]] = {}  # when made -> (bytes, when freed)
     for op in ops:
         for u in _relaid_operands(op):
-            copies.setdefault(max(made_at[u], 0), []).append((size[root[u]], when[op.index]))
+            start = max(made_at[u], 0)
+            copies.setdefault(start, []).append((size[root[u]], max(when[op.index], start)))
     live = peak = 0
     for op in ops:
         for nbytes, end in copies.get(op.index, ()):

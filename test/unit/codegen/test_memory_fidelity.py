@@ -140,8 +140,6 @@ def test_prediction_of_a_small_module_and_its_compiled_memory():
     assert predicted.outputs == 8 * 4 * 4 + 8 * 4 + 2 * 8  # two results: XLA's tuple of two pointers
     assert predicted.aliased == 8 * 4 * 4
     assert predicted.temporaries == 8 * 32 * 4 + 8 * 4 * 4
-    check = fragment_memory(module)
-    assert check == predicted
 
     from hlopar.codegen.executables import compile_executable
     from hlopar.codegen.memory_check import compiled_memory
