@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from numerics import assert_step_close
@@ -126,3 +127,40 @@ def test_parallelize_takes_remat_as_a_mode_or_a_bool():
     assert hlopar.parallelize(lambda x: x, remat=False).remat == "never"
     with pytest.raises(ValueError, match="remat must be True, False or one of auto, always, never, got 'yes'"):
         hlopar.parallelize(lambda x: x, remat="yes")
+
+
+def _dropout_step(params, x, y, key):
+    """A two-layer MLP with dropout (JAX's threefry) on its hidden activations, one SGD step."""
+
+    def loss_fn(params):
+        h = jnp.tanh(x @ params["w1"])
+        keep = jax.random.bernoulli(key, 0.8, h.shape)
+        out = jnp.where(keep, h / 0.8, 0.0) @ params["w2"]
+        return jnp.mean(jnp.square(out - y))
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+
+def test_dropout_is_drawn_again_in_the_backward():
+    """The backward recomputes the dropout mask from the key (threefry: a function of its
+    operands) and the microbatch index, and gets the forward's bits: the step equals one
+    device's, which it would not with other bits."""
+    init = jax.random.split(jax.random.PRNGKey(7), 3)
+    args = ({"w1": jax.random.normal(init[0], (5, 8)), "w2": jax.random.normal(init[1], (8, 2))},
+            jax.random.normal(init[2], (16, 5)), jnp.ones((16, 2)), jax.random.PRNGKey(3))
+    module = parse_module(jax.jit(_dropout_step).lower(*args).as_text())
+    Pipeline.parse("builtin.module(hlopar-auto-parallel{num-hosts=1 devices-per-host=2 split=true microbatches=2 "
+                   "batch-args=2,3 remat=never})", module.context).run(module, PassContext())
+    before = pipeline_program(module)
+    RematerializePass(all=True).run(module, PassContext())
+    after = pipeline_program(module)
+    backward = [f for f in after.fragments if f.role == "backward"]
+    assert backward and all("stablehlo.xor" in f.text for f in backward)  # threefry's rounds
+    assert not any("stablehlo.xor" in f.text for f in before.fragments if f.role == "backward")
+    outputs = PipelinedStep(module, "1f1b")(jax.tree_util.tree_leaves(args))
+    want = jax.tree_util.tree_leaves(jax.jit(_dropout_step)(*args))
+    for have, expected in zip(outputs, want, strict=True):
+        np.testing.assert_allclose(np.asarray(have), np.asarray(expected), rtol=1e-5, atol=1e-6)
+    other = jax.tree_util.tree_leaves(jax.jit(_dropout_step)(*args[:3], jax.random.PRNGKey(4)))
+    assert not np.allclose(np.asarray(outputs[0]), np.asarray(other[0]), rtol=1e-3)
