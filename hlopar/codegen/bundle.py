@@ -113,7 +113,8 @@ def write_bundle(directory: str | Path, program: PipelineProgram, module_text: s
     simulation summary. `plan` is the hlopar-auto-parallel report (its `stages` give the
     per-stage latencies, its `stages.cluster` the device memory). With `memory_check`, every
     fragment is compiled first and a plan that does not fit the device memory is refused
-    (`codegen.memory_check.check_memory` raises), nothing written."""
+    (`codegen.memory_check.check_memory` raises), nothing written; else the check is
+    `memory.json` and `plan["memory"]` (`plan` must then be a dict)."""
     directory = Path(directory)
     streams = program.streams(schedule)
     memory = None
@@ -123,6 +124,7 @@ def write_bundle(directory: str | Path, program: PipelineProgram, module_text: s
                      if "memory_bytes" in s and s["stage"] < program.topology.num_stages}
         memory = check_memory(program, streams, device_memory=(report.get("cluster") or {}).get("memory_per_device"),
                               stage_memory=estimates).to_json()
+        plan["memory"] = memory
     stages = (plan.get("stages") or {}).get("stages") or []
     latencies = {s["stage"]: float(s["latency"]) for s in stages}
     missing = [k for k in range(program.topology.num_stages) if k not in latencies]

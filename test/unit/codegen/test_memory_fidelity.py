@@ -45,7 +45,7 @@ def planned(tmp_path_factory):
 @pytest.mark.parametrize("model", MODELS)
 def test_every_fragment_within_20_percent_of_xla(planned, model):
     step, memory = planned(model)
-    assert memory["skipped"] == {} and memory["platform"] == "cpu"
+    assert memory["skipped"] == {} and memory["platform"] == "cpu" and step.plan["memory"] == memory
     assert [f["fragment"] for f in memory["fragments"]] == [f.name for f in step.program.fragments]
     for f in memory["fragments"]:
         predicted, compiled = f["predicted"], f["compiled"]
@@ -148,3 +148,23 @@ def test_prediction_of_a_small_module_and_its_compiled_memory():
     assert (compiled.arguments, compiled.outputs, compiled.aliased) == (
         predicted.arguments, predicted.outputs, predicted.aliased)
     assert 0.8 <= predicted.total / compiled.total <= 1.2, (predicted, compiled)
+
+
+def test_parallelize_refuses_a_plan_the_devices_cannot_hold(monkeypatch):
+    """Through `hlopar.parallelize`: the preset's device memory (5000 B) passes stage
+    construction's estimate and not the compiled fragments; refused while planning, before
+    any worker starts."""
+    import dataclasses
+
+    import hlopar
+    from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS
+
+    monkeypatch.setitem(CLUSTER_PRESETS, "cpu", dataclasses.replace(CLUSTER_PRESETS["cpu"], device_memory_bytes=5000))
+    step = get_train_step("mlp", "tiny")
+    params = step.init(jax.random.PRNGKey(0))
+    arguments = (params, step.init_opt_state(params), step.make_batch(jax.random.PRNGKey(1)))
+    function = hlopar.parallelize(step.step, cluster=CLUSTER, cache=False, verbose=False)
+    with pytest.raises(hlopar.api.PlanningError, match=r"fragment stage0_update on mesh m0 needs \d+ B .* a device "
+                                                       r"has 5000 B"):
+        function.plan(*arguments)
+    assert function.runtime is None
