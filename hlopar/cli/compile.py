@@ -220,9 +220,10 @@ def _memory_line(memory: dict) -> str:
         return f"  memory: not checked ({'; '.join(memory['skipped'].values()) or 'no fragment'})"
     top = max(checked, key=lambda f: f["need"])
     predicted = top["predicted"]["total"] + top["resident"]
+    device = memory["device_memory"]
     return (f"  memory: at most {format_bytes(top['need'])} per device ({top['fragment']} on {top['mesh']}, as XLA "
-            f"compiles it; predicted {format_bytes(predicted)}) of {format_bytes(memory['device_memory'] or 0)}; "
-            "every fragment in memory.json")
+            f"compiles it; predicted {format_bytes(predicted)}) of "
+            f"{format_bytes(device) if device is not None else 'an unknown device memory'}; every fragment in memory.json")
 
 
 def _seconds(value: float) -> str:
