@@ -69,9 +69,10 @@ def test_compile_prints_summary_and_takes_batch_args_and_loss_result(tmp_path, c
     stages = plan["stages"]["stages"]
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"hlopar-compile: {len(stages)} stages on {len(stages)} meshes, 4 microbatches, schedule eager-1f1b"
-    assert [line.split(",")[0] for line in lines[1:-2]] == [f"  stage {k}: mesh m{k}" for k in range(len(stages))]
-    assert lines[-2] == (f"  step {compile_cli._seconds(simulation['iteration_time_s'])} (simulated), "
+    assert [line.split(",")[0] for line in lines[1:-3]] == [f"  stage {k}: mesh m{k}" for k in range(len(stages))]
+    assert lines[-3] == (f"  step {compile_cli._seconds(simulation['iteration_time_s'])} (simulated), "
                          f"bubble {100 * simulation['bubble_fraction']:.1f}%")
+    assert lines[-2].startswith("  memory: at most ") and lines[-2].endswith("; every fragment in memory.json")
     assert lines[-1] == f"  bundle: {out} (timeline.png, timeline.json for Perfetto)"
     assert json.loads((out / "timeline.json").read_text())["traceEvents"]
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
