@@ -91,7 +91,7 @@ METHODS = ("auto", "shard", "pipeline")
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
 RNG_MODES = ("exact", "per-microbatch")
 REMAT_MODES = ("auto", "always", "never")
-CACHE_VERSION = "hlopar-plan-v4"  # bumped when the planner's output changes
+CACHE_VERSION = "hlopar-plan-v5"  # bumped when the planner's output changes
 
 
 # --------------------------------------------------------------------------- the cluster
@@ -739,7 +739,22 @@ def describe_plan(planned: PlannedStep) -> str:
         layers = max(pieces["arg_piece"]) + 1
         lines.append(f"  scanned layer stack unrolled: {stacks} stacked argument(s) split into {layers} per-layer "
                      "pieces, each held by its stage")
+    lines += _memory_lines(planned.plan.get("memory"))
     return "\n".join(lines)
+
+
+def _memory_lines(memory: dict | None) -> list[str]:
+    """Per mesh, the most memory a fragment needs as compiled (with what stays resident), and
+    the device's (docs/codegen.md, memory.json)."""
+    if not memory:
+        return []
+    from hlopar.codegen.schedules.instructions import format_bytes
+
+    device = memory.get("device_memory")
+    of = f" of {format_bytes(device)} per device" if device else ""
+    peaks = [f"{m['mesh']} {format_bytes(m['compiled_peak'])}" for m in memory.get("meshes", ())
+             if m.get("compiled_peak") is not None]
+    return [f"  memory (compiled, peak fragment + resident){of}: {', '.join(peaks)}"] if peaks else []
 
 
 _SHARDING = re.compile(r"#sdy\.sharding<@[\w.]+, \[(.*?)\]>")

@@ -60,6 +60,9 @@ def test_plans_are_cached_on_disk(cache):
     other = plan_step(text, CLUSTER, num_microbatches=2, schedule="gpipe", batch_args=[19, 20])
     assert not other.cached and other.bundle != first.bundle
     assert "m0: stage 0" in describe_plan(first) and "(cached)" in describe_plan(again)
+    # The compiled memory check's peaks, per mesh, read back from the cached plan too.
+    memory = [line for line in describe_plan(again).splitlines() if "memory (compiled" in line]
+    assert len(memory) == 1 and all(f"{m} " in memory[0] for m in again.program.meshes), describe_plan(again)
 
 
 def test_default_microbatches_divide_the_batch(cache):
