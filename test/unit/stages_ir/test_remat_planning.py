@@ -135,3 +135,19 @@ def test_no_mark_where_nothing_is_rematerialized(tmp_dir, remat):
     assert [s["layers"] for s in always] == [s["layers"] for s in stages]
     assert all(kept["latency"] < recomputed["latency"] for kept, recomputed in zip(stages, always))
     assert stages[0]["memory_bytes"] > always[0]["memory_bytes"]
+
+
+def test_kernels_in_a_loop_count_once_per_trip():
+    """The scanned GPT runs its blocks' matrix products inside `while` loops: as many as the
+    unrolled one, once the trip counts are applied."""
+    counts = []
+    for name in ("tiny", "tiny-scan"):
+        module = parse_module(get_train_step("gpt", name).lower())
+        Pipeline.parse("builtin.module(hlopar-import)", module.context).run(module, PassContext())
+        graph = FuncGraph.from_module(module)
+        with module.context, ir.Location.unknown():
+            layering, _ = ClusterOperatorsPass(layers=1).cluster(graph)
+        counts.append(kernel_counts(graph.subgraph([op.index for op in graph.ops]), layering.roles))
+    unrolled, scanned = counts
+    assert [unrolled[role][1] for role in ("forward", "backward")] == [13.0, 26.0]
+    assert [scanned[role][1] for role in ("forward", "backward")] == [13.0, 26.0]
