@@ -43,11 +43,11 @@ from hlopar.ir.graph import FuncGraph
 from hlopar.passes.auto_sharding import _run_upstream_on, parse_bytes, planned_functions
 from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto
 from hlopar.passes.cluster_operators import ClusterOperatorsPass, Layering, read_layering, strip_layering
-from hlopar.passes.mpmd_program import StageMesh, write_mpmd_program
+from hlopar.passes.mpmd_program import StageMesh, fragment_role, write_mpmd_program
+from hlopar.passes.rematerialize import REMAT_ATTR
 from hlopar.passes.split_microbatches import MICROBATCHES_ATTR
 
 AXIS_NAMES = ("x", "y")
-REMAT_ATTR = "hlopar.remat"
 WEIGHT_UPDATE_SHARDING = "weight-update-sharding"
 INTRA_OP_OPTIONS = ("default", WEIGHT_UPDATE_SHARDING)
 
@@ -285,13 +285,13 @@ class StageConstructionPass(ModulePass):
 
 
 def mark_rematerialized(module: ir.Operation, stages: list[int]) -> None:
-    """Puts `hlopar.remat` on the backward fragments (origin `"stage<k>"(1)`) of these stages."""
+    """Puts `hlopar.remat` on the backward fragments of these stages."""
     if not stages:
         return
     main = planned_functions(module)[0]
     for op in main.regions[0].blocks[0].operations:
         op = op.operation
-        if (op.name == "mpmd.fragment" and "stage_id" in op.attributes and '"(' in str(op.attributes["origin"])
+        if (op.name == "mpmd.fragment" and "stage_id" in op.attributes and fragment_role(op) == "backward"
                 and ir.IntegerAttr(op.attributes["stage_id"]).value in stages):
             op.attributes[REMAT_ATTR] = ir.UnitAttr.get(module.context)
 
