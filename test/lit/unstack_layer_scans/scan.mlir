@@ -22,11 +22,12 @@
 // CHECK:         %[[H2:.*]] = stablehlo.dot_general %[[T1]], %[[W1]]
 // CHECK:         %[[T2:.*]] = stablehlo.tanh %[[H2]]
 // CHECK:         %[[Y1:.*]] = stablehlo.broadcast_in_dim %{{.*}}, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// One broadcast per layer (a shared one would tie the layers' stages together).
+// One broadcast per layer (a shared one would tie the layers' stages together), each made
+// where it is read, as values made from constants alone are.
 // CHECK:         %[[HALF0:.*]] = stablehlo.broadcast_in_dim %{{.*}}, dims = [] : (tensor<f32>) -> tensor<1x4x4xf32>
-// CHECK:         %[[HALF1:.*]] = stablehlo.broadcast_in_dim %{{.*}}, dims = [] : (tensor<f32>) -> tensor<1x4x4xf32>
-// CHECK:         %[[U0:.*]] = stablehlo.multiply %arg1, %[[HALF0]] : tensor<1x4x4xf32>
-// CHECK:         %[[U1:.*]] = stablehlo.multiply %arg2, %[[HALF1]] : tensor<1x4x4xf32>
+// CHECK-NEXT:    %[[U0:.*]] = stablehlo.multiply %arg1, %[[HALF0]] : tensor<1x4x4xf32>
+// CHECK-NEXT:    %[[HALF1:.*]] = stablehlo.broadcast_in_dim %{{.*}}, dims = [] : (tensor<f32>) -> tensor<1x4x4xf32>
+// CHECK-NEXT:    %[[U1:.*]] = stablehlo.multiply %arg2, %[[HALF1]] : tensor<1x4x4xf32>
 // CHECK:         return %[[U0]], %[[U1]], %[[Y0]], %[[Y1]], %[[T2]]
 // CHECK-NOT:     stablehlo.dynamic_slice
 // CHECK-NOT:     stablehlo.dynamic_update_slice

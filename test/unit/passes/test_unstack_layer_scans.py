@@ -7,6 +7,8 @@ loop over layers and no whole stack, and leave loops that are not over layers al
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,6 +24,7 @@ from hlopar.ir.signature import FuncSignature
 from hlopar.models import gpt
 from hlopar.passes.auto_sharding import planned_functions
 from hlopar.passes.base import PassContext
+from hlopar.passes.cluster_operators import ClusterOperatorsPass
 from hlopar.passes.import_program import ImportPass
 from hlopar.passes.unstack_layer_scans import LayerPieces, UnstackLayerScansPass
 from numerics import assert_adam_step_close, assert_trees_equal
@@ -128,6 +131,29 @@ def test_the_unstacked_scan_is_its_unrolled_twin():
     assert heavy(scanned) == heavy(unrolled)
 
 
+def _per_layer_flops(module, num_layers: int) -> list[tuple[float, float]]:
+    """Clustered into `num_layers` layers: per layer, the FLOPs of its forward ops and of all its ops."""
+    _, info = ClusterOperatorsPass(layers=num_layers).cluster(FuncGraph.from_func(_main(module)))
+    return [(layer["forward_flops"], layer["flops"]) for layer in info["layers"]]
+
+
+def test_the_unstacked_scan_clusters_as_its_unrolled_twin():
+    """A 4-layer GPT scanned and written with a Python loop, cut into as many layers as blocks
+    and into more (cuts inside blocks): both put the same FLOPs in every layer, forward and
+    all. Unstacked as the loops leave it, the scanned one's weight gradients and parameter
+    updates went to other layers (up to 98% off per layer), and its backward recomputed the
+    causal mask that the twin's backward reads from its forward."""
+    config = gpt.GPTConfig(hidden_size=64, num_layers=4, num_heads=4, seq_len=16, vocab_size=128, batch_size=4)
+    scanned = _unstacked(gpt.train_step(dataclasses.replace(config, scan_layers=True)).lower())
+    unrolled = _imported(gpt.train_step(config).lower())
+    for num_layers in (4, 6):
+        got, want = _per_layer_flops(scanned, num_layers), _per_layer_flops(unrolled, num_layers)
+        assert len(got) == num_layers
+        for (got_forward, got_all), (want_forward, want_all) in zip(got, want):
+            assert got_forward == pytest.approx(want_forward, rel=1e-6)
+            assert got_all == pytest.approx(want_all, rel=1e-6)
+
+
 def test_a_loop_over_time_is_not_a_layer_scan():
     """A fori_loop whose operands are not stacked per iteration stays a loop, and nothing is split."""
     def step(w, x):
@@ -155,18 +181,20 @@ def test_layer_pieces_split_and_join():
     assert LayerPieces.from_json(pieces.to_json()) == pieces
 
 
-def test_a_hoisted_mask_is_recomputed_by_each_layer():
+def test_a_hoisted_mask_is_made_by_each_layer_and_read_by_its_backward():
     """JAX hoists the causal mask (iota, compare, select, broadcast) out of the scan; unrolled,
-    each reader gets its own copy, as in the model written with a Python loop, so no mask crosses
-    a stage boundary."""
+    each layer's forward computes its own copy and that layer's backward reads it, as in the
+    model written with a Python loop, so no mask crosses a layer (or stage) boundary."""
     # GPT-350M (abstract: nothing is allocated), whose 1024 x 1024 mask JAX computes from iotas.
     module = _unstacked(gpt.train_step("350M-scan").lower())  # kept alive: the graph reads it
     graph = FuncGraph.from_func(_main(module))
     assert len(graph.ops) > 1000
+    layering, _ = ClusterOperatorsPass(layers=24).cluster(graph)
     from_constants: set[int] = set()
     for op in graph.ops:
         if op.name == "stablehlo.constant" or all(v in from_constants for v in graph.reads(op.index)):
             from_constants.update(op.results)
-    shared = [graph.ops[graph.values[v].producer].name for v in from_constants
-              if graph.ops[graph.values[v].producer].name != "stablehlo.constant" and len(graph.values[v].users) > 1]
-    assert shared == []
+    made = [v for v in from_constants if graph.ops[graph.values[v].producer].name != "stablehlo.constant"]
+    assert [v for v in made if len({layering.layers[u] for u in graph.values[v].users}) > 1] == []
+    read_by_both = [v for v in made if {layering.roles[u] for u in graph.values[v].users} == {"forward", "backward"}]
+    assert len(read_by_both) == 2 * 24  # two per block, as in the Python-loop twin
