@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import json
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,7 @@ import numpy as np
 import optax
 import pytest
 from microbatch_steps import run_pipeline
+from numerics import adam_noise_mask, assert_trees_close, assert_updates_close
 
 from hlopar.codegen.pipeline_program import pipeline_program
 from hlopar.codegen.spmd import compile_spmd
@@ -258,16 +261,20 @@ def test_batchnorm_statistics_per_microbatch():
 PLAN = "hlopar-cluster-operators,hlopar-stage-construction{num-hosts=2 devices-per-host=4 workers=1}"
 
 
-# Memory per device so small that one stage does not fit: the tiny models pipeline.
+# Memory per device so small that one stage does not fit: the tiny models pipeline. The
+# BatchNorm step has two plans (layers of `hlopar-cluster-operators`, stage construction's
+# report checks which): with remat=never, layers 0 | 1-2 keeping activations; with
+# remat=auto, 0-1 | 2 with stage 0 marked rematerialized, run as written (marked, no
+# hlopar-rematerialize) and rematerialized.
+_BN_PLAN = ("hlopar-cluster-operators,hlopar-stage-construction{num-hosts=2 devices-per-host=4 workers=1 "
+            "memory-per-device=8KiB remat={remat} report={report}}")
 TWO_STAGES = {
-    "dropout": "hlopar-cluster-operators{layers=2},hlopar-stage-construction{num-hosts=2 devices-per-host=4 workers=1 "
-               "memory-per-device=300B}",
-    # remat=never keeps the plan this test was written for (layers 0 | 1-2). The remat=auto plan
-    # (0-1 rematerialized | 2) sums in another order, and the convolution's bias, whose gradient
-    # under BatchNorm is zero up to rounding (values ~2e-8), then differs by ~1e-8: beyond a
-    # tolerance relative to that leaf's own size, though every other leaf agrees exactly.
-    "batchnorm": "hlopar-cluster-operators,hlopar-stage-construction{num-hosts=2 devices-per-host=4 workers=1 "
-                 "memory-per-device=8KiB remat=never}",
+    "dropout": ("hlopar-cluster-operators{layers=2},hlopar-stage-construction{num-hosts=2 devices-per-host=4 "
+                "workers=1 memory-per-device=300B}", None),
+    "batchnorm-0|1-2": (_BN_PLAN.replace("{remat}", "never"), [([0, 0], False), ([1, 2], False)]),
+    "batchnorm-0-1|2": (_BN_PLAN.replace("{remat}", "auto"), [([0, 1], True), ([2, 2], False)]),
+    "batchnorm-0-1|2-remat": (_BN_PLAN.replace("{remat}", "auto") + ",hlopar-rematerialize",
+                              [([0, 1], True), ([2, 2], False)]),
 }
 
 
@@ -281,22 +288,65 @@ def _planned(module, plan: str, names: bool):
     return planned
 
 
-@pytest.mark.parametrize("which, names", [("dropout", False), ("batchnorm", False), ("dropout", True),
-                                          ("batchnorm", True)])
-def test_pipelined_runs_the_same(which, names):
+def _assert_step_close(actual, expected, params, rtol: float) -> None:
+    """SGD steps' results (new parameters first): the parameters by update, where the
+    reference's update (``-LR * g``) is not rounding noise (`numerics.adam_noise_mask`, whose
+    rule holds for any gradient sum: the scale cancels); everything else to `rtol` of each
+    entry and of its leaf's largest. Noise: the bias before a BatchNorm has a zero gradient in
+    exact arithmetic (the normalization subtracts it), ~1e-7 in float32, which another
+    summation order (another split into stages, another fusion) changes by its own size."""
+    treedef = jax.tree_util.tree_structure(expected)
+    actual = jax.tree_util.tree_unflatten(treedef, _leaves(actual))
+    params = jax.tree_util.tree_map(np.asarray, params)
+    noise = adam_noise_mask(jax.tree_util.tree_map(np.subtract, params, expected[0]))
+    assert_updates_close(actual[0], expected[0], params, rtol=rtol, max_rtol=rtol, noise_mask=noise)
+    assert_trees_close(actual[1:], expected[1:], rtol=rtol, max_rtol=rtol)
+
+
+@pytest.mark.parametrize("which, names", [("dropout", False), ("batchnorm-0|1-2", False),
+                                          ("batchnorm-0-1|2", False), ("batchnorm-0-1|2-remat", False),
+                                          ("dropout", True), ("batchnorm", True)])
+def test_pipelined_runs_the_same(which, names, tmp_path):
     """Planned into a pipeline on 2 x 4 CPU devices and run by `PipelinedStep`: the index
     argument reaches the stages that read it; the results are the microbatched step's.
     Stage construction puts BatchNorm's running statistics in the forward with name stacks
-    (inside `jvp`), in the update without: the split follows either."""
-    step, args = (_dropout_step, _dropout_args(True)) if which == "dropout" else (_bn_step, _bn_args())
+    (inside `jvp`), in the update without: the split follows either. Both splits of the
+    BatchNorm step compute the microbatched step's values (the float64 test below)."""
+    dropout = which == "dropout"
+    step, args = (_dropout_step, _dropout_args(True)) if dropout else (_bn_step, _bn_args())
     module, _ = _split(step, args, 4)
-    expected = MicrobatchedStep(module.clone())(_host(args))
+    expected = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(jax.eval_shape(step, *args)),
+                                            _leaves(MicrobatchedStep(module.clone())(_host(args))))
     # With name stacks the clustering differs and no memory limit makes these tiny steps two
     # stages: one stage, where the roles of the running statistics are what is checked.
-    program = pipeline_program(_planned(module, PLAN if names else TWO_STAGES[which], names))
-    assert program.index_arg == (5 if which == "dropout" else None)
+    plan, stages = (PLAN, None) if names else TWO_STAGES[which]
+    report = tmp_path / "plan.json"
+    program = pipeline_program(_planned(module, plan.replace("{report}", str(report)), names))
+    assert program.index_arg == (5 if dropout else None)
     assert names or len(program.meshes) == 2, "the plan does not pipeline: the test would prove less"
-    _assert_close(PipelinedStep(program)(_host(args), "1f1b"), expected, rtol=1e-5)
+    if stages is not None:
+        planned = [(s["layers"], s["remat"]) for s in json.loads(report.read_text())["stages"]]
+        assert planned == stages, f"the plan is not the split this case is for: {planned}"
+    _assert_step_close(PipelinedStep(program)(_host(args), "1f1b"), expected, args[0], rtol=1e-5)
+
+
+def test_pipelined_batchnorm_split_is_exact_in_float64(tmp_path):
+    """The 0-1 | 2 split in float64 on the same data: every leaf is the microbatched step's
+    to float64's rounding, the biases before a BatchNorm (zero gradient, ~1e-17 here) too;
+    so what float32 shows for those biases is rounding, not a split computing otherwise.
+    (float64 doubles every byte: 17KiB per device plans the split 8KiB plans in float32.)"""
+    args32 = jax.tree_util.tree_map(np.asarray, _bn_args())
+    with jax.enable_x64(True):
+        args = jax.tree_util.tree_map(lambda a: a.astype(np.float64), args32)
+        module, _ = _split(_bn_step, args, 4)
+        expected = MicrobatchedStep(module.clone())(_host(args))
+        report = tmp_path / "plan.json"
+        plan = _BN_PLAN.replace("8KiB", "17KiB").replace("{remat}", "auto").replace("{report}", str(report))
+        program = pipeline_program(_planned(module, plan, False))
+        assert [s["layers"] for s in json.loads(report.read_text())["stages"]] == [[0, 1], [2, 2]]
+        actual = PipelinedStep(program)(_host(args), "1f1b")
+    assert all(np.asarray(a).dtype == np.float64 for a in actual)
+    assert_trees_close(_leaves(actual), _leaves(expected), rtol=1e-13, atol=1e-15)
 
 
 # --------------------------------------------------------------------------- one microbatch splits nothing
