@@ -11,8 +11,10 @@ which compiles every fragment with stock jaxlib for its mesh's CPU devices
 and compiled bytes per device of its executable (arguments + outputs + temporaries -
 aliased), their ratio, and the temporaries alone (predicted / compiled); then per mesh the
 most a fragment needs with what the schedule keeps resident, predicted and compiled, beside
-stage construction's own estimate for the stage (Eq. 5: state + gradients + stashed
-activations of the microbatches in flight). With `--json`, the bundles' memory.json per model.
+stage construction's own estimate for the stage (`span_costs`: the larger of the update's old
+state + gradients + new state and the forward/backward's state + accumulators + stashed
+activations of the microbatches in flight + one layer's temporaries, from the layers' plans)
+and its ratio to the compiled peak. With `--json`, the bundles' memory.json per model.
 """
 
 from __future__ import annotations
@@ -77,12 +79,15 @@ def table(reports: dict) -> str:
                          f"{compiled['total']} | {f['ratio']:.3f} | "
                          f"{f['predicted']['temporaries']} / {compiled['temporaries']} |")
     lines += ["", f"largest deviation of a fragment's total: {100 * worst:.1f}%", "",
-              "| model | mesh | stage construction (Eq. 5) B | predicted peak B | compiled peak B | device B |",
-              "|---|---|---:|---:|---:|---:|"]
+              "| model | mesh | stage construction B | predicted peak B | compiled peak B | "
+              "stage construction / compiled | device B |",
+              "|---|---|---:|---:|---:|---:|---:|"]
     for model, report in reports.items():
         for m in report["meshes"]:
-            planned = "" if m["stage_construction"] is None else f"{m['stage_construction']:.0f}"
-            lines.append(f"| {model} | {m['mesh']} | {planned} | {m['predicted_peak']} | {m['compiled_peak']} | "
+            estimate, compiled = m["stage_construction"], m["compiled_peak"]
+            planned = "" if estimate is None else f"{estimate:.0f}"
+            ratio = "" if estimate is None or not compiled else f"{estimate / compiled:.3f}"
+            lines.append(f"| {model} | {m['mesh']} | {planned} | {m['predicted_peak']} | {compiled} | {ratio} | "
                          f"{report['device_memory']:.3g} |")
     return "\n".join(lines)
 

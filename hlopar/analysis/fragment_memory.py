@@ -38,7 +38,7 @@ collective's scratch space, XLA:CPU's other relayout copies).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from jaxlib.mlir import ir
@@ -48,7 +48,7 @@ from hlopar.analysis.module_meshes import module_meshes
 from hlopar.analysis.sharding import ShardingPerValue, TensorSharding, axes_size
 from hlopar.ir.graph import FuncGraph, Value
 
-__all__ = ["FragmentMemory", "TUPLE_POINTER_BYTES", "fragment_memory", "io_tiles", "tile_bytes"]
+__all__ = ["FragmentMemory", "TUPLE_POINTER_BYTES", "fragment_memory", "io_tiles", "peak_temporaries", "tile_bytes"]
 
 TUPLE_POINTER_BYTES = 8  # one entry of XLA's result tuple table (a 64-bit host pointer)
 
@@ -130,6 +130,13 @@ def io_tiles(module: ir.Operation) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return _tiles(*_read(module))
 
 
+def peak_temporaries(graph: FuncGraph, tile: Callable[[int], float]) -> float:
+    """The temporaries of `graph` (a view of some ops: `FuncGraph.subgraph`) when the bytes
+    per device of each value are `tile(value id)`: a plan's layouts not written into the IR
+    (stage construction's per-layer plans)."""
+    return _temporaries(graph, None, {v: tile(v) for v in graph.args}, dict.fromkeys(graph.args), tile)
+
+
 def _read(module: ir.Operation):
     graph = FuncGraph.from_module(module)
     mesh = next((m for m in module_meshes(module).values() if m is not None), None)
@@ -143,8 +150,9 @@ def _tiles(graph: FuncGraph, mesh: DeviceMesh | None, arg_attrs, res_attrs) -> t
 
 
 def _temporaries(graph: FuncGraph, mesh: DeviceMesh | None, size: dict[int, int],
-                 layout: dict[int, TensorSharding | None]) -> int:
-    """The peak bytes of materialized intermediate values live at once (module docstring)."""
+                 layout: dict[int, TensorSharding | None], tile: Callable[[int], float] | None = None) -> int:
+    """The peak bytes of materialized intermediate values live at once (module docstring);
+    a made value's bytes from `tile` if given, else from the layout its op's sharding says."""
     ops = graph.ops
     root: dict[int, int] = {v: v for v in graph.args}  # a view -> the value whose buffer it is
     made_by: dict[int, str] = {}
@@ -164,7 +172,7 @@ def _temporaries(graph: FuncGraph, mesh: DeviceMesh | None, size: dict[int, int]
             root[v] = v
             made_by[v] = name
             layout[v] = shardings[k] if k < len(shardings) else None
-            size[v] = tile_bytes(graph.values[v], layout[v], mesh)
+            size[v] = tile_bytes(graph.values[v], layout[v], mesh) if tile is None else tile(v)
     readers: dict[int, set[str]] = {}  # what reads each buffer, views seen through
     for op in ops:
         name = _RESHARD if op.results and made_by.get(op.results[0]) == _RESHARD else op.name
@@ -176,7 +184,7 @@ def _temporaries(graph: FuncGraph, mesh: DeviceMesh | None, size: dict[int, int]
              if name in _FUSIBLE and v not in returned and readers.get(v, set()) <= _FUSING_READERS}
     # XLA schedules to save memory: what makes a result (or only feeds one) runs as soon as
     # its operands exist, freeing them (a gradient added into its accumulator right away).
-    early = [False] * len(ops)
+    early: dict[int, bool] = {}  # by op index (a view's ops keep the function's numbering)
     feeds_result: dict[int, bool] = {}
     for op in reversed(ops):
         early[op.index] = bool(op.results) and all(
@@ -184,7 +192,7 @@ def _temporaries(graph: FuncGraph, mesh: DeviceMesh | None, size: dict[int, int]
         for u in op.operands:
             feeds_result[root[u]] = feeds_result.get(root[u], True) and early[op.index]
     made_at: dict[int, int] = {v: -1 for v in graph.args}
-    when = [0] * len(ops)
+    when: dict[int, int] = {}
     for op in ops:
         when[op.index] = max((made_at[u] for u in op.operands), default=-1) if early[op.index] else op.index
         for v in op.results:

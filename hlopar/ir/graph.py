@@ -293,7 +293,7 @@ class FuncGraph:
         """
         chosen = sorted(set(op_indices))
         inside = set(chosen)
-        ops = tuple(self.ops[i] for i in chosen)
+        ops = tuple(op for op in self.ops if op.index in inside)  # a view's ops too (their indices are the function's)
         made: set[int] = set()
         read: set[int] = set()
         for op in ops:

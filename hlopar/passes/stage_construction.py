@@ -138,7 +138,8 @@ class StageConstructionPass(ModulePass):
         clock = time.perf_counter()
         table = plan_layers(layers, rules, layering.roles,
                             [(mesh, option == WEIGHT_UPDATE_SHARDING) for mesh, option in meshes],
-                            time_limit=self.time_limit, workers=self.workers or os.cpu_count() or 1)
+                            time_limit=self.time_limit, workers=self.workers or os.cpu_count() or 1,
+                            new_state={graph.results[r]: graph.args[a] for a, r in state_pairs(graph)})
         plans, distinct = table.plans, table.solved
         timings["layer_ilps"] = time.perf_counter() - clock
 
@@ -373,6 +374,8 @@ def _layer_arrays(graph: FuncGraph, layering: Layering, layers: list[FuncGraph],
         state_bytes=field_of("state_bytes"),
         gradient_bytes=field_of("gradient_bytes"),
         activation_bytes=field_of("activation_bytes"),
+        updated_state_bytes=field_of("updated_state_bytes"),
+        temporary_bytes=field_of("temporary_bytes"),
         resharding=resharding,
         forward_latency=field_of("forward_latency") + forward_overhead,
         forward_fixed_latency=field_of("forward_fixed_latency") + forward_overhead,

@@ -10,9 +10,11 @@ solve: the key is a structural signature of the layer's ops, operands numbered l
 Per (layer, mesh) the plan gives what the stage DP and the memory check need: the ILP's
 objective (communication plus compute, Alpa §4.2 with compute costs from FLOPs), the part of
 it that does not shrink with the microbatch (collective start-up latency), and per-device
-bytes of the state the layer reads, of its gradients, and of the forward values its backward
-reads (the activations a pipeline schedule stashes per microbatch in flight), and the share
-of the latency that its forward ops make (what a rematerialized stage runs a second time).
+bytes of the state the layer reads, of its gradients, of the forward values its backward
+reads (the activations a pipeline schedule stashes per microbatch in flight), of the new
+state its update makes, and of the temporaries its forward and its backward hold at once
+(`fragment_memory`'s model, each value at the plan's layout), and the share of the latency
+that its forward ops make (what a rematerialized stage runs a second time).
 
 A layer whose forward the user already checkpoints (`jax.checkpoint`: the backward holds an
 `optimization_barrier` and a second copy of the forward ops) is charged as it is: the copies
@@ -36,6 +38,7 @@ from hlopar.analysis.auto_sharding.cluster import LogicalMesh
 from hlopar.analysis.auto_sharding.graph_problem import HEAVY_OPS, StrategyCache, TensorInfo, build_problem, tensor_info
 from hlopar.analysis.auto_sharding.resharding import per_device_bytes
 from hlopar.analysis.auto_sharding.rules import OpRule
+from hlopar.analysis.fragment_memory import TUPLE_POINTER_BYTES, peak_temporaries
 from hlopar.analysis.loops import trip_count
 from hlopar.analysis.sharding import ShardingSpec
 from hlopar.ir.graph import FuncGraph
@@ -56,8 +59,10 @@ class LayerPlan:
     latency: float  # the ILP's objective: compute plus intra-mesh communication
     fixed_latency: float  # the part paid per microbatch whatever its size: collective start-ups
     state_bytes: float  # function arguments the layer reads (parameters, optimizer state, batch)
-    gradient_bytes: float  # values its backward hands to its update ops
+    gradient_bytes: float  # backward values its update ops read (summed over microbatches)
     activation_bytes: float  # forward values its backward reads: stashed per microbatch in flight
+    updated_state_bytes: float  # what its update ops hand back (the new state), beside the old until the step ends
+    temporary_bytes: float  # the most its forward or its backward holds at once besides operands and results
     forward_latency: float  # the forward ops' share of `latency` (their nodes, the edges into them)
     forward_fixed_latency: float  # the forward ops' share of `fixed_latency`
     arg_layouts: tuple[ShardingSpec | None, ...]  # per `subgraph.args`, the layout the plan wants
@@ -98,14 +103,18 @@ def plan_layer(
     time_limit: float = 10.0,
     cache: StrategyCache | None = None,
     split_state: bool = False,
+    new_state: Mapping[int, int] | None = None,
 ) -> LayerPlan:
     """The ILP plan of one layer (a `FuncGraph.subgraph`) on one logical mesh. `roles` is
     indexed by top-level op index of the whole function; `cache` shares strategy work between
     the layers planned on one mesh. With `split_state`, the function arguments the layer reads
     (parameters, optimizer state) are split over the mesh wherever their shape allows: the
     weight-update-sharding plan (ZeRO-like), slower but lighter, which Algorithm 1 weighs
-    against the default plan as one more intra-op option (its line 14)."""
-    return plan_layer_options(layer, rules, roles, mesh, (split_state,), time_limit=time_limit, cache=cache)[0]
+    against the default plan as one more intra-op option (its line 14). `new_state`: function
+    result → the argument it is the new value of (`training_roles.state_pairs`, value ids):
+    the new state is held at its argument's layout, which it takes for the next step."""
+    return plan_layer_options(layer, rules, roles, mesh, (split_state,), time_limit=time_limit, cache=cache,
+                              new_state=new_state)[0]
 
 
 def plan_layer_options(
@@ -117,12 +126,17 @@ def plan_layer_options(
     *,
     time_limit: float = 10.0,
     cache: StrategyCache | None = None,
+    new_state: Mapping[int, int] | None = None,
 ) -> list[LayerPlan]:
     """`plan_layer` for several `split_state` options from one ILP build: the weight-update
     sharding problem is the default one with the replicated layouts of the state arguments
-    (and of the nodes that mirror them) taken out."""
+    (and of the nodes that mirror them) taken out. The new state among the layer's results
+    takes its argument's layout (`new_state`, as the stage's own plan ties them)."""
+    new_state = new_state or {}
     start = time.perf_counter()
-    problem = build_problem(layer, rules, mesh, cache=cache)
+    position = {v: k for k, v in enumerate(layer.args)}
+    tied = {k: position[new_state[v]] for k, v in enumerate(layer.results) if new_state.get(v) in position}
+    problem = build_problem(layer, rules, mesh, cache=cache, tied_results=tied)
     plans = []
     for split in split_state:
         allowed = _split_state_choices(layer, problem) if split else {}
@@ -130,12 +144,13 @@ def plan_layer_options(
         if solution.status not in ("OPTIMAL", "FEASIBLE"):
             raise RuntimeError(f"the intra-op ILP of a layer found no plan on mesh {mesh}: {solution.message}")
         choices = tuple(allowed[v][c] if v in allowed else c for v, c in enumerate(solution.choices))
-        plans.append(_layer_plan(layer, roles, mesh, problem, choices, solution, time.perf_counter() - start))
+        plans.append(_layer_plan(layer, roles, mesh, problem, choices, solution, time.perf_counter() - start,
+                                 new_state))
         start = time.perf_counter()
     return plans
 
 
-def _layer_plan(layer, roles, mesh, problem, choices, solution, seconds: float) -> LayerPlan:
+def _layer_plan(layer, roles, mesh, problem, choices, solution, seconds: float, new_state: Mapping[int, int]) -> LayerPlan:
     nodes = problem.nodes
 
     def layout(value_id: int) -> ShardingSpec | None:
@@ -162,7 +177,17 @@ def _layer_plan(layer, roles, mesh, problem, choices, solution, seconds: float) 
                 activation += nbytes(v)
             elif role == BACKWARD and UPDATE in readers:
                 gradient += nbytes(v)
+    # Gradients other layers' backward ops make for this layer's update (a weight used twice).
+    gradient += sum(nbytes(v) for v in layer.args if not values[v].is_arg and roles[values[v].producer] == BACKWARD
+                    and any(roles[u] == UPDATE for u in values[v].users if u in inside))
     state = sum(nbytes(v) for v in layer.args if values[v].is_arg)
+    results = set(layer.results)
+    # At the layout of the state it replaces (the layer's plan does not tie the two; the
+    # stage's does), with XLA's table of result pointers as `fragment_memory` counts outputs.
+    updated = sum(nbytes(new_state.get(v, v)) + TUPLE_POINTER_BYTES
+                  for op in layer.ops if roles[op.index] == UPDATE for v in op.results if v in results)
+    temporaries = max(peak_temporaries(layer.subgraph([op.index for op in layer.ops if roles[op.index] == role]), nbytes)
+                      for role in (FORWARD, BACKWARD))
     role_of = {op.id: roles[top.index] for top in layer.ops for op in top.walk()}
     forward = [node.kind in ("op", "loop", "case") and role_of.get(node.index) == FORWARD for node in nodes]
     return LayerPlan(
@@ -171,6 +196,8 @@ def _layer_plan(layer, roles, mesh, problem, choices, solution, seconds: float) 
         state_bytes=state,
         gradient_bytes=gradient,
         activation_bytes=activation,
+        updated_state_bytes=updated,
+        temporary_bytes=temporaries,
         forward_latency=_objective_share(problem.problem, choices, forward),
         forward_fixed_latency=_start_up_latency(problem, choices, mesh, forward),
         arg_layouts=tuple(layout(v) for v in layer.args),
@@ -331,6 +358,7 @@ def plan_layers(
     *,
     time_limit: float = 10.0,
     workers: int = 1,
+    new_state: Mapping[int, int] | None = None,
 ) -> LayerTable:
     """Every layer on every (mesh, split_state) pair, each distinct problem solved once.
 
@@ -338,7 +366,8 @@ def plan_layers(
     `plan_key` for the layer's dimensions (its plan is renamed onto the other mesh's axes);
     the options of one problem share one ILP build (`plan_layer_options`).
     With `workers > 1` the problems are solved in forked processes, grouped by mesh so that
-    each process shares strategy work between the layers it plans on one mesh."""
+    each process shares strategy work between the layers it plans on one mesh. `new_state`:
+    as `plan_layer`'s."""
     signatures = [layer_signature(layer, rules, roles) for layer in layers]
     dims = {sig: None for sig in signatures}
     for l, layer in enumerate(layers):
@@ -356,7 +385,7 @@ def plan_layers(
     groups: dict[int, list] = {}
     for key, (l, m) in first.items():
         groups.setdefault(m, []).append((l, tuple(sorted(splits[key]))))
-    work = _LayerWork(tuple(layers), rules, tuple(roles), tuple(distinct), time_limit)
+    work = _LayerWork(tuple(layers), rules, tuple(roles), tuple(distinct), time_limit, dict(new_state or {}))
     tasks = sorted(groups.items())
     results = _solve_in_workers(work, tasks, workers) if workers > 1 and len(tasks) > 1 else None
     if results is None:
@@ -388,13 +417,14 @@ class _LayerWork:
     roles: tuple[str, ...]
     meshes: tuple[LogicalMesh, ...]
     time_limit: float
+    new_state: Mapping[int, int]
 
     def solve(self, task: tuple[int, list[tuple[int, tuple[bool, ...]]]]) -> list[list[LayerPlan]]:
         """Plans of each (layer, split_state options) of a task on its mesh, one build each."""
         mesh, items = self.meshes[task[0]], task[1]
         cache = StrategyCache(mesh)
         return [plan_layer_options(self.layers[l], self.rules, self.roles, mesh, splits, time_limit=self.time_limit,
-                                   cache=cache) for l, splits in items]
+                                   cache=cache, new_state=self.new_state) for l, splits in items]
 
 
 _ADOPTED: list[_LayerWork] = []  # in a forked worker: the work it inherited

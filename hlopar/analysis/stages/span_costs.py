@@ -11,13 +11,23 @@ prefix sums:
   between the layouts of consecutive layers of the span over B;
 - beyond Alpa (its §7): the bytes the stage receives from other stages (activations going
   forward, their gradients coming back) over the link between meshes, over B;
-- memory (Eq. 5 generalized to the schedule): state + gradients + the activations of the
-  microbatches in flight, `in_flight(schedule, s, B)` of them, each 1/B of a step's.
+- memory (Eq. 5 generalized to the schedule and to what the compiled fragments hold, as
+  `codegen.memory_check` counts them): the most of the stage's two phases, not their sum.
+  While the forward and backward run: state + gradient accumulators + the activations of
+  the microbatches in flight, `in_flight(schedule, s, B)` of them, each 1/B of a step's, +
+  the running fragment's temporaries and the values it receives and sends (per microbatch).
+  The temporaries are the span's layers' summed: each layer's is `fragment_memory`'s peak
+  at the layer's layouts, and the sum bounds what a fragment of several layers holds at
+  once, XLA's own scratch beyond that model included (the tiny Wide-ResNet's backward:
+  1.8x the model). While the update runs: the old state + the gradients + the new state,
+  held at once (the update takes no donated buffer: the old state lives until the step
+  ends); its elementwise math fuses into no temporaries.
 
 Rematerialization is one more option per (span, logical mesh), beside keeping the forward
 activations: the stage stashes only its inputs per microbatch in flight and its backward
-recomputes the forward from them. Memory: state + gradients + the span's inputs (per
-microbatch) × in flight + one microbatch's activations (the recompute's peak, held once).
+recomputes the forward from them. Memory in the forward and backward: state + gradients +
+the span's inputs (per microbatch) × in flight + one microbatch's activations (the
+recompute's peak, held once) + the temporaries; the update's as above.
 Latency: the span's per-microbatch latency plus its forward share once more. The table keeps
 the fastest option that fits, keeping activations on ties, so a span is rematerialized only
 where that is feasible and the other is not, or where it lets a faster logical mesh or
@@ -39,7 +49,9 @@ REMAT_MODES = ("auto", "always", "never")
 
 @dataclass(frozen=True)
 class LayerArrays:
-    """Per logical mesh g and layer l (arrays of shape (G, L)), from `layer_costs.LayerPlan`;
+    """Per logical mesh g and layer l (arrays of shape (G, L)), from `layer_costs.LayerPlan`
+    (bytes per device per step: the state, the gradients, the stashed activations, the new
+    state the update makes, the temporaries of the layer's forward or backward, the larger);
     `resharding[g, a, b]` the seconds to convert layer a's output layouts to layer b's input
     layouts (a < b) on mesh g, per step. What prices rematerialization (None: not priced):
     the forward share of the latencies and `input_bytes[g, a, b]`, the per-device bytes of
@@ -50,6 +62,8 @@ class LayerArrays:
     state_bytes: np.ndarray
     gradient_bytes: np.ndarray
     activation_bytes: np.ndarray
+    updated_state_bytes: np.ndarray
+    temporary_bytes: np.ndarray
     resharding: np.ndarray  # (G, L, L), zero on and below the diagonal
     forward_latency: np.ndarray | None = None
     forward_fixed_latency: np.ndarray | None = None
@@ -84,7 +98,7 @@ def span_table(
     remat: Literal["auto", "always", "never"] = "never",
 ) -> SpanTable:
     """The table Eq. 3 reads. `received_bytes[a, b]`: bytes layer b reads from layer a per step
-    (a != b); `meshes_of_submesh[m]` the logical meshes (indices g) of submesh m;
+    (a != b; what a stage receives and sends, in its time and its memory); `meshes_of_submesh[m]` the logical meshes (indices g) of submesh m;
     `transfer_seconds(bytes, submesh_size)` the time to bring bytes into a stage of that size
     from another mesh; `in_flight(s)` the microbatches whose activations a stage with s stages
     after it (itself included) keeps at once. With `per_microbatch`, the layers were planned
@@ -102,13 +116,16 @@ def span_table(
     lat_span = _span_sums(per_micro)  # (G, L, L)
     lat_span += _inner_pair_sums(layers.resharding) / B
     state_span = _span_sums(layers.state_bytes + layers.gradient_bytes)
+    update_peak = state_span + _span_sums(layers.updated_state_bytes)
     act_span = _span_sums(layers.activation_bytes) / B
+    received = _received_by_span(received_bytes)  # (L, L)
+    sent = _received_by_span(np.transpose(received_bytes))
+    running = state_span + (_span_sums(layers.temporary_bytes) + received + sent) / B  # beside the stashes
     if remat != "never":
         forward_micro = layers.forward_fixed_latency + (layers.forward_latency - layers.forward_fixed_latency) / B
         recompute_span = _span_sums(forward_micro)
         inputs_span = _inputs_by_span(layers.input_bytes) / B
 
-    received = _received_by_span(received_bytes)  # (L, L)
     valid = np.triu(np.ones((num_layers, num_layers), dtype=bool))
     stages = np.arange(1, max_stages + 1)
     flight = np.array([in_flight(int(s)) for s in stages], dtype=float)  # (S,)
@@ -126,10 +143,11 @@ def span_table(
                 usable = valid if remat != "always" else valid & ((act_span[g] > 0) == option)
                 t = lat_span[g] + transfer
                 if option:
-                    need = (state_span[g] + act_span[g])[:, :, None] + inputs_span[g][:, :, None] * flight[None, None, :]
+                    need = (running[g] + act_span[g])[:, :, None] + inputs_span[g][:, :, None] * flight[None, None, :]
                     t = t + recompute_span[g]
                 else:
-                    need = state_span[g][:, :, None] + act_span[g][:, :, None] * flight[None, None, :]  # (L, L, S)
+                    need = running[g][:, :, None] + act_span[g][:, :, None] * flight[None, None, :]  # (L, L, S)
+                need = np.maximum(need, update_peak[g][:, :, None])
                 t = np.where(usable, t, np.inf)[:, :, None]
                 t = np.where(need <= memory_per_device, t, np.inf)
                 t = np.broadcast_to(t, shape[:2] + (max_stages,))

@@ -14,15 +14,16 @@ GIB = 2.0**30
 
 
 def arrays(G: int = 1, L: int = 2, *, latency=1.0, fixed=0.1, state=1.0, gradient=1.0, activation=8.0,
-           forward=0.3, forward_fixed=0.05, inputs=0.5) -> LayerArrays:
-    """Hand-made per-layer numbers (bytes in GiB), every layer alike; layer l reads `inputs`
-    GiB per step from layer l-1."""
-    full = lambda x: np.full((G, L), float(x))  # noqa: E731
+           forward=0.3, forward_fixed=0.05, inputs=0.5, updated=0.0, temporary=0.0) -> LayerArrays:
+    """Hand-made per-layer numbers (bytes in GiB), every layer alike (`temporary` may also be
+    one per layer); layer l reads `inputs` GiB per step from layer l-1."""
+    full = lambda x: np.broadcast_to(np.asarray(x, dtype=float), (G, L)).copy()  # noqa: E731
     pairs = np.zeros((G, L, L))
     for a in range(L - 1):
         pairs[:, a, a + 1] = inputs * GIB
     return LayerArrays(latency=full(latency), fixed_latency=full(fixed), state_bytes=full(state * GIB),
                        gradient_bytes=full(gradient * GIB), activation_bytes=full(activation * GIB),
+                       updated_state_bytes=full(updated * GIB), temporary_bytes=full(np.multiply(temporary, GIB)),
                        resharding=np.zeros((G, L, L)), forward_latency=full(forward),
                        forward_fixed_latency=full(forward_fixed), input_bytes=pairs)
 
@@ -55,6 +56,37 @@ def test_memory_and_latency_of_both_options_exactly():
                 assert forced.memory[i, j, 0, s - 1] == pytest.approx((2 * n + 8 * n / B + inputs / B * s) * GIB,
                                                                       rel=1e-12)
                 assert forced.remat[i, j, 0, s - 1]
+
+
+def test_memory_is_the_larger_of_the_update_and_the_forward_backward_phase():
+    """The update holds old state + gradients + new state; the forward and backward hold state
+    + gradients + the stashes + the span's layers' temporaries (per microbatch); the table
+    keeps the larger, kept and rematerialized alike. (No values cross stages here: `table`
+    passes no received bytes; `test_span_costs` has them.)"""
+    B = 4
+    temporaries = [4.0, 12.0, 8.0]  # per step: 1, 3 and 2 GiB a microbatch
+    for activation, updated in ((8.0, 1.0), (0.4, 3.0)):
+        layers = arrays(L=3, activation=activation, updated=updated, temporary=temporaries)
+        keep = table(layers, B=B, memory_gib=1e9, remat="never")
+        forced = table(layers, B=B, memory_gib=1e9, remat="always")
+        for i in range(3):
+            for j in range(i, 3):
+                n = j - i + 1
+                most = sum(temporaries[i:j + 1]) / B
+                update = 2 * n + updated * n
+                inputs = 0.5 if i > 0 else 0.0
+                for s in (1, 2, 3):
+                    running = 2 * n + activation * n / B * s + most
+                    assert keep.memory[i, j, 0, s - 1] == pytest.approx(max(running, update) * GIB, rel=1e-12)
+                    running = 2 * n + activation * n / B + inputs / B * s + most
+                    assert forced.memory[i, j, 0, s - 1] == pytest.approx(max(running, update) * GIB, rel=1e-12)
+    # Both phases win somewhere in the second case: the first layer alone, the update's
+    # 1 + 1 + 3 = 5 GiB against 2 + 0.4/4 + 1 = 3.1; the second alone with three in flight,
+    # 2 + 0.4/4·3 + 3 = 5.3 against the update's 5; all three layers, the update's 15
+    # against 6 + 0.3 + 6.
+    assert keep.memory[0, 0, 0, 0] == pytest.approx(5 * GIB, rel=1e-12)
+    assert keep.memory[1, 1, 0, 2] == pytest.approx(5.3 * GIB, rel=1e-12)
+    assert keep.memory[0, 2, 0, 0] == pytest.approx(15 * GIB, rel=1e-12)
 
 
 def test_auto_keeps_activations_where_they_fit_and_rematerializes_where_only_that_fits():

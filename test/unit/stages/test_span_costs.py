@@ -16,6 +16,8 @@ def _random_layers(rng, G, L):
         state_bytes=rng.uniform(0, 10, (G, L)),
         gradient_bytes=rng.uniform(0, 5, (G, L)),
         activation_bytes=rng.uniform(0, 10, (G, L)),
+        updated_state_bytes=rng.uniform(0, 10, (G, L)),
+        temporary_bytes=rng.uniform(0, 20, (G, L)),
         resharding=pairs,
     )
 
@@ -24,7 +26,7 @@ def test_span_table_equals_direct_sums_and_keeps_the_best_fitting_mesh():
     rng = np.random.default_rng(0)
     G, L, S, B = 3, 5, 4, 4
     layers = _random_layers(rng, G, L)
-    received = rng.uniform(0, 100, (L, L))
+    received = rng.uniform(0, 20, (L, L))
     meshes_of_submesh = [[0], [1, 2]]
     sizes = [1, 4]
     memory = 60.0
@@ -36,7 +38,7 @@ def test_span_table_equals_direct_sums_and_keeps_the_best_fitting_mesh():
         for j in range(L):
             for m, meshes in enumerate(meshes_of_submesh):
                 for s in range(1, S + 1):
-                    best, best_g = np.inf, -1
+                    best, best_g, best_need = np.inf, -1, np.inf
                     if j >= i:
                         span = range(i, j + 1)
                         for g in meshes:
@@ -44,12 +46,17 @@ def test_span_table_equals_direct_sums_and_keeps_the_best_fitting_mesh():
                             t += sum(layers.resharding[g, a, b] for a in span for b in span if a < b) / B
                             inbound = sum(received[a, b] for a in range(L) for b in span if a not in span)
                             t += (transfer(inbound, sizes[m]) if inbound > 0 else 0.0) / B
-                            need = sum(layers.state_bytes[g, l] + layers.gradient_bytes[g, l] for l in span)
-                            need += in_flight(s) * sum(layers.activation_bytes[g, l] for l in span) / B
+                            held = sum(layers.state_bytes[g, l] + layers.gradient_bytes[g, l] for l in span)
+                            running = held + in_flight(s) * sum(layers.activation_bytes[g, l] for l in span) / B
+                            outbound = sum(received[a, b] for a in span for b in range(L) if b not in span)
+                            running += (sum(layers.temporary_bytes[g, l] for l in span) + inbound + outbound) / B
+                            updating = held + sum(layers.updated_state_bytes[g, l] for l in span)
+                            need = max(running, updating)
                             if need <= memory and t < best:
-                                best, best_g = t, g
+                                best, best_g, best_need = t, g, need
                     assert np.isclose(table.latency[i, j, m, s - 1], best) or (np.isinf(best) and np.isinf(table.latency[i, j, m, s - 1]))
                     assert table.mesh[i, j, m, s - 1] == best_g
+                    assert np.isclose(table.memory[i, j, m, s - 1], best_need) or np.isinf(best_need)
 
 
 def test_more_stages_after_a_stage_never_make_it_fit_better():
