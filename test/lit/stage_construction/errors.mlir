@@ -1,7 +1,7 @@
 // Bad options and inputs: a located error, exit status 1, no traceback.
 
 // RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-stage-construction{num-hosts=0 devices-per-host=4})' 2>&1 | FileCheck %s --check-prefixes=HOSTS,ENTRY
-// RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-auto-parallel{num-hosts=2 devices-per-host=0})' 2>&1 | FileCheck %s --check-prefixes=HOSTS,ENTRY-CLUSTER
+// RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-auto-parallel{num-hosts=2 devices-per-host=0})' 2>&1 | FileCheck %s --check-prefixes=HOSTS,ENTRY-UNSTACK
 // RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-stage-construction{num-hosts=1 devices-per-host=4 memory-per-device=1B})' 2>&1 | FileCheck %s --check-prefixes=MEMORY,ENTRY
 // RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-cluster-operators)' 2>&1 | FileCheck %s --check-prefix=ENTRY-CLUSTER
 
@@ -33,8 +33,9 @@ func.func @main(%x: tensor<4x8xf32>, %w: tensor<8x8xf32>) -> tensor<4x8xf32> {
 // -----
 
 // Two public functions and no @main: which one is the step?
-// ENTRY: errors.mlir:[[# @LINE + 2]]:{{[0-9]+}}: error: hlopar-stage-construction: expects one entry function (@main), found 2
-// ENTRY-CLUSTER: errors.mlir:[[# @LINE + 1]]:{{[0-9]+}}: error: hlopar-cluster-operators: expects one entry function (@main), found 2
+// ENTRY: errors.mlir:[[# @LINE + 3]]:{{[0-9]+}}: error: hlopar-stage-construction: expects one entry function (@main), found 2
+// ENTRY-CLUSTER: errors.mlir:[[# @LINE + 2]]:{{[0-9]+}}: error: hlopar-cluster-operators: expects one entry function (@main), found 2
+// ENTRY-UNSTACK: errors.mlir:[[# @LINE + 1]]:{{[0-9]+}}: error: hlopar-unstack-layer-scans: expects one entry function (@main), found 2
 
 func.func @f(%x: tensor<4x8xf32>) -> tensor<4x8xf32> {
   return %x : tensor<4x8xf32>
