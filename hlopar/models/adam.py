@@ -10,6 +10,15 @@ auto-sharding pass can shard like the parameter they update).
 
 The step count is an int32 scalar; the bias corrections ``1 - b1**t`` and ``1 - b2**t`` are
 computed in float32 and then applied in each leaf's own dtype.
+
+Mixed precision (Micikevicius et al., "Mixed Precision Training", ICLR 2018): with
+``init_adam(params, master_dtype="float32")`` for float16 `params` the state also holds a
+float32 master copy of the weights, and the moments are float32. The step then takes the
+float16 gradients, casts them to float32, updates the master copy and the moments in float32
+and returns the master copy rounded to float16 as the new parameters: per parameter 2 bytes
+of float16 weights, 2 of float16 gradients, 4 of master weights and 4 + 4 of moments, 16 in
+all, as in the paper and as Alpa's benchmarks hold it (its `model_util.TrainState` keeps float16
+`params` beside a float32 `master_copy` that the optimizer state is made of). No loss scaling.
 """
 
 from __future__ import annotations
@@ -24,11 +33,13 @@ PyTree = Any
 
 
 class AdamState(NamedTuple):
-    """Optimizer state: the step count and the first and second moments (same tree as params)."""
+    """Optimizer state: the step count and the first and second moments (same tree as params),
+    and under mixed precision the master weights (None otherwise: the params are the weights)."""
 
     count: jax.Array
     mu: PyTree
     nu: PyTree
+    master: PyTree = None
 
 
 @dataclass(frozen=True)
@@ -39,18 +50,25 @@ class AdamConfig:
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
+    master_dtype: str | None = None  # mixed precision: master weights and moments in this dtype
 
 
-def init_adam(params: PyTree) -> AdamState:
-    """Zero moments shaped like `params`, and a zero step count.
+def init_adam(params: PyTree, master_dtype: str | None = None) -> AdamState:
+    """Zero moments shaped like `params`, and a zero step count; with `master_dtype`, a master
+    copy of `params` in that dtype, and the moments in that dtype (mixed precision).
 
     Works on real arrays and, under `jax.eval_shape`, on `jax.ShapeDtypeStruct` trees.
     """
-    zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+    master = None
+    if master_dtype is not None:
+        master = jax.tree_util.tree_map(lambda p: p.astype(master_dtype), params)
+    weights = params if master is None else master
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, weights)
     return AdamState(
         count=jnp.zeros((), jnp.int32),
         mu=zeros,
-        nu=jax.tree_util.tree_map(jnp.zeros_like, params),
+        nu=jax.tree_util.tree_map(jnp.zeros_like, weights),
+        master=master,
     )
 
 
@@ -67,7 +85,18 @@ def adam_update(
 
     ``m_t = b1 m + (1-b1) g``, ``v_t = b2 v + (1-b2) g^2``,
     ``p_t = p - lr * (m_t / (1-b1^t)) / (sqrt(v_t / (1-b2^t)) + eps)``.
+
+    With a master copy in `state` (mixed precision) ``p`` is the master copy, the gradients
+    are cast to its dtype first, and the new params are the new master copy in the params'
+    dtype. They also read the old params (``+ 0 * p``, exact for finite params), which is how
+    a step's data flow says that a result is the new value of an argument
+    (`hlopar.analysis.training_roles.state_pairs`); Alpa's `TrainState` adds the same zero term
+    (there for buffer donation).
     """
+    mixed = state.master is not None
+    if mixed:
+        grads = jax.tree_util.tree_map(lambda g, w: g.astype(w.dtype), grads, state.master)
+    weights = state.master if mixed else params
     count = state.count + 1
     t = count.astype(jnp.float32)
     correction1 = 1.0 - jnp.asarray(b1, jnp.float32) ** t
@@ -81,5 +110,8 @@ def adam_update(
         v_hat = v / correction2.astype(v.dtype)
         return (p - lr * m_hat / (jnp.sqrt(v_hat) + eps)).astype(p.dtype)
 
-    new_params = jax.tree_util.tree_map(update, params, mu, nu)
-    return new_params, AdamState(count=count, mu=mu, nu=nu)
+    new_weights = jax.tree_util.tree_map(update, weights, mu, nu)
+    if not mixed:
+        return new_weights, AdamState(count=count, mu=mu, nu=nu)
+    new_params = jax.tree_util.tree_map(lambda w, p: w.astype(p.dtype) + 0 * p, new_weights, params)
+    return new_params, AdamState(count=count, mu=mu, nu=nu, master=new_weights)

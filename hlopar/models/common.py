@@ -119,8 +119,8 @@ class TrainStep:
         return jax.jit(lambda rng: materialize(specs, rng))
 
     def init_opt_state(self, params: Params) -> AdamState:
-        """Adam state for `params`."""
-        return init_adam(params)
+        """Adam state for `params` (with a master copy under mixed precision)."""
+        return init_adam(params, self.optimizer.master_dtype)
 
     def step(self, params: Params, opt_state: AdamState, batch: Batch):
         """Loss, gradients by `jax.value_and_grad`, one Adam update. Pure; `jax.jit` it."""
@@ -140,7 +140,7 @@ class TrainStep:
         """``(params, opt_state, batch)`` as `jax.ShapeDtypeStruct` pytrees; allocates nothing."""
         key = jax.eval_shape(lambda: jax.random.key(0))
         params = abstract_params(self.param_specs)
-        opt_state = jax.eval_shape(init_adam, params)
+        opt_state = jax.eval_shape(lambda p: init_adam(p, self.optimizer.master_dtype), params)
         batch = jax.eval_shape(self.make_batch, key)
         return params, opt_state, batch
 

@@ -9,7 +9,12 @@ Configurations: Alpa (Zheng et al., OSDI'22), Appendix B, Table 6 (hidden size, 
 #heads), with sequence length 1024 and vocabulary 51200 for all models (Appendix B) and the
 global batch size 1024 of Table 4. Table 4 lists FP16 for GPT-3; the default dtype here is
 float32 (``dtype`` is a config field), and ``<name>-fp16`` (for the Table 6 names) is the same
-model in Alpa's precision (parameters, optimizer state and activations in float16). The parameter counts these give (`param_count`):
+model in Alpa's precision, mixed precision as Alpa's benchmarks train it (Micikevicius et al.,
+ICLR 2018): float16 parameters, activations and gradients for the forward and backward, a
+float32 master copy of the weights and float32 Adam moments for the update (``master_dtype``;
+16 bytes per parameter with the gradients, see `hlopar.models.adam`), no loss scaling. A custom
+config with ``dtype="float16"`` and no ``master_dtype`` keeps everything in float16 (8 bytes).
+The parameter counts these give (`param_count`):
 350M -> 0.356B, 1.3B -> 1.316B, 2.6B -> 2.651B, 6.7B -> 6.658B, 15B -> 15.37B, 39B -> 39.09B.
 
 The layers are a Python loop (unrolled, no `lax.scan`) inside ``jax.named_scope("layer_<i>")``,
@@ -17,7 +22,7 @@ so each layer is its own run of ops in the IR and its ops' locations carry its n
 ``scan_layers=True`` (configurations ``<name>-scan``) the layers' parameters are stacked along a
 leading layer axis and the blocks run under ``jax.lax.scan``, the style of large-model code
 bases: the IR holds one block, inside a ``stablehlo.while``, whatever the depth
-(``<name>-fp16-scan`` in float16).
+(``<name>-fp16-scan`` in mixed precision).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class GPTConfig:
     batch_size: int = 1024
     dtype: str = "float32"
     scan_layers: bool = False  # stacked layer parameters, blocks under lax.scan
+    master_dtype: str | None = None  # mixed precision: Adam's master weights and moments' dtype
 
     @property
     def ffn_hidden(self) -> int:
@@ -59,7 +65,7 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     "15B": GPTConfig(hidden_size=5120, num_layers=48, num_heads=32),
     "39B": GPTConfig(hidden_size=8192, num_layers=48, num_heads=64),
 }
-GPT_CONFIGS.update({f"{name}-fp16": replace(config, dtype="float16")  # Alpa's precision, Table 4
+GPT_CONFIGS.update({f"{name}-fp16": replace(config, dtype="float16", master_dtype="float32")  # Alpa's, Table 4
                     for name, config in list(GPT_CONFIGS.items()) if name != "tiny"})
 GPT_CONFIGS.update({f"{name}-scan": replace(config, scan_layers=True) for name, config in list(GPT_CONFIGS.items())})
 
@@ -120,5 +126,6 @@ def make_batch(config: GPTConfig, rng: jax.Array):
 def train_step(config: str | GPTConfig = "tiny", optimizer: AdamConfig | None = None) -> TrainStep:
     """The GPT training step of a named configuration (see `GPT_CONFIGS`) or a `GPTConfig`."""
     cfg = resolve_config("gpt", GPT_CONFIGS, GPTConfig, config)
+    optimizer = replace(optimizer or AdamConfig(), master_dtype=cfg.master_dtype)
     return train_step_for("gpt", GPT_CONFIGS, cfg, param_specs=param_specs, loss_fn=loss_fn,
                           make_batch=make_batch, optimizer=optimizer)

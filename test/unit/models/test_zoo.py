@@ -77,8 +77,8 @@ def test_registry_lists_every_family_with_a_tiny_config():
     gpt = ["tiny", "350M", "1.3B", "2.6B", "6.7B", "15B", "39B"]
     gpt += [f"{name}-fp16" for name in gpt[1:]]
     assert list_configs("gpt") == gpt + [f"{name}-scan" for name in gpt]
-    assert MODELS["gpt"].configs["39B-fp16-scan"] == dataclasses.replace(MODELS["gpt"].configs["39B"], dtype="float16",
-                                                                         scan_layers=True)
+    assert MODELS["gpt"].configs["39B-fp16-scan"] == dataclasses.replace(
+        MODELS["gpt"].configs["39B"], dtype="float16", master_dtype="float32", scan_layers=True)
     assert list_configs("moe") == ["tiny", "380M", "1.3B", "2.4B", "10B", "27B", "70B"]
     assert list_configs("wide_resnet") == ["tiny", "250M", "1B", "2B", "4B", "6.8B", "13B"]
     assert list_configs("u_transformer") == ["tiny", "2.1B"]
@@ -205,6 +205,77 @@ def test_dtype_is_a_config_field():
     assert ts.name == "gpt-custom"
     text = ts.lower()
     assert "tensor<128x64xf16>" in text  # the token embedding
+    # Without a master dtype everything is float16, Adam's moments too: no master copy.
+    opt_state = ts.abstract_args()[1]
+    assert opt_state.master is None
+    assert {x.dtype for x in jax.tree_util.tree_leaves(opt_state.mu)} == {jnp.dtype("float16")}
+
+
+def _dtypes(tree) -> set[str]:
+    return {str(x.dtype) for x in jax.tree_util.tree_leaves(tree)}
+
+
+def _bytes(tree) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))
+
+
+@pytest.mark.parametrize("config", ["350M-fp16", "350M-fp16-scan"])
+def test_gpt_fp16_is_mixed_precision(config):
+    """Alpa's precision: float16 weights, activations and gradients, float32 master weights and
+    moments, 16 bytes per parameter (Micikevicius et al. 2018)."""
+    ts = get_train_step("gpt", config)
+    params, opt_state, batch = ts.abstract_args()
+    n = ts.param_count()
+    assert _dtypes(params) == {"float16"}
+    assert _dtypes((opt_state.master, opt_state.mu, opt_state.nu)) == {"float32"}
+    shapes = [x.shape for x in jax.tree_util.tree_leaves(params)]
+    for tree in (opt_state.master, opt_state.mu, opt_state.nu):
+        assert [x.shape for x in jax.tree_util.tree_leaves(tree)] == shapes
+    grads = jax.eval_shape(jax.grad(ts.loss_fn), params, batch)
+    assert _dtypes(grads) == {"float16"}
+    state = (params, opt_state.master, opt_state.mu, opt_state.nu)
+    assert (_bytes(state), _bytes(grads)) == (14 * n, 2 * n)  # 2 + 4 + 4 + 4, and 2: 16 in all
+    # The forward and backward compute in float16: every matmul's operands and result.
+    text = ts.lower()
+    dots = re.findall(r"stablehlo\.dot_general.*: \((.*)\) -> (.*)", text)
+    assert len(dots) >= 3 * 4 * (1 if config.endswith("scan") else ts.config.num_layers)
+    for operands, result in dots:
+        assert re.findall(r"x(f\d+)>", operands + result) == ["f16"] * 3, (operands, result)
+    # The update casts float16 gradients to float32: one convert per parameter leaf at least.
+    leaves = len(shapes)
+    assert len(re.findall(r"stablehlo\.convert .*: \(tensor<[^>]*xf16>\) -> tensor<[^>]*xf32>", text)) >= leaves
+
+
+def test_mixed_precision_step_is_adam_on_the_master_weights():
+    """One mixed-precision step = float32 Adam on the master weights with the float16
+    gradients cast to float32; the new float16 params are the new master weights rounded."""
+    cfg = dataclasses.replace(gpt.GPT_CONFIGS["tiny"], dtype="float16", master_dtype="float32")
+    ts = gpt.train_step(cfg)
+    params = ts.init(jax.random.key(0))
+    opt_state = ts.init_opt_state(params)
+    batch = ts.make_batch(jax.random.key(1))
+    assert _dtypes(params) == {"float16"} and _dtypes(opt_state.master) == {"float32"}
+    assert jax.tree_util.tree_all(jax.tree_util.tree_map(
+        lambda m, p: bool(jnp.all(m == p.astype(jnp.float32))), opt_state.master, params))
+
+    grads = jax.jit(jax.grad(ts.loss_fn))(params, batch)
+    grads32 = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
+    reference = jax.jit(adam_update)(grads32, init_adam(opt_state.master), opt_state.master)
+    new_params, new_state, _ = ts.jitted_step(params, opt_state, batch)
+    for got, want in zip(jax.tree_util.tree_leaves((new_state.master, new_state.mu, new_state.nu)),
+                         jax.tree_util.tree_leaves((reference[0], reference[1].mu, reference[1].nu))):
+        np.testing.assert_array_equal(got, want)
+    for p, m in zip(jax.tree_util.tree_leaves(new_params), jax.tree_util.tree_leaves(new_state.master)):
+        assert p.dtype == jnp.float16
+        np.testing.assert_array_equal(p, m.astype(jnp.float16))
+    assert int(new_state.count) == 1
+
+    losses = []
+    params, opt_state = new_params, new_state
+    for _ in range(3):
+        params, opt_state, loss = ts.jitted_step(params, opt_state, batch)
+        losses.append(float(loss))
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
 
 
 def test_adam_matches_the_papers_update_rule():
