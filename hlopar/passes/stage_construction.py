@@ -82,6 +82,7 @@ class StageConstructionPass(ModulePass):
     workers: int | None = option(None, "processes solving layer ILPs (default: one per CPU core)")
     epsilon: float = option(1e-6, "t_max step of the DP's enumeration, seconds (Alpa §5.2)")
     plan_shardings: bool = option(True, "plan each stage's intra-op shardings (false: stages replicated)")
+    stages: int | None = option(None, "exactly this many pipeline stages (default: the DP chooses)")
     remat: Literal["auto", "always", "never"] = option(
         "auto", "rematerialize stages: auto (where it pays), always (every stage that stashes activations), never")
     report: str | None = option(None, "write a JSON report of the plan to this path")
@@ -167,7 +168,7 @@ class StageConstructionPass(ModulePass):
             timings["span_costs"] += dp_clock - table_clock
             try:
                 result = stage_dp(table.latency, [s.size for s in submeshes], self.num_hosts * self.devices_per_host,
-                                  microbatches, epsilon=self.epsilon)
+                                  microbatches, epsilon=self.epsilon, num_stages=self.stages)
             except ValueError as error:
                 candidates.append({"microbatches": microbatches, "total_latency": None, "why": str(error)})
                 timings["stage_dp"] += time.perf_counter() - dp_clock

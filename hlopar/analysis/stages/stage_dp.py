@@ -78,6 +78,7 @@ class _Problem:
     i: tuple[np.ndarray, ...]
     m: tuple[np.ndarray, ...]
     value: tuple[np.ndarray, ...]
+    num_stages: int | None = None  # only plans of this many stages (None: any)
 
     @property
     def max_stages(self) -> int:
@@ -92,7 +93,8 @@ def _as_4d(latency: np.ndarray, num_devices: int) -> np.ndarray:
     return table
 
 
-def _problem(latency: np.ndarray, submesh_sizes: Sequence[int], num_devices: int) -> _Problem:
+def _problem(latency: np.ndarray, submesh_sizes: Sequence[int], num_devices: int,
+             num_stages: int | None = None) -> _Problem:
     table = _as_4d(latency, num_devices)
     if table.ndim != 4 or table.shape[0] != table.shape[1] or table.shape[0] == 0:
         raise ValueError(f"latency must have shape (L, L, M, S) or (L, L, M), got {np.shape(latency)}")
@@ -104,22 +106,26 @@ def _problem(latency: np.ndarray, submesh_sizes: Sequence[int], num_devices: int
         raise ValueError("submesh sizes must be positive")
     if num_devices < 1:
         raise ValueError(f"num_devices must be positive, got {num_devices}")
+    if num_stages is not None and not 1 <= num_stages <= min(depth, num_layers, num_devices):
+        raise ValueError(f"{num_stages} stages: between 1 and {min(depth, num_layers, num_devices)} here "
+                         f"({num_layers} layers, {num_devices} devices)")
     if np.any(np.isnan(table)) or np.any(table < 0):
         raise ValueError("latencies must be non-negative (inf where infeasible), not NaN")
     ks, is_, ms, values = [], [], [], []
     k, i, m = np.meshgrid(np.arange(num_layers), np.arange(num_layers), np.arange(num_submeshes), indexing="ij")
-    for s in range(1, min(depth, num_layers, num_devices) + 1):
+    for s in range(1, (num_stages or min(depth, num_layers, num_devices)) + 1):
         value = table[:, :, :, s - 1]
         keep = (i >= k) & (i <= num_layers - s) & (sizes[m] <= num_devices - (s - 1)) & np.isfinite(value)
         ks.append(k[keep])
         is_.append(i[keep])
         ms.append(m[keep])
         values.append(value[keep])
-    return _Problem(num_layers, num_devices, sizes, tuple(ks), tuple(is_), tuple(ms), tuple(values))
+    return _Problem(num_layers, num_devices, sizes, tuple(ks), tuple(is_), tuple(ms), tuple(values), num_stages)
 
 
 def _min_sum(problem: _Problem, t_max: float) -> tuple[float, tuple[Stage, ...]] | None:
-    """min_s F(s, 0, D; t_max) of Eq. 3–4 and its stages (fewest stages on ties), or None.
+    """min_s F(s, 0, D; t_max) of Eq. 3–4 and its stages (fewest stages on ties), or None;
+    F(S, 0, D; t_max) where the problem fixes S stages.
 
     F[s][k, d] for all k, d at once: every usable entry (k, i, m) with t <= t_max adds its t
     to F[s-1][i+1, d - size_m], and the least per k is kept (a segmented min over entries
@@ -146,6 +152,8 @@ def _min_sum(problem: _Problem, t_max: float) -> tuple[float, tuple[Stage, ...]]
         firsts = np.flatnonzero(np.concatenate([[True], k[1:] != k[:-1]]))
         current[k[firsts]] = np.minimum.reduceat(candidates, firsts, axis=0)
     totals = np.array([table[0, D] for table in tables[1:]])
+    if problem.num_stages is not None:  # F of the other counts: not plans here
+        totals = np.where(np.arange(1, len(totals) + 1) == problem.num_stages, totals, np.inf)
     if len(totals) == 0 or not np.isfinite(totals.min()):
         return None
     num_stages = int(np.argmin(totals)) + 1
@@ -189,21 +197,24 @@ def _candidate_groups(problem: _Problem, epsilon: float) -> tuple[np.ndarray, np
 
 
 def stage_dp(latency: np.ndarray, submesh_sizes: Sequence[int], num_devices: int, num_microbatches: int,
-             epsilon: float = 1e-6, num_runner_ups: int = 3) -> StagePlan:
+             epsilon: float = 1e-6, num_runner_ups: int = 3, num_stages: int | None = None) -> StagePlan:
     """The plan of least Eq. 2 latency (module docstring): table `latency[i, j, m, s-1]`
     (a 3-D table means no dependence on s), `submesh_sizes[m]` devices per submesh choice,
-    all `num_devices` used, B = `num_microbatches`. Ties: the smaller t_max. Raises ValueError
-    when no slicing fits (every way to use all devices hits an infeasible span)."""
+    all `num_devices` used, B = `num_microbatches`; with `num_stages`, the best plan of exactly
+    that many stages (a user's fixed pipeline depth; Σ t stays nonincreasing in t_max for one
+    s, so the search is the same). Ties: the smaller t_max. Raises ValueError when no slicing
+    fits (every way to use all devices hits an infeasible span)."""
     if num_microbatches < 1:
         raise ValueError(f"num_microbatches must be positive, got {num_microbatches}")
     if epsilon < 0:
         raise ValueError(f"epsilon must be non-negative, got {epsilon}")
-    problem = _problem(latency, submesh_sizes, num_devices)
+    problem = _problem(latency, submesh_sizes, num_devices, num_stages)
     lows, highs = _candidate_groups(problem, epsilon)
     search = _Search(problem, lows, highs, num_microbatches - 1)
     if len(highs) == 0 or search.evaluate(len(highs) - 1) is None:  # the loosest t_max: any plan at all?
         raise ValueError(
-            f"no pipeline plan: no slicing of {problem.num_layers} layers into stages on submeshes "
+            f"no pipeline plan: no slicing of {problem.num_layers} layers into "
+            f"{f'{num_stages} ' if num_stages else ''}stages on submeshes "
             f"of sizes {sorted(set(int(s) for s in problem.sizes))} uses exactly {num_devices} devices "
             "with every stage feasible (out of memory or no such submesh)")
     search.run()
@@ -282,14 +293,15 @@ class _Search:
 
 
 def brute_force_stages(latency: np.ndarray, submesh_sizes: Sequence[int], num_devices: int,
-                       num_microbatches: int) -> StagePlan:
+                       num_microbatches: int, num_stages: int | None = None) -> StagePlan:
     """Every slicing × submesh assignment using exactly all devices, scored by Eq. 2 (for tests
     on small L and D); least (T, t_max). Same inputs and errors as `stage_dp`."""
     table = _as_4d(latency, num_devices)
     num_layers, _, num_submeshes, depth = table.shape
     sizes = list(submesh_sizes)
     best, evaluated = None, 0
-    for num_stages in range(1, min(num_layers, depth) + 1):
+    counts = [num_stages] if num_stages is not None else range(1, min(num_layers, depth) + 1)
+    for num_stages in counts:
         for cuts in itertools.combinations(range(1, num_layers), num_stages - 1):
             starts, ends = (0,) + cuts, cuts + (num_layers,)
             for choice in itertools.product(range(num_submeshes), repeat=num_stages):

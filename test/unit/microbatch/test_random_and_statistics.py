@@ -261,20 +261,23 @@ def test_batchnorm_statistics_per_microbatch():
 PLAN = "hlopar-cluster-operators,hlopar-stage-construction{num-hosts=2 devices-per-host=4 workers=1}"
 
 
-# Memory per device so small that one stage does not fit: the tiny models pipeline. The
-# BatchNorm step has two plans (layers of `hlopar-cluster-operators`, stage construction's
-# report checks which): with remat=never, layers 0 | 1-2 keeping activations; with
-# remat=auto, 0-1 | 2 with stage 0 marked rematerialized, run as written (marked, no
-# hlopar-rematerialize) and rematerialized.
+# Two stages on 2 x 4 (`stages=2`: one stage over all 8 devices would fit any memory two
+# stages fit, its state split 8 ways). The BatchNorm step's layers (`hlopar-cluster-operators`)
+# go 0-1 | 2 (stage construction's report checks it): activations kept (remat=never); stage 0
+# marked rematerialized where only that fits (remat=auto, 12 KiB), run as written (marked, no
+# hlopar-rematerialize) and rematerialized; both stages rematerialized (remat=always).
 _BN_PLAN = ("hlopar-cluster-operators,hlopar-stage-construction{num-hosts=2 devices-per-host=4 workers=1 "
-            "memory-per-device=8KiB remat={remat} report={report}}")
+            "stages=2 remat={remat} report={report}}")
 TWO_STAGES = {
     "dropout": ("hlopar-cluster-operators{layers=2},hlopar-stage-construction{num-hosts=2 devices-per-host=4 "
-                "workers=1 memory-per-device=300B}", None),
-    "batchnorm-0|1-2": (_BN_PLAN.replace("{remat}", "never"), [([0, 0], False), ([1, 2], False)]),
-    "batchnorm-0-1|2": (_BN_PLAN.replace("{remat}", "auto"), [([0, 1], True), ([2, 2], False)]),
-    "batchnorm-0-1|2-remat": (_BN_PLAN.replace("{remat}", "auto") + ",hlopar-rematerialize",
-                              [([0, 1], True), ([2, 2], False)]),
+                "workers=1 stages=2}", None),
+    "batchnorm-keep": (_BN_PLAN.replace("{remat}", "never"), [([0, 1], False), ([2, 2], False)]),
+    "batchnorm-marked": (_BN_PLAN.replace("{remat}", "auto memory-per-device=12KiB"),
+                         [([0, 1], True), ([2, 2], False)]),
+    "batchnorm-remat": (_BN_PLAN.replace("{remat}", "auto memory-per-device=12KiB") + ",hlopar-rematerialize",
+                        [([0, 1], True), ([2, 2], False)]),
+    "batchnorm-remat-all": (_BN_PLAN.replace("{remat}", "always") + ",hlopar-rematerialize",
+                            [([0, 1], True), ([2, 2], True)]),
 }
 
 
@@ -303,9 +306,9 @@ def _assert_step_close(actual, expected, params, rtol: float) -> None:
     assert_trees_close(actual[1:], expected[1:], rtol=rtol, max_rtol=rtol)
 
 
-@pytest.mark.parametrize("which, names", [("dropout", False), ("batchnorm-0|1-2", False),
-                                          ("batchnorm-0-1|2", False), ("batchnorm-0-1|2-remat", False),
-                                          ("dropout", True), ("batchnorm", True)])
+@pytest.mark.parametrize("which, names", [("dropout", False), ("batchnorm-keep", False),
+                                          ("batchnorm-marked", False), ("batchnorm-remat", False),
+                                          ("batchnorm-remat-all", False), ("dropout", True), ("batchnorm", True)])
 def test_pipelined_runs_the_same(which, names, tmp_path):
     """Planned into a pipeline on 2 x 4 CPU devices and run by `PipelinedStep`: the index
     argument reaches the stages that read it; the results are the microbatched step's.
@@ -331,19 +334,21 @@ def test_pipelined_runs_the_same(which, names, tmp_path):
 
 
 def test_pipelined_batchnorm_split_is_exact_in_float64(tmp_path):
-    """The 0-1 | 2 split in float64 on the same data: every leaf is the microbatched step's
-    to float64's rounding, the biases before a BatchNorm (zero gradient, ~1e-17 here) too;
-    so what float32 shows for those biases is rounding, not a split computing otherwise.
-    (float64 doubles every byte: 17KiB per device plans the split 8KiB plans in float32.)"""
+    """The 0-1 | 2 split (stage 0 marked rematerialized, run as written) in float64 on the
+    same data: every leaf is the microbatched step's to float64's rounding, the biases before
+    a BatchNorm (zero gradient, ~1e-17 here) too; so what float32 shows for those biases is
+    rounding, not a split computing otherwise. (float64 doubles every byte: 24KiB per device
+    plans what 12KiB plans in float32.)"""
     args32 = jax.tree_util.tree_map(np.asarray, _bn_args())
     with jax.enable_x64(True):
         args = jax.tree_util.tree_map(lambda a: a.astype(np.float64), args32)
         module, _ = _split(_bn_step, args, 4)
         expected = MicrobatchedStep(module.clone())(_host(args))
         report = tmp_path / "plan.json"
-        plan = _BN_PLAN.replace("8KiB", "17KiB").replace("{remat}", "auto").replace("{report}", str(report))
+        plan = _BN_PLAN.replace("{remat}", "auto memory-per-device=24KiB").replace("{report}", str(report))
         program = pipeline_program(_planned(module, plan, False))
-        assert [s["layers"] for s in json.loads(report.read_text())["stages"]] == [[0, 1], [2, 2]]
+        planned = [(s["layers"], s["remat"]) for s in json.loads(report.read_text())["stages"]]
+        assert planned == [([0, 1], True), ([2, 2], False)], planned
         actual = PipelinedStep(program)(_host(args), "1f1b")
     assert all(np.asarray(a).dtype == np.float64 for a in actual)
     assert_trees_close(_leaves(actual), _leaves(expected), rtol=1e-13, atol=1e-15)

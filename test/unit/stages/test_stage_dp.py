@@ -66,6 +66,36 @@ def test_dp_equals_brute_force(seed):
         assert got.total_latency == pytest.approx(want.total_latency)
 
 
+@pytest.mark.parametrize("seed", range(150))
+def test_fixed_stage_count_equals_brute_force(seed):
+    """`num_stages`: the best plan of exactly that many stages, as brute force over those
+    slicings finds it (55 of the 150 instances have one; on 15 of them the DP left free
+    chooses another count); on the others both refuse."""
+    rng = np.random.default_rng(1000 + seed)
+    layers = int(rng.integers(2, 6))
+    devices = int(rng.choice([2, 4, 6, 8]))
+    sizes = sorted({1, *(int(x) for x in rng.choice([1, 2, 4], size=int(rng.integers(1, 3))))})
+    table = _random_table(rng, layers, len(sizes), layers, integer=True)
+    microbatches = int(rng.integers(1, 12))
+    count = int(rng.integers(1, min(layers, devices) + 1))
+    try:
+        want = brute_force_stages(table, sizes, devices, microbatches, num_stages=count)
+    except ValueError:
+        with pytest.raises(ValueError, match=f"no pipeline plan: no slicing of {layers} layers into {count} stages"):
+            stage_dp(table, sizes, devices, microbatches, epsilon=0, num_stages=count)
+        return
+    got = stage_dp(table, sizes, devices, microbatches, epsilon=0, num_stages=count)
+    _check_plan(got, table, sizes, devices, microbatches)
+    assert len(got.stages) == count and _key(got) == _key(want)
+
+
+def test_fixed_stage_count_out_of_range():
+    table = np.ones((3, 3, 1, 3))
+    with pytest.raises(ValueError, match="4 stages: between 1 and 3 here"):
+        stage_dp(table, [1], 4, 2, num_stages=4)
+    assert len(stage_dp(table, [1], 3, 2, num_stages=3).stages) == 3
+
+
 def _linear_scan(table, sizes, devices, microbatches):
     """Algorithm 1 lines 26–43 as written: every distinct t_max from small to large."""
     problem = _problem(table, sizes, devices)
