@@ -25,9 +25,12 @@ from numerics import assert_adam_step_close
 CLUSTER = hlopar.Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu")
 
 
-CASES = [(model, schedule, "pipeline") for model in ("gpt", "u_transformer")
-         for schedule in ("1f1b", "eager-1f1b", "gpipe")]
-CASES.append(("gpt", "1f1b", "auto"))  # stages sharded: the clones keep the stage's layouts
+# The U-Transformer's eager-1f1b and gpipe cases are heavy (`pytest -m heavy`, 22 s each on
+# 2 cores): the default suite keeps every schedule on the GPT and 1f1b on the U-Transformer.
+CASES = [pytest.param(model, schedule, "pipeline", id=f"{model}-{schedule}-pipeline",
+                      marks=[pytest.mark.heavy] if model == "u_transformer" and schedule != "1f1b" else [])
+         for model in ("gpt", "u_transformer") for schedule in ("1f1b", "eager-1f1b", "gpipe")]
+CASES.append(pytest.param("gpt", "1f1b", "auto", id="gpt-1f1b-auto"))  # stages sharded: the clones keep the stage's layouts
 
 
 @pytest.mark.parametrize("model,schedule,method", CASES)
