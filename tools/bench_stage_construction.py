@@ -3,9 +3,10 @@
 
     python tools/bench_stage_construction.py [--model gpt:39B] [--hosts 8] [--devices 8]
                                              [--layers 48] [--microbatches 64] [--preset ...]
-                                             [--remat auto|always|never]
+                                             [--remat auto|always|never] [--no-donate]
 
-Exports the zoo model, then runs `hlopar-opt IN --pass-pipeline='builtin.module(hlopar-import,
+Exports the zoo model (its state donated, as a training loop lowers it, unless `--no-donate`),
+then runs `hlopar-opt IN --pass-pipeline='builtin.module(hlopar-import,
 hlopar-unstack-layer-scans,hlopar-cluster-operators{layers=L},hlopar-stage-construction{...})' -o OUT`
 as a subprocess (the unstack pass unrolls a scanned model, `--model gpt:39B-scan`, and does
 nothing to an unrolled one) and
@@ -45,6 +46,9 @@ def main() -> int:
     parser.add_argument("--memory-per-device", default="none")
     parser.add_argument("--remat", default="auto", choices=("auto", "always", "never"),
                         help="stage rematerialization (hlopar-stage-construction's remat option)")
+    parser.add_argument("--no-donate", dest="donate", action="store_false",
+                        help="lower the step without donating its state (default: donate_argnums=(0, 1), the "
+                             "update in place, as Alpa's and a jax training loop's)")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from hlopar.models import get_train_step
@@ -53,7 +57,7 @@ def main() -> int:
         model, config = args.model.split(":", 1)
         source = Path(scratch) / "in.mlir"
         start = time.perf_counter()
-        source.write_text(get_train_step(model, config).lower())
+        source.write_text(get_train_step(model, config).lower(donate=args.donate))
         export_s = time.perf_counter() - start
         clustering, stages = Path(scratch) / "clustering.json", Path(scratch) / "stages.json"
         unstack = Path(scratch) / "unstack.json"
@@ -92,7 +96,8 @@ def main() -> int:
         ("hlopar-opt, file to file", wall),
     ]
     print(f"{args.model} on {args.hosts}x{args.devices} ({args.preset}), {report['num_layers']} layers, "
-          f"B={report['microbatches']}, {args.schedule}, remat={args.remat}; export {export_s:.1f} s")
+          f"B={report['microbatches']}, {args.schedule}, remat={args.remat}, "
+          f"state {'donated' if args.donate else 'not donated'}; export {export_s:.1f} s")
     for name, seconds in rows:
         print(f"  {name:<60} {seconds:>8.2f} s")
     print("  stages:")

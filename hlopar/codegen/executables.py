@@ -110,18 +110,20 @@ def compile_executable(module: ir.Operation, devices: Sequence[jax.Device]) -> D
 
 def set_donation(module: ir.Operation, donations: Mapping[int, int | None]) -> None:
     """Marks `@main`'s argument i donated: to result `donations[i]` (`tf.aliasing_output`, the
-    types must match) or, for None, to whichever result can reuse it (`jax.buffer_donor`)."""
+    types and `sdy.sharding`s must match: one device's tile is one buffer) or, for None, to
+    whichever result can reuse it (`jax.buffer_donor`)."""
     main = _main(module)
     function_type = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
-    attrs = _arg_attrs(main)
+    attrs, results = _arg_attrs(main), _res_attrs(main)
     with module.context:
         for arg, result in donations.items():
             if result is None:
                 attrs[arg][BUFFER_DONOR] = ir.BoolAttr.get(True)
                 continue
-            if function_type.inputs[arg] != function_type.results[result]:
-                raise ValueError(f"argument {arg} ({function_type.inputs[arg]}) cannot alias result {result} "
-                                 f"({function_type.results[result]})")
+            layouts = [str(a[_SDY_SHARDING]) if _SDY_SHARDING in a else None for a in (attrs[arg], results[result])]
+            if function_type.inputs[arg] != function_type.results[result] or layouts[0] != layouts[1]:
+                raise ValueError(f"argument {arg} ({function_type.inputs[arg]}, {layouts[0]}) cannot alias result "
+                                 f"{result} ({function_type.results[result]}, {layouts[1]})")
             attrs[arg][ALIASING_OUTPUT] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), result)
         main.attributes["arg_attrs"] = ir.ArrayAttr.get([ir.DictAttr.get(a) for a in attrs])
 

@@ -14,6 +14,15 @@ returns a `PipelineProgram`:
   result values, FLOPs, and its executable module: the standalone module of
   `fragments.fragment_module`, turned by `executables.accumulating_module` into one that
   adds the results summed over microbatches into donated accumulators;
+- the training state an update fragment takes in place: where `@main`'s argument is donated
+  (the user's `donate_argnums`: `tf.aliasing_output = N`, `jax.buffer_donor`), the update
+  fragment that reads it donates it (`executables.set_donation`): to its result that is
+  `@main`'s result N when the layouts match, so the new state is written into the old
+  state's buffers as `jax.jit` does, else to any result. Only where nothing reads the old
+  value after that update: it is read by no other update fragment and not returned, and the
+  copies of it on other meshes are read by no update fragment and not returned (forward and
+  backward fragments run before every update of their own mesh, and a copy on another
+  mesh is taken before that mesh's stream, which the update's mesh waits for);
 - with `split_backward` (for backward weight delaying), each backward fragment cut by
   `weight_split.split_module` into B (role `backward`: what other stages read per
   microbatch, the input gradients) and W (role `weight`, `stage<k>_weight`: the results
@@ -53,7 +62,7 @@ from jaxlib.mlir import ir
 
 from hlopar.analysis.flops import function_flops
 from hlopar.analysis.mpmd import MeshTensorType
-from hlopar.codegen.executables import accumulating_module
+from hlopar.codegen.executables import accumulating_module, set_donation
 from hlopar.codegen.fragments import fragment_module, program_devices, program_topology
 from hlopar.codegen.schedules import PipelineStreams, build_streams, get_schedule
 from hlopar.codegen.schedules.instructions import RECV, RUN, SEND, Instruction, MeshStream
@@ -62,6 +71,7 @@ from hlopar.codegen.transfers import CONTAINER, PlannedTransfer, planned_transfe
 from hlopar.codegen.weight_split import split_module
 from hlopar.ir.graph import FuncGraph, bit_width
 from hlopar.ir.module import print_module
+from hlopar.ir.signature import FuncSignature
 from hlopar.passes.microbatch_index import read_index_arg
 from hlopar.passes.mpmd_program import fragment_role
 from hlopar.passes.split_microbatches import BATCH, KIND_ATTR, STEP, read_split
@@ -109,6 +119,7 @@ class ProgramFragment:
     module: ir.Operation  # what the runtime compiles: @main(accumulators..., operands...)
     accumulate: tuple[int, ...] = ()  # result positions summed over microbatches (accumulators first)
     keep: tuple[int, ...] = ()  # of those, the ones per-microbatch code also reads as they are
+    donated: dict[int, int | None] = field(default_factory=dict)  # operand position -> result it is donated to
 
     @property
     def text(self) -> str:
@@ -221,6 +232,7 @@ class PipelineProgram:
             "fragments": [{"name": f.name, "mesh": f.mesh, "stage": f.stage, "role": f.role,
                            "file": f"meshes/{f.mesh}/{f.name}.mlir", "operands": list(f.operands),
                            "results": list(f.results), "accumulate": list(f.accumulate), "keep": list(f.keep),
+                           "donated": {str(p): r for p, r in f.donated.items()},
                            "flops": f.flops} for f in self.fragments],
             "transfers": [{"name": t.name, "source": t.source, "result": t.result, "src_mesh": t.src_mesh,
                            "dst_mesh": t.dst_mesh, "bytes": t.nbytes, "streamed": t.streamed,
@@ -282,6 +294,7 @@ class _Reader:
         read_once, read_each = self._mark_accumulated(results)
         kept = frozenset(f.results[p] for f in self.fragments for p in f.keep)
         needed_once = frozenset(read_once | {t.result for t in self.transfers if self._origin(t.source) in read_once})
+        self._donate_state(results)
         self._build_modules(read_once - read_each)
         stage_of_mesh = self._stages()
         carried = self._carried(stage_of_mesh, kept)
@@ -385,6 +398,29 @@ class _Reader:
             fragment.accumulate, fragment.keep = tuple(accumulate), tuple(keep)
         return read_once, read_each
 
+    def _donate_state(self, results: tuple[int, ...]) -> None:
+        """The donated arguments each update fragment consumes (module docstring), in its
+        `donated`: operand position -> the position of the result that is the argument's
+        `@main` result, or None (any result)."""
+        signature = FuncSignature.of(self.main)
+        donations = dict.fromkeys(sorted(signature.donors)) | {a: results[n] for a, n in signature.aliases}
+        returned = {self._origin(v) for v in results}
+        stage_meshes = {f.mesh for f in self.fragments if f.role != UPDATE}
+        for arg, result in donations.items():
+            v = arg  # arguments are the first values, in order
+            readers = [f for f in self.fragments if v in f.operands]
+            updates = [f for f in readers if f.role == UPDATE]
+            copies = [t.result for t in self.transfers if self._origin(t.source) == v]
+            if (len(updates) != 1 or readers[-1] is not updates[0] or v in returned
+                    or (copies and updates[0].mesh not in stage_meshes)
+                    or any(c in results or c in f.operands for c in copies for f in self.fragments
+                           if f.role == UPDATE)):
+                continue
+            update = updates[0]
+            made_here = result is not None and self.values[result].producer == update.index \
+                and self.values[result].transfer is None
+            update.donated[update.operands.index(v)] = update.results.index(result) if made_here else None
+
     def _build_modules(self, only_once: set[int]) -> None:
         """Each fragment's executable module; with `split_backward`, a backward fragment
         becomes B and W (W makes the results in `only_once`), numbered in its place."""
@@ -407,6 +443,8 @@ class _Reader:
                 part.flops = float(sum(function_flops(FuncGraph.from_module(module))))
                 if part.accumulate:
                     module = accumulating_module(module, part.accumulate, part.keep)
+                if part.donated:
+                    part.donated = _set_donation(module, part.donated)
                 part.module = module
                 fragments.append(part)
         self.fragments, self.ops = fragments, ops
@@ -510,6 +548,20 @@ def _entry(module: ir.Operation) -> ir.Operation:
         if op.operation.name == "func.func" and ir.StringAttr(op.operation.attributes["sym_name"]).value == "main":
             return op.operation
     raise ProgramError("the module has no @main", module.location)
+
+
+def _set_donation(module: ir.Operation, donated: Mapping[int, int | None]) -> dict[int, int | None]:
+    """Marks the donations on the module, each pair whose types or layouts differ as a donor
+    to any result instead; returns what was marked."""
+    marked = {}
+    for arg, result in donated.items():
+        try:
+            set_donation(module, {arg: result})
+        except ValueError:
+            set_donation(module, {arg: None})
+            result = None
+        marked[arg] = result
+    return dict(sorted(marked.items()))
 
 
 def _ops_in(op: ir.Operation) -> list[ir.Operation]:

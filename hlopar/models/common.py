@@ -144,13 +144,17 @@ class TrainStep:
         batch = jax.eval_shape(self.make_batch, key)
         return params, opt_state, batch
 
-    def lower(self, *, debug_info: bool = False) -> str:
+    def lower(self, *, debug_info: bool = False, donate: bool = False) -> str:
         """StableHLO text of ``jax.jit(step).lower(*abstract_args())`` (``.as_text()``).
 
         This text is the input ``hlopar-opt`` takes. With ``debug_info=True`` every op carries
         its location, whose name includes the ``layer_<i>`` scope of the layer it belongs to.
+        With ``donate=True`` the parameters and optimizer state are donated, as a training
+        loop writes it (``jax.jit(step, donate_argnums=(0, 1))``): each argument is marked
+        ``tf.aliasing_output`` with its new value, and the update runs in place.
         """
-        lowered = jax.jit(self.step).lower(*self.abstract_args())
+        donate_argnums = (0, 1) if donate else ()
+        lowered = jax.jit(self.step, donate_argnums=donate_argnums).lower(*self.abstract_args())
         return lowered.as_text(debug_info=debug_info)
 
     def param_count(self) -> int:

@@ -40,6 +40,7 @@ from hlopar.analysis.stages.submeshes import (
     submesh_shapes,
 )
 from hlopar.ir.graph import FuncGraph
+from hlopar.ir.signature import FuncSignature
 from hlopar.passes.auto_sharding import _run_upstream_on, parse_bytes, planned_functions
 from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto
 from hlopar.passes.cluster_operators import ClusterOperatorsPass, Layering, read_layering, strip_layering
@@ -137,10 +138,13 @@ class StageConstructionPass(ModulePass):
                   for l in range(layering.num_layers)]
 
         clock = time.perf_counter()
+        new_state = {graph.results[r]: graph.args[a] for a, r in state_pairs(graph)}
+        donated = frozenset(graph.results[r] for a, r in FuncSignature.of(func).aliases
+                            if new_state.get(graph.results[r]) == graph.args[a])  # updated in place
         table = plan_layers(layers, rules, layering.roles,
                             [(mesh, option == WEIGHT_UPDATE_SHARDING) for mesh, option in meshes],
                             time_limit=self.time_limit, workers=self.workers or os.cpu_count() or 1,
-                            new_state={graph.results[r]: graph.args[a] for a, r in state_pairs(graph)})
+                            new_state=new_state, donated=donated)
         plans, distinct = table.plans, table.solved
         timings["layer_ilps"] = time.perf_counter() - clock
 
@@ -201,6 +205,7 @@ class StageConstructionPass(ModulePass):
                 "devices": list(ids),
                 "latency": float(table.latency[i, j, m, s - 1]),
                 "memory_bytes": float(table.memory[i, j, m, s - 1]),
+                "update_memory_bytes": float(table.update_memory[i, j, m, s - 1]),
                 "remat": bool(table.remat[i, j, m, s - 1]),
             })
         runner_ups = tuple(

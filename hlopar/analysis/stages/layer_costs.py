@@ -12,7 +12,8 @@ objective (communication plus compute, Alpa §4.2 with compute costs from FLOPs)
 it that does not shrink with the microbatch (collective start-up latency), and per-device
 bytes of the state the layer reads, of its gradients, of the forward values its backward
 reads (the activations a pipeline schedule stashes per microbatch in flight), of the new
-state its update makes, and of the temporaries its forward and its backward hold at once
+state its update makes (none for state the user donates: the update fragment writes it into
+the old state's buffers, `codegen.pipeline_program`), and of the temporaries its forward and its backward hold at once
 (`fragment_memory`'s model, each value at the plan's layout), and the share of the latency
 that its forward ops make (what a rematerialized stage runs a second time).
 
@@ -61,7 +62,7 @@ class LayerPlan:
     state_bytes: float  # function arguments the layer reads (parameters, optimizer state, batch)
     gradient_bytes: float  # backward values its update ops read (summed over microbatches)
     activation_bytes: float  # forward values its backward reads: stashed per microbatch in flight
-    updated_state_bytes: float  # what its update ops hand back (the new state), beside the old until the step ends
+    updated_state_bytes: float  # the new buffers its update ops hand back (new state not written into donated old state)
     temporary_bytes: float  # the most its forward or its backward holds at once besides operands and results
     forward_latency: float  # the forward ops' share of `latency` (their nodes, the edges into them)
     forward_fixed_latency: float  # the forward ops' share of `fixed_latency`
@@ -71,10 +72,11 @@ class LayerPlan:
     solve_seconds: float
 
 
-def layer_signature(graph: FuncGraph, rules: Mapping[int, OpRule | None], roles: Sequence[str]) -> tuple:
+def layer_signature(graph: FuncGraph, rules: Mapping[int, OpRule | None], roles: Sequence[str],
+                    donated: frozenset[int] = frozenset()) -> tuple:
     """What a layer's plan depends on, independent of where it sits in the program: per op
     (nested ones included) its name, role, operands numbered locally, result types, decoded
-    attributes and sharding rule; per argument its type."""
+    attributes and sharding rule; per argument its type; which results are donated."""
     local: dict[int, int] = {}
     for v in graph.args:
         local[v] = len(local)
@@ -91,6 +93,7 @@ def layer_signature(graph: FuncGraph, rules: Mapping[int, OpRule | None], roles:
             items.append((op.name, role, operands, tuple(graph.values[v].type for v in op.results),
                           repr(op.attrs), repr(rules.get(op.id))))
     items.append(tuple(local[v] for v in graph.results))
+    items.append(tuple(local[v] for v in graph.results if v in donated))
     return tuple(items)
 
 
@@ -104,6 +107,7 @@ def plan_layer(
     cache: StrategyCache | None = None,
     split_state: bool = False,
     new_state: Mapping[int, int] | None = None,
+    donated: frozenset[int] = frozenset(),
 ) -> LayerPlan:
     """The ILP plan of one layer (a `FuncGraph.subgraph`) on one logical mesh. `roles` is
     indexed by top-level op index of the whole function; `cache` shares strategy work between
@@ -112,9 +116,11 @@ def plan_layer(
     weight-update-sharding plan (ZeRO-like), slower but lighter, which Algorithm 1 weighs
     against the default plan as one more intra-op option (its line 14). `new_state`: function
     result → the argument it is the new value of (`training_roles.state_pairs`, value ids):
-    the new state is held at its argument's layout, which it takes for the next step."""
+    the new state is held at its argument's layout, which it takes for the next step.
+    `donated`: the results of `new_state` whose argument the user donates (`tf.aliasing_output`
+    pairs them): an update that reads the argument writes the new value into its buffers."""
     return plan_layer_options(layer, rules, roles, mesh, (split_state,), time_limit=time_limit, cache=cache,
-                              new_state=new_state)[0]
+                              new_state=new_state, donated=donated)[0]
 
 
 def plan_layer_options(
@@ -127,6 +133,7 @@ def plan_layer_options(
     time_limit: float = 10.0,
     cache: StrategyCache | None = None,
     new_state: Mapping[int, int] | None = None,
+    donated: frozenset[int] = frozenset(),
 ) -> list[LayerPlan]:
     """`plan_layer` for several `split_state` options from one ILP build: the weight-update
     sharding problem is the default one with the replicated layouts of the state arguments
@@ -145,12 +152,13 @@ def plan_layer_options(
             raise RuntimeError(f"the intra-op ILP of a layer found no plan on mesh {mesh}: {solution.message}")
         choices = tuple(allowed[v][c] if v in allowed else c for v, c in enumerate(solution.choices))
         plans.append(_layer_plan(layer, roles, mesh, problem, choices, solution, time.perf_counter() - start,
-                                 new_state))
+                                 new_state, donated))
         start = time.perf_counter()
     return plans
 
 
-def _layer_plan(layer, roles, mesh, problem, choices, solution, seconds: float, new_state: Mapping[int, int]) -> LayerPlan:
+def _layer_plan(layer, roles, mesh, problem, choices, solution, seconds: float, new_state: Mapping[int, int],
+                donated: frozenset[int]) -> LayerPlan:
     nodes = problem.nodes
 
     def layout(value_id: int) -> ShardingSpec | None:
@@ -184,7 +192,10 @@ def _layer_plan(layer, roles, mesh, problem, choices, solution, seconds: float, 
     results = set(layer.results)
     # At the layout of the state it replaces (the layer's plan does not tie the two; the
     # stage's does), with XLA's table of result pointers as `fragment_memory` counts outputs.
-    updated = sum(nbytes(new_state.get(v, v)) + TUPLE_POINTER_BYTES
+    # A donated argument that the update reads holds its new value (aliased: the pointer only).
+    in_place = {v for v in donated & results
+                if v in new_state and any(roles[u] == UPDATE for u in values[new_state[v]].users if u in inside)}
+    updated = sum((0.0 if v in in_place else nbytes(new_state.get(v, v))) + TUPLE_POINTER_BYTES
                   for op in layer.ops if roles[op.index] == UPDATE for v in op.results if v in results)
     temporaries = max(peak_temporaries(layer.subgraph([op.index for op in layer.ops if roles[op.index] == role]), nbytes)
                       for role in (FORWARD, BACKWARD))
@@ -359,6 +370,7 @@ def plan_layers(
     time_limit: float = 10.0,
     workers: int = 1,
     new_state: Mapping[int, int] | None = None,
+    donated: frozenset[int] = frozenset(),
 ) -> LayerTable:
     """Every layer on every (mesh, split_state) pair, each distinct problem solved once.
 
@@ -366,9 +378,9 @@ def plan_layers(
     `plan_key` for the layer's dimensions (its plan is renamed onto the other mesh's axes);
     the options of one problem share one ILP build (`plan_layer_options`).
     With `workers > 1` the problems are solved in forked processes, grouped by mesh so that
-    each process shares strategy work between the layers it plans on one mesh. `new_state`:
-    as `plan_layer`'s."""
-    signatures = [layer_signature(layer, rules, roles) for layer in layers]
+    each process shares strategy work between the layers it plans on one mesh. `new_state`,
+    `donated`: as `plan_layer`'s."""
+    signatures = [layer_signature(layer, rules, roles, donated) for layer in layers]
     dims = {sig: None for sig in signatures}
     for l, layer in enumerate(layers):
         if dims[signatures[l]] is None:
@@ -385,7 +397,8 @@ def plan_layers(
     groups: dict[int, list] = {}
     for key, (l, m) in first.items():
         groups.setdefault(m, []).append((l, tuple(sorted(splits[key]))))
-    work = _LayerWork(tuple(layers), rules, tuple(roles), tuple(distinct), time_limit, dict(new_state or {}))
+    work = _LayerWork(tuple(layers), rules, tuple(roles), tuple(distinct), time_limit, dict(new_state or {}),
+                      frozenset(donated))
     tasks = sorted(groups.items())
     results = _solve_in_workers(work, tasks, workers) if workers > 1 and len(tasks) > 1 else None
     if results is None:
@@ -418,13 +431,15 @@ class _LayerWork:
     meshes: tuple[LogicalMesh, ...]
     time_limit: float
     new_state: Mapping[int, int]
+    donated: frozenset[int]
 
     def solve(self, task: tuple[int, list[tuple[int, tuple[bool, ...]]]]) -> list[list[LayerPlan]]:
         """Plans of each (layer, split_state options) of a task on its mesh, one build each."""
         mesh, items = self.meshes[task[0]], task[1]
         cache = StrategyCache(mesh)
         return [plan_layer_options(self.layers[l], self.rules, self.roles, mesh, splits, time_limit=self.time_limit,
-                                   cache=cache, new_state=self.new_state) for l, splits in items]
+                                   cache=cache, new_state=self.new_state, donated=self.donated)
+                for l, splits in items]
 
 
 _ADOPTED: list[_LayerWork] = []  # in a forked worker: the work it inherited

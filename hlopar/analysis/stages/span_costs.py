@@ -19,9 +19,13 @@ prefix sums:
   The temporaries are the span's layers' summed: each layer's is `fragment_memory`'s peak
   at the layer's layouts, and the sum bounds what a fragment of several layers holds at
   once, XLA's own scratch beyond that model included (the tiny Wide-ResNet's backward:
-  1.8x the model). While the update runs: the old state + the gradients + the new state,
-  held at once (the update takes no donated buffer: the old state lives until the step
-  ends); its elementwise math fuses into no temporaries.
+  1.8x the model). While the update runs: the old state + the gradients + the new state's
+  buffers, held at once; its elementwise math fuses into no temporaries. State the user
+  donates (`donate_argnums`) and the update reads is updated in place (the update fragment
+  writes the new value into the old one's buffers, `codegen.pipeline_program`): its new
+  value takes no bytes of its own (`LayerPlan.updated_state_bytes`), so the update's phase
+  holds the state once, as Alpa's and `jax.jit`'s do; undonated, twice (the old state
+  lives until the step ends).
 
 Rematerialization is one more option per (span, logical mesh), beside keeping the forward
 activations: the stage stashes only its inputs per microbatch in flight and its backward
@@ -74,13 +78,15 @@ class LayerArrays:
 class SpanTable:
     """`latency[i, j, m, s-1]`: the best per-microbatch latency of layers i..j on submesh m
     with s stages from this one to the last (inf: out of memory or j < i); `mesh[i, j, m, s-1]`
-    the logical mesh (index g) that achieves it; `memory[i, j, m, s-1]` its bytes per device;
+    the logical mesh (index g) that achieves it; `memory[i, j, m, s-1]` its bytes per device
+    (the larger of its two phases), `update_memory[i, j, m, s-1]` those of its update's phase;
     `remat[i, j, m, s-1]` whether it is the rematerialized option."""
 
     latency: np.ndarray
     mesh: np.ndarray
     memory: np.ndarray
     remat: np.ndarray
+    update_memory: np.ndarray
 
 
 def span_table(
@@ -134,6 +140,7 @@ def span_table(
     latency = np.full(shape, np.inf)
     chosen = np.full(shape, -1, dtype=np.int64)
     memory = np.full(shape, np.inf)
+    updating = np.full(shape, np.inf)
     rematerialized = np.zeros(shape, dtype=bool)
     options = {"never": (False,), "auto": (False, True), "always": (False, True)}[remat]
     for m, meshes in enumerate(meshes_of_submesh):
@@ -155,8 +162,9 @@ def span_table(
                 latency[:, :, m, :] = np.where(better, t, latency[:, :, m, :])
                 chosen[:, :, m, :] = np.where(better, g, chosen[:, :, m, :])
                 memory[:, :, m, :] = np.where(better, need, memory[:, :, m, :])
+                updating[:, :, m, :] = np.where(better, update_peak[g][:, :, None], updating[:, :, m, :])
                 rematerialized[:, :, m, :] = np.where(better, option, rematerialized[:, :, m, :])
-    return SpanTable(latency, chosen, memory, rematerialized)
+    return SpanTable(latency, chosen, memory, rematerialized, updating)
 
 
 def _span_sums(per_layer: np.ndarray) -> np.ndarray:
