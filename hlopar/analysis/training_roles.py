@@ -62,7 +62,7 @@ import contextlib
 import enum
 import gc
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from hlopar.ir.graph import FuncGraph
@@ -489,6 +489,9 @@ def layer_of_ops(graph: FuncGraph, roles: TrainingRoles, forward_layer: Mapping[
       values (which has a layer of its own) does not count.
     - Ops with no evidence (constants, seeds, state no forward op reads) take the
       smallest layer among their users, else among their producers, else 0.
+    - Last, `consistent_layers` moves the backward ops these rules put where the pipeline
+      cannot run them (a bias gradient placed with its bias while the checkpointed block's
+      barrier it reads sits a layer below) and the ops computed from constants alone.
 
     Checked against JAX's name stacks on the zoo: every backward op named
     `transpose(jvp(<scope>))` lands in `<scope>`'s layer, except scalar seeds computed
@@ -577,6 +580,53 @@ def _layer_of_ops(graph: FuncGraph, roles: TrainingRoles, forward_layer: Mapping
         if layer[i] is None:
             found = [layer[p] for p in preds[i] if layer[p] is not None]
             layer[i] = min(found) if found else 0
+    return consistent_layers(role_of, preds, layer, constant)
+
+
+def consistent_layers(roles: Sequence[Role], reads: Sequence[Sequence[int]], layers: Sequence[int],
+                      free: Sequence[bool]) -> tuple[int, ...]:
+    """`layers` (one per op, in program order) moved as little as the pipeline needs.
+
+    A pipeline runs the forward of layers 0..L-1, then the backward of L-1..0, then the
+    updates. So a backward op of layer l may read backward values of layers >= l only (a
+    value of a lower layer is made after it runs), and should read forward values of layers
+    <= l only (a later layer's forward value would travel back against the pipeline).
+    `reads[i]`: the ops whose values op i reads (all before i); `free[i]`: op i computes
+    from constants alone, so it can sit in any layer. Three passes, each a fixpoint in one
+    sweep because every read points back in program order:
+
+    1. each backward op is lowered to the smallest layer of the backward values it reads
+       (it cannot run before its cotangents are made);
+    2. then raised to the largest layer of the forward values it reads and of the backward
+       ops that read it (these lower bounds only ever push producers up: the result is the
+       least assignment above step 1's that satisfies both rules);
+    3. a free forward op goes to the smallest layer among its forward and backward readers,
+       a free backward op to the largest among its backward readers.
+
+    Forward and update ops that are not free keep their layers (clustering orders the
+    forward by program order; updates run last and may read any layer).
+    """
+    n = len(layers)
+    layer = list(layers)
+    readers: list[list[int]] = [[] for _ in range(n)]
+    for i, producers in enumerate(reads):
+        for p in producers:
+            readers[p].append(i)
+    backward = [roles[i] is Role.BACKWARD and not free[i] for i in range(n)]
+    forward = [roles[i] is Role.FORWARD and not free[i] for i in range(n)]
+    for i in range(n):
+        if backward[i]:
+            layer[i] = min([layer[i]] + [layer[p] for p in reads[i] if backward[p]])
+    for i in range(n - 1, -1, -1):
+        if backward[i]:
+            layer[i] = max([layer[i]] + [layer[p] for p in reads[i] if forward[p]]
+                           + [layer[u] for u in readers[i] if backward[u]])
+    for i in range(n - 1, -1, -1):
+        if free[i] and roles[i] is Role.FORWARD:
+            found = [layer[u] for u in readers[i] if roles[u] is not Role.UPDATE]
+            layer[i] = min(found, default=layer[i])
+        elif free[i] and roles[i] is Role.BACKWARD:
+            layer[i] = max((layer[u] for u in readers[i] if roles[u] is Role.BACKWARD), default=layer[i])
     return tuple(layer)
 
 

@@ -16,6 +16,13 @@ rewritten in place:
 - arguments live on the mesh of the first fragment that reads them (unused ones on the
   first mesh) and are transferred to the others; results are returned from where they live.
 
+A pipeline runs, per microbatch, the forward of stages 0..S-1, then the backward of
+S-1..0, and the updates last. A split in which an op reads a value that runs later in that
+order (a backward op of stage 1 reading a backward value of stage 0: a stage cut inside a
+block whose backward the layering kept together) can run as no pipeline: with `pipelined`
+(the default) it is refused, naming the op's source line (`misordered_reads`), where the
+runtime would otherwise find a value read before it is made.
+
 Two choices keep the program well formed and small:
 
 - A (stage, role) group whose ops are not contiguous can form a cycle with other groups
@@ -25,7 +32,8 @@ Two choices keep the program well formed and small:
   (same origin and stage: one stage then runs as several fragments, which Shardy's
   `mpmd-verify-stage-merging`, not in jaxlib, would reject). Fragments are emitted in a
   topological order, ties by their first op. Without cycles this is exactly one fragment
-  per group.
+  per group. In a pipelined split only update groups can still cycle (the order check
+  refuses the rest); they run once per step, in this order.
 - Constants and iotas are not transferred: each fragment that reads one gets its own copy
   (a returned one also stays in its own group's fragment).
 
@@ -55,6 +63,7 @@ from jaxlib.mlir.dialects import mpmd, sdy
 
 from hlopar.analysis.mesh import quote_string
 from hlopar.analysis.sharding import ShardingPerValue, TensorSharding
+from hlopar.ir.diagnostics import Diagnostic, DiagnosticError, source_location
 from hlopar.ir.extract import Extraction, clone_into, extract_function
 from hlopar.ir.graph import FuncGraph, reaches
 from hlopar.passes.auto_sharding import SDY_SHARDING, AutoShardingPass
@@ -69,6 +78,7 @@ __all__ = [
     "form_fragments",
     "fragment_role",
     "layout_program",
+    "misordered_reads",
     "write_mpmd_program",
 ]
 
@@ -161,6 +171,23 @@ def form_fragments(reads: Sequence[Iterable[int]], keys: Sequence[Hashable | Non
     return order
 
 
+def misordered_reads(reads: Sequence[Iterable[int]], stage_of_op: Sequence[int], roles: Sequence[str],
+                     left_out: Sequence[bool]) -> list[tuple[int, int]]:
+    """(reader, producer) pairs where the reader runs before the producer in every pipeline
+    schedule: per microbatch the forward of stages 0..S-1, then the backward of S-1..0, and
+    the updates once per step after all of them (ops of one stage and role run in program
+    order). `reads[i]`: the ops whose results op i reads; `left_out[i]`: op i is copied
+    into every fragment that reads it (a constant), so it is never late."""
+    num_stages = max(stage_of_op, default=0) + 1
+
+    def slot(i: int) -> int:
+        role, stage = roles[i], stage_of_op[i]
+        return stage if role == "forward" else 2 * num_stages - 1 - stage if role == "backward" else 2 * num_stages
+
+    return [(i, p) for i in range(len(roles)) if not left_out[i]
+            for p in sorted(reads[i]) if not left_out[p] and slot(p) > slot(i)]
+
+
 @dataclass(frozen=True)
 class FragmentSpec:
     """One fragment to write: its ops and the values crossing its boundary (value ids)."""
@@ -189,16 +216,23 @@ class ProgramLayout:
                                    if v in elsewhere and self.home.get(v) == stage))
 
 
-def layout_program(graph: FuncGraph, stage_of_op: Sequence[int], roles: Sequence[str]) -> ProgramLayout:
-    """The fragments of the MPMD program for a given stage and role of every top-level op."""
-    ops = graph.ops
-    floating = [op.name in FLOATING_OPS and not op.operands and not op.regions for op in ops]
+def _reads(graph: FuncGraph) -> tuple[list[set[int]], list[bool]]:
+    """Per top-level op, the top-level ops whose results it (or an op nested in it) reads,
+    and whether it floats (a constant or iota copied into each fragment that reads it)."""
+    floating = [op.name in FLOATING_OPS and not op.operands and not op.regions for op in graph.ops]
     reads: list[set[int]] = []
-    for index, op in enumerate(ops):
+    for index, op in enumerate(graph.ops):
         producers = {graph.values[v].producer for node in op.walk() for v in node.operands}
         producers.discard(None)
         producers.discard(index)
         reads.append(producers)
+    return reads, floating
+
+
+def layout_program(graph: FuncGraph, stage_of_op: Sequence[int], roles: Sequence[str]) -> ProgramLayout:
+    """The fragments of the MPMD program for a given stage and role of every top-level op."""
+    ops = graph.ops
+    reads, floating = _reads(graph)
     keys = [None if floating[i] else (stage_of_op[i], roles[i]) for i in range(len(ops))]
     pieces = [list(p) for p in form_fragments(reads, keys)]
     piece_key = [keys[p[0]] for p in pieces]
@@ -282,16 +316,21 @@ def write_mpmd_program(
     plan_shardings: bool = True,
     preset: str = "cpu",
     auto_sharding: Mapping[str, Any] | None = None,
+    pipelined: bool = True,
 ) -> None:
     """Rewrites `@main` of `module` in place into an MPMD program (see the module docstring).
 
     `stage_of_op[i]` (an index into `meshes`) and `roles[i]` are those of top-level op i of
     `@main` (`FuncGraph` numbering). `auto_sharding`: more `AutoShardingPass` fields for the
-    per-stage plans (e.g. `{"latency": (0.0, 0.0)}`).
+    per-stage plans (e.g. `{"latency": (0.0, 0.0)}`). `pipelined=False` accepts a split that
+    only runs fragment by fragment in program order (no pipeline schedule can run it).
+    Raises `DiagnosticError` at the first op that reads a value made later in the pipeline.
     """
     main = _main(module)
     graph = FuncGraph.from_func(main)
     _check_plan(graph, stage_of_op, roles, meshes)
+    if pipelined:
+        _check_order(graph, stage_of_op, roles)
     layout = layout_program(graph, stage_of_op, roles)
     with module.context, ir.Location.unknown():
         stages = [
@@ -330,6 +369,27 @@ def _check_plan(graph: FuncGraph, stage_of_op, roles, meshes) -> None:
     for v in (*graph.args, *graph.results):
         if graph.values[v].shape is None or not graph.values[v].type.startswith("tensor<"):
             raise ValueError(f"value {graph.values[v].type} of @main's signature is not a ranked tensor")
+
+
+def _check_order(graph: FuncGraph, stage_of_op: Sequence[int], roles: Sequence[str]) -> None:
+    reads, floating = _reads(graph)
+    misordered = misordered_reads(reads, stage_of_op, roles, floating)
+    if not misordered:
+        return
+    reader, producer = misordered[0]
+
+    def what(i: int) -> str:
+        op = graph.ops[i]
+        named = f" ({op.location.name})" if op.location is not None and op.location.name else ""
+        return f"the {roles[i]} op {op.name}{named} of stage {stage_of_op[i]}"
+
+    more = len({i for i, _ in misordered}) - 1
+    message = (f"{what(reader)} reads a value made by {what(producer)}, which a pipeline runs after it "
+               "(forward stages in order, then backward stages in reverse, then updates): the stage cut "
+               "separates ops that must run together"
+               + (f" ({more} more op{'s' if more > 1 else ''} like it)" if more else ""))
+    raise DiagnosticError([Diagnostic("error", message, source_location(graph.ops[reader].mlir_op.location), notes=(
+        Diagnostic("note", f"{what(producer)} is here", source_location(graph.ops[producer].mlir_op.location)),))])
 
 
 def _add_meshes(module: ir.Operation, meshes: Sequence[StageMesh]) -> None:

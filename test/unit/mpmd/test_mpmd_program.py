@@ -59,8 +59,9 @@ def arguments(k: int) -> list[np.ndarray]:
 
 
 def written(plan: bool):
+    """PROGRAM split (fragment by fragment in program order: its stage 0 forward reads stage 1's)."""
     module = parse_module(PROGRAM)
-    write_mpmd_program(module, STAGES, ROLES, MESHES, plan_shardings=plan)
+    write_mpmd_program(module, STAGES, ROLES, MESHES, plan_shardings=plan, pipelined=False)
     return module
 
 
@@ -172,7 +173,7 @@ def test_signature_edge_cases():
 def test_stages_on_meshes_of_one_shape_plan_on_their_own_mesh():
     meshes = [StageMesh("m0", ("x", "y"), (2, 2), (0, 1, 2, 3)), StageMesh("m1", ("x", "y"), (2, 2), (4, 5, 6, 7))]
     module = parse_module(PROGRAM)
-    write_mpmd_program(module, STAGES, ROLES, meshes)
+    write_mpmd_program(module, STAGES, ROLES, meshes, pipelined=False)
     for op in top_level_ops(module):
         if op.name == "mpmd.fragment":
             mesh = ir.StringAttr(op.attributes["mesh_name"]).value
