@@ -91,7 +91,7 @@ METHODS = ("auto", "shard", "pipeline")
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
 RNG_MODES = ("exact", "per-microbatch")
 REMAT_MODES = ("auto", "always", "never")
-CACHE_VERSION = "hlopar-plan-v5"  # bumped when the planner's output changes
+CACHE_VERSION = "hlopar-plan-v6"  # bumped when the planner's output changes
 
 
 # --------------------------------------------------------------------------- the cluster
@@ -286,11 +286,12 @@ def _plan_module(module, cluster: Cluster, microbatches: int, schedule: str, met
     from hlopar.passes.cluster_operators import ClusterOperatorsPass
     from hlopar.passes.cross_mesh_resharding import CrossMeshReshardingPass
     from hlopar.passes.rematerialize import RematerializePass
+    from hlopar.passes.reroll_stage_loops import RerollStageLoopsPass
     from hlopar.passes.split_microbatches import SplitMicrobatchesPass
     from hlopar.passes.stage_construction import StageConstructionPass
 
     with tempfile.TemporaryDirectory(prefix="hlopar-plan-") as scratch:
-        paths = {k: str(Path(scratch) / f"{k}.json") for k in ("split", "clustering", "stages", "cross_mesh")}
+        paths = {k: str(Path(scratch) / f"{k}.json") for k in ("split", "clustering", "stages", "reroll", "cross_mesh")}
         SplitMicrobatchesPass(microbatches=microbatches, batch_args=tuple(batch_args) if batch_args is not None
                               else None, rng=rng, report=paths["split"]).run(module, context)
         if method == "shard":
@@ -303,6 +304,8 @@ def _plan_module(module, cluster: Cluster, microbatches: int, schedule: str, met
                                   **stage_remat(remat)).run(module, context)
             stages = None
         RematerializePass(all=remat == "always").run(module, context)
+        if method != "shard":
+            RerollStageLoopsPass(report=paths["reroll"]).run(module, context)
         CrossMeshReshardingPass(cluster=cluster.preset, devices_per_host=cluster.devices_per_host,
                                 report=paths["cross_mesh"]).run(module, context)
         plan = {"pass": "hlopar.parallelize", "method": method}
@@ -740,6 +743,9 @@ def describe_plan(planned: PlannedStep) -> str:
         layers = max(pieces["arg_piece"]) + 1
         lines.append(f"  scanned layer stack unrolled: {stacks} stacked argument(s) split into {layers} per-layer "
                      "pieces, each held by its stage")
+        from hlopar.passes.reroll_stage_loops import stage_loop_lines
+
+        lines += stage_loop_lines(planned.plan.get("reroll"))
     lines += _memory_lines(planned.plan.get("memory"))
     return "\n".join(lines)
 

@@ -1,7 +1,8 @@
 """hlopar-auto-parallel: the whole planning pipeline under one pass name.
 
     hlopar-import → hlopar-unstack-layer-scans → [hlopar-split-microbatches] → hlopar-cluster-operators
-                  → hlopar-stage-construction → hlopar-rematerialize → hlopar-cross-mesh-resharding
+                  → hlopar-stage-construction → hlopar-rematerialize → hlopar-reroll-stage-loops
+                  → hlopar-cross-mesh-resharding
 
 with the options of the passes it runs. With `split=true` the step is first rewritten into
 the step of one of `microbatches` microbatches (gradient accumulation; the program a
@@ -30,6 +31,7 @@ from hlopar.passes.cluster_operators import ClusterOperatorsPass
 from hlopar.passes.cross_mesh_resharding import CrossMeshReshardingPass
 from hlopar.passes.import_program import ImportPass
 from hlopar.passes.rematerialize import RematerializePass
+from hlopar.passes.reroll_stage_loops import RerollStageLoopsPass
 from hlopar.passes.split_microbatches import SplitMicrobatchesPass
 from hlopar.passes.stage_construction import StageConstructionPass
 from hlopar.passes.unstack_layer_scans import UnstackLayerScansPass
@@ -61,6 +63,8 @@ class AutoParallelPass(ModulePass):
                 "always, never")
     unstack_layers: bool = option(True, "unroll scans over stacked layers and split their stacks per layer "
                                         "(hlopar-unstack-layer-scans), so that stages can cut between layers")
+    reroll: Literal["auto", "never"] = option(
+        "auto", "run each stage's iterations of an unrolled layer scan as a loop again (hlopar-reroll-stage-loops)")
     report: str | None = option(None, "write one JSON report of every step's decisions to this path")
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
@@ -68,7 +72,7 @@ class AutoParallelPass(ModulePass):
             self.fail(module, "split=true needs a number of microbatches (microbatches=B), not auto")
         with tempfile.TemporaryDirectory(prefix="hlopar-auto-parallel-") as scratch:
             paths = {key: str(Path(scratch) / f"{key}.json") if self.report else None
-                     for key in ("layer_scans", "split", "clustering", "stages", "cross_mesh")}
+                     for key in ("layer_scans", "split", "clustering", "stages", "reroll", "cross_mesh")}
             steps: list[ModulePass] = [ImportPass()]
             if self.unstack_layers:
                 steps.append(UnstackLayerScansPass(report=paths["layer_scans"]))
@@ -85,6 +89,7 @@ class AutoParallelPass(ModulePass):
                     **stage_remat(self.remat),
                 ),
                 RematerializePass(all=self.remat == "always"),
+                RerollStageLoopsPass(reroll=self.reroll, report=paths["reroll"]),
                 CrossMeshReshardingPass(cluster=self.preset, devices_per_host=self.devices_per_host,
                                         report=paths["cross_mesh"]),
             ]

@@ -9,6 +9,7 @@ from hlopar.passes.cluster_operators import ClusterOperatorsPass
 from hlopar.passes.cross_mesh_resharding import CrossMeshReshardingPass
 from hlopar.passes.import_program import ImportPass
 from hlopar.passes.rematerialize import RematerializePass
+from hlopar.passes.reroll_stage_loops import RerollStageLoopsPass
 from hlopar.passes.split_microbatches import SplitMicrobatchesPass
 from hlopar.passes.stage_construction import StageConstructionPass
 from hlopar.passes.unstack_layer_scans import UnstackLayerScansPass
@@ -16,7 +17,7 @@ from hlopar.passes.unstack_layer_scans import UnstackLayerScansPass
 HLOPAR_PASSES: dict[str, type[ModulePass]] = {
     cls.name: cls
     for cls in (ImportPass, AutoShardingPass, ClusterOperatorsPass, StageConstructionPass, CrossMeshReshardingPass,
-                AutoParallelPass, SplitMicrobatchesPass, UnstackLayerScansPass, RematerializePass)
+                AutoParallelPass, SplitMicrobatchesPass, UnstackLayerScansPass, RematerializePass, RerollStageLoopsPass)
 }
 
 

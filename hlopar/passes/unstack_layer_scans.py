@@ -55,9 +55,10 @@ from hlopar.ir.signature import FuncSignature
 from hlopar.passes.auto_sharding import planned_functions
 from hlopar.passes.base import ModulePass, PassContext, option
 
-__all__ = ["LAYER_PIECES_ATTR", "LayerPieces", "UnstackLayerScansPass", "unroll", "unstack"]
+__all__ = ["LAYER_ITERATION_ATTR", "LAYER_PIECES_ATTR", "LayerPieces", "UnstackLayerScansPass", "unroll", "unstack"]
 
 LAYER_PIECES_ATTR = "hlopar.layer_pieces"
+LAYER_ITERATION_ATTR = "hlopar.layer_iteration"
 
 ELEMENTWISE = frozenset(f"stablehlo.{name}" for name in (
     "abs add and atan2 cbrt ceil clamp compare convert cosine divide exponential exponential_minus_one floor "
@@ -86,8 +87,8 @@ class UnstackLayerScansPass(ModulePass):
             graph = FuncGraph.from_func(main)
             scans = [s for s in layer_scans(graph) if s.trips <= self.max_layers]
             masks: dict[tuple[ir.Value, int], ir.Value] = {}
-            for scan in scans:
-                unroll(graph.ops[scan.op].mlir_op, scan.trips, masks)
+            for number, scan in enumerate(scans):
+                unroll(graph.ops[scan.op].mlir_op, scan.trips, masks, loop=number)
             _canonicalize(module)
             pieces = None
             if scans:
@@ -105,7 +106,8 @@ class UnstackLayerScansPass(ModulePass):
                 json.dump(report, out, indent=1)
 
 
-def unroll(loop: ir.Operation, trips: int, masks: dict[tuple[ir.Value, int], ir.Value] | None = None) -> None:
+def unroll(op: ir.Operation, trips: int, masks: dict[tuple[ir.Value, int], ir.Value] | None = None,
+           loop: int = 0) -> None:
     """Replaces a `while` that runs `trips` times by `trips` copies of its body.
 
     A value the loop carries unchanged and that is computed from constants alone (the causal
@@ -114,36 +116,44 @@ def unroll(loop: ir.Operation, trips: int, masks: dict[tuple[ir.Value, int], ir.
     score tensor, would be read by every layer across every stage boundary. `masks` keeps the
     copies by (hoisted value, layer): a later loop over the same layers (the backward, layer
     L-1-i in its copy i) reads the copy of its copy's layer, as the backward of the
-    Python-loop model reads its forward's mask (a residual, stashed like the twin's)."""
+    Python-loop model reads its forward's mask (a residual, stashed like the twin's).
+
+    Each copy of a body op is tagged `hlopar.layer_iteration = [loop, iteration, body op,
+    layer]` (`loop`: the loop's number among the unrolled ones; layer -1 where the body reads
+    no layer slice), so that `hlopar-reroll-stage-loops` can find a stage's iterations again."""
     masks = {} if masks is None else masks
-    body = loop.regions[1].blocks[0]
-    carried = list(loop.operands)
+    loop_op = op
+    body = loop_op.regions[1].blocks[0]
+    carried = list(loop_op.operands)
     ops = list(body.operations)
     returned = list(ops[-1].operands)
     recomputed = [k for k, (arg, value) in enumerate(zip(body.arguments, carried))
                   if returned[k] == arg and _from_constants(value) and not _is_constant(value)]
     layer_read = _layer_read(body, trips)
-    with ir.InsertionPoint(loop), loop.location:
-        for _ in range(trips):
+    with ir.InsertionPoint(loop_op), loop_op.location:
+        for iteration in range(trips):
             carried = [_folded(v) for v in carried]  # the counter: the copies' layer indices are constants
             mapping = dict(zip(body.arguments, carried))
+            recomputes: list[ir.Operation] = []
             for k in recomputed:
-                mapping[body.arguments[k]] = _recompute(carried[k])
-            for op in ops[:-1]:
-                clone_into(op.operation, mapping)
+                mapping[body.arguments[k]] = _recompute(carried[k], recomputes)
+            clones = [clone_into(body_op.operation, mapping) for body_op in ops[:-1]]
             layer = _constant_int(mapping[layer_read]) if layer_read is not None else None
+            for number, clone in [(-1, op) for op in recomputes] + list(enumerate(clones)):
+                clone.attributes[LAYER_ITERATION_ATTR] = ir.DenseI64ArrayAttr.get(
+                    [loop, iteration, number, -1 if layer is None else layer])
             for k in recomputed if layer is not None else ():
-                copy, key = mapping[body.arguments[k]], (loop.operands[k], layer)
+                copy, key = mapping[body.arguments[k]], (loop_op.operands[k], layer)
                 if key in masks:
                     copy.replace_all_uses_with(masks[key])  # the recomputed copy is dead now
                 else:
                     masks[key] = copy
             carried = [mapping.get(v, v) for v in ops[-1].operands]
             for k in recomputed:
-                carried[k] = loop.operands[k]
-    for old, new in zip(loop.results, carried):
+                carried[k] = loop_op.operands[k]
+    for old, new in zip(loop_op.results, carried):
         old.replace_all_uses_with(new)
-    loop.erase()
+    loop_op.erase()
 
 
 def _layer_read(body: ir.Block, trips: int) -> ir.Value | None:
@@ -188,13 +198,15 @@ def _from_constants(value: ir.Value) -> bool:
     return op.name in _RECOMPUTABLE and all(_from_constants(v) for v in op.operands)
 
 
-def _recompute(value: ir.Value) -> ir.Value:
-    """A fresh copy, at the insertion point, of the ops that make `value` from constants."""
+def _recompute(value: ir.Value, made: list[ir.Operation]) -> ir.Value:
+    """A fresh copy, at the insertion point, of the ops that make `value` from constants
+    (appended to `made`)."""
     op = value.owner.operation
     if op.name == "stablehlo.constant":
         return value
-    operands = [_recompute(operand) for operand in op.operands]  # made first: they come before
+    operands = [_recompute(operand, made) for operand in op.operands]  # made first: they come before
     clone = op.clone()
+    made.append(clone)
     for k, operand in enumerate(operands):
         clone.operands[k] = operand
     return clone.results[list(op.results).index(value)]

@@ -2,7 +2,7 @@
 // hlopar-import): the loop is unrolled, the stacked weights split into one argument per layer
 // (read where the layer ran), the stacked per-layer outputs written as pieces, the elementwise
 // update of the stack run per piece; `hlopar.layer_pieces` says what each argument and result
-// is a piece of.
+// is a piece of. Each copy of a body op is tagged with its loop, iteration, body op and layer.
 // RUN: hlopar-opt %s -p 'builtin.module(hlopar-import,hlopar-unstack-layer-scans{report=%t.json})' | FileCheck %s
 // RUN: FileCheck %s --check-prefix=REPORT < %t.json
 // REPORT: "trips": 2
@@ -14,14 +14,14 @@
 // CHECK-SAME:    -> (tensor<1x4x4xf32> {jax.result_info = "result[0][0]"}, tensor<1x4x4xf32> {jax.result_info = "result[0][1]"}, tensor<1xf32> {jax.result_info = "result[1][0]"}, tensor<1xf32> {jax.result_info = "result[1][1]"}, tensor<3x4xf32> {jax.result_info = "result[2]"})
 // CHECK-SAME:    hlopar.layer_pieces = {arg_origin = array<i64: 1, 0, 0>, arg_piece = array<i64: -1, 0, 1>, result_origin = array<i64: 0, 0, 1, 1, 2>, result_piece = array<i64: 0, 1, 0, 1, -1>}
 // CHECK-NOT:     stablehlo.while
-// CHECK:         %[[W0:.*]] = stablehlo.reshape %arg1 : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
+// CHECK:         %[[W0:.*]] = stablehlo.reshape %arg1 {hlopar.layer_iteration = array<i64: 0, 0, 1, 0>} : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
 // CHECK:         %[[H1:.*]] = stablehlo.dot_general %arg0, %[[W0]]
 // CHECK:         %[[T1:.*]] = stablehlo.tanh %[[H1]]
-// CHECK:         %[[Y0:.*]] = stablehlo.broadcast_in_dim %{{.*}}, dims = [] : (tensor<f32>) -> tensor<1xf32>
-// CHECK:         %[[W1:.*]] = stablehlo.reshape %arg2 : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
+// CHECK:         %[[Y0:.*]] = stablehlo.broadcast_in_dim %{{.*}}, dims = [] {hlopar.layer_iteration = array<i64: 0, {{[01]}}, 5, {{[01]}}>} : (tensor<f32>) -> tensor<1xf32>
+// CHECK:         %[[W1:.*]] = stablehlo.reshape %arg2 {hlopar.layer_iteration = array<i64: 0, 1, 1, 1>} : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
 // CHECK:         %[[H2:.*]] = stablehlo.dot_general %[[T1]], %[[W1]]
 // CHECK:         %[[T2:.*]] = stablehlo.tanh %[[H2]]
-// CHECK:         %[[Y1:.*]] = stablehlo.broadcast_in_dim %{{.*}}, dims = [] : (tensor<f32>) -> tensor<1xf32>
+// CHECK:         %[[Y1:.*]] = stablehlo.broadcast_in_dim %{{.*}}, dims = [] {hlopar.layer_iteration = array<i64: 0, {{[01]}}, 5, {{[01]}}>} : (tensor<f32>) -> tensor<1xf32>
 // One broadcast per layer (a shared one would tie the layers' stages together), each made
 // where it is read, as values made from constants alone are.
 // CHECK:         %[[HALF0:.*]] = stablehlo.broadcast_in_dim %{{.*}}, dims = [] : (tensor<f32>) -> tensor<1x4x4xf32>
