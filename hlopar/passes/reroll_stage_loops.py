@@ -94,8 +94,13 @@ class RerollStageLoopsPass(ModulePass):
             for fragment in _fragments(module):
                 if fragment_role(fragment) == "update":  # the optimizer: elementwise per piece, not a loop body
                     continue
-                ranges += reroll_block(fragment.regions[0].blocks[0], _origin(fragment),
-                                       min_trips=self.min_trips, rewrite=self.reroll == "auto")
+                made = reroll_block(fragment.regions[0].blocks[0], _origin(fragment),
+                                    min_trips=self.min_trips, rewrite=self.reroll == "auto")
+                for r in made:
+                    if not r.rolled and r.trips >= self.min_trips and self.reroll == "auto":
+                        context.warn(fragment, f"{self.name}: layers {r.layers[0]}..{r.layers[-1]} of loop {r.loop} "
+                                               f"stay unrolled in {r.fragment}: {r.reason}")
+                ranges += made
         if self.report:
             with open(self.report, "w") as out:
                 json.dump({"pass": self.name, "reroll": self.reroll, "ranges": [asdict(r) for r in ranges]},
@@ -281,6 +286,13 @@ class _Reroll:
         members = {op for ops in groups for op in ops}
         outputs = [(j, r) for j, op in enumerate(template) for r in range(len(op.results))
                    if any(_used_outside(ops[j].results[r], members) for ops in groups)]
+        carried_out = {how[2] for how in self.wiring.values() if how[0] == "carry"}
+        # A carry read outside only after the last iteration (the stage's output): the loop's result.
+        kinds = {_kind(op) for op in members}
+        loop_kind = next((kind for kind in (BATCH, SUM) if kind in kinds), None)
+        last_only = {(j, r) for j, r in outputs if (j, r) in carried_out and _kind(template[j]) == loop_kind
+                     and not any(_used_outside(ops[j].results[r], members) for ops in groups[:-1])}
+        outputs = [o for o in outputs if o not in last_only]
         with ir.InsertionPoint(first_op), first_op.location:
             scalar = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
             zero = _constant(scalar, 0)
@@ -304,11 +316,8 @@ class _Reroll:
                 slot(("output", j, r), buffer)
             loop = stablehlo.WhileOp([v.type for v in carried], carried)
             loop.attributes[LAYER_LOOP_ATTR] = ir.DenseI64ArrayAttr.get(list(self.tag))
-            kinds = {ir.StringAttr(op.attributes[KIND_ATTR]).value for op in members if KIND_ATTR in op.attributes}
-            for kind in (BATCH, SUM):
-                if kind in kinds:
-                    loop.attributes[KIND_ATTR] = ir.StringAttr.get(kind)
-                    break
+            if loop_kind is not None:  # what codegen reads of a value the loop returns
+                loop.attributes[KIND_ATTR] = ir.StringAttr.get(loop_kind)
             cond = loop.regions[0].blocks.append(*[v.type for v in carried])
             with ir.InsertionPoint(cond):
                 more = stablehlo.CompareOp(cond.arguments[0], _constant(scalar, trips),
@@ -344,6 +353,12 @@ class _Reroll:
                         _, j, r = key
                         returned[k] = _write_row(args[k], clones[j].results[r], counter)
                 stablehlo.ReturnOp(returned)
+            for key, k in slots.items():
+                if key[0] == "carry" and key[2] in last_only:
+                    value = groups[-1][key[2][0]].results[key[2][1]]
+                    for use in list(value.uses):
+                        if use.owner.operation not in members:
+                            use.owner.operands[use.operand_number] = loop.results[k]
             for j, r in outputs:
                 stacked = loop.results[slots[("output", j, r)]]
                 for i, ops in enumerate(groups):
@@ -358,6 +373,10 @@ class _Reroll:
         ordered = sorted(members, key=lambda op: _index_in(self.block, op), reverse=True)
         for op in ordered:
             op.erase()
+
+
+def _kind(op: ir.Operation) -> str | None:
+    return ir.StringAttr(op.attributes[KIND_ATTR]).value if KIND_ATTR in op.attributes else None
 
 
 def _read(op: ir.Operation) -> list[ir.Value]:
