@@ -737,6 +737,11 @@ def describe_plan(planned: PlannedStep) -> str:
         lines.append(f"  {mesh}: stage {stage}, mesh {shape} on devices {list(program.devices[mesh])}, "
                      f"fragments {', '.join(f.name for f in fragments)}; {sharded} of {len(shardings)} "
                      f"annotated tensors sharded{latency}")
+    from hlopar.codegen.one_program import fuses
+
+    if fuses(program):
+        lines.append("  runs as one executable: its fragments fused into one program (one mesh, one microbatch), "
+                     "as jax.jit compiles the step")
     pieces = planned.plan.get("layer_pieces")
     if pieces:
         stacks = len({o for o, p in zip(pieces["arg_origin"], pieces["arg_piece"]) if p >= 0})

@@ -41,7 +41,7 @@ from hlopar.codegen.pipeline_program import (
 from hlopar.codegen.schedules import FREE, RECV, RUN, SEND, PipelineStreams, get_schedule
 from hlopar.passes.base import PassContext
 from hlopar.passes.split_microbatches import SplitMicrobatchesPass, read_split, split_step
-from hlopar.runtime.fragment_calls import free_stash, run_fragment
+from hlopar.runtime.fragment_calls import Placements, free_stash, run_fragment
 from hlopar.runtime.local_transfer import run_planned_transfer
 from hlopar.runtime.step_arguments import step_arguments
 
@@ -195,6 +195,7 @@ class _Run:
         self.sums: dict[int, jax.Array] = {}  # accumulated value -> running sum
         self.done: set[str] = set()
         self.log: list[str] = []
+        self.placements = Placements()  # arguments placed as the fragments read them, once
 
     # values
 
@@ -237,7 +238,8 @@ class _Run:
 
     def run_fragment(self, fragment: ProgramFragment, m: int) -> None:
         inputs = [self.read(v, m, once=fragment.role == UPDATE) for v in fragment.operands]
-        run_fragment(self.program, self.step.executables[fragment.name], fragment, inputs, m, self.sums, self.store)
+        run_fragment(self.program, self.step.executables[fragment.name], fragment, inputs, m, self.sums, self.store,
+                     self.placements)
 
     # the streams
 

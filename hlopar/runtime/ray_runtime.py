@@ -68,7 +68,7 @@ from hlopar.codegen.schedules.instructions import MeshStream
 from hlopar.codegen.schedules.timeline import COMPUTE, KINDS, SEND_LANE, Span, Timeline
 from hlopar.runtime.mesh_processes import (Pieces, WorkerLayout, coordinator_address, gather_pieces, host_value,
                                            join_mesh, local_pieces, mesh_devices, routes, worker_layout)
-from hlopar.runtime.fragment_calls import free_stash, run_fragment
+from hlopar.runtime.fragment_calls import Placements, free_stash, run_fragment
 from hlopar.runtime.host_devices import host_device_environment
 from hlopar.runtime.step_arguments import step_arguments
 from hlopar.runtime.transports import Mailbox, TransportError, pack, transport_for, unpack, unpack_shards
@@ -99,6 +99,7 @@ class WorkerProgram:
     arguments: tuple[int, ...]  # argument numbers read here (directly or through a transfer chain)
     results: tuple[int, ...]  # positions in `program.results` of the values living on this mesh
     layout: WorkerLayout  # every worker of the program (mesh_processes)
+    whole: str | None = None  # the program as one executable's module text (`codegen.one_program`), or None
 
 
 def _argument_origin(program: PipelineProgram, v: int) -> int | None:
@@ -112,7 +113,11 @@ def _argument_origin(program: PipelineProgram, v: int) -> int | None:
 def worker_programs(program: PipelineProgram, streams: PipelineStreams,
                     layout: WorkerLayout | None = None) -> dict[str, WorkerProgram]:
     """Per mesh, its `WorkerProgram` (`layout` default: one worker per mesh)."""
+    from hlopar.codegen.one_program import one_program
+    from hlopar.ir.module import print_module
+
     layout = layout or worker_layout(program.devices)
+    whole = one_program(program)
     bare = replace(program, fragments=[replace(f, module=None) for f in program.fragments])
     by_mesh = {s.mesh: s for s in streams.streams}
     out = {}
@@ -123,8 +128,9 @@ def worker_programs(program: PipelineProgram, streams: PipelineStreams,
         arguments = sorted({a for a in (_argument_origin(program, v) for v in reads) if a is not None})
         stream = by_mesh.get(mesh, MeshStream(mesh, -1, ()))
         out[mesh] = WorkerProgram(mesh, tuple(program.devices[mesh]), bare,
-                                  {f.name: f.text for f in program.fragments if f.mesh == mesh},
-                                  stream, tuple(arguments), results, layout)
+                                  {} if whole else {f.name: f.text for f in program.fragments if f.mesh == mesh},
+                                  stream, tuple(arguments), results, layout,
+                                  print_module(whole) if whole else None)
     stray = [r for r, v in enumerate(program.results) if program.values[v].mesh not in out]
     if stray:
         raise ValueError(f"results {stray} live on no mesh of the program")
@@ -292,9 +298,14 @@ class MeshWorker:
             if text not in compiled:
                 compiled[text] = compile_executable(parse_module(text), self.mesh_devices)
             self.executables[name] = compiled[text]
+        self.whole = compile_executable(parse_module(wp.whole), self.mesh_devices) if wp.whole else None
         self.landing, self.made = {}, {}  # value -> sharding its first reader reads / its maker writes
+        if self.whole is not None:
+            self.landing = {v: self.whole.input_shardings[value.argument] for v, value in enumerate(self.program.values)
+                            if value.argument is not None}
+            self.made = dict(zip(self.program.results, self.whole.output_shardings))
         for fragment in self.program.fragments:
-            if fragment.mesh != wp.mesh:
+            if fragment.mesh != wp.mesh or fragment.name not in self.executables:
                 continue
             ex = self.executables[fragment.name]
             offset = len(fragment.accumulate)
@@ -309,7 +320,8 @@ class MeshWorker:
         return {"worker": self.name, "mesh": wp.mesh, "pid": os.getpid(), "host": self.slot.host,
                 "devices": [str(self.devices[d]) for d in self.slot.devices],
                 "platform": self.devices[self.slot.devices[0]].platform,
-                "executables": len(compiled), "compile_s": time.perf_counter() - clock}
+                "executables": len(compiled) + (self.whole is not None), "one_program": self.whole is not None,
+                "compile_s": time.perf_counter() - clock}
 
     def senders(self, transfer: str) -> list[str]:
         """The workers that send this worker unit ops of a transfer."""
@@ -357,12 +369,18 @@ class MeshWorker:
             self.runs[step] = run
             self.changed.notify_all()
         self.mailbox.drop_before(step)
-        run.stream()
-        run.updates()
-        last = self.program.microbatches - 1
-        for r in self.wp.results:
-            self.kept[(step, r)] = run.read(self.program.results[r], last, once=True)
+        if self.whole is not None:
+            outputs = run.whole()
+            for r in self.wp.results:
+                self.kept[(step, r)] = outputs[r]
+        else:
+            run.stream()
+            run.updates()
+            last = self.program.microbatches - 1
+            for r in self.wp.results:
+                self.kept[(step, r)] = run.read(self.program.results[r], last, once=True)
         run.timing["step_s"] = time.perf_counter() - clock
+        run.timing["placed"] = run.placements.moved
         return {"timing": run.timing, "spans": run.spans, "results": self._returned(step, returned)}
 
     def _returned(self, step: int, returned: Collection[int]) -> dict:
@@ -454,7 +472,9 @@ class _WorkerRun:
         self.store: dict[tuple[int, int | None], object] = {}
         self.sums: dict[int, object] = {}
         self.stream_done = False
-        self.timing = {"run_s": 0.0, "send_s": 0.0, "recv_wait_s": 0.0, "pull_s": 0.0, "sent_bytes": 0, "runs": 0}
+        self.placements = Placements()  # arguments placed as the fragments read them, once
+        self.timing = {"run_s": 0.0, "send_s": 0.0, "recv_wait_s": 0.0, "pull_s": 0.0, "sent_bytes": 0, "runs": 0,
+                       "placed": 0}  # placed: inputs copied from the host or moved to another layout
         self.spans: list[tuple] = []  # (lane, kind, microbatch, peer, start, end), wall-clock seconds
 
     # values
@@ -541,10 +561,25 @@ class _WorkerRun:
         inputs = [self.read(v, m, once=fragment.role == UPDATE) for v in fragment.operands]
         clock = time.perf_counter()
         jax.block_until_ready(run_fragment(self.program, self.w.executables[fragment.name], fragment, inputs, m,
-                                           self.sums, self.store))
+                                           self.sums, self.store, self.placements))
         self.timing["run_s"] += time.perf_counter() - clock
         self.timing["runs"] += 1
         self._made()
+
+    def whole(self) -> list:
+        """The step as one executable (`codegen.one_program`): every argument in, every result out."""
+        import jax
+
+        ex = self.w.whole
+        began, clock = time.time(), time.perf_counter()
+        inputs = [self.arguments[i] for i in range(len(self.program.argument_shapes))]
+        outputs = jax.block_until_ready(ex.run(self.placements.inputs(ex, inputs, 0, tuple(ex.donated))))
+        self.timing["run_s"] += time.perf_counter() - clock
+        self.timing["runs"] += 1
+        self.spans.append((COMPUTE, "other", None, "", began, time.time()))
+        self.stream_done = True
+        self._made()
+        return outputs
 
     # the stream
 

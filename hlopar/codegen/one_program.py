@@ -1,0 +1,163 @@
+"""A program of one mesh and one microbatch as ONE executable, as `jax.jit` compiles the step.
+
+The "shard" plan is one stage on one mesh: its forward, backward and update fragments run
+in turn on the same devices, each a separate executable. With one microbatch nothing
+needs them apart (no schedule interleaves them, nothing is summed over microbatches), and
+three launches cost three times the per-launch overhead, materialize what the forward hands
+the backward, and add gradients into zero accumulators. `one_program(program)` writes the
+fragments' bodies one after the other into a single `@main` that takes the program's
+arguments and returns its results, in `@main`'s order:
+
+- every op keeps the `sdy` sharding the plan gave it; a value one fragment hands another
+  goes in the layout its reader reads it (an `sdy.sharding_constraint` where its maker
+  wrote another layout), so the plan is the plan;
+- an accumulator is a zero constant (one microbatch: the sum is that microbatch's value,
+  and XLA folds the add of zero away);
+- an argument is laid out as its first reader reads it; one an update fragment donates
+  stays donated (to the same result when the layouts match, else to any).
+
+None where the program is not such a program (several meshes or microbatches, transfers, an
+argument no fragment reads, a fragment with functions besides its `@main`, meshes that
+differ): it then runs fragment by fragment.
+"""
+
+from __future__ import annotations
+
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import func as func_dialect
+from jaxlib.mlir.dialects import sdy, stablehlo
+
+from hlopar.codegen.executables import ALIASING_OUTPUT, BUFFER_DONOR, _arg_attrs, _main, _res_attrs
+from hlopar.codegen.pipeline_program import PipelineProgram
+from hlopar.ir.extract import clone_into
+
+__all__ = ["fuses", "one_program"]
+
+_SHARDING = "sdy.sharding"
+
+
+def fuses(program: PipelineProgram) -> bool:
+    """Whether `one_program` makes one module of `program` (module docstring)."""
+    fragments = program.fragments
+    if len(program.meshes) != 1 or program.microbatches != 1 or program.transfers or not fragments:
+        return False
+    symbols = [_symbols(f.module) for f in fragments]
+    if None in symbols or len(set(symbols)) != 1:
+        return False
+    return len(_first_reads(program)) == len(program.argument_shapes)
+
+
+def _first_reads(program: PipelineProgram) -> dict[int, tuple[int, int]]:
+    """argument -> (the first fragment reading it, that fragment's argument number)."""
+    first_read: dict[int, tuple[int, int]] = {}
+    for k, f in enumerate(program.fragments):
+        for p, v in enumerate(f.operands):
+            if program.values[v].argument is not None:
+                first_read.setdefault(program.values[v].argument, (k, len(f.accumulate) + p))
+    return first_read
+
+
+def one_program(program: PipelineProgram) -> ir.Operation | None:
+    """The program as one module (module docstring), or None."""
+    if not fuses(program):
+        return None
+    fragments = program.fragments
+    values = program.values
+    first_read = _first_reads(program)
+    mains = [_main(f.module) for f in fragments]
+    bodies = [m.regions[0].blocks[0] for m in mains]
+    arg_attrs = [_arg_attrs(m) for m in mains]
+    res_attrs = [_res_attrs(m) for m in mains]
+
+    module = fragments[0].module.clone()
+    old = _main(module)
+    with module.context, ir.Location.unknown():
+        inputs = [bodies[k].arguments[a].type for k, a in (first_read[i] for i in range(len(first_read)))]
+        made = {v: (k, p) for k, f in enumerate(fragments) for p, v in enumerate(f.results)}
+        outputs = [_result_type(values[v], made.get(v), bodies, first_read, v) for v in program.results]
+        main = func_dialect.FuncOp("main", ir.FunctionType.get(inputs, outputs), ip=ir.InsertionPoint(old))
+        for name in old.attributes:
+            if name not in ("function_type", "sym_name", "arg_attrs", "res_attrs"):
+                main.operation.attributes[name] = old.attributes[name]
+        entry = main.add_entry_block()
+        env: dict[int, ir.Value] = {}  # program value -> its value in the new body
+        layout: dict[int, ir.Attribute | None] = {}  # program value -> the sdy sharding it has there
+        for v, value in enumerate(values):
+            if value.argument is not None:
+                k, a = first_read[value.argument]
+                env[v], layout[v] = entry.arguments[value.argument], arg_attrs[k][a].get(_SHARDING)
+        with ir.InsertionPoint(entry):
+            for k, f in enumerate(fragments):
+                arguments = bodies[k].arguments
+                mapping = {arguments[j]: _zeros(arguments[j].type) for j in range(len(f.accumulate))}
+                for p, v in enumerate(f.operands):
+                    a = len(f.accumulate) + p
+                    want = arg_attrs[k][a].get(_SHARDING)
+                    value = env[v]
+                    if want is not None and str(want) != str(layout[v]):
+                        value = sdy.ShardingConstraintOp(value, want).result
+                    mapping[arguments[a]] = value
+                operations = list(bodies[k].operations)
+                for op in operations[:-1]:
+                    clone_into(op.operation, mapping)
+                returned = [mapping.get(x, x) for x in operations[-1].operands]
+                for p, v in enumerate(f.results):
+                    env[v], layout[v] = returned[p], res_attrs[k][p].get(_SHARDING)
+            func_dialect.ReturnOp([env[v] for v in program.results])
+        main.operation.attributes["arg_attrs"] = ir.ArrayAttr.get(
+            [ir.DictAttr.get(a) for a in _arguments(program, first_read, arg_attrs, layout)])
+        main.operation.attributes["res_attrs"] = ir.ArrayAttr.get(
+            [ir.DictAttr.get({_SHARDING: layout[v]} if layout[v] is not None else {}) for v in program.results])
+        old.erase()
+    return module
+
+
+def _symbols(module: ir.Operation) -> str | None:
+    """The module's top-level ops but `@main` as text (its meshes), or None when it has
+    other functions."""
+    others = []
+    for op in module.regions[0].blocks[0].operations:
+        if op.operation.name == "func.func":
+            if ir.StringAttr(op.operation.attributes["sym_name"]).value != "main":
+                return None
+            continue
+        others.append(str(op))
+    return "\n".join(others)
+
+
+def _result_type(value, made, bodies, first_read, v) -> ir.Type:
+    if made is not None:
+        k, p = made
+        return bodies[k].operations[len(bodies[k].operations) - 1].operands[p].type
+    k, a = first_read[value.argument]
+    return bodies[k].arguments[a].type
+
+
+def _zeros(tensor: ir.Type) -> ir.Value:
+    """A zero of `tensor`'s type (an accumulator with nothing summed yet)."""
+    tensor = ir.RankedTensorType(tensor)
+    element = tensor.element_type
+    float_type = str(element).startswith(("f", "bf"))
+    zero = ir.FloatAttr.get(element, 0.0) if float_type else ir.IntegerAttr.get(element, 0)
+    return stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(tensor, zero)).result
+
+
+def _arguments(program: PipelineProgram, first_read, arg_attrs, layout) -> list[dict]:
+    """Each argument's attributes: its first reader's layout, and the donation an update
+    fragment made of it (to the same result where the layouts match)."""
+    out = []
+    for i in range(len(program.argument_shapes)):
+        k, a = first_read[i]
+        attrs = {_SHARDING: arg_attrs[k][a][_SHARDING]} if _SHARDING in arg_attrs[k][a] else {}
+        for f in program.fragments:
+            for p, r in f.donated.items():
+                if program.values[f.operands[p]].argument != i:
+                    continue
+                v = f.results[r] if r is not None else None
+                if v in program.results and str(layout[v]) == str(attrs.get(_SHARDING)):
+                    attrs[ALIASING_OUTPUT] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32),
+                                                                program.results.index(v))
+                else:
+                    attrs[BUFFER_DONOR] = ir.BoolAttr.get(True)
+        out.append(attrs)
+    return out
