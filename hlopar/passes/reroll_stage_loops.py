@@ -175,18 +175,25 @@ def reroll_block(block: ir.Block, fragment: str, *, min_trips: int = 2, rewrite:
     """Re-rolls, in one block, each run of identical tagged iterations; returns what was done."""
     by_loop: dict[int, dict[int, list[ir.Operation]]] = {}
     layer_of: dict[tuple[int, int], int] = {}
+    tags: dict[ir.Operation, tuple[int, int, int, int]] = {}
     for op in list(block.operations)[:-1]:
         op = op.operation
         tag = _tag(op)
+        if tag is None and op.name == "sdy.sharding_constraint":
+            # Written by hlopar-auto-sharding on a result after the unrolling: part of its maker's iteration.
+            maker = op.operands[0].owner
+            tag = None if isinstance(maker, ir.Block) else tags.get(maker.operation)
         if tag is None:
             continue
+        tags[op] = tag
         loop, iteration, _, layer = tag
         by_loop.setdefault(loop, {}).setdefault(iteration, []).append(op)
         layer_of[(loop, iteration)] = layer
+    keys = {loop: {i: tuple((tags[op][2], _structure(op)) for op in ops) for i, ops in iterations.items()}
+            for loop, iterations in by_loop.items()}  # before any rewrite
     done: list[LoopRange] = []
     for loop, iterations in sorted(by_loop.items()):
-        keys = {i: tuple((_tag(op)[2], _structure(op)) for op in ops) for i, ops in iterations.items()}
-        for first, trips in identical_runs(keys, 1):
+        for first, trips in identical_runs(keys[loop], 1):
             layers = tuple(layer_of[(loop, i)] for i in range(first, first + trips))
             if trips < min_trips:
                 reason = f"{trips} iteration(s): cheaper unrolled (min-trips={min_trips})"

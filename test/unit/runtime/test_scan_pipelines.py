@@ -1,5 +1,6 @@
 """Scanned layer stacks through `hlopar.parallelize`, pipelined: each stage holds only its
-layers' slices of the stacked parameters and optimizer state, and the steps equal one device.
+layers' slices of the stacked parameters and optimizer state, runs the iterations it holds of
+the scan as a loop again (`hlopar-reroll-stage-loops`), and the steps equal one device.
 
 The models: the plain-JAX `lax.scan` GPT (optax Adam) and the Flax ``nn.scan`` Transformer
 (TrainState) of `scan_steps` with 6 layers, each also with `jax.checkpoint` / `nn.remat` around
@@ -85,6 +86,13 @@ def test_scanned_stack_pipelines_and_equals_one_device(ray_cluster, name):
                 stacked.add(origin)
                 assert tuple(program.argument_shapes[number])[0] == 1
         assert stacked and (len(layer_meshes) >= 2) == pipelined
+        # The stages run their layers as loops again (hlopar-reroll-stage-loops): each fragment
+        # the report names holds a while over its range, and the plan summary says so.
+        rolled = [r for r in plan["reroll"]["ranges"] if r["rolled"]]
+        assert rolled, plan["reroll"]
+        looping = [f for f in program.fragments if "hlopar.layer_loop" in f.text]
+        assert looping and all("stablehlo.while" in f.text for f in looping)
+        assert "run as loops (hlopar-reroll-stage-loops)" in hlopar.api.describe_plan(parallel.planned)
         expected_losses = []
         state = args
         for _ in range(STEPS):
