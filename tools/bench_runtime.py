@@ -24,9 +24,12 @@ workers (each its own 8 or 4 CPU devices, on the same cores):
   executable by stock jaxlib (`codegen.executables.compile_executable`), run in this
   process on `jax.Array`s: the plan as one program, without hlopar's runtime;
 - `fragments-shard-plan`: the "shard" plan's own executables (its forward, backward and
-  update fragments, what its worker runs) chained in this process on `jax.Array`s by
-  `local_executor.PipelinedStep`: the plan without Ray, the driver and the worker, so that
-  `hlopar-shard-1x8` over it is the Ray runtime's own cost;
+  update fragments) chained in this process on `jax.Array`s by
+  `local_executor.PipelinedStep`: the plan fragment by fragment, without Ray;
+- `one-program-shard-plan`: the same plan as the one executable its worker runs (one mesh,
+  one microbatch: `codegen.one_program`), run in this process on `jax.Array`s, each step on
+  the last step's results as they left the devices: the plan without Ray, the driver and the
+  worker, so that `hlopar-shard-1x8` over it is the Ray runtime's own cost;
 - `hlopar-<method>-<hosts>x<devices>`: `hlopar.parallelize(method=...)` on
   `Cluster.local(hosts, devices)`: shard, auto and pipeline on 1 x 8; `hlopar-pipelined-2x4`:
   a pipelined plan on two simulated hosts of 4 devices, 1f1b, the first of method
@@ -84,7 +87,8 @@ import hlopar  # noqa: E402
 from hlopar.codegen.spmd import main_shardings  # noqa: E402
 from hlopar.models import gpt  # noqa: E402
 
-IN_PROCESS_WAYS = ("jit-1-device", "jit-data-parallel", "jit-plan-shardings", "xla-shard-plan", "fragments-shard-plan")
+IN_PROCESS_WAYS = ("jit-1-device", "jit-data-parallel", "jit-plan-shardings", "xla-shard-plan", "fragments-shard-plan",
+                   "one-program-shard-plan")
 HLOPAR_WAYS = {  # way -> hosts, devices per host, the (method, options) to try in turn
     "hlopar-shard-1x8": (1, 8, [("shard", {})]),
     "hlopar-auto-1x8": (1, 8, [("auto", {})]),
@@ -95,7 +99,8 @@ HLOPAR_WAYS = {  # way -> hosts, devices per host, the (method, options) to try 
                                     for b in (2, 4) for method in ("pipeline", "auto")]),
 }
 WAYS = IN_PROCESS_WAYS + tuple(HLOPAR_WAYS)
-QUICK_WAYS = ("jit-1-device", "jit-data-parallel", "jit-plan-shardings", "fragments-shard-plan", "hlopar-shard-1x8")
+QUICK_WAYS = ("jit-1-device", "jit-data-parallel", "jit-plan-shardings", "fragments-shard-plan", "one-program-shard-plan",
+              "hlopar-shard-1x8")
 TARGET_SAME_SHARDINGS = 1.05
 TARGET_CRITICAL = 1.2
 
@@ -225,6 +230,27 @@ def fragments_way(step, args, plan) -> Runner:
     return Runner("fragments-shard-plan", call, args, {"first_call_s": time.perf_counter() - clock}).first()
 
 
+def one_program_way(step, args, plan) -> Runner:
+    """`one-program-shard-plan` (module docstring)."""
+    from hlopar.codegen.executables import compile_executable
+    from hlopar.codegen.one_program import one_program
+    from hlopar.runtime.fragment_calls import Placements
+
+    planned, lowered = plan
+    program = planned.program
+    clock = time.perf_counter()
+    module = one_program(program)
+    if module is None:
+        raise SystemExit("the shard plan is not one mesh and one microbatch: it has no one-program form")
+    executable = compile_executable(module, [jax.devices()[d] for d in program.devices[program.meshes[0]]])
+
+    def call(params, state, batch):  # as the worker runs it: each (argument, layout) placed once
+        inputs = Placements().inputs(executable, jax.tree_util.tree_leaves((params, state, batch)), 0)
+        return jax.tree_util.tree_unflatten(lowered.out_tree, executable.run(inputs))
+
+    return Runner("one-program-shard-plan", call, args, {"first_call_s": time.perf_counter() - clock}).first()
+
+
 def planned_shardings(args, plan) -> tuple:
     """The `method="shard"` plan's shardings, as `jax.jit` takes them (pytrees of
     `NamedSharding` for the arguments and the results)."""
@@ -281,7 +307,8 @@ def bench(args) -> dict:
     step = gpt.train_step(config)
     params = step.init(jax.random.PRNGKey(0))
     train_args = (params, step.init_opt_state(params), step.make_batch(jax.random.PRNGKey(1)))
-    plan = shard_plan(step, train_args) if {"jit-plan-shardings", "fragments-shard-plan"} & set(args.ways) else None
+    plan = shard_plan(step, train_args) if {"jit-plan-shardings", "fragments-shard-plan",
+                                            "one-program-shard-plan"} & set(args.ways) else None
     plan_shardings = planned_shardings(train_args, plan) if "jit-plan-shardings" in args.ways else None
     runners = []
     try:
@@ -290,6 +317,8 @@ def bench(args) -> dict:
                 runners.append(whole_plan_way(step, train_args))
             elif way == "fragments-shard-plan":
                 runners.append(fragments_way(step, train_args, plan))
+            elif way == "one-program-shard-plan":
+                runners.append(one_program_way(step, train_args, plan))
             elif way in IN_PROCESS_WAYS:
                 runners.append(jit_way(way, step, train_args, plan_shardings))
             else:
@@ -314,12 +343,12 @@ def bench(args) -> dict:
         row["ratio_to_jit"] = row["step_s"] / base["step_s"] if base else None
         for key, other in (("ratio_to_data_parallel", "jit-data-parallel"),
                            ("ratio_to_plan_shardings", "jit-plan-shardings"), ("ratio_to_whole_plan", "xla-shard-plan"),
-                           ("ratio_to_fragments", "fragments-shard-plan")):
+                           ("ratio_to_fragments", "fragments-shard-plan"), ("ratio_to_one_program", "one-program-shard-plan")):
             if row["way"].startswith("hlopar-") and other in by_way:
                 row[key] = row["step_s"] / by_way[other]["step_s"]
     targets = {}
     for key, other in (("ratio_to_plan_shardings", "jit-plan-shardings"), ("ratio_to_whole_plan", "xla-shard-plan"),
-                       ("ratio_to_fragments", "fragments-shard-plan")):
+                       ("ratio_to_fragments", "fragments-shard-plan"), ("ratio_to_one_program", "one-program-shard-plan")):
         if "hlopar-shard-1x8" in by_way and other in by_way:
             ratio = by_way["hlopar-shard-1x8"][key]
             targets[f"shard_over_{key[len('ratio_to_'):]}"] = {"ratio": ratio, "target": TARGET_SAME_SHARDINGS,
@@ -407,15 +436,15 @@ def print_table(report: dict) -> None:
     print(f"GPT hidden {c['hidden']}, {c['layers']} layers, seq {c['seq']}, batch {c['batch']}, vocab {c['vocab']} "
           f"({c['params'] / 1e6:.2f} M params); {m['nproc']} cores ({m['cpu']}), jax {m['jax']}; median of "
           f"{c['rounds']} x {c['steps']} steps, each round after {c['warmup']} warm-up")
-    print(f"{'way':<22} {'step s':>8} {'x jit':>6} {'x plan-sh':>9} {'x whole':>7} {'x frags':>7} {'x dp':>6} "
+    print(f"{'way':<24} {'step s':>8} {'x jit':>6} {'x plan-sh':>9} {'x whole':>7} {'x frags':>7} {'x one':>6} {'x dp':>6} "
           f"{'crit s':>7} {'step/crit':>9} {'1st call s':>10} {'loss':>9}  plan")
     for r in report["rows"]:
         def num(key, spec):
             return format(r[key], spec) if r.get(key) is not None else "-"
 
-        print(f"{r['way']:<22} {r['step_s']:8.4f} {num('ratio_to_jit', '6.2f'):>6} "
+        print(f"{r['way']:<24} {r['step_s']:8.4f} {num('ratio_to_jit', '6.2f'):>6} "
               f"{num('ratio_to_plan_shardings', '9.2f'):>9} {num('ratio_to_whole_plan', '7.2f'):>7} "
-              f"{num('ratio_to_fragments', '7.2f'):>7} "
+              f"{num('ratio_to_fragments', '7.2f'):>7} {num('ratio_to_one_program', '6.2f'):>6} "
               f"{num('ratio_to_data_parallel', '6.2f'):>6} "
               f"{num('critical_s', '7.4f'):>7} {num('step_over_critical', '9.2f'):>9} {r['first_call_s']:10.1f} "
               f"{r['loss']:9.5f}  " + (f"{r['method']} B={r['microbatches']} {r['meshes']}" if "meshes" in r else ""))
