@@ -2,7 +2,7 @@
 
 Small graphs written as plain data (roles, the ops each op reads, the layers the rules of
 `layer_of_ops` gave), one per way the rules went wrong on real steps (docs/stage_construction.md,
-"Backward ops that a pipeline can run"), and random graphs against the two rules: a backward
+"How backward ops get their layers"), and random graphs against the two rules: a backward
 op of layer l reads backward values of layers >= l and forward values of layers <= l.
 """
 
