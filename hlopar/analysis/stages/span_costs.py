@@ -143,27 +143,39 @@ def span_table(
     updating = np.full(shape, np.inf)
     rematerialized = np.zeros(shape, dtype=bool)
     options = {"never": (False,), "auto": (False, True), "always": (False, True)}[remat]
+    rows, cols = np.ogrid[:num_layers, :num_layers]
+    rows, cols = rows[:, :, None], cols[:, :, None]
     for m, meshes in enumerate(meshes_of_submesh):
+        if not meshes:
+            continue
         transfer = np.vectorize(lambda b: transfer_seconds(b, submesh_sizes[m]) if b > 0 else 0.0, otypes=[float])(received) / B
-        for option in options:  # keeping first: it wins ties
-            for g in meshes:
-                usable = valid if remat != "always" else valid & ((act_span[g] > 0) == option)
-                t = lat_span[g] + transfer
-                if option:
-                    need = (running[g] + act_span[g])[:, :, None] + inputs_span[g][:, :, None] * flight[None, None, :]
-                    t = t + recompute_span[g]
-                else:
-                    need = running[g][:, :, None] + act_span[g][:, :, None] * flight[None, None, :]  # (L, L, S)
-                need = np.maximum(need, update_peak[g][:, :, None])
-                t = np.where(usable, t, np.inf)[:, :, None]
-                t = np.where(need <= memory_per_device, t, np.inf)
-                t = np.broadcast_to(t, shape[:2] + (max_stages,))
-                better = t < latency[:, :, m, :]
-                latency[:, :, m, :] = np.where(better, t, latency[:, :, m, :])
-                chosen[:, :, m, :] = np.where(better, g, chosen[:, :, m, :])
-                memory[:, :, m, :] = np.where(better, need, memory[:, :, m, :])
-                updating[:, :, m, :] = np.where(better, update_peak[g][:, :, None], updating[:, :, m, :])
-                rematerialized[:, :, m, :] = np.where(better, option, rematerialized[:, :, m, :])
+        # Every candidate (option, logical mesh), keeping first: the first fastest one wins ties.
+        candidates = [(option, g) for option in options for g in meshes]
+        base = np.empty((len(candidates), num_layers, num_layers))  # need = base + slope x in flight
+        slope = np.empty_like(base)
+        times = np.empty((len(candidates),) + shape[:2] + (max_stages,))
+        for c, (option, g) in enumerate(candidates):
+            usable = valid if remat != "always" else valid & ((act_span[g] > 0) == option)
+            t = lat_span[g] + transfer
+            if option:
+                base[c], slope[c] = running[g] + act_span[g], inputs_span[g]
+                t = t + recompute_span[g]
+            else:
+                base[c], slope[c] = running[g], act_span[g]
+            t = np.where(usable & (update_peak[g] <= memory_per_device), t, np.inf)
+            need = base[c][:, :, None] + slope[c][:, :, None] * flight  # (L, L, S)
+            times[c] = np.where(need <= memory_per_device, t[:, :, None], np.inf)
+        best = times.argmin(axis=0)  # (L, L, S): the candidate
+        fastest = np.take_along_axis(times, best[None], axis=0)[0]
+        found = fastest < np.inf
+        g_of = np.array([g for _, g in candidates])[best]
+        peak = update_peak[g_of, rows, cols]
+        latency[:, :, m, :] = fastest
+        chosen[:, :, m, :] = np.where(found, g_of, -1)
+        memory[:, :, m, :] = np.where(found, np.maximum(base[best, rows, cols] + slope[best, rows, cols] * flight, peak),
+                                      np.inf)
+        updating[:, :, m, :] = np.where(found, peak, np.inf)
+        rematerialized[:, :, m, :] = found & np.array([option for option, _ in candidates])[best]
     return SpanTable(latency, chosen, memory, rematerialized, updating)
 
 
