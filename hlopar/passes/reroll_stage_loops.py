@@ -44,7 +44,7 @@ from hlopar.passes.mpmd_program import fragment_role
 from hlopar.passes.split_microbatches import BATCH, KIND_ATTR, SUM
 from hlopar.passes.unstack_layer_scans import LAYER_ITERATION_ATTR
 
-__all__ = ["LAYER_LOOP_ATTR", "LoopRange", "RerollStageLoopsPass", "identical_runs", "reroll_block",
+__all__ = ["LAYER_LOOP_ATTR", "LoopRange", "RerollStageLoopsPass", "fragments", "identical_runs", "reroll_block",
            "stage_loop_lines"]
 
 LAYER_LOOP_ATTR = "hlopar.layer_loop"
@@ -91,7 +91,7 @@ class RerollStageLoopsPass(ModulePass):
             self.fail(module, f"min-trips must be at least 1, got {self.min_trips}")
         ranges: list[LoopRange] = []
         with module.context, ir.Location.unknown():
-            for fragment in _fragments(module):
+            for fragment in fragments(module):
                 if fragment_role(fragment) == "update":  # the optimizer: elementwise per piece, not a loop body
                     continue
                 made = reroll_block(fragment.regions[0].blocks[0], _origin(fragment),
@@ -128,7 +128,8 @@ def stage_loop_lines(report: dict | None) -> list[str]:
     return lines
 
 
-def _fragments(module: ir.Operation) -> list[ir.Operation]:
+def fragments(module: ir.Operation) -> list[ir.Operation]:
+    """Every `mpmd.fragment` of the module, in program order."""
     found: list[ir.Operation] = []
 
     def visit(op: ir.Operation) -> ir.WalkResult:
