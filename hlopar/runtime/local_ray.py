@@ -18,6 +18,13 @@ child ends when this process is gone and takes the cluster with it;
 `stop`, registered at exit, ends it and removes the directory. The driver connects with
 `log_to_driver` off: the workers' output stays in `<dir>/session_latest/logs/worker-*`;
 `HLOPAR_RAY_LOG_TO_DRIVER=1` streams it to this process's terminal instead (docs/runtime.md).
+
+Workers run at the driver's priority: Ray starts its workers at niceness 15 (its
+`worker_niceness`, so that its own daemons stay responsive), which on a machine with any
+other load starves the mesh workers, whose executables are the whole computation, against
+every process at niceness 0 (`jax.jit` in the driver among them): the "shard" plan of the
+GPT of `tools/bench_runtime.py` ran 1.18x its own executable run in the driver at load 7 to
+20. `RAY_worker_niceness` is set to 0 for the head node started here, unless the caller set it.
 """
 
 from __future__ import annotations
@@ -96,7 +103,8 @@ def start(num_cpus: int, timeout: float = 120.0) -> LocalRay:
                f"--num-cpus={num_cpus}", "--include-dashboard=false", "--disable-usage-stats"]  # GPUs: detected
     with log:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+                                   env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
+                                        "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0")})
     address_file = directory / "ray_current_cluster"
     deadline = time.monotonic() + timeout
     while not address_file.exists() or not address_file.read_text().strip():
