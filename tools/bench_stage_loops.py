@@ -34,19 +34,22 @@ def main() -> int:
     parser.add_argument("--microbatches", default="64")
     parser.add_argument("--preset", default="a100-80g-nvlink")
     parser.add_argument("--stage", type=int, default=None, help="the stage whose fragments to compile")
+    parser.add_argument("--program", type=Path, default=None,
+                        help="an MPMD program planned before (with --save): skip the export and planning")
+    parser.add_argument("--save", type=Path, default=None, help="write the planned MPMD program here")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    import jax
-    from jaxlib.mlir import ir
+    text = args.program.read_text() if args.program else _plan(args)
+    if text is None:
+        return 1
+    if args.save:
+        args.save.write_text(text)
+    return _compare(text, args.stage)
 
-    from hlopar.codegen.fragments import fragment_module, program_devices, program_topology
-    from hlopar.codegen.spmd import compile_spmd
-    from hlopar.ir.module import parse_module
+
+def _plan(args) -> str | None:
+    """The zoo model exported and planned by hlopar-opt: the MPMD program's text."""
     from hlopar.models import get_train_step
-    from hlopar.passes.base import PassContext
-    from hlopar.passes.mpmd_program import fragment_role
-    from hlopar.passes.reroll_stage_loops import RerollStageLoopsPass, fragments
-    from hlopar.runtime.sequential_mpmd import _entry
 
     with tempfile.TemporaryDirectory() as scratch:
         model, config = args.model.split(":", 1)
@@ -61,16 +64,31 @@ def main() -> int:
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
         if result.returncode != 0:
             print(f"hlopar-opt failed:\n{result.stderr[-3000:]}", file=sys.stderr)
-            return 1
-        print(f"{args.model} on {args.hosts}x{args.devices}: planned in {time.perf_counter() - start:.1f} s")
-        text = out.read_text()
+            return None
+        print(f"{args.model} on {args.hosts}x{args.devices}: planned in {time.perf_counter() - start:.1f} s",
+              flush=True)
+        return out.read_text()
+
+
+def _compare(text: str, wanted: int | None) -> int:
+    import json
+
+    import jax
+    from jaxlib.mlir import ir
+
+    from hlopar.codegen.fragments import fragment_module, program_devices, program_topology
+    from hlopar.codegen.spmd import compile_spmd
+    from hlopar.ir.module import parse_module
+    from hlopar.passes.base import PassContext
+    from hlopar.passes.mpmd_program import fragment_role
+    from hlopar.passes.reroll_stage_loops import RerollStageLoopsPass, fragments
+    from hlopar.runtime.sequential_mpmd import _entry
+
     unrolled, rolled = parse_module(text), parse_module(text)
     report = Path(tempfile.mkstemp(suffix=".json")[1])
     start = time.perf_counter()
     RerollStageLoopsPass(report=str(report)).run(rolled, PassContext())
-    print(f"hlopar-reroll-stage-loops: {time.perf_counter() - start:.1f} s")
-    import json
-
+    print(f"hlopar-reroll-stage-loops: {time.perf_counter() - start:.1f} s", flush=True)
     ranges = json.loads(report.read_text())["ranges"]
     report.unlink()
     local = len(jax.devices())
@@ -87,7 +105,7 @@ def main() -> int:
         pairs = [(a, b) for a, b in zip(fragments(unrolled), fragments(rolled)) if fragment_role(a) != "update"]
         sizes = {stage_of(a): len(physical[mesh_of(a)]) for a, _ in pairs}
         held = {s: sum(r["trips"] for r in ranges if r["rolled"] and r["fragment"] == f"stage{s}") for s in sizes}
-        stage = args.stage if args.stage is not None else max(
+        stage = wanted if wanted is not None else max(
             (s for s in sizes if sizes[s] <= local), key=lambda s: (held[s], -s))
         print(f"stage {stage}: {sizes[stage]} devices; ranges rolled: "
               + "; ".join(f"{r['fragment']} loop {r['loop']} layers {r['layers']}" for r in ranges
@@ -100,13 +118,13 @@ def main() -> int:
             line = [f"  {fragment_role(a):<8}"]
             for k, fragment in enumerate((a, b)):
                 module = fragment_module(fragment, topology)
-                ops = sum(1 for _ in module.regions[0].blocks[0].operations[0].regions[0].blocks[0].operations)
+                lines = str(module).count("\n")
                 start = time.perf_counter()
                 compile_spmd(module, devices)
                 seconds = time.perf_counter() - start
                 totals[k] += seconds
-                line.append(f"{'unrolled' if k == 0 else 'rolled'}: {ops} top-level ops, compiled in {seconds:.1f} s")
-            print("; ".join(line))
+                line.append(f"{'unrolled' if k == 0 else 'rolled'}: {lines} lines, compiled in {seconds:.1f} s")
+            print("; ".join(line), flush=True)
         print(f"  stage {stage} compile, forward + backward: unrolled {totals[0]:.1f} s, rolled {totals[1]:.1f} s")
     return 0
 

@@ -169,7 +169,8 @@ def _structure(op: ir.Operation) -> str:
     def renamed(match: re.Match) -> str:
         return names.setdefault(match.group(0), f"%{len(names)}")
 
-    return _NAME.sub(renamed, _TAG_TEXT.sub("", op.get_asm(print_generic_op_form=True)))
+    text = op.get_asm(print_generic_op_form=True, use_local_scope=True)  # local: not the whole block's names
+    return _NAME.sub(renamed, _TAG_TEXT.sub("", text))
 
 
 def reroll_block(block: ir.Block, fragment: str, *, min_trips: int = 2, rewrite: bool = True) -> list[LoopRange]:
@@ -290,7 +291,8 @@ class _Reroll:
     def _rewrite(self) -> None:
         groups, template = self.groups, self.groups[0]
         trips = len(groups)
-        first_op = min((op for ops in groups for op in ops), key=lambda op: _index_in(self.block, op))
+        position = {op.operation: k for k, op in enumerate(self.block.operations)}
+        first_op = min((op for ops in groups for op in ops), key=position.__getitem__)
         members = {op for ops in groups for op in ops}
         outputs = [(j, r) for j, op in enumerate(template) for r in range(len(op.results))
                    if any(_used_outside(ops[j].results[r], members) for ops in groups)]
@@ -378,8 +380,7 @@ class _Reroll:
                         for use in list(value.uses):
                             if use.owner.operation not in members:
                                 use.owner.operands[use.operand_number] = row
-        ordered = sorted(members, key=lambda op: _index_in(self.block, op), reverse=True)
-        for op in ordered:
+        for op in sorted(members, key=position.__getitem__, reverse=True):
             op.erase()
 
 
@@ -432,13 +433,6 @@ def _captures(inner: ir.Operation, template: ir.Operation) -> bool:
 
 def _used_outside(value: ir.Value, members: set[ir.Operation]) -> bool:
     return any(use.owner.operation not in members for use in value.uses)
-
-
-def _index_in(block: ir.Block, op: ir.Operation) -> int:
-    for k, candidate in enumerate(block.operations):
-        if candidate.operation == op:
-            return k
-    raise ValueError("op not in block")
 
 
 def _constant(t: ir.RankedTensorType, number: int) -> ir.Value:
