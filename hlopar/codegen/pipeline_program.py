@@ -404,17 +404,16 @@ class _Reader:
         `@main` result, or None (any result)."""
         signature = FuncSignature.of(self.main)
         donations = dict.fromkeys(sorted(signature.donors)) | {a: results[n] for a, n in signature.aliases}
-        returned = {self._origin(v) for v in results}
+        returned = {self._origin(v) for v in results}  # a copy returned counts as its argument
+        read_by_updates = {u for f in self.fragments if f.role == UPDATE for u in f.operands}
         stage_meshes = {f.mesh for f in self.fragments if f.role != UPDATE}
         for arg, result in donations.items():
             v = arg  # arguments are the first values, in order
             readers = [f for f in self.fragments if v in f.operands]
             updates = [f for f in readers if f.role == UPDATE]
-            copies = [t.result for t in self.transfers if self._origin(t.source) == v]
-            if (len(updates) != 1 or readers[-1] is not updates[0] or v in returned
-                    or (copies and updates[0].mesh not in stage_meshes)
-                    or any(c in results or c in f.operands for c in copies for f in self.fragments
-                           if f.role == UPDATE)):
+            copies = {t.result for t in self.transfers if self._origin(t.source) == v}
+            if (len(updates) != 1 or readers[-1] is not updates[0] or v in returned or copies & read_by_updates
+                    or (copies and updates[0].mesh not in stage_meshes)):
                 continue
             update = updates[0]
             made_here = result is not None and self.values[result].producer == update.index \
