@@ -55,8 +55,8 @@ def _plan(args) -> str | None:
         model, config = args.model.split(":", 1)
         source, out = Path(scratch) / "in.mlir", Path(scratch) / "out.mlir"
         source.write_text(get_train_step(model, config).lower(donate=True))
-        pipeline = (f"builtin.module(hlopar-import,hlopar-unstack-layer-scans,hlopar-cluster-operators{{layers={args.layers}}},"
-                    f"hlopar-stage-construction{{num-hosts={args.hosts} devices-per-host={args.devices} "
+        pipeline = (f"builtin.module(hlopar-import,hlopar-unstack-layer-scans,"
+                    f"hlopar-cluster-operators{{layers={args.layers}}},hlopar-stage-construction{{num-hosts={args.hosts} devices-per-host={args.devices} "
                     f"microbatches={args.microbatches} preset={args.preset}}})")
         start = time.perf_counter()
         result = subprocess.run([sys.executable, "-m", "hlopar.cli.opt", str(source), f"--pass-pipeline={pipeline}",
