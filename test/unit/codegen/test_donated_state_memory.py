@@ -8,6 +8,8 @@ construction's estimate and in the compiled fragments.
   on 2x4 with its state donated and not, the same plan; each update fragment donates every
   state operand into its new value, the predicted aliased bytes are the compiled ones and
   the state's tiles, and the compiled update is smaller by exactly them.
+- What is not donated: an argument the step donates but returns unchanged is consumed by no
+  fragment; run in one process, the other donated argument is deleted, it is not.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import json
 from pathlib import Path
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import pytest
 
@@ -25,6 +28,7 @@ from hlopar.ir.module import parse_module
 from hlopar.models import get_train_step
 from hlopar.passes.base import PassContext
 from hlopar.passes.pipeline import Pipeline
+from numerics import assert_updates_close
 
 N, K, ROWS = 128, 64, 2
 F32 = 4
@@ -92,3 +96,40 @@ def test_update_fragments_take_the_donated_state_and_the_memory_check_agrees(mlp
     for f in program.fragments:
         if f.role != "update":
             assert not f.donated and memory[True][f.name]["compiled"] == memory[False][f.name]["compiled"]
+
+
+def scaled_step(w, scale, x):
+    loss, grad = jax.value_and_grad(lambda w: jnp.mean((x @ (w * scale)) ** 2))(w)
+    return w - 0.1 * grad, scale, loss
+
+
+def test_a_donated_argument_returned_unchanged_is_not_consumed():
+    """`scale` is donated but returned as it is (its result is its own buffer): no fragment
+    consumes it, while `w` is updated in place; run in one process (`PipelinedStep`) on
+    arrays laid out as the update reads them, `w`'s is deleted, `scale`'s kept, and the
+    results are jax.jit's (the new `w` by update, `scale` exactly)."""
+    from hlopar.runtime.local_executor import PipelinedStep
+
+    shapes = [(N, K), (N, K), (ROWS * 2, N)]
+    abstract = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+    text = jax.jit(scaled_step, keep_unused=True, donate_argnums=(0, 1)).lower(*abstract).as_text()
+    assert text.count("tf.aliasing_output") == 2
+    cluster = Cluster.local(num_hosts=1, devices_per_host=2, device_kind="cpu").resolved()
+    program = plan_step(text, cluster, num_microbatches=2, method="pipeline", cache=False).program
+    (update,) = [f for f in program.fragments if f.role == "update"]
+    assert {update.operands[p]: update.results[r] for p, r in update.donated.items()} == {0: program.results[0]}
+    assert program.results[1] == 1  # scale: the argument itself
+    step = PipelinedStep(program, "1f1b")
+    keys = jax.random.split(jax.random.key(0), 3)
+    arrays = [jax.random.normal(k, s, jnp.float32) for k, s in zip(keys, shapes)]
+    want = jax.jit(scaled_step)(*arrays)
+    executable = step.executables[update.name]
+    # Buffers of their own (a device_put may share the source's, which XLA cannot take over).
+    w, scale = (jax.jit(jnp.copy, out_shardings=executable.input_shardings[p])(arrays[update.operands[p]])
+                for p in (update.operands.index(0), update.operands.index(1)))
+    before = np.asarray(arrays[0])
+    results = step.run([w, scale, np.asarray(arrays[2])])
+    assert w.is_deleted() and not scale.is_deleted()
+    assert_updates_close(results[0], want[0], before, rtol=1e-5, max_rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(results[1]), np.asarray(arrays[1]))
+    np.testing.assert_allclose(float(results[2]), float(want[2]), rtol=1e-5)
