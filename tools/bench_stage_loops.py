@@ -114,7 +114,7 @@ def _compare(text: str, wanted: int | None) -> int:
         for a, b in pairs:
             if stage_of(a) != stage:
                 continue
-            devices = [jax.devices()[d] for d in physical[mesh_of(a)]]
+            devices = jax.devices()[:len(physical[mesh_of(a)])]  # as many local devices as the mesh has
             line = [f"  {fragment_role(a):<8}"]
             for k, fragment in enumerate((a, b)):
                 module = fragment_module(fragment, topology)
