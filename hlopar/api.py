@@ -91,7 +91,7 @@ METHODS = ("auto", "shard", "pipeline")
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
 RNG_MODES = ("exact", "per-microbatch")
 REMAT_MODES = ("auto", "always", "never")
-CACHE_VERSION = "hlopar-plan-v6"  # bumped when the planner's output changes
+CACHE_VERSION = "hlopar-plan-v7"  # bumped when the planner's output changes
 
 
 # --------------------------------------------------------------------------- the cluster
@@ -197,7 +197,7 @@ def _cache_root() -> Path:
 
 def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = None, schedule: str = "eager-1f1b",
               method: str = "auto", batch_args: Sequence[int] | None = None, rng: str = "exact",
-              remat: str = "auto", cache: bool = True,
+              remat: str = "auto", stage_loops: bool = False, cache: bool = True,
               log: Callable[[str], None] = lambda message: None) -> PlannedStep:
     """Plans a training step's StableHLO text for a (resolved) cluster and writes its bundle,
     or reads the cached one. Module docstring."""
@@ -218,7 +218,7 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
         num_microbatches = 1 if method == "shard" else _default_microbatches(module, batch_args, cluster)
     options = {"microbatches": num_microbatches, "chosen": chosen, "schedule": schedule, "method": method,
                "batch_args": list(step_batch_args) if step_batch_args is not None else None, "rng": rng,
-               "remat": remat}
+               "remat": remat, "stage_loops": stage_loops}
     key = hashlib.sha256(json.dumps({"version": CACHE_VERSION, "jax": jax.__version__, "text": text,
                                      "cluster": cluster.key(), "options": options},
                                     sort_keys=True).encode()).hexdigest()[:24]
@@ -230,7 +230,8 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
         return PlannedStep(program, bundle, plan, True, time.perf_counter() - clock)
 
     try:
-        plan = _plan_module(module, cluster, num_microbatches, schedule, method, batch_args, rng, remat, context)
+        plan = _plan_module(module, cluster, num_microbatches, schedule, method, batch_args, rng, remat, stage_loops,
+                            context)
     except DiagnosticError as error:
         refusal = next((d for d in error.diagnostics if d.message.startswith("hlopar-split-microbatches:")), None)
         if not chosen or num_microbatches == 1 or refusal is None:
@@ -238,7 +239,7 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
         # The user asked for no number of microbatches: one, where nothing needs a split,
         # beats a refusal (said as a warning, with what the split would have needed).
         module, context, pieces, batch_args = _imported(text, method, step_batch_args)
-        plan = _plan_module(module, cluster, 1, schedule, method, batch_args, rng, remat, context)
+        plan = _plan_module(module, cluster, 1, schedule, method, batch_args, rng, remat, stage_loops, context)
         plan["warnings"].insert(0, replace(refusal, severity="warning", message=(
             f"{refusal.message}; so the step is not split into the {num_microbatches} microbatches hlopar would "
             "have chosen: planned with one microbatch (num_microbatches=1)")).format())
@@ -277,7 +278,7 @@ def _imported(text: str, method: str, batch_args: Sequence[int] | None):
 
 
 def _plan_module(module, cluster: Cluster, microbatches: int, schedule: str, method: str,
-                 batch_args: Sequence[int] | None, rng: str, remat: str, context) -> dict:
+                 batch_args: Sequence[int] | None, rng: str, remat: str, stage_loops: bool, context) -> dict:
     """Runs the planning passes on an imported module; returns the plan report
     (`hlopar-auto-parallel`'s shape: split, clustering, stages, cross_mesh) with the passes'
     warnings (`warnings`: formatted diagnostics, also those of `context`'s earlier passes)."""
@@ -304,7 +305,7 @@ def _plan_module(module, cluster: Cluster, microbatches: int, schedule: str, met
                                   **stage_remat(remat)).run(module, context)
             stages = None
         RematerializePass(all=remat == "always").run(module, context)
-        if method != "shard":
+        if method != "shard" and stage_loops:
             RerollStageLoopsPass(report=paths["reroll"]).run(module, context)
         CrossMeshReshardingPass(cluster=cluster.preset, devices_per_host=cluster.devices_per_host,
                                 report=paths["cross_mesh"]).run(module, context)
@@ -379,7 +380,7 @@ class ParallelizedFunction:
 
     def __init__(self, fn: Callable, *, cluster: Cluster | None, num_microbatches: int | None, schedule: str,
                  batch_argnums, donate_argnums: Sequence[int], method: str, rng: str, timeout: float, cache: bool,
-                 verbose: bool, remat: str | bool = "auto"):
+                 verbose: bool, remat: str | bool = "auto", stage_loops: bool = False):
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         if schedule not in SCHEDULES:
@@ -399,6 +400,7 @@ class ParallelizedFunction:
         self.method = method
         self.rng = rng
         self.remat = remat
+        self.stage_loops = bool(stage_loops)
         self.timeout = timeout
         self.cache = cache
         self.verbose = verbose
@@ -440,7 +442,7 @@ class ParallelizedFunction:
         try:
             planned = plan_step(text, cluster, num_microbatches=self.num_microbatches, schedule=self.schedule,
                                 method=self.method, batch_args=self._batch_leaves(args), rng=self.rng,
-                                remat=self.remat, cache=self.cache, log=self._log)
+                                remat=self.remat, stage_loops=self.stage_loops, cache=self.cache, log=self._log)
         except (DiagnosticError, RolesError) as error:
             raise PlanningError(f"hlopar cannot parallelize {self.__name__}{_defined_at(self.fn)}:\n"
                                 f"{in_api_terms(str(error))}") from None
@@ -748,9 +750,13 @@ def describe_plan(planned: PlannedStep) -> str:
         layers = max(pieces["arg_piece"]) + 1
         lines.append(f"  scanned layer stack unrolled: {stacks} stacked argument(s) split into {layers} per-layer "
                      "pieces, each held by its stage")
-        from hlopar.passes.reroll_stage_loops import stage_loop_lines
+        reroll = planned.plan.get("reroll")
+        if reroll is None:
+            lines.append("  each stage runs its layers unrolled (parallelize(stage_loops=True) runs them as loops)")
+        else:
+            from hlopar.passes.reroll_stage_loops import stage_loop_lines
 
-        lines += stage_loop_lines(planned.plan.get("reroll"))
+            lines += stage_loop_lines(reroll)
     lines += _memory_lines(planned.plan.get("memory"))
     return "\n".join(lines)
 
@@ -775,7 +781,7 @@ _SHARDING = re.compile(r"#sdy\.sharding<@[\w.]+, \[(.*?)\]>")
 def parallelize(fn: Callable | None = None, *, cluster: Cluster | None = None, num_microbatches: int | None = None,
                 schedule: str = "eager-1f1b", batch_argnums=..., donate_argnums: Sequence[int] | int = (),
                 method: str = "auto", rng: str = "exact", timeout: float = 300.0, cache: bool = True,
-                verbose: bool = True, remat: str | bool = "auto"):
+                verbose: bool = True, remat: str | bool = "auto", stage_loops: bool = False):
     """`fn` (a pure JAX function, e.g. a training step) run over a cluster: a callable with
     `fn`'s signature and results. Usable as a decorator, with or without arguments.
     `verbose=False` silences the first call's progress display and messages. `rng`:
@@ -783,11 +789,15 @@ def parallelize(fn: Callable | None = None, *, cluster: Cluster | None = None, n
     several microbatches) or "per-microbatch" (they draw per microbatch, with a warning;
     docs/training_step.md). `remat`: which pipeline stages recompute their forward in the
     backward instead of keeping its activations ("auto": where stage construction finds it
-    pays; True or "always"; False or "never"; docs/codegen.md, "Rematerialization"). Module
-    docstring."""
+    pays; True or "always"; False or "never"; docs/codegen.md, "Rematerialization").
+    `stage_loops=True`: each pipeline stage runs the iterations it holds of a scanned layer
+    stack as one loop (`hlopar-reroll-stage-loops`); off by default, as on XLA:CPU the
+    rolled stage compiles slower and copies its layers' pieces into the loop every run
+    (docs/stage_construction.md). Module docstring."""
     def wrap(function: Callable) -> ParallelizedFunction:
         return ParallelizedFunction(function, cluster=cluster, num_microbatches=num_microbatches, schedule=schedule,
                                     batch_argnums=batch_argnums, donate_argnums=donate_argnums, method=method,
-                                    rng=rng, timeout=timeout, cache=cache, verbose=verbose, remat=remat)
+                                    rng=rng, timeout=timeout, cache=cache, verbose=verbose, remat=remat,
+                                    stage_loops=stage_loops)
 
     return wrap if fn is None else wrap(fn)

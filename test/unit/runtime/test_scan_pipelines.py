@@ -1,6 +1,7 @@
 """Scanned layer stacks through `hlopar.parallelize`, pipelined: each stage holds only its
 layers' slices of the stacked parameters and optimizer state, runs the iterations it holds of
-the scan as a loop again (`hlopar-reroll-stage-loops`), and the steps equal one device.
+the scan as a loop again (`hlopar-reroll-stage-loops`, `stage_loops=True`) or unrolled (the
+default, the zoo GPT here), and the steps equal one device.
 
 The models: the plain-JAX `lax.scan` GPT (optax Adam) and the Flax ``nn.scan`` Transformer
 (TrainState) of `scan_steps` with 6 layers, each also with `jax.checkpoint` / `nn.remat` around
@@ -33,12 +34,12 @@ def _zoo_gpt():
     return s.step, (params, s.init_opt_state(params), s.make_batch(jax.random.key(1)))
 
 
-MODELS = {  # (step and arguments, whether the planner pipelines the layers on CLUSTER)
-    "zoo_gpt_scan": (_zoo_gpt, True),
-    "gpt_scan": (lambda: scan_steps.gpt_scan(layers=6), True),
-    "gpt_scan_remat": (lambda: scan_steps.gpt_scan(layers=6, remat=True), True),
-    "flax_scan": (lambda: scan_steps.flax_scan(layers=6), True),
-    "flax_scan_remat": (lambda: scan_steps.flax_scan(layers=6, remat=True), True),
+MODELS = {  # (step and arguments, whether the planner pipelines the layers on CLUSTER, stage_loops)
+    "zoo_gpt_scan": (_zoo_gpt, True, False),  # the default: every stage unrolled
+    "gpt_scan": (lambda: scan_steps.gpt_scan(layers=6), True, True),
+    "gpt_scan_remat": (lambda: scan_steps.gpt_scan(layers=6, remat=True), True, True),
+    "flax_scan": (lambda: scan_steps.flax_scan(layers=6), True, True),
+    "flax_scan_remat": (lambda: scan_steps.flax_scan(layers=6, remat=True), True, True),
 }
 
 
@@ -64,9 +65,10 @@ def meshes_reading(program, argument: int) -> set[str]:
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.heavy] if n == "flax_scan_remat" else [])
                                   for n in MODELS])
 def test_scanned_stack_pipelines_and_equals_one_device(ray_cluster, name):
-    build, pipelined = MODELS[name]
+    build, pipelined, stage_loops = MODELS[name]
     step, args = build()
-    parallel = hlopar.parallelize(step, cluster=CLUSTER, method="auto", num_microbatches=2, verbose=False)
+    parallel = hlopar.parallelize(step, cluster=CLUSTER, method="auto", num_microbatches=2, verbose=False,
+                                  stage_loops=stage_loops)
     reference = jax.jit(step)
     try:
         results = parallel(*args)
@@ -86,13 +88,19 @@ def test_scanned_stack_pipelines_and_equals_one_device(ray_cluster, name):
                 stacked.add(origin)
                 assert tuple(program.argument_shapes[number])[0] == 1
         assert stacked and (len(layer_meshes) >= 2) == pipelined
-        # The stages run their layers as loops again (hlopar-reroll-stage-loops): each fragment
-        # the report names holds a while over its range, and the plan summary says so.
-        rolled = [r for r in plan["reroll"]["ranges"] if r["rolled"]]
-        assert rolled, plan["reroll"]
-        looping = [f for f in program.fragments if "hlopar.layer_loop" in f.text]
-        assert looping and all("stablehlo.while" in f.text for f in looping)
-        assert "run as loops (hlopar-reroll-stage-loops)" in hlopar.api.describe_plan(parallel.planned)
+        summary = hlopar.api.describe_plan(parallel.planned)
+        if stage_loops:
+            # The stages run their layers as loops again (hlopar-reroll-stage-loops): each fragment
+            # the report names holds a while over its range, and the plan summary says so.
+            rolled = [r for r in plan["reroll"]["ranges"] if r["rolled"]]
+            assert rolled, plan["reroll"]
+            looping = [f for f in program.fragments if "hlopar.layer_loop" in f.text]
+            assert looping and all("stablehlo.while" in f.text for f in looping)
+            assert "run as loops (hlopar-reroll-stage-loops)" in summary
+        else:
+            assert plan["reroll"] is None
+            assert not any("stablehlo.while" in f.text for f in program.fragments)
+            assert "each stage runs its layers unrolled" in summary
         expected_losses = []
         state = args
         for _ in range(STEPS):
