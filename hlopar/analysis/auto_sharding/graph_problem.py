@@ -346,8 +346,14 @@ class StrategyCache:
         key = ("matrix", info, id(sources), number, id(targets), k)
         if key not in self.cache:
             self._keyed_on.append((sources, targets))
-        return self.once(key, lambda: _cost_matrix(
-            info, [s.result_specs[number] for s in sources], [s.operand_specs[k] for s in targets], self.mesh))
+        return self.once(key, lambda: self._layout_matrix(
+            info, tuple(s.result_specs[number] for s in sources), tuple(s.operand_specs[k] for s in targets)))
+
+    def _layout_matrix(self, info: TensorInfo, sources: tuple, targets: tuple):
+        """`_cost_matrix` per distinct (value, layouts) pair: different ops' strategy lists
+        often offer one list of layouts, and edges sharing a matrix object convert it once
+        (`merging._matrices`)."""
+        return self.once(("layouts", info, sources, targets), lambda: _cost_matrix(info, sources, targets, self.mesh))
 
 
 def _pinned(spec: ShardingSpec, operands, results, mesh: LogicalMesh) -> Strategy:

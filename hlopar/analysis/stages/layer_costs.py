@@ -34,6 +34,8 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from hlopar.analysis.auto_sharding import ilp
 from hlopar.analysis.auto_sharding.cluster import LogicalMesh
 from hlopar.analysis.auto_sharding.graph_problem import HEAVY_OPS, StrategyCache, TensorInfo, build_problem, tensor_info
@@ -243,7 +245,9 @@ def _split_state_choices(layer: FuncGraph, problem) -> dict[int, list[int]]:
 
 
 def _restricted(problem: ilp.Problem, allowed: Mapping[int, Sequence[int]]) -> ilp.Problem:
-    """The problem with node v limited to strategies `allowed[v]` (renumbered 0..)."""
+    """The problem with node v limited to strategies `allowed[v]` (renumbered 0..). Edges
+    that shared one matrix object share its restriction (`merging._matrices` converts each
+    object once)."""
     if not allowed:
         return problem
 
@@ -254,7 +258,21 @@ def _restricted(problem: ilp.Problem, allowed: Mapping[int, Sequence[int]]) -> i
                           fixed=None if node.fixed is None else allowed.get(v, range(len(node.costs))).index(node.fixed)
                           if v not in allowed or node.fixed in allowed[v] else None)
                   for v, node in enumerate(problem.nodes))
-    edges = tuple(ilp.Edge(e.src, e.dst, tuple(pick(e.dst, row) for row in pick(e.src, e.costs))) for e in problem.edges)
+    picked: dict = {}
+
+    def matrix(edge: ilp.Edge):
+        rows, cols = allowed.get(edge.src), allowed.get(edge.dst)
+        if rows is None and cols is None:
+            return edge.costs
+        key = (id(edge.costs), id(rows), id(cols))
+        if key not in picked:
+            whole = np.asarray(edge.costs, dtype=np.float64)
+            kept = whole[np.ix_(range(whole.shape[0]) if rows is None else rows,
+                                range(whole.shape[1]) if cols is None else cols)]
+            picked[key] = tuple(map(tuple, kept.tolist()))
+        return picked[key]
+
+    edges = tuple(ilp.Edge(e.src, e.dst, matrix(e)) for e in problem.edges)
     return replace(problem, nodes=nodes, edges=edges)
 
 
