@@ -268,8 +268,8 @@ def build_problem(
     out.problem = ilp.Problem(
         nodes=tuple(
             ilp.Node(
-                costs=tuple(node.scale * s.cost + MEMORY_TIE_BREAK * s.memory for s in node.strategies),
-                memory=tuple(s.memory for s in node.strategies),
+                costs=memo.node_costs(node.strategies, node.scale),
+                memory=memo.node_memory(node.strategies),
                 fixed=node.fixed,
                 follows=node.leader,
                 name=node.name,
@@ -335,6 +335,19 @@ class StrategyCache:
         if key not in self.cache:
             self._keyed_on.append(leader_strategies)
         return self.once(key, lambda: tuple(_mirror(rule, k, leader_strategies, result_number, operands, results, self.mesh, flops)))
+
+    def node_costs(self, strategies: tuple[Strategy, ...], scale: float) -> tuple[float, ...]:
+        """An ILP node's costs: each strategy's, run `scale` times, plus the memory tie-break."""
+        key = ("costs", id(strategies), scale)
+        if key not in self.cache:
+            self._keyed_on.append(strategies)
+        return self.once(key, lambda: tuple(scale * s.cost + MEMORY_TIE_BREAK * s.memory for s in strategies))
+
+    def node_memory(self, strategies: tuple[Strategy, ...]) -> tuple[float, ...]:
+        key = ("memory", id(strategies))
+        if key not in self.cache:
+            self._keyed_on.append(strategies)
+        return self.once(key, lambda: tuple(s.memory for s in strategies))
 
     def filtered(self, keep, strategies, shapes) -> tuple[Strategy, ...]:
         key = ("filter", id(keep), id(strategies), tuple(map(tuple, filter(None, shapes))))
