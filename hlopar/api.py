@@ -39,7 +39,8 @@ optimizer state), the driver sends nothing for it. `batch_argnums`: the position
 (each leaf cut along dim 0 into microbatches); `...` lets the split pass find them (the
 arguments that are not training state). `num_microbatches=None`: the largest divisor of the
 batch size not above max(4, 2 × num_hosts) ("shard": 1), or 1, with an `HloparWarning` saying
-why, where the split pass refuses that many (a number the user gives is refused instead).
+why, where the split pass refuses that many (a number the user gives is refused instead), and
+1 where the plan is one stage either way (microbatches would only add launches).
 `donate_argnums`: as in `jax.jit`,
 the donated arrays are deleted after the call (a donated result is dropped on the workers at
 the next call; reading it raises).
@@ -243,6 +244,21 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
         plan["warnings"].insert(0, replace(refusal, severity="warning", message=(
             f"{refusal.message}; so the step is not split into the {num_microbatches} microbatches hlopar would "
             "have chosen: planned with one microbatch (num_microbatches=1)")).format())
+        num_microbatches = 1
+    if chosen and num_microbatches > 1 and len((plan.get("stages") or {}).get("stages", ())) == 1:
+        # One stage gains nothing from microbatches hlopar chose, only launches (each fragment
+        # runs once per microbatch, and no one executable runs the step): planned again with
+        # one, kept if it is still one stage (where the memory needs the microbatches, it is not).
+        single = _imported(text, method, step_batch_args)
+        try:
+            single_plan = _plan_module(single[0], cluster, 1, schedule, method, single[3], rng, remat, stage_loops,
+                                       single[1])
+        except DiagnosticError:
+            single_plan = None
+        if single_plan is not None and len(single_plan["stages"]["stages"]) == 1:
+            log(f"one stage: planned with one microbatch, not the {num_microbatches} hlopar would have split into")
+            module, context, pieces, batch_args = single
+            plan, num_microbatches = single_plan, 1
     plan["layer_pieces"] = pieces.to_json() if pieces else None
     program = pipeline_program(module, split_backward=split)
     if cache:

@@ -65,10 +65,47 @@ def test_plans_are_cached_on_disk(cache):
     assert len(memory) == 1 and all(f"{m} " in memory[0] for m in again.program.meshes), describe_plan(again)
 
 
+def _sgd(w, x, y):
+    loss, grads = jax.value_and_grad(lambda w: jnp.mean((jnp.tanh(x @ w) - y) ** 2))(w)
+    return w - 0.1 * grads, loss
+
+
+def _sgd_text() -> str:
+    return jax.jit(_sgd).lower(jnp.ones((16, 16)), jnp.ones((8, 16)), jnp.ones((8, 16))).as_text()
+
+
 def test_default_microbatches_divide_the_batch(cache):
     planned = plan_step(mlp_text(), CLUSTER, schedule="1f1b", cache=False)
     assert planned.program.microbatches == 4  # batch 8, at most max(4, 2 x 2 hosts)
+    assert len(planned.program.meshes) == 2  # pipelined: the count stays
     assert planned.program.batch_args == (19, 20)
+
+
+def test_a_one_stage_plan_runs_one_microbatch_unless_one_needs_more_stages(cache, monkeypatch):
+    """A plan that is one stage at hlopar's own count (4 here) and at one microbatch runs with
+    one: microbatches would only add launches. One that needs more stages at one microbatch
+    (as where one microbatch's activations do not fit) keeps the count."""
+    logged: list[str] = []
+    planned = plan_step(_sgd_text(), CLUSTER, schedule="1f1b", cache=False, log=logged.append)
+    assert planned.program.microbatches == 1 and len(planned.program.meshes) == 1
+    assert planned.plan["split"]["microbatches"] == 1
+    assert any("one stage: planned with one microbatch, not the 4" in m for m in logged), logged
+    assert planned.program.batch_args == (1, 2)
+
+    plan_module = hlopar.api._plan_module
+
+    def two_stages_at_one(module, cluster, microbatches, *args):
+        plan = plan_module(module, cluster, microbatches, *args)
+        if microbatches == 1:
+            plan["stages"]["stages"] *= 2
+        return plan
+
+    monkeypatch.setattr(hlopar.api, "_plan_module", two_stages_at_one)
+    planned = plan_step(_sgd_text(), CLUSTER, schedule="1f1b", cache=False)
+    assert planned.program.microbatches == 4 and len(planned.program.meshes) == 1
+    # A count the user gives is theirs.
+    monkeypatch.setattr(hlopar.api, "_plan_module", plan_module)
+    assert plan_step(_sgd_text(), CLUSTER, num_microbatches=2, schedule="1f1b", cache=False).program.microbatches == 2
 
 
 def test_bad_options_are_refused():
