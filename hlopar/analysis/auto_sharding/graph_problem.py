@@ -334,7 +334,14 @@ class StrategyCache:
         key = ("mirror", rule, k, id(leader_strategies), result_number, tuple(operands), tuple(results), flops)
         if key not in self.cache:
             self._keyed_on.append(leader_strategies)
-        return self.once(key, lambda: tuple(_mirror(rule, k, leader_strategies, result_number, operands, results, self.mesh, flops)))
+        return self.once(key, lambda: tuple(_mirror(rule, k, leader_strategies, result_number, operands, results, self.mesh,
+                                                    flops, self.strategy_for)))
+
+    def strategy_for(self, rule, factor_axes, operands, results, mesh, flops) -> Strategy:
+        """`strategies.strategy_for`, once per distinct op and split: the mirrors of different
+        leader lists ask for the same strategies again."""
+        key = ("strategy", rule, factor_axes, tuple(operands), tuple(results), flops)
+        return self.once(key, lambda: strategy_for(rule, factor_axes, operands, results, mesh, flops))
 
     def node_costs(self, strategies: tuple[Strategy, ...], scale: float) -> tuple[float, ...]:
         """An ILP node's costs: each strategy's, run `scale` times, plus the memory tie-break."""
@@ -409,19 +416,21 @@ def _leader_operand(op: OpNode, operand_nodes, depth, operands, results) -> int 
     return best
 
 
-def _mirror(rule, k, leader_strategies, result_number, operands, results, mesh, flops) -> list[Strategy]:
+def _mirror(rule, k, leader_strategies, result_number, operands, results, mesh, flops,
+            make=strategy_for) -> list[Strategy]:
     """One strategy per leader strategy: the one that takes operand `k` in the layout the
-    leader produces it (or, where no strategy can, the replicated one)."""
+    leader produces it (or, where no strategy can, the replicated one), made by `make`
+    (`strategy_for`'s arguments)."""
     fallback = None
     mirrored = []
     for leader_strategy in leader_strategies:
         spec = leader_strategy.result_specs[result_number]
         factor_axes = _factor_axes_for(rule, k, spec, mesh) if spec is not None else None
         if factor_axes is None:
-            fallback = fallback or strategy_for(rule, tuple(() for _ in rule.factor_sizes), operands, results, mesh, flops)
+            fallback = fallback or make(rule, tuple(() for _ in rule.factor_sizes), operands, results, mesh, flops)
             mirrored.append(fallback)
         else:
-            mirrored.append(strategy_for(rule, factor_axes, operands, results, mesh, flops))
+            mirrored.append(make(rule, factor_axes, operands, results, mesh, flops))
     return mirrored
 
 
