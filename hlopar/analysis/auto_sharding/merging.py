@@ -233,9 +233,12 @@ class _Reducer:
         self.dirty: set[int] = set()
 
         fixed: dict[int, int] = {}
+        converted: dict[int, np.ndarray] = {}  # nodes share cost tuples, as edges share matrices
         for v, node in enumerate(problem.nodes):
             g = self.leader[v]
-            cost = np.asarray(node.costs, dtype=np.float64)
+            cost = converted.get(id(node.costs))
+            if cost is None:
+                cost = converted[id(node.costs)] = np.asarray(node.costs, dtype=np.float64)
             if g in self.costs:
                 self.costs[g] = self.costs[g] + cost
             else:
@@ -324,9 +327,9 @@ class _Reducer:
     def _normalize(self, a: int, b: int) -> None:
         """Moves row minima into a's costs and column minima into b's; drops a zero matrix."""
         matrix = self.edges[(a, b)]
-        rows = matrix.min(axis=1)
+        rows = np.minimum.reduce(matrix, axis=1)
         matrix = matrix - rows[:, None]
-        cols = matrix.min(axis=0)
+        cols = np.minimum.reduce(matrix, axis=0)
         matrix = matrix - cols[None, :]
         self.costs[a] = self.costs[a] + rows
         self.costs[b] = self.costs[b] + cols
