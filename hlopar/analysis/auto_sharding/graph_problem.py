@@ -367,13 +367,24 @@ class StrategyCache:
         if key not in self.cache:
             self._keyed_on.append((sources, targets))
         return self.once(key, lambda: self._layout_matrix(
-            info, tuple(s.result_specs[number] for s in sources), tuple(s.operand_specs[k] for s in targets)))
+            info, self._layouts(sources, "result_specs", number), self._layouts(targets, "operand_specs", k)))
+
+    def _layouts(self, strategies, side: str, number: int) -> tuple:
+        """Layout `number` of each strategy's results or operands (`side`), one tuple object per
+        distinct list of layouts, so that matrices can be keyed on its identity."""
+        key = ("layouts of", id(strategies), side, number)
+        if key not in self.cache:
+            self._keyed_on.append(strategies)
+            layouts = tuple(getattr(s, side)[number] for s in strategies)
+            self.cache[key] = self.once(("layout list", layouts), lambda: layouts)
+        return self.cache[key]
 
     def _layout_matrix(self, info: TensorInfo, sources: tuple, targets: tuple):
         """`_cost_matrix` per distinct (value, layouts) pair: different ops' strategy lists
         often offer one list of layouts, and edges sharing a matrix object convert it once
-        (`merging._matrices`)."""
-        return self.once(("layouts", info, sources, targets), lambda: _cost_matrix(info, sources, targets, self.mesh))
+        (`merging._matrices`). The layout lists are interned (`_layouts`)."""
+        return self.once(("layouts", info, id(sources), id(targets)),
+                         lambda: _cost_matrix(info, sources, targets, self.mesh))
 
 
 def _pinned(spec: ShardingSpec, operands, results, mesh: LogicalMesh) -> Strategy:
