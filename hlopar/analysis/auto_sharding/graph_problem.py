@@ -131,6 +131,14 @@ def build_problem(
     consumers: list[tuple[int, tuple[int, ...], float]] = []  # (node, operand value ids, cost scale)
     out = ShardingProblem(nodes, ilp.Problem((), ()), warnings=warnings, producer=producer)
 
+    infos: dict[int, TensorInfo] = {}  # the edges read again what the ops' strategies read
+
+    def info_of(value_id: int) -> TensorInfo:
+        info = infos.get(value_id)
+        if info is None:
+            info = infos[value_id] = tensor_info(graph, value_id)
+        return info
+
     def add(node: PlanNode, node_depth: int) -> int:
         nodes.append(node)
         depth.append(node_depth)
@@ -158,8 +166,8 @@ def build_problem(
             for operand, result in zip(op.operands, op.results, strict=True):
                 producer[result] = producer[operand]
             return
-        operands = [tensor_info(graph, v) for v in op.operands]
-        results = [tensor_info(graph, v) for v in op.results]
+        operands = [info_of(v) for v in op.operands]
+        results = [info_of(v) for v in op.results]
         operand_nodes = [producer.get(v) for v in op.operands]
         node_depth = 1 + max((depth[p[0]] for p in operand_nodes if p is not None), default=0)
         rule = rules.get(op.id)
@@ -263,7 +271,7 @@ def build_problem(
 
     result_nodes = {node.index: i for i, node in enumerate(nodes) if node.kind == "result"}
     consumers += [(result_nodes[n], (graph.results[n],), 1.0) for n in result_nodes]
-    edges = _edges(graph, nodes, producer, consumers, out, memo)
+    edges = _edges(info_of, nodes, producer, consumers, out, memo)
     live_sets = _live_sets(graph, producer, out) if memory_budget is not None else ()
     out.problem = ilp.Problem(
         nodes=tuple(
@@ -463,14 +471,14 @@ def _factor_axes_for(rule: OpRule, k: int, spec: ShardingSpec, mesh: LogicalMesh
     return tuple(factor_axes)
 
 
-def _edges(graph, nodes, producer, consumers, out, memo: StrategyCache) -> list[ilp.Edge]:
+def _edges(info_of, nodes, producer, consumers, out, memo: StrategyCache) -> list[ilp.Edge]:
     edges = []
     for consumer, operands, scale in consumers:
         for k, value_id in enumerate(operands):
             if value_id not in producer:
                 continue
             source, number = producer[value_id]
-            info = tensor_info(graph, value_id)
+            info = info_of(value_id)
             if not info.is_tensor or source == consumer:
                 continue
             matrix = memo.matrix(info, nodes[source].strategies, number, nodes[consumer].strategies, k)
