@@ -28,9 +28,22 @@ not a function of their operands (`stablehlo.rng`, a stateful generator in XLA; 
 with side effects; sends, receives, in/outfeeds, collectives) are never cloned: the forward
 returns their results and the backward reads them as before (stashed), with a warning.
 
-`recompute_slice` is the choice over plain data (which values each op reads and defines);
-the pass adapts fragments to it and rewrites them. The backward keeps `hlopar.remat`
-(`all=true` sets it), so running the pass again changes nothing.
+Per layer (`hlopar.remat = "layers"`, as `jax.checkpoint` around each layer does it): the
+stage's ops carry their layer (`hlopar.layer`, which stage construction keeps on the stages
+it marks so). A value of layer a that an op of a later layer reads (a layer boundary) is
+stashed as made; every other forward value the backward reads is recomputed by a slice of
+its own layer's ops, from the stage's inputs and the boundary values. Each layer's slice is
+placed just before the first backward op that reads one of its values, behind a
+`stablehlo.optimization_barrier` over the values the slice reads together with the values
+earlier backward ops computed for that layer's backward ops (the cotangent arriving at the
+layer): XLA cannot hoist the recompute above the backward's progress, so the backward holds
+one layer's activations of one microbatch at a time, not the whole stage's. The stash is the
+stage's inputs plus the boundary values the recomputes or the backward read.
+
+`recompute_slice` is the choice over plain data (which values each op reads and defines),
+`layer_slices` the per-layer one over it; the pass adapts fragments to them and rewrites
+them. The backward keeps its mark (`all=true` sets the unit one), so running the pass again
+changes nothing.
 """
 
 from __future__ import annotations
@@ -39,17 +52,20 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import mpmd
+from jaxlib.mlir.dialects import mpmd, stablehlo
 
 from hlopar.analysis.mesh import quote_string
 from hlopar.ir.extract import clone_into
 from hlopar.passes.auto_sharding import planned_functions
 from hlopar.passes.base import ModulePass, PassContext, option
+from hlopar.passes.cluster_operators import LAYER_ATTR
 from hlopar.passes.mpmd_program import fragment_role
 
-__all__ = ["REMAT_ATTR", "Recompute", "RematerializePass", "recompute_slice"]
+__all__ = ["LAYERS", "REMAT_ATTR", "LayerRecompute", "Recompute", "RematerializePass", "fill_layers",
+           "layer_slices", "recompute_slice", "remat_form"]
 
 REMAT_ATTR = "hlopar.remat"
+STAGE, LAYERS = "stage", "layers"  # the forms: the unit attribute (or "stage"), and "layers"
 # Ops whose results are not a function of their operands (or that talk to the outside):
 # computing them again would not give the forward's values.
 NOT_RECOMPUTED = frozenset({
@@ -96,6 +112,80 @@ def recompute_slice(reads: Sequence[Iterable[int]], defines: Sequence[Iterable[i
     return Recompute(tuple(reversed(cloned)), tuple(sorted(needed - defined)), tuple(sorted(kept)))
 
 
+@dataclass(frozen=True)
+class LayerRecompute:
+    """What a backward recomputes layer by layer."""
+
+    slices: tuple[tuple[int, Recompute], ...]  # (layer, its slice), layers descending: the backward's order
+    stashed: tuple[int, ...]  # wanted values that are layer boundaries: read as made, ascending
+
+
+def fill_layers(reads: Sequence[Iterable[int]], defines: Sequence[Iterable[int]],
+                layers: Sequence[int | None]) -> list[int]:
+    """`layers` with the ops that have none (the sharding constraints stage construction adds)
+    given one: the latest layer among the ops whose values they read, else the earliest among
+    the ops that read theirs, else the lowest layer there is (0 when none)."""
+    reads = [tuple(r) for r in reads]
+    defines = [tuple(d) for d in defines]
+    filled = list(layers)
+    producer: dict[int, int] = {}
+    for i, layer in enumerate(filled):
+        if layer is None:
+            known = [producer[v] for v in reads[i] if v in producer]
+            filled[i] = max(known) if known else None
+        if filled[i] is not None:
+            producer.update(dict.fromkeys(defines[i], filled[i]))
+    reader: dict[int, int] = {}
+    for i in reversed(range(len(filled))):
+        if filled[i] is None:
+            known = [reader[v] for v in defines[i] if v in reader]
+            filled[i] = min(known) if known else None
+        if filled[i] is not None:
+            for v in reads[i]:
+                reader[v] = min(reader.get(v, filled[i]), filled[i])
+    lowest = min((layer for layer in filled if layer is not None), default=0)
+    return [lowest if layer is None else layer for layer in filled]
+
+
+def layer_slices(reads: Sequence[Iterable[int]], defines: Sequence[Iterable[int]], clonable: Sequence[bool],
+                 layers: Sequence[int], wanted: Iterable[tuple[int, int | None]]) -> LayerRecompute:
+    """Per-layer recompute of the `wanted` values, given as (value, layer of the op reading it,
+    None when unknown), over the ops of `recompute_slice` with their `layers`. A value of layer a
+    read by an op of a later layer (the forward's, or a wanted one's reader) is a boundary:
+    never recomputed, every slice reads it as an input. Every other wanted value made by an op
+    is recomputed by its layer's slice, cloning only that layer's ops; values of other layers
+    that are not boundaries (a layering out of program order) and results of ops that cannot be
+    cloned are `kept`."""
+    reads = [tuple(r) for r in reads]
+    defines = [tuple(d) for d in defines]
+    if len(layers) != len(reads):
+        raise ValueError(f"{len(reads)} read lists, {len(layers)} layers")
+    wanted = list(wanted)
+    layer_of = {v: layers[i] for i, d in enumerate(defines) for v in d}
+    boundary = {v for i, r in enumerate(reads) for v in r if v in layer_of and layer_of[v] < layers[i]}
+    boundary |= {v for v, reader in wanted if v in layer_of and reader is not None and layer_of[v] < reader}
+    unstashed = [tuple(v for v in d if v not in boundary) for d in defines]  # boundaries: inputs to every slice
+    values = {v for v, _ in wanted}
+    slices = []
+    for layer in sorted({layer_of[v] for v in values - boundary if v in layer_of}, reverse=True):
+        mine = [v for v in values - boundary if layer_of.get(v) == layer]
+        ours = [ok and l == layer for ok, l in zip(clonable, layers)]
+        slices.append((layer, recompute_slice(reads, unstashed, ours, mine)))
+    return LayerRecompute(tuple(slices), tuple(sorted(values & boundary)))
+
+
+def remat_form(fragment: ir.Operation) -> str | None:
+    """The form a backward fragment's mark asks for (None: unmarked); ValueError for another."""
+    if REMAT_ATTR not in fragment.attributes:
+        return None
+    attr = fragment.attributes[REMAT_ATTR]
+    if isinstance(attr, ir.UnitAttr):
+        return STAGE
+    if isinstance(attr, ir.StringAttr) and attr.value in (STAGE, LAYERS):
+        return attr.value
+    raise ValueError(f"{REMAT_ATTR} must be a unit attribute, \"{STAGE}\" or \"{LAYERS}\", got {attr}")
+
+
 # --------------------------------------------------------------------------- the pass
 
 
@@ -120,7 +210,11 @@ class RematerializePass(ModulePass):
                 stage = _stage(backward)
                 if stage is None:
                     self.fail(backward, "a backward fragment without a stage (stage=k) cannot be rematerialized")
-                if self._rematerialize(main, backward, context):
+                try:
+                    form = remat_form(backward) or STAGE
+                except ValueError as error:
+                    self.fail(backward, str(error))
+                if self._rematerialize(main, backward, form, context):
                     changed.add(stage)
             for stage in changed:
                 forwards = [_prune(op) for op in _fragments(main) if fragment_role(op) == "forward"
@@ -130,31 +224,50 @@ class RematerializePass(ModulePass):
                     op.erase()
         module.verify()
 
-    def _rematerialize(self, main: ir.Operation, backward: ir.Operation, context: PassContext) -> bool:
+    def _rematerialize(self, main: ir.Operation, backward: ir.Operation, form: str, context: PassContext) -> bool:
         """Rewrites one backward fragment (module docstring); whether it recomputes anything."""
         stage = _stage(backward)
         while True:
             forwards = [op for op in _fragments(main) if fragment_role(op) == "forward" and _stage(op) == stage
                         and op.is_before_in_block(backward)]
             view = _StageForward.of(forwards)
-            wanted = [view.number[v] for v in backward.operands if view.number.get(v) in view.made]
-            plan = recompute_slice(view.reads, view.defines, view.clonable, wanted)
-            if not plan.ops:
+            if form == LAYERS:
+                if any(layer is None for layer in view.layers):
+                    self.fail(backward, f"stage {stage}'s backward is marked {REMAT_ATTR} = \"{LAYERS}\" but its "
+                                        f"forward ops carry no {LAYER_ATTR} (stage construction keeps it on the "
+                                        "stages it marks so)")
+                layers = fill_layers(view.reads, view.defines, view.layers)
+                wanted = [(view.number[v], reader) for v, reader in _readers(backward)
+                          if view.number.get(v) in view.made]
+                plan = layer_slices(view.reads, view.defines, view.clonable, layers, wanted)
+                slices = [s for _, s in plan.slices]
+                read = [*plan.stashed, *(v for s in slices for v in (*s.inputs, *s.kept))]
+            else:
+                wanted = [view.number[v] for v in backward.operands if view.number.get(v) in view.made]
+                plan = recompute_slice(view.reads, view.defines, view.clonable, wanted)
+                slices = [plan]
+                read = list(plan.kept)
+            if not any(s.ops for s in slices):
                 return False
-            unreturned = [v for v in plan.kept if v not in view.outer]
+            unreturned = list(dict.fromkeys(v for v in read if v in view.made and v not in view.outer))
             if not unreturned:
                 break
-            # A kept value the forward does not return yet: return it, then look again.
+            # A value the backward reads as made that the forward does not return yet: return it, then look again.
             for position, fragment in enumerate(forwards):
                 extra = [view.inner[v] for v in unreturned if view.fragment_of[v] == position]
                 if extra:
                     _rebuilt(fragment, returned=[*_terminator(fragment).operands, *extra])
-        for v in plan.kept:
+        for v in sorted({v for s in slices for v in s.kept}):
             op = view.inner[v].owner.operation
+            if _clonable(op):
+                continue
             context.warn(op.location, f"{self.name}: stage {stage}'s backward reads the result of '{op.name}' "
                                       "from its forward (stashed): it is not a function of its operands, so it is "
                                       "not computed again")
-        _recompute_in(backward, view, plan)
+        if form == LAYERS:
+            _recompute_layers_in(backward, view, plan)
+        else:
+            _recompute_in(backward, view, plan)
         return True
 
 
@@ -173,10 +286,11 @@ class _StageForward:
     reads: list[tuple[int, ...]]
     defines: list[tuple[int, ...]]
     clonable: list[bool]
+    layers: list[int | None]  # per op: its hlopar.layer
 
     @classmethod
     def of(cls, forwards: Sequence[ir.Operation]) -> _StageForward:
-        view = cls({}, {}, {}, set(), {}, [], [], [], [], [])
+        view = cls({}, {}, {}, set(), {}, [], [], [], [], [], [])
         number = view.number
         for position, fragment in enumerate(forwards):
             block = fragment.regions[0].blocks[0]
@@ -201,6 +315,7 @@ class _StageForward:
                 view.defines.append(tuple(defined))
                 view.ops.append(op)
                 view.clonable.append(_clonable(op))
+                view.layers.append(_layer(op))
             for returned, result in zip(body[-1].operands, fragment.results):
                 number[result] = number[returned]
                 view.outer.setdefault(number[returned], result)
@@ -233,6 +348,76 @@ def _recompute_in(backward: ir.Operation, view: _StageForward, plan: Recompute) 
         block.arguments[p].replace_all_uses_with(available[view.number[operands[p]]])
         block.erase_argument(p)
     new.attributes[REMAT_ATTR] = ir.UnitAttr.get()
+
+
+def _recompute_layers_in(backward: ir.Operation, view: _StageForward, plan: LayerRecompute) -> None:
+    """Rewrites `backward` to compute the forward values it read layer by layer: each slice of
+    `plan` cloned just before the first op reading one of its values, behind a barrier over what
+    it reads and what the backward computed so far for that layer; the stage inputs and
+    boundary values the slices read become operands after its others; the operands the clones
+    replace are dropped."""
+    cloned = {v for _, s in plan.slices for i in s.ops for v in view.defines[i]}
+    operands = list(backward.operands)
+    replaced = [p for p, v in enumerate(operands) if view.number.get(v) in cloned]
+    stay = [v for p, v in enumerate(operands) if p not in replaced]
+    present = {view.number[v] for v in stay if v in view.number}
+    added = list(dict.fromkeys(v for _, s in plan.slices for v in (*s.inputs, *s.kept) if v not in present))
+    new = _rebuilt(backward, operands=[*stay, *(view.outer[v] for v in added)])
+    block = new.regions[0].blocks[0]
+    available = {view.number[v]: block.arguments[p] for p, v in enumerate(operands)
+                 if p not in replaced and v in view.number}
+    for v in added:
+        available[v] = block.add_argument(view.inner[v].type, ir.Location.unknown())
+    targets = {view.number[operands[p]]: block.arguments[p] for p in replaced}
+    for layer, piece in plan.slices:
+        mine = {targets[v]: v for i in piece.ops for v in view.defines[i] if v in targets}
+        body = _body(new)[:-1]
+        first = next(k for k, op in enumerate(body) if _read_values(op, mine))
+        later = [op for op in body[first:] if _layer(op) in (layer, None)]
+        made_before = {r for op in body[:first] if len(op.operands) for r in op.results}  # constants: no progress
+        tie = list(dict.fromkeys(v for op in later for v in _read_values(op, made_before)))
+        read = [*piece.inputs, *piece.kept]
+        with ir.InsertionPoint(body[first]):
+            if tie:
+                barrier = stablehlo.OptimizationBarrierOp([*tie, *(available[v] for v in read)])
+                _replace_reads(body[first:], dict(zip(tie, barrier.results)))
+                local = dict(zip(read, list(barrier.results)[len(tie):]))
+            else:
+                local = {v: available[v] for v in read}
+            for i in piece.ops:
+                mapping = {value: local[view.number[value]] for value in view.read_values[i]}
+                clone_into(view.ops[i], mapping)
+                for result in view.ops[i].results:
+                    local[view.number[result]] = mapping[result]
+        for argument, v in mine.items():
+            argument.replace_all_uses_with(local[v])
+    for p in reversed(replaced):
+        block.erase_argument(p)
+    new.attributes[REMAT_ATTR] = ir.StringAttr.get(LAYERS)
+
+
+def _readers(backward: ir.Operation) -> list[tuple[ir.Value, int | None]]:
+    """(operand, layer of a top-level op of the body reading it) for every such read."""
+    block = backward.regions[0].blocks[0]
+    argument_of = {argument: operand for operand, argument in zip(backward.operands, block.arguments)}
+    return [(argument_of[v], _layer(op)) for op in _body(backward)[:-1] for v in _read_values(op, argument_of)]
+
+
+def _replace_reads(ops: Sequence[ir.Operation], replacement: dict[ir.Value, ir.Value]) -> None:
+    """Makes `ops` (and the ops nested in them) read `replacement[v]` where they read v."""
+    def visit(inner: ir.Operation) -> ir.WalkResult:
+        operands = inner.operands
+        for position, operand in enumerate(operands):
+            if operand in replacement:
+                operands[position] = replacement[operand]
+        return ir.WalkResult.ADVANCE
+
+    for op in ops:
+        op.walk(visit)
+
+
+def _layer(op: ir.Operation) -> int | None:
+    return ir.IntegerAttr(op.attributes[LAYER_ATTR]).value if LAYER_ATTR in op.attributes else None
 
 
 def _prune(fragment: ir.Operation) -> ir.Operation:

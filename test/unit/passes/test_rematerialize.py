@@ -25,7 +25,8 @@ from hlopar.ir.module import parse_module, print_module
 from hlopar.models import get_train_step
 from hlopar.passes.base import PassContext
 from hlopar.passes.pipeline import Pipeline
-from hlopar.passes.rematerialize import Recompute, RematerializePass, recompute_slice
+from hlopar.passes.rematerialize import (LayerRecompute, Recompute, RematerializePass, fill_layers,
+                                         layer_slices, recompute_slice)
 from hlopar.runtime.local_executor import PipelinedStep
 
 # Values 0 (x) and 1 (w) are inputs; op0: 2 = f(x); op1: 3 = g(2, w); op2: 4 = h(3); op3: 5 = k(x);
@@ -53,6 +54,39 @@ def test_slice_stops_at_ops_that_cannot_be_cloned():
 def test_slice_checks_its_lists():
     with pytest.raises(ValueError, match="2 read lists, 1 define lists"):
         recompute_slice([(), ()], [()], [True, True], [])
+
+
+# Two layers: inputs 0 (x), 1 (w0), 2 (w1); layer 0: op0 3 = f(x, w0), op1 4 = g(3);
+# layer 1: op2 5 = f(4, w1), op3 6 = g(5). 4 is a layer boundary (layer 1's forward reads it).
+LAYER_READS = [(0, 1), (3,), (4, 2), (5,)]
+LAYER_DEFINES = [(3,), (4,), (5,), (6,)]
+
+
+def test_layer_slices_recompute_each_layer_from_the_boundaries():
+    wanted = [(3, 0), (6, 1), (4, 1)]  # layer 0's backward reads 3; layer 1's reads 6 and its input 4
+    plan = layer_slices(LAYER_READS, LAYER_DEFINES, [True] * 4, [0, 0, 1, 1], wanted)
+    # Layer 1 first (the backward's order), from its input 4 (stashed) and w1; layer 0 from x, w0.
+    assert plan == LayerRecompute(((1, Recompute((2, 3), (2, 4), ())), (0, Recompute((0,), (0, 1), ()))), (4,))
+
+
+def test_layer_slices_stash_what_a_later_layer_reads():
+    # 3 read by a backward op of layer 1: a boundary too, stashed, so layer 0 recomputes nothing.
+    plan = layer_slices(LAYER_READS, LAYER_DEFINES, [True] * 4, [0, 0, 1, 1], [(3, 1), (6, 1)])
+    assert plan == LayerRecompute(((1, Recompute((2, 3), (2, 4), ())),), (3,))
+    # An op that cannot be cloned: its result is kept, nothing before it in its layer is cloned.
+    plan = layer_slices(LAYER_READS, LAYER_DEFINES, [True, True, True, False], [0, 0, 1, 1], [(6, 1)])
+    assert plan == LayerRecompute(((1, Recompute((), (), (6,))),), ())
+    with pytest.raises(ValueError, match="4 read lists, 3 layers"):
+        layer_slices(LAYER_READS, LAYER_DEFINES, [True] * 4, [0, 0, 1], [])
+
+
+def test_fill_layers_from_producers_then_readers():
+    # op0 reads only an input: the layer of its reader op1 (0); op2 likewise takes op3's (1);
+    # op4 follows its producer op3 (1); op5 touches nothing with a layer: the lowest, 0.
+    reads = [(0,), (3,), (0,), (5,), (6,), (9,)]
+    defines = [(3,), (4,), (5,), (6,), (7,), (8,)]
+    assert fill_layers(reads, defines, [None, 0, None, 1, None, None]) == [0, 0, 1, 1, 1, 0]
+    assert fill_layers(reads, defines, [None] * 6) == [0] * 6
 
 
 @functools.cache
