@@ -20,9 +20,9 @@ from hlopar.analysis.mesh import DeviceMesh
 from hlopar.analysis.mpmd import MeshTensorType
 from hlopar.analysis.resharding.simulator import UnitOp
 from hlopar.analysis.resharding.unit_tasks import MeshLayout
-from hlopar.analysis.sharding import ShardingSpec, TensorSharding
+from hlopar.analysis.sharding import ShardingSpec
 from hlopar.ir.graph import bit_width
-from hlopar.passes.transfer_ops import CONTAINER, read_transfer_op
+from hlopar.passes.transfer_ops import CONTAINER, argument_sharding, read_transfer_op
 
 __all__ = ["CONTAINER", "PlannedTransfer", "planned_transfer"]
 
@@ -51,7 +51,7 @@ def planned_transfer(op: ir.Operation, topology: Mapping[str, DeviceMesh],
         if type_.mesh_name not in topology:
             raise ValueError(f"'{CONTAINER}' names mesh '{type_.mesh_name}', which is not in the topology")
         tensor = ir.RankedTensorType(ir.Type.parse(type_.tensor_type, context=value.type.context))
-        sharding = type_.sharding or _argument_sharding(value) or ShardingSpec.replicated(len(tensor.shape))
+        sharding = type_.sharding or argument_sharding(value) or ShardingSpec.replicated(len(tensor.shape))
         layouts.append(MeshLayout(topology[type_.mesh_name], sharding, physical[type_.mesh_name]))
     width = bit_width(tensor.element_type)
     if width is None:
@@ -59,15 +59,3 @@ def planned_transfer(op: ir.Operation, topology: Mapping[str, DeviceMesh],
     decoded = read_transfer_op(op, (width + 7) // 8)
     return PlannedTransfer(tuple(tensor.shape), decoded.ops, layouts[0], layouts[1], decoded.strategy,
                            decoded.predicted_time)
-
-
-def _argument_sharding(value: ir.Value) -> TensorSharding | None:
-    """The `sdy.sharding` argument attribute of a function argument, when the value is one."""
-    if not isinstance(value, ir.BlockArgument):
-        return None
-    parent = value.owner.owner
-    parent = parent.operation if parent is not None else None
-    if parent is None or parent.name != "func.func" or "arg_attrs" not in parent.attributes:
-        return None
-    attrs = ir.DictAttr(ir.ArrayAttr(parent.attributes["arg_attrs"])[value.arg_number])
-    return TensorSharding.parse(str(attrs["sdy.sharding"])) if "sdy.sharding" in attrs else None

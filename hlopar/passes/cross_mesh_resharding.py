@@ -26,7 +26,7 @@ from hlopar.analysis.sharding import ShardingPerValue, ShardingSpec, TensorShard
 from hlopar.ir.diagnostics import source_location
 from hlopar.ir.graph import bit_width
 from hlopar.passes.base import ModulePass, PassContext, option
-from hlopar.passes.transfer_ops import build_transfer_op
+from hlopar.passes.transfer_ops import argument_sharding, build_transfer_op
 
 __all__ = ["CrossMeshReshardingPass", "DEVICES_ATTR"]
 
@@ -175,7 +175,7 @@ class CrossMeshReshardingPass(ModulePass):
         if width is None:
             self.fail(transfer, f"cannot size elements of {src_type.tensor_type}")
         shape = tuple(tensor.shape)
-        src_sharding = src_type.sharding or _argument_sharding(transfer.operands[0]) or ShardingSpec.replicated(len(shape))
+        src_sharding = src_type.sharding or argument_sharding(transfer.operands[0]) or ShardingSpec.replicated(len(shape))
         dst_sharding = dst_type.sharding or _op_sharding(transfer) or ShardingSpec.replicated(len(shape))
         try:
             src = MeshLayout(meshes[src_type.mesh_name], src_sharding, physical[src_type.mesh_name])
@@ -209,19 +209,6 @@ class CrossMeshReshardingPass(ModulePass):
             "transfers": transfers,
         }
         Path(self.report).write_text(json.dumps(report, indent=2) + "\n")
-
-
-def _argument_sharding(value: ir.Value) -> TensorSharding | None:
-    """The `sdy.sharding` of a function argument, when the value is one."""
-    if not isinstance(value, ir.BlockArgument):
-        return None
-    parent = value.owner.owner
-    parent = parent.operation if parent is not None else None
-    if parent is None or parent.name != "func.func" or "arg_attrs" not in parent.attributes:
-        return None
-    arg_attrs = ir.ArrayAttr(parent.attributes["arg_attrs"])
-    attrs = ir.DictAttr(arg_attrs[value.arg_number])
-    return TensorSharding.parse(str(attrs["sdy.sharding"])) if "sdy.sharding" in attrs else None
 
 
 def _op_sharding(op: ir.Operation) -> TensorSharding | None:

@@ -15,9 +15,10 @@ from jaxlib.mlir import ir
 from hlopar.analysis.resharding.plan import TransferPlan
 from hlopar.analysis.resharding.simulator import UnitOp
 from hlopar.analysis.resharding.unit_tasks import box_bytes
+from hlopar.analysis.sharding import TensorSharding
 from hlopar.ir.diagnostics import DiagnosticError, error_at
 
-__all__ = ["CONTAINER", "OP_NAMES", "DecodedTransfer", "build_transfer_op", "read_transfer_op"]
+__all__ = ["CONTAINER", "OP_NAMES", "DecodedTransfer", "argument_sharding", "build_transfer_op", "read_transfer_op"]
 
 CONTAINER = "hlopar.cross_mesh_transfer"
 OP_NAMES = {"broadcast": "hlopar.broadcast", "send_recv": "hlopar.send_recv", "scatter_allgather": "hlopar.scatter_allgather"}
@@ -124,3 +125,15 @@ def _read_unit_op(op: ir.Operation, slot: int, dtype_bytes: int) -> UnitOp:
     except ValueError as error:
         raise DiagnosticError([error_at(op, str(error))]) from None
 
+
+def argument_sharding(value: ir.Value) -> TensorSharding | None:
+    """The `sdy.sharding` argument attribute of a function argument, when the value is one:
+    where a transfer's source lives when its type says nothing (an argument of `@main`)."""
+    if not isinstance(value, ir.BlockArgument):
+        return None
+    parent = value.owner.owner
+    parent = parent.operation if parent is not None else None
+    if parent is None or parent.name != "func.func" or "arg_attrs" not in parent.attributes:
+        return None
+    attrs = ir.DictAttr(ir.ArrayAttr(parent.attributes["arg_attrs"])[value.arg_number])
+    return TensorSharding.parse(str(attrs["sdy.sharding"])) if "sdy.sharding" in attrs else None
