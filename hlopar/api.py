@@ -92,7 +92,7 @@ METHODS = ("auto", "shard", "pipeline")
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
 RNG_MODES = ("exact", "per-microbatch")
 REMAT_MODES = ("auto", "always", "never")
-CACHE_VERSION = "hlopar-plan-v7"  # bumped when the planner's output changes
+CACHE_VERSION = "hlopar-plan-v8"  # bumped when the planner's output changes
 
 
 # --------------------------------------------------------------------------- the cluster
@@ -259,6 +259,11 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
             log(f"one stage: planned with one microbatch, not the {num_microbatches} hlopar would have split into")
             module, context, pieces, batch_args = single
             plan, num_microbatches = single_plan, 1
+    if pieces is not None:  # as planned: hlopar-reroll-stage-loops may have joined a stage's pieces into ranges
+        from hlopar.passes.auto_sharding import planned_functions
+        from hlopar.passes.unstack_layer_scans import LayerPieces
+
+        pieces = LayerPieces.of(planned_functions(module)[0]) or pieces
     plan["layer_pieces"] = pieces.to_json() if pieces else None
     program = pipeline_program(module, split_backward=split)
     if cache:
@@ -751,7 +756,8 @@ def describe_plan(planned: PlannedStep) -> str:
         sharded = sum(1 for dims in shardings if '"' in dims)
         shape = "x".join(str(s) for s in info.get("logical_shape", ())) or "?"
         latency = f", predicted {info['latency'] * 1e3:.3g} ms/microbatch" if info.get("latency") else ""
-        latency += "; forward recomputed in the backward (remat)" if info.get("remat") else ""
+        latency += (f"; forward recomputed in the backward (remat, per {info.get('remat_form') or 'stage'})"
+                    if info.get("remat") else "")
         lines.append(f"  {mesh}: stage {stage}, mesh {shape} on devices {list(program.devices[mesh])}, "
                      f"fragments {', '.join(f.name for f in fragments)}; {sharded} of {len(shardings)} "
                      f"annotated tensors sharded{latency}")
@@ -762,8 +768,11 @@ def describe_plan(planned: PlannedStep) -> str:
                      "as jax.jit compiles the step")
     pieces = planned.plan.get("layer_pieces")
     if pieces:
-        stacks = len({o for o, p in zip(pieces["arg_origin"], pieces["arg_piece"]) if p >= 0})
-        layers = max(pieces["arg_piece"]) + 1
+        from hlopar.passes.unstack_layer_scans import LayerPieces
+
+        pieces = LayerPieces.from_json(pieces)
+        stacks = len({o for o, p in zip(pieces.arg_origin, pieces.arg_piece) if p >= 0})
+        layers = pieces.layers
         lines.append(f"  scanned layer stack unrolled: {stacks} stacked argument(s) split into {layers} per-layer "
                      "pieces, each held by its stage")
         reroll = planned.plan.get("reroll")

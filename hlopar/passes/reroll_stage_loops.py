@@ -32,22 +32,28 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 from jaxlib.mlir import ir
-from jaxlib.mlir.dialects import stablehlo
+from jaxlib.mlir.dialects import func as func_dialect
+from jaxlib.mlir.dialects import mpmd, stablehlo
 
+from hlopar.analysis.mesh import quote_string
+from hlopar.analysis.mpmd import MeshTensorType
+from hlopar.analysis.sharding import DimSharding
 from hlopar.ir.extract import clone_into
 from hlopar.passes.base import ModulePass, PassContext, option
+from hlopar.passes.microbatch_index import INDEX_ARG_ATTR
 from hlopar.passes.mpmd_program import fragment_role
-from hlopar.passes.split_microbatches import BATCH, KIND_ATTR, SUM
-from hlopar.passes.unstack_layer_scans import LAYER_ITERATION_ATTR
+from hlopar.passes.split_microbatches import BATCH, BATCH_ARGS_ATTR, KIND_ATTR, SUM
+from hlopar.passes.unstack_layer_scans import LAYER_ITERATION_ATTR, LAYER_PIECES_ATTR, LayerPieces
 
 __all__ = ["LAYER_LOOP_ATTR", "LoopRange", "RerollStageLoopsPass", "fragments", "identical_runs", "reroll_block",
            "stage_loop_lines"]
 
 LAYER_LOOP_ATTR = "hlopar.layer_loop"
+ALIAS = "tf.aliasing_output"
 
 
 @dataclass(frozen=True)
@@ -86,25 +92,69 @@ class RerollStageLoopsPass(ModulePass):
     min_trips: int = option(2, "re-roll runs of at least this many iterations (one iteration is cheaper unrolled)")
     report: str | None = option(None, "write a JSON report of the rolled and unrolled ranges to this path")
 
+    hold_ranges: bool = option(
+        True, "hold the pieces of the layers a stage loops over as one range of rows: one @main argument and "
+              "result per stacked parameter or state, one value for the stash and the gradients between its "
+              "fragments, read by the loop's counter (false: the loop packs the pieces each run)")
+
     def run(self, module: ir.Operation, context: PassContext) -> None:
         if self.min_trips < 1:
             self.fail(module, f"min-trips must be at least 1, got {self.min_trips}")
         ranges: list[LoopRange] = []
+        held: list[HeldRange] = []
         with module.context, ir.Location.unknown():
-            for fragment in fragments(module):
+            if self.reroll == "auto" and self.hold_ranges and fragments(module):
+                spans = self._spans(module)
+                held = hold_ranges(fragments(module)[0].parent, spans)
+            for number in range(len(fragments(module))):
+                fragment = fragments(module)[number]  # the list changes as fragments are rebuilt
                 if fragment_role(fragment) == "update":  # the optimizer: elementwise per piece, not a loop body
                     continue
-                made = reroll_block(fragment.regions[0].blocks[0], _origin(fragment),
-                                    min_trips=self.min_trips, rewrite=self.reroll == "auto")
+                block = fragment.regions[0].blocks[0]
+                made = reroll_block(block, _origin(fragment), min_trips=self.min_trips, rewrite=self.reroll == "auto")
                 for r in made:
                     if not r.rolled and r.trips >= self.min_trips and self.reroll == "auto":
                         context.warn(fragment, f"{self.name}: layers {r.layers[0]}..{r.layers[-1]} of loop {r.loop} "
                                                f"stay unrolled in {r.fragment}: {r.reason}")
                 ranges += made
+                if any(r.rolled for r in made):
+                    _erase_unread(block)
+                    if self.hold_ranges:
+                        return_stacks(fragment)
         if self.report:
             with open(self.report, "w") as out:
-                json.dump({"pass": self.name, "reroll": self.reroll, "ranges": [asdict(r) for r in ranges]},
-                          out, indent=1)
+                json.dump({"pass": self.name, "reroll": self.reroll, "ranges": [asdict(r) for r in ranges],
+                           "held": [asdict(h) for h in held]}, out, indent=1)
+
+    def _spans(self, module: ir.Operation) -> dict[str, list[tuple[int, int]]]:
+        """Per mesh, the disjoint layer ranges `[a, b)` that its fragments have runs of at
+        least min-trips identical iterations over (the longest first)."""
+        found: dict[str, set[tuple[int, int]]] = {}
+        for fragment in fragments(module):
+            if fragment_role(fragment) == "update":
+                continue
+            mesh = ir.StringAttr(fragment.attributes["mesh_name"]).value
+            for r in reroll_block(fragment.regions[0].blocks[0], "", min_trips=self.min_trips, rewrite=False):
+                layers = sorted(r.layers)
+                if r.trips >= self.min_trips and layers[0] >= 0 and layers == list(range(layers[0], layers[-1] + 1)):
+                    found.setdefault(mesh, set()).add((layers[0], layers[-1] + 1))
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for mesh, candidates in found.items():
+            chosen: list[tuple[int, int]] = []
+            for a, b in sorted(candidates, key=lambda r: (r[0] - r[1], r[0])):
+                if all(b <= c or d <= a for c, d in chosen):
+                    chosen.append((a, b))
+            spans[mesh] = sorted(chosen)
+        return spans
+
+
+def _erase_unread(block: ir.Block) -> None:
+    """The slices and reshapes no one reads any more (a rolled loop reads a range by its counter)."""
+    for op in reversed(list(block.operations)):
+        op = op.operation
+        if op.name in ("stablehlo.slice", "stablehlo.reshape", "stablehlo.concatenate") and not any(
+                list(r.uses) for r in op.results):
+            op.erase()
 
 
 def stage_loop_lines(report: dict | None) -> list[str]:
@@ -253,7 +303,7 @@ class _Reroll:
                     if all(v == values[0] for v in values):
                         self.wiring[(j, o)] = ("invariant", values[0])
                     else:
-                        self.wiring[(j, o)] = ("packed", tuple(values))
+                        self.wiring[(j, o)] = _rows_of_one(values) or ("packed", tuple(values))
                 else:
                     return (f"operand {o} of '{template.name}' reads values of other iterations than the loop's "
                             "own or its previous one")
@@ -318,6 +368,8 @@ class _Reroll:
             for how in self.wiring.values():
                 if how[0] in ("carry", "invariant"):
                     slot(how, how[1])
+                elif how[0] == "rows":  # a range held as one value: carried as it is
+                    slot(("invariant", how[1]), how[1])
                 elif how[0] == "packed" and how not in slots:
                     slot(how, _pack(how[1]))
             for j, r in outputs:
@@ -348,6 +400,9 @@ class _Reroll:
                             value = clones[how[1][0]].results[how[1][1]]
                         elif kind == "packed":
                             value = _row(args[slots[how]], counter, how[1][0].type)
+                        elif kind == "rows":
+                            value = _row(args[slots[("invariant", how[1])]], counter, op.operands[o].type,
+                                         first=how[2], step=how[3])
                         else:
                             value = args[slots[how]]
                         mapping[op.operands[o]] = value
@@ -463,11 +518,20 @@ def _pack(values: Sequence[ir.Value]) -> ir.Value:
     return stablehlo.ConcatenateOp(rows, 0, results=[stacked]).result
 
 
-def _row(stacked: ir.Value, counter: ir.Value, row_type: ir.Type) -> ir.Value:
-    t = ir.RankedTensorType(row_type)
-    zero = _constant(ir.RankedTensorType(counter.type), 0)
-    row = stablehlo.DynamicSliceOp(stacked, [counter] + [zero] * t.rank, [1] + list(t.shape)).result
-    return stablehlo.ReshapeOp(t, row).result
+def _row(stacked: ir.Value, counter: ir.Value, row_type: ir.Type, first: int = 0, step: int = 1) -> ir.Value:
+    """Row `first + step * counter` of `stacked`, as `row_type` (the row itself, or without
+    its unit leading dim)."""
+    t, source = ir.RankedTensorType(row_type), ir.RankedTensorType(stacked.type)
+    index_type = ir.RankedTensorType(counter.type)
+    zero = _constant(index_type, 0)
+    index = counter
+    if step != 1:
+        index = stablehlo.MulOp(index, _constant(index_type, step)).result
+    if first:
+        index = stablehlo.AddOp(index, _constant(index_type, first)).result
+    row = stablehlo.DynamicSliceOp(stacked, [index] + [zero] * (source.rank - 1),
+                                   [1] + list(source.shape)[1:]).result
+    return row if row.type == t else stablehlo.ReshapeOp(t, row).result
 
 
 def _write_row(buffer: ir.Value, value: ir.Value, counter: ir.Value) -> ir.Value:
@@ -481,3 +545,329 @@ def _static_row(stacked: ir.Value, i: int, row_type: ir.Type) -> ir.Value:
     t = ir.RankedTensorType(row_type)
     row = stablehlo.SliceOp(stacked, [i] + [0] * t.rank, [i + 1] + list(t.shape), [1] * (t.rank + 1)).result
     return stablehlo.ReshapeOp(t, row).result
+
+
+def _row_of(value: ir.Value) -> tuple[ir.Value, int] | None:
+    """`(stack, r)` when `value` is row r of `stack` (a unit slice of its leading dim, whole
+    in the others, maybe reshaped without that dim), else None."""
+    owner = value.owner
+    if isinstance(owner, ir.Block):
+        return None
+    op = owner.operation
+    if op.name == "stablehlo.reshape" and not isinstance(op.operands[0].owner, ir.Block):
+        inner = op.operands[0].owner.operation
+        if inner.name == "stablehlo.slice" and list(_shape(op.operands[0])[1:]) == _shape(value):
+            op = inner
+    if op.name != "stablehlo.slice":
+        return None
+    source = op.operands[0]
+    start, limit = _ints(op, "start_indices"), _ints(op, "limit_indices")
+    if limit[0] - start[0] != 1 or any(start[1:]) or limit[1:] != _shape(source)[1:] or set(_ints(op, "strides")) != {1}:
+        return None
+    return source, start[0]
+
+
+def _rows_of_one(values: Sequence[ir.Value]) -> tuple | None:
+    """`("rows", stack, first, step)` when the per-iteration `values` are rows first,
+    first + step, ... (step +1 or -1) of one stack: the loop then slices the stack itself
+    instead of packing copies of its rows."""
+    rows = [_row_of(v) for v in values]
+    if any(r is None for r in rows) or len({r[0] for r in rows}) != 1:
+        return None
+    first = rows[0][1]
+    for step in (1, -1):
+        if all(r[1] == first + step * i for i, r in enumerate(rows)):
+            return ("rows", rows[0][0], first, step)
+    return None
+
+
+def _shape(value: ir.Value) -> list[int]:
+    return list(ir.RankedTensorType(value.type).shape)
+
+
+def _ints(op: ir.Operation, name: str) -> list[int]:
+    return list(ir.DenseI64ArrayAttr(op.attributes[name]))
+
+
+# --------------------------------------------------------------------------- ranges held as one value
+
+
+@dataclass(frozen=True)
+class HeldRange:
+    """Rows `first:first+rows` of stacked parameters/state a mesh holds as one value."""
+
+    mesh: str
+    first: int
+    rows: int
+    arguments: int  # @main arguments made of `rows` pieces each
+    results: int  # @main results likewise
+
+
+def _mesh_type(value: ir.Value, tensor: ir.RankedTensorType, lead: bool) -> ir.Type:
+    """`value`'s mesh tensor type with the tensor `tensor`; `lead`: `tensor` has one more
+    (unsharded) leading dim than `value`'s."""
+    mesh_type = MeshTensorType.parse(str(value.type))
+    text = f"!mpmd.mesh_tensor<{quote_string(mesh_type.mesh_name)}, {tensor}"
+    sharding = mesh_type.sharding
+    if sharding is not None:
+        if lead:
+            sharding = replace(sharding, dims=(DimSharding(),) + sharding.dims)
+        text += f", sharding=<{sharding.format_body()}>"
+    if mesh_type.memory_kind is not None:
+        text += f", memory_kind={quote_string(mesh_type.memory_kind)}"
+    return ir.Type.parse(text + ">")
+
+
+def _stacked(t: ir.Type, rows: int, lead: bool) -> ir.RankedTensorType:
+    t = ir.RankedTensorType(t)
+    shape = [rows] + list(t.shape)[0 if lead else 1:]
+    return ir.RankedTensorType.get(shape, t.element_type, t.encoding)
+
+
+def _refragment(fragment: ir.Operation, operands: Sequence[ir.Value], returned: Sequence[ir.Value],
+                types: Sequence[ir.Type]) -> ir.Operation:
+    """`fragment` with these operands (its block's arguments already matching them) and these
+    returned values of these result types: a new op with the old body; the caller moves the
+    old results' uses."""
+    block = fragment.regions[0].blocks[0]
+    new = ir.Operation.create(
+        "mpmd.fragment", results=list(types), operands=list(operands),
+        attributes={fragment.attributes[k].name: fragment.attributes[k].attr for k in range(len(fragment.attributes))},
+        regions=1, loc=fragment.location, ip=ir.InsertionPoint(fragment))
+    block.append_to(new.regions[0])
+    terminator = list(block.operations)[-1].operation
+    with ir.InsertionPoint(terminator), terminator.location:
+        mpmd.ReturnOp(list(returned))
+    terminator.erase()
+    return new
+
+
+def _read_as_one(fragment: ir.Operation, parts: Sequence[ir.Value], whole: ir.Value) -> ir.Operation:
+    """`fragment` reading `whole` (a stack of rows `parts`, in order) in place of the parts:
+    each part's block argument becomes a slice of the new one (a loop over the rows then
+    reads the stack by its counter, `_rows_of_one`)."""
+    block = fragment.regions[0].blocks[0]
+    operands = list(fragment.operands)
+    local = ir.RankedTensorType(ir.Type.parse(MeshTensorType.parse(str(whole.type)).tensor_type))
+    argument = block.add_argument(local, whole.location)
+    gone = [k for k, v in enumerate(operands) if v in parts]
+    first = list(block.operations)[0]
+    with ir.InsertionPoint(first), fragment.location:
+        for k in gone:
+            old = block.arguments[k]
+            row = parts.index(operands[k])
+            t = ir.RankedTensorType(old.type)
+            sliced = stablehlo.SliceOp(argument, [row] + [0] * (local.rank - 1), [row + 1] + list(local.shape)[1:],
+                                       [1] * local.rank).result
+            if sliced.type != t:
+                sliced = stablehlo.ReshapeOp(t, sliced).result
+            old.replace_all_uses_with(sliced)
+    for k in reversed(gone):
+        block.erase_argument(k)
+    new = _refragment(fragment, [v for k, v in enumerate(operands) if k not in gone] + [whole],
+                      list(list(block.operations)[-1].operands), [r.type for r in fragment.results])
+    for old, made in zip(fragment.results, new.results):
+        old.replace_all_uses_with(made)
+    fragment.erase()
+    return new
+
+
+def _readers(value: ir.Value) -> list[ir.Operation] | None:
+    """The fragments reading `value`, or None if anything else reads it (a transfer, the return)."""
+    found: list[ir.Operation] = []
+    for use in value.uses:
+        op = use.owner.operation
+        if op.name != "mpmd.fragment":
+            return None
+        if op not in found:
+            found.append(op)
+    return found
+
+
+def _read_everywhere_as_one(parts: Sequence[ir.Value], whole: ir.Value) -> None:
+    readers: list[ir.Operation] = []
+    for part in parts:
+        readers += [op for op in _readers(part) if op not in readers]
+    for reader in readers:
+        _read_as_one(reader, parts, whole)
+
+
+def return_stacks(fragment: ir.Operation) -> ir.Operation:
+    """After its loops are rolled, `fragment` returns each stacked buffer of a loop whose
+    every row it returned one by one (the stash its backward reads, the gradients its update
+    reads) as one value, which its readers slice (a rolled reader by its counter)."""
+    block = fragment.regions[0].blocks[0]
+    returned = list(list(block.operations)[-1].operands)
+    by_stack: dict[ir.Value, dict[int, int]] = {}
+    for position, value in enumerate(returned):
+        row = _row_of(value)
+        if row is not None and isinstance(row[0].owner, ir.OpView) and row[0].owner.operation.name == "stablehlo.while":
+            by_stack.setdefault(row[0], {}).setdefault(row[1], position)
+    groups = []
+    for stack, rows in by_stack.items():
+        positions = [rows.get(r) for r in range(_shape(stack)[0])]
+        if None not in positions and all(_readers(fragment.results[p]) for p in positions):
+            groups.append((stack, positions))
+    if not groups:
+        return fragment
+    gone = {p for _, positions in groups for p in positions}
+    kept = [p for p in range(len(returned)) if p not in gone]
+    values, types = [returned[p] for p in kept], [fragment.results[p].type for p in kept]
+    terminator = list(block.operations)[-1].operation
+    for stack, positions in groups:
+        value = stack
+        row = returned[positions[0]].owner.operation
+        if KIND_ATTR in row.attributes:  # what codegen reads of a returned value (sum: accumulated)
+            with ir.InsertionPoint(terminator), terminator.location:
+                value = stablehlo.ReshapeOp(stack.type, stack).result
+            value.owner.attributes[KIND_ATTR] = row.attributes[KIND_ATTR]
+        values.append(value)
+        part = fragment.results[positions[0]]
+        types.append(_mesh_type(part, ir.RankedTensorType(stack.type), _shape(stack)[1:] == _shape(returned[positions[0]])))
+    new = _refragment(fragment, list(fragment.operands), values, types)
+    for k, p in enumerate(kept):
+        fragment.results[p].replace_all_uses_with(new.results[k])
+    for g, (_, positions) in enumerate(groups):
+        parts = [fragment.results[p] for p in positions]
+        _read_everywhere_as_one(parts, new.results[len(kept) + g])
+    fragment.erase()
+    return new
+
+
+def hold_ranges(main: ir.Operation, spans: dict[str, list[tuple[int, int]]]) -> list[HeldRange]:
+    """Joins, per mesh and layer range `[a, b)` of `spans`, the pieces a..b-1 of each stacked
+    argument of `@main` (`hlopar.layer_pieces`) into one argument of rows a:b, where only
+    fragments on that mesh read them (each reads slices of it), and the pieces a..b-1 of each
+    stacked result that one fragment makes into one result (it concatenates them). Updates
+    `hlopar.layer_pieces`, the arguments' donation and the numbers `@main` keeps of its arguments."""
+    pieces = LayerPieces.of(main)
+    if pieces is None:
+        return []
+    block = main.regions[0].blocks[0]
+    ret = list(block.operations)[-1].operation
+    args_at = {(o, p): k for k, (o, p, r) in enumerate(zip(pieces.arg_origin, pieces.arg_piece, pieces.arg_rows))
+               if r == 1}
+    results_at = {(o, p): k for k, (o, p, r) in enumerate(zip(pieces.result_origin, pieces.result_piece,
+                                                               pieces.result_rows)) if r == 1}
+    arg_rows, result_rows = list(pieces.arg_rows), list(pieces.result_rows)
+    dropped_args: set[int] = set()
+    dropped_results: set[int] = set()
+    joined_parts: set[ir.Value] = set()  # fragment results now returned joined
+    held: list[HeldRange] = []
+    for mesh, ranges in sorted(spans.items()):
+        for a, b in ranges:
+            arguments = results = 0
+            for origin in sorted({o for o, _ in args_at}):
+                ks = [args_at.get((origin, p)) for p in range(a, b)]
+                if None in ks:
+                    continue
+                parts = [block.arguments[k] for k in ks]
+                if not all(MeshTensorType.parse(str(v.type)).mesh_name == mesh and _readers(v) for v in parts):
+                    continue
+                whole = parts[0]
+                whole.set_type(_mesh_type(whole, _stacked(_tensor(whole), b - a, False), False))
+                _read_everywhere_as_one(parts, whole)
+                arg_rows[ks[0]] = b - a
+                dropped_args.update(ks[1:])
+                arguments += 1
+            for origin in sorted({o for o, _ in results_at}):
+                rs = [results_at.get((origin, p)) for p in range(a, b)]
+                if None in rs:
+                    continue
+                values = [ret.operands[r] for r in rs]
+                makers = {v.owner.operation if isinstance(v, ir.OpResult) else None for v in values}
+                maker = makers.pop() if len(makers) == 1 else None
+                if (maker is None or maker.name != "mpmd.fragment" or len(set(values)) != len(values)
+                        or MeshTensorType.parse(str(values[0].type)).mesh_name != mesh
+                        or any(len(list(v.uses)) != 1 for v in values)):
+                    continue
+                terminator = list(maker.regions[0].blocks[0].operations)[-1].operation
+                inner = list(terminator.operands)
+                positions = [list(maker.results).index(v) for v in values]
+                with ir.InsertionPoint(terminator), terminator.location:
+                    joined = stablehlo.ConcatenateOp([inner[p] for p in positions], 0).result
+                new = _refragment(maker, list(maker.operands), inner + [joined],
+                                  [r.type for r in maker.results]
+                                  + [_mesh_type(values[0], ir.RankedTensorType(joined.type), False)])
+                for old, made in zip(maker.results, new.results):
+                    old.replace_all_uses_with(made)
+                maker.erase()
+                ret.operands[rs[0]] = new.results[-1]
+                joined_parts.update(new.results[p] for p in positions)
+                result_rows[rs[0]] = b - a
+                dropped_results.update(rs[1:])
+                results += 1
+            if arguments or results:
+                held.append(HeldRange(mesh, a, b - a, arguments, results))
+    if held:
+        _renumber(main, pieces, arg_rows, result_rows, dropped_args, dropped_results)
+        for fragment in [op.operation for op in block.operations if op.operation.name == "mpmd.fragment"]:
+            if any(r in joined_parts for r in fragment.results):
+                _drop_unread(fragment)
+    return held
+
+
+def _tensor(value: ir.Value) -> ir.RankedTensorType:
+    """The tensor type of a mesh tensor value."""
+    return ir.RankedTensorType(ir.Type.parse(MeshTensorType.parse(str(value.type)).tensor_type))
+
+
+def _drop_unread(fragment: ir.Operation) -> None:
+    """`fragment` without the results no one reads."""
+    returned = list(list(fragment.regions[0].blocks[0].operations)[-1].operands)
+    kept = [k for k, r in enumerate(fragment.results) if list(r.uses)]
+    if len(kept) == len(returned):
+        return
+    new = _refragment(fragment, list(fragment.operands), [returned[k] for k in kept],
+                      [fragment.results[k].type for k in kept])
+    for n, k in enumerate(kept):
+        fragment.results[k].replace_all_uses_with(new.results[n])
+    fragment.erase()
+
+
+def _renumber(main: ir.Operation, pieces: LayerPieces, arg_rows: list[int], result_rows: list[int],
+              dropped_args: set[int], dropped_results: set[int]) -> None:
+    """`@main` without the arguments and results joined into others: its signature, its
+    arguments' and results' attributes (a donation kept where the argument and its result
+    are still alike), `hlopar.layer_pieces` and the argument numbers it names."""
+    block = main.regions[0].blocks[0]
+    ret = list(block.operations)[-1].operation
+    args = [k for k in range(len(block.arguments)) if k not in dropped_args]
+    results = [k for k in range(len(ret.operands)) if k not in dropped_results]
+    new_arg = {k: n for n, k in enumerate(args)}
+    new_result = {k: n for n, k in enumerate(results)}
+    values = [ret.operands[k] for k in results]
+    with ir.InsertionPoint(ret), ret.location:
+        func_dialect.ReturnOp(values)
+    ret.erase()
+    for k in sorted(dropped_args, reverse=True):
+        block.erase_argument(k)
+    count = len(pieces.arg_origin)
+    arg_attrs = list(ir.ArrayAttr(main.attributes["arg_attrs"])) if "arg_attrs" in main.attributes else (
+        [ir.DictAttr.get({})] * count)
+    new_attrs = []
+    for k in args:
+        entries = {a.name: a.attr for a in ir.DictAttr(arg_attrs[k])}
+        if ALIAS in entries:
+            target = new_result.get(ir.IntegerAttr(entries[ALIAS]).value)
+            if target is None or values[target].type != block.arguments[new_arg[k]].type:
+                del entries[ALIAS]
+            else:
+                entries[ALIAS] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), target)
+        new_attrs.append(ir.DictAttr.get(entries))
+    main.attributes["arg_attrs"] = ir.ArrayAttr.get(new_attrs)
+    if "res_attrs" in main.attributes:
+        res_attrs = list(ir.ArrayAttr(main.attributes["res_attrs"]))
+        main.attributes["res_attrs"] = ir.ArrayAttr.get([res_attrs[k] for k in results])
+    main.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
+        [a.type for a in block.arguments], [v.type for v in values]))
+    main.attributes[LAYER_PIECES_ATTR] = LayerPieces(
+        tuple(pieces.arg_origin[k] for k in args), tuple(pieces.arg_piece[k] for k in args),
+        tuple(pieces.result_origin[k] for k in results), tuple(pieces.result_piece[k] for k in results),
+        tuple(arg_rows[k] for k in args), tuple(result_rows[k] for k in results)).attribute()
+    if BATCH_ARGS_ATTR in main.attributes:
+        main.attributes[BATCH_ARGS_ATTR] = ir.DenseI64ArrayAttr.get(
+            [new_arg[k] for k in ir.DenseI64ArrayAttr(main.attributes[BATCH_ARGS_ATTR])])
+    if INDEX_ARG_ATTR in main.attributes:
+        main.attributes[INDEX_ARG_ATTR] = ir.IntegerAttr.get(
+            ir.IntegerType.get_signless(64), new_arg[ir.IntegerAttr(main.attributes[INDEX_ARG_ATTR]).value])

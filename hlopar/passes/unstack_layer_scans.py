@@ -341,12 +341,22 @@ def _canonicalize(module: ir.Operation) -> None:
 class LayerPieces:
     """How an unstacked `@main`'s signature relates to the step's own: per argument and
     result of `@main`, the number of the original one it is (piece -1) or a piece of
-    (piece i: rows i:i+1 of the original's leading layer axis)."""
+    (piece p, rows r: rows p:p+r of the original's leading layer axis). This pass makes
+    pieces of one row; `hlopar-reroll-stage-loops` joins the pieces of the layers a stage
+    runs as one loop into one range (rows 1 where `arg_rows`/`result_rows` are not given,
+    as in plans made before ranges)."""
 
     arg_origin: tuple[int, ...]
     arg_piece: tuple[int, ...]
     result_origin: tuple[int, ...]
     result_piece: tuple[int, ...]
+    arg_rows: tuple[int, ...] = ()
+    result_rows: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for rows, piece in (("arg_rows", self.arg_piece), ("result_rows", self.result_piece)):
+            if not getattr(self, rows):
+                object.__setattr__(self, rows, tuple(1 for _ in piece))
 
     @classmethod
     def of(cls, main: ir.Operation) -> LayerPieces | None:
@@ -354,6 +364,10 @@ class LayerPieces:
             return None
         attrs = {a.name: tuple(ir.DenseI64ArrayAttr(a.attr)) for a in ir.DictAttr(main.attributes[LAYER_PIECES_ATTR])}
         return cls(**attrs)
+
+    def attribute(self) -> ir.Attribute:
+        """`hlopar.layer_pieces` (docs/ir.md)."""
+        return ir.DictAttr.get({k: ir.DenseI64ArrayAttr.get(list(v)) for k, v in asdict(self).items()})
 
     @classmethod
     def from_json(cls, data: dict | None) -> LayerPieces | None:
@@ -364,7 +378,8 @@ class LayerPieces:
 
     def split(self, arguments: Sequence) -> list:
         """`@main`'s arguments from the step's own."""
-        return [arguments[o] if p < 0 else arguments[o][p:p + 1] for o, p in zip(self.arg_origin, self.arg_piece)]
+        return [arguments[o] if p < 0 else arguments[o][p:p + r]
+                for o, p, r in zip(self.arg_origin, self.arg_piece, self.arg_rows)]
 
     def join(self, results: Sequence, concatenate: Callable = np.concatenate) -> list:
         """The step's results from `@main`'s: the pieces of each split one concatenated in order."""
@@ -374,18 +389,24 @@ class LayerPieces:
         return [parts[0] if len(parts) == 1 else concatenate(parts) for _, parts in sorted(joined.items())]
 
     def resident(self, resident: dict[int, int]) -> dict[int, int]:
-        """`{argument: result}` of values kept on the workers, from the step's numbering to `@main`'s."""
-        result_at = {(o, p): k for k, (o, p) in enumerate(zip(self.result_origin, self.result_piece))}
+        """`{argument: result}` of values kept on the workers, from the step's numbering to
+        `@main`'s (a piece is kept where the result is cut into the same rows)."""
+        result_at = {key: k for k, key in enumerate(zip(self.result_origin, self.result_piece, self.result_rows))}
         found = {}
-        for k, (o, p) in enumerate(zip(self.arg_origin, self.arg_piece)):
-            if o in resident and (resident[o], p) in result_at:
-                found[k] = result_at[(resident[o], p)]
+        for k, (o, p, r) in enumerate(zip(self.arg_origin, self.arg_piece, self.arg_rows)):
+            if o in resident and (resident[o], p, r) in result_at:
+                found[k] = result_at[(resident[o], p, r)]
         return found
 
     def arguments_of(self, originals: Iterable[int]) -> tuple[int, ...]:
         """The numbers of `@main`'s arguments that are (pieces of) the given original ones."""
         wanted = set(originals)
         return tuple(k for k, o in enumerate(self.arg_origin) if o in wanted)
+
+    @property
+    def layers(self) -> int:
+        """The length of the stacks' layer axis."""
+        return max(p + r for p, r in zip(self.arg_piece, self.arg_rows))
 
 
 # --------------------------------------------------------------------------- splitting
@@ -664,15 +685,8 @@ class _Splitter:
             [a.type for a in self.block.arguments], [v.type for v in ret.operands]))
         main.attributes["arg_attrs"] = ir.ArrayAttr.get(arg_attrs)
         main.attributes["res_attrs"] = ir.ArrayAttr.get(self._res_attrs)
-        i64 = ir.IntegerType.get_signless(64)
-
-        def ints(xs):
-            return ir.DenseI64ArrayAttr.get(list(xs))
-
-        main.attributes[LAYER_PIECES_ATTR] = ir.DictAttr.get({
-            "arg_origin": ints(self._arg_origin), "arg_piece": ints(self._arg_piece),
-            "result_origin": ints(self._res_origin), "result_piece": ints(self._res_piece)})
-        del i64
+        main.attributes[LAYER_PIECES_ATTR] = LayerPieces(
+            tuple(self._arg_origin), tuple(self._arg_piece), tuple(self._res_origin), tuple(self._res_piece)).attribute()
 
     def _attrs(self, key: str, count: int) -> list[ir.Attribute]:
         if key in self.main.attributes:

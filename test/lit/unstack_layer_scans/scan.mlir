@@ -12,7 +12,7 @@
 // CHECK-LABEL: func.func public @main
 // CHECK-SAME:    (%arg0: tensor<3x4xf32>, %arg1: tensor<1x4x4xf32>, %arg2: tensor<1x4x4xf32>)
 // CHECK-SAME:    -> (tensor<1x4x4xf32> {jax.result_info = "result[0][0]"}, tensor<1x4x4xf32> {jax.result_info = "result[0][1]"}, tensor<1xf32> {jax.result_info = "result[1][0]"}, tensor<1xf32> {jax.result_info = "result[1][1]"}, tensor<3x4xf32> {jax.result_info = "result[2]"})
-// CHECK-SAME:    hlopar.layer_pieces = {arg_origin = array<i64: 1, 0, 0>, arg_piece = array<i64: -1, 0, 1>, result_origin = array<i64: 0, 0, 1, 1, 2>, result_piece = array<i64: 0, 1, 0, 1, -1>}
+// CHECK-SAME:    hlopar.layer_pieces = {arg_origin = array<i64: 1, 0, 0>, arg_piece = array<i64: -1, 0, 1>, arg_rows = array<i64: 1, 1, 1>, result_origin = array<i64: 0, 0, 1, 1, 2>, result_piece = array<i64: 0, 1, 0, 1, -1>, result_rows = array<i64: 1, 1, 1, 1, 1>}
 // CHECK-NOT:     stablehlo.while
 // CHECK:         %[[W0:.*]] = stablehlo.reshape %arg1 {hlopar.layer_iteration = array<i64: 0, 0, 1, 0>} : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
 // CHECK:         %[[H1:.*]] = stablehlo.dot_general %arg0, %[[W0]]

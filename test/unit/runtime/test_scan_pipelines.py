@@ -76,18 +76,23 @@ def test_scanned_stack_pipelines_and_equals_one_device(ray_cluster, name):
         pieces = parallel._compiled.pieces
         assert program.microbatches == 2 and pieces is not None
         assert (len(plan["stages"]["stages"]) >= 2) == pipelined
-        # Each layer's piece of each stacked argument lives on one mesh, and the layers spread over
-        # several: a stage holds its own layers' slices, not the stack.
+        # Each piece (a layer, or a range of layers a stage loops over) of each stacked argument
+        # lives on one mesh, and the layers spread over several: a stage holds its own layers'
+        # slices, not the stack.
         layer_meshes = set()
         stacked = set()
-        for number, (origin, piece) in enumerate(zip(pieces.arg_origin, pieces.arg_piece)):
+        for number, (origin, piece, rows) in enumerate(zip(pieces.arg_origin, pieces.arg_piece, pieces.arg_rows)):
             if piece >= 0:
                 held = meshes_reading(program, number)
                 assert len(held) == 1, (origin, piece, held)
                 layer_meshes |= held
                 stacked.add(origin)
-                assert tuple(program.argument_shapes[number])[0] == 1
+                assert tuple(program.argument_shapes[number])[0] == rows
         assert stacked and (len(layer_meshes) >= 2) == pipelined
+        if stage_loops:
+            _assert_ranges_held(parallel, results)
+        else:
+            assert set(pieces.arg_rows) == set(pieces.result_rows) == {1}
         summary = hlopar.api.describe_plan(parallel.planned)
         if stage_loops:
             # The stages run their layers as loops again (hlopar-reroll-stage-loops): each fragment
@@ -121,6 +126,30 @@ def test_scanned_stack_pipelines_and_equals_one_device(ray_cluster, name):
                 results = parallel(*args)
     finally:
         parallel.close()
+
+
+def _assert_ranges_held(parallel, results) -> None:
+    """A stage that loops over layers a..b-1 holds each stacked parameter and state leaf's rows
+    a:b as ONE array (argument and result; not per-layer pieces, not the whole stack), and its
+    worker's array is those rows of the step's result, bit for bit."""
+    pieces = parallel._compiled.pieces
+    ranges = [(k, o, p, r) for k, (o, p, r) in enumerate(zip(pieces.result_origin, pieces.result_piece,
+                                                              pieces.result_rows)) if r > 1]
+    assert ranges and len([r for r in pieces.arg_rows if r > 1]) == len(ranges)
+    held = {(p, r) for p, r in zip(pieces.arg_piece, pieces.arg_rows) if r > 1}  # the arguments' ranges
+    runtime = parallel._compiled.runtime
+    leaves = jax.tree_util.tree_leaves(results)
+    for k, o, p, r in ranges:
+        assert r < pieces.layers and (p, r) in held
+        overlapping = [q for q, (o2, p2, r2) in enumerate(zip(pieces.result_origin, pieces.result_piece,
+                                                               pieces.result_rows))
+                       if o2 == o and q != k and p2 < p + r and p < p2 + r2]
+        assert not overlapping, (o, p, r)
+    step = leaves[0]._step
+    arrays = runtime.fetch_finish(runtime.fetch_start(runtime.generation, step, [k for k, *_ in ranges]), "ranges")
+    for array, (k, o, p, r) in zip(arrays, ranges):
+        assert array.shape == (r, *leaves[o].shape[1:])
+        np.testing.assert_array_equal(array, np.asarray(leaves[o])[p:p + r])
 
 
 def test_scanned_stack_on_one_mesh_keeps_its_loop(ray_cluster):
