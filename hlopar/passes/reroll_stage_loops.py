@@ -118,9 +118,9 @@ class RerollStageLoopsPass(ModulePass):
                                                f"stay unrolled in {r.fragment}: {r.reason}")
                 ranges += made
                 if any(r.rolled for r in made):
-                    _erase_unread(block)
                     if self.hold_ranges:
-                        return_stacks(fragment)
+                        fragment = return_stacks(fragment)
+                    _erase_unread(fragment.regions[0].blocks[0])
         if self.report:
             with open(self.report, "w") as out:
                 json.dump({"pass": self.name, "reroll": self.reroll, "ranges": [asdict(r) for r in ranges],
@@ -173,6 +173,10 @@ def stage_loop_lines(report: dict | None) -> list[str]:
     lines = []
     if rolled:
         lines.append(f"  run as loops (hlopar-reroll-stage-loops): {'; '.join(rolled)}")
+    held = [f"{h['mesh']} layers {h['first']}..{h['first'] + h['rows'] - 1} ({h['arguments']} argument(s), "
+            f"{h['results']} result(s))" for h in report.get("held", ())]
+    if held:
+        lines.append(f"  held as one range of rows per stacked leaf: {'; '.join(held)}")
     if unrolled:
         lines.append(f"  left unrolled: {'; '.join(unrolled)}")
     return lines
@@ -391,6 +395,7 @@ class _Reroll:
             counter = args[0]
             with ir.InsertionPoint(body):
                 mapping: dict[ir.Value, ir.Value] = {}
+                rows_read: dict[tuple, ir.Value] = {}
                 clones: list[ir.Operation] = []
                 for j, op in enumerate(template):
                     for o in range(len(op.operands)):
@@ -400,9 +405,12 @@ class _Reroll:
                             value = clones[how[1][0]].results[how[1][1]]
                         elif kind == "packed":
                             value = _row(args[slots[how]], counter, how[1][0].type)
-                        elif kind == "rows":
-                            value = _row(args[slots[("invariant", how[1])]], counter, op.operands[o].type,
-                                         first=how[2], step=how[3])
+                        elif kind == "rows":  # one read per row and type, however many ops read it
+                            key = (how, str(op.operands[o].type))
+                            if key not in rows_read:
+                                rows_read[key] = _row(args[slots[("invariant", how[1])]], counter,
+                                                      op.operands[o].type, first=how[2], step=how[3])
+                            value = rows_read[key]
                         else:
                             value = args[slots[how]]
                         mapping[op.operands[o]] = value

@@ -142,3 +142,82 @@ module attributes {hlopar.devices = {m0 = array<i64: 0, 1>}} {
     return %0 : !mpmd.mesh_tensor<"m0", tensor<8x4xf32>>
   }
 }
+
+// -----
+
+// A whole stage of a scan over 3 layers (hlopar.layer_pieces on @main: argument 1 and result 1
+// are the stacked weight, one piece per layer): the forward loops over layers 0..2, the
+// backward over 2..0, the update runs per piece. The weight's pieces become ONE argument and
+// ONE result of rows 0:3, which the loops read by their counter (the backward's row 2 - i) and
+// the update reads by slices and returns joined; the forward hands its stashed residuals to the
+// backward, and the backward its gradients to the update, as one stacked value each. No
+// concatenate packs pieces any more.
+
+// CHECK-LABEL: func.func @main
+// CHECK-SAME:    (%[[X:.*]]: !mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, %[[W:.*]]: !mpmd.mesh_tensor<"m0", tensor<3x4x4xf32>>) -> (!mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<3x4x4xf32>>)
+// CHECK-SAME:    hlopar.layer_pieces = {arg_origin = array<i64: 0, 1>, arg_piece = array<i64: -1, 0>, arg_rows = array<i64: 1, 3>, result_origin = array<i64: 0, 1>, result_piece = array<i64: -1, 0>, result_rows = array<i64: 1, 3>}
+// CHECK-NOT:     stablehlo.concatenate
+// CHECK:         %[[FWD:.*]]:2 = mpmd.fragment<mesh="m0", origin=["stage0"], stage=0> (%[[X]], %[[W]]) (%{{.*}}: tensor<8x4xf32>, %[[WF:.*]]: tensor<3x4x4xf32>)
+// CHECK:           stablehlo.while(%[[I:[^ ]*]] = %{{.*}}, %[[WS:[^ ]*]] = %[[WF]],
+// CHECK:             stablehlo.dynamic_slice %[[WS]], %[[I]], %{{.*}}, %{{.*}}, sizes = [1, 4, 4]
+// CHECK:           mpmd.return %{{.*}}, %{{.*}} : tensor<8x4xf32>, tensor<3x8x4xf32>
+// CHECK:         } : (!mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<3x4x4xf32>>) -> (!mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<3x8x4xf32>>)
+// CHECK:         %[[BWD:.*]] = mpmd.fragment<mesh="m0", origin=["stage0"(1)], stage=0> (%[[FWD]]#0, %[[W]], %[[FWD]]#1) (%{{.*}}: tensor<8x4xf32>, %[[WB:.*]]: tensor<3x4x4xf32>, %[[STASH:.*]]: tensor<3x8x4xf32>)
+// CHECK:           stablehlo.while(%[[J:[^ ]*]] = %{{.*}}, %[[WSB:[^ ]*]] = %[[WB]], %{{.*}} = %{{.*}}, %[[ST:[^ ]*]] = %[[STASH]],
+// CHECK:             %[[NEG:.*]] = stablehlo.multiply %[[J]], %{{.*}} : tensor<i32>
+// CHECK:             %[[ROW:.*]] = stablehlo.add %[[NEG]], %{{.*}} : tensor<i32>
+// CHECK:             stablehlo.dynamic_slice %[[WSB]], %[[ROW]], %{{.*}}, %{{.*}}, sizes = [1, 4, 4]
+// CHECK:             stablehlo.dynamic_slice %[[ST]], %{{.*}}, %{{.*}}, %{{.*}}, sizes = [1, 8, 4]
+// CHECK-NOT:         stablehlo.dynamic_slice %[[ST]]
+// CHECK:           mpmd.return %{{.*}} : tensor<3x1x4x4xf32>
+// CHECK:         %[[UPD:.*]] = mpmd.fragment<mesh="m0", origin=["stage0_update"]> (%[[W]], %[[BWD]]) (%[[WU:.*]]: tensor<3x4x4xf32>, %[[G:.*]]: tensor<3x1x4x4xf32>)
+// CHECK-DAG:       stablehlo.slice %[[WU]] [0:1, 0:4, 0:4]
+// CHECK-DAG:       stablehlo.slice %[[G]] [2:3, 0:1, 0:4, 0:4]
+// CHECK:           %[[JOINED:.*]] = stablehlo.concatenate %{{.*}}, %{{.*}}, %{{.*}}, dim = 0 : (tensor<1x4x4xf32>, tensor<1x4x4xf32>, tensor<1x4x4xf32>) -> tensor<3x4x4xf32>
+// CHECK:           mpmd.return %[[JOINED]] : tensor<3x4x4xf32>
+// CHECK:         return %[[FWD]]#0, %[[UPD]]
+// NEVER-LABEL: func.func @main
+// NEVER-NOT:     stablehlo.while
+// NEVER:         %arg1: !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>
+module attributes {hlopar.devices = {m0 = array<i64: 0, 1>}} {
+  sdy.mesh @m0 = <["x"=2]>
+  func.func @main(%arg0: !mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, %arg1: !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, %arg2: !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, %arg3: !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>) -> (!mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>) attributes {topology = #mpmd.topology<<"m0" : <["x"=2]>>>, hlopar.layer_pieces = {arg_origin = array<i64: 0, 1, 1, 1>, arg_piece = array<i64: -1, 0, 1, 2>, result_origin = array<i64: 0, 1, 1, 1>, result_piece = array<i64: -1, 0, 1, 2>}} {
+    %0:4 = mpmd.fragment<mesh="m0", origin=["stage0"], stage=0> (%arg0, %arg1, %arg2, %arg3) (%x: tensor<8x4xf32>, %w0: tensor<1x4x4xf32>, %w1: tensor<1x4x4xf32>, %w2: tensor<1x4x4xf32>) {
+      %r0 = stablehlo.reshape %w0 {hlopar.layer_iteration = array<i64: 0, 0, 0, 0>} : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
+      %d0 = stablehlo.dot_general %x, %r0, contracting_dims = [1] x [0] {hlopar.layer_iteration = array<i64: 0, 0, 1, 0>, hlopar.microbatch = "batch"} : (tensor<8x4xf32>, tensor<4x4xf32>) -> tensor<8x4xf32>
+      %h0 = stablehlo.tanh %d0 {hlopar.layer_iteration = array<i64: 0, 0, 2, 0>, hlopar.microbatch = "batch"} : tensor<8x4xf32>
+      %r1 = stablehlo.reshape %w1 {hlopar.layer_iteration = array<i64: 0, 1, 0, 1>} : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
+      %d1 = stablehlo.dot_general %h0, %r1, contracting_dims = [1] x [0] {hlopar.layer_iteration = array<i64: 0, 1, 1, 1>, hlopar.microbatch = "batch"} : (tensor<8x4xf32>, tensor<4x4xf32>) -> tensor<8x4xf32>
+      %h1 = stablehlo.tanh %d1 {hlopar.layer_iteration = array<i64: 0, 1, 2, 1>, hlopar.microbatch = "batch"} : tensor<8x4xf32>
+      %r2 = stablehlo.reshape %w2 {hlopar.layer_iteration = array<i64: 0, 2, 0, 2>} : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
+      %d2 = stablehlo.dot_general %h1, %r2, contracting_dims = [1] x [0] {hlopar.layer_iteration = array<i64: 0, 2, 1, 2>, hlopar.microbatch = "batch"} : (tensor<8x4xf32>, tensor<4x4xf32>) -> tensor<8x4xf32>
+      %h2 = stablehlo.tanh %d2 {hlopar.layer_iteration = array<i64: 0, 2, 2, 2>, hlopar.microbatch = "batch"} : tensor<8x4xf32>
+      mpmd.return %h2, %d0, %d1, %d2 : tensor<8x4xf32>, tensor<8x4xf32>, tensor<8x4xf32>, tensor<8x4xf32>
+    } : (!mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>) -> (!mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<8x4xf32>>)
+    %1:3 = mpmd.fragment<mesh="m0", origin=["stage0"(1)], stage=0> (%0#0, %arg1, %arg2, %arg3, %0#1, %0#2, %0#3) (%c: tensor<8x4xf32>, %w0: tensor<1x4x4xf32>, %w1: tensor<1x4x4xf32>, %w2: tensor<1x4x4xf32>, %d0: tensor<8x4xf32>, %d1: tensor<8x4xf32>, %d2: tensor<8x4xf32>) {
+      %r2 = stablehlo.reshape %w2 {hlopar.layer_iteration = array<i64: 1, 0, 0, 2>} : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
+      %m2 = stablehlo.multiply %c, %d2 {hlopar.layer_iteration = array<i64: 1, 0, 1, 2>, hlopar.microbatch = "batch"} : tensor<8x4xf32>
+      %c2 = stablehlo.dot_general %m2, %r2, contracting_dims = [1] x [1] {hlopar.layer_iteration = array<i64: 1, 0, 2, 2>, hlopar.microbatch = "batch"} : (tensor<8x4xf32>, tensor<4x4xf32>) -> tensor<8x4xf32>
+      %g2 = stablehlo.dot_general %d2, %m2, contracting_dims = [0] x [0] {hlopar.layer_iteration = array<i64: 1, 0, 3, 2>, hlopar.microbatch = "sum"} : (tensor<8x4xf32>, tensor<8x4xf32>) -> tensor<4x4xf32>
+      %u2 = stablehlo.reshape %g2 {hlopar.layer_iteration = array<i64: 1, 0, 4, 2>, hlopar.microbatch = "sum"} : (tensor<4x4xf32>) -> tensor<1x4x4xf32>
+      %r1 = stablehlo.reshape %w1 {hlopar.layer_iteration = array<i64: 1, 1, 0, 1>} : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
+      %m1 = stablehlo.multiply %c2, %d1 {hlopar.layer_iteration = array<i64: 1, 1, 1, 1>, hlopar.microbatch = "batch"} : tensor<8x4xf32>
+      %c1 = stablehlo.dot_general %m1, %r1, contracting_dims = [1] x [1] {hlopar.layer_iteration = array<i64: 1, 1, 2, 1>, hlopar.microbatch = "batch"} : (tensor<8x4xf32>, tensor<4x4xf32>) -> tensor<8x4xf32>
+      %g1 = stablehlo.dot_general %d1, %m1, contracting_dims = [0] x [0] {hlopar.layer_iteration = array<i64: 1, 1, 3, 1>, hlopar.microbatch = "sum"} : (tensor<8x4xf32>, tensor<8x4xf32>) -> tensor<4x4xf32>
+      %u1 = stablehlo.reshape %g1 {hlopar.layer_iteration = array<i64: 1, 1, 4, 1>, hlopar.microbatch = "sum"} : (tensor<4x4xf32>) -> tensor<1x4x4xf32>
+      %r0 = stablehlo.reshape %w0 {hlopar.layer_iteration = array<i64: 1, 2, 0, 0>} : (tensor<1x4x4xf32>) -> tensor<4x4xf32>
+      %m0 = stablehlo.multiply %c1, %d0 {hlopar.layer_iteration = array<i64: 1, 2, 1, 0>, hlopar.microbatch = "batch"} : tensor<8x4xf32>
+      %c0 = stablehlo.dot_general %m0, %r0, contracting_dims = [1] x [1] {hlopar.layer_iteration = array<i64: 1, 2, 2, 0>, hlopar.microbatch = "batch"} : (tensor<8x4xf32>, tensor<4x4xf32>) -> tensor<8x4xf32>
+      %g0 = stablehlo.dot_general %d0, %m0, contracting_dims = [0] x [0] {hlopar.layer_iteration = array<i64: 1, 2, 3, 0>, hlopar.microbatch = "sum"} : (tensor<8x4xf32>, tensor<8x4xf32>) -> tensor<4x4xf32>
+      %u0 = stablehlo.reshape %g0 {hlopar.layer_iteration = array<i64: 1, 2, 4, 0>, hlopar.microbatch = "sum"} : (tensor<4x4xf32>) -> tensor<1x4x4xf32>
+      mpmd.return %u0, %u1, %u2 : tensor<1x4x4xf32>, tensor<1x4x4xf32>, tensor<1x4x4xf32>
+    } : (!mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<8x4xf32>>) -> (!mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>)
+    %2:3 = mpmd.fragment<mesh="m0", origin=["stage0_update"]> (%arg1, %arg2, %arg3, %1#0, %1#1, %1#2) (%w0: tensor<1x4x4xf32>, %w1: tensor<1x4x4xf32>, %w2: tensor<1x4x4xf32>, %g0: tensor<1x4x4xf32>, %g1: tensor<1x4x4xf32>, %g2: tensor<1x4x4xf32>) {
+      %n0 = stablehlo.subtract %w0, %g0 : tensor<1x4x4xf32>
+      %n1 = stablehlo.subtract %w1, %g1 : tensor<1x4x4xf32>
+      %n2 = stablehlo.subtract %w2, %g2 : tensor<1x4x4xf32>
+      mpmd.return %n0, %n1, %n2 : tensor<1x4x4xf32>, tensor<1x4x4xf32>, tensor<1x4x4xf32>
+    } : (!mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>) -> (!mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>)
+    return %0#0, %2#0, %2#1, %2#2 : !mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>
+  }
+}
