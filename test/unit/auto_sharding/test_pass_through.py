@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from numerics import assert_trees_close
+from zoo_steps import mlp_step
 
 from hlopar.analysis.auto_sharding.rules import OpRule, pass_through_rule
 from hlopar.codegen.spmd import compile_spmd
@@ -27,19 +28,7 @@ def _layer(w, h):
 
 
 def _step(checkpointed: bool):
-    layer = jax.checkpoint(_layer) if checkpointed else _layer
-
-    def loss_fn(ws, x, y):
-        h = x
-        for w in ws:
-            h = layer(w, h)
-        return jnp.mean((h - y) ** 2)
-
-    def step(ws, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(ws, x, y)
-        return [w - 0.1 * g for w, g in zip(ws, grads)], loss
-
-    return step
+    return mlp_step(_layer, checkpointed)
 
 
 def _args():

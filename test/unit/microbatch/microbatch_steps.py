@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import functools
 
-import jax
-import numpy as np
 from numerics import assert_step_close
+from zoo_steps import tiny_step_data
 
 from hlopar.ir.module import parse_module, print_module
-from hlopar.models import get_train_step
 from hlopar.passes.base import PassContext
 from hlopar.passes.pipeline import Pipeline
 
@@ -24,12 +22,8 @@ RTOL = 1e-5
 @functools.cache
 def step_data(model: str):
     """(imported StableHLO text, flat arguments, parameters, one device's ``(params, state, loss)``)."""
-    step = get_train_step(model, "tiny")
-    params = step.init(jax.random.PRNGKey(0))
-    state = step.init_opt_state(params)
-    batch = step.make_batch(jax.random.PRNGKey(1))
-    arguments = [np.asarray(a) for a in jax.tree_util.tree_leaves((params, state, batch))]
-    return imported(step.lower()), arguments, params, step.jitted_step(params, state, batch)
+    text, arguments, params, reference = tiny_step_data(model)
+    return imported(text), arguments, params, reference
 
 
 def imported(text: str) -> str:

@@ -22,16 +22,14 @@ import json
 import re
 from pathlib import Path
 
-import jax
-import numpy as np
 import pytest
 from jaxlib.mlir import ir
 from numerics import assert_step_close
+from zoo_steps import tiny_step_data
 from program_checks import PLANNED_TRANSFERS, check_program, crossings, fragments, main_func
 
 from hlopar.analysis.mpmd import parse_topology
 from hlopar.ir.module import parse_module, print_module
-from hlopar.models import get_train_step
 from hlopar.passes.base import PassContext
 from hlopar.passes.pipeline import Pipeline
 from hlopar.runtime.local_transfer import TransferError
@@ -43,15 +41,7 @@ LAYERS = {"wide_resnet": 4}
 RTOL = 1e-5
 
 
-@functools.cache
-def step_data(model: str):
-    """The step's lowered text, its flat arguments, parameters and one device's ``(params, state, loss)``."""
-    step = get_train_step(model, "tiny")
-    params = step.init(jax.random.PRNGKey(0))
-    state = step.init_opt_state(params)
-    batch = step.make_batch(jax.random.PRNGKey(1))
-    arguments = [np.asarray(a) for a in jax.tree_util.tree_leaves((params, state, batch))]
-    return step.lower(), arguments, params, step.jitted_step(params, state, batch)
+step_data = tiny_step_data
 
 
 @functools.cache

@@ -22,33 +22,19 @@ from hlopar.passes.auto_sharding import _run_upstream_on, planned_functions
 from hlopar.passes.base import PassContext
 from hlopar.passes.cluster_operators import ClusterOperatorsPass
 from hlopar.passes.pipeline import Pipeline
+from zoo_steps import mlp_step
 
 WIDTH, BATCH, LAYERS = 64, 32, 3
 
 
-def _mlp_step(checkpointed: bool):
-    def layer(w, h):
-        return jnp.tanh(jnp.tanh(h @ w) @ w)
-
-    block = jax.checkpoint(layer) if checkpointed else layer
-
-    def loss_fn(ws, x, y):
-        h = x
-        for w in ws:
-            h = block(w, h)
-        return jnp.mean((h - y) ** 2)
-
-    def step(ws, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(ws, x, y)
-        return [w - 0.1 * g for w, g in zip(ws, grads)], loss
-
-    return step
+def _layer(w, h):
+    return jnp.tanh(jnp.tanh(h @ w) @ w)
 
 
 @functools.cache
 def layer_plans(checkpointed: bool, shape: tuple[int, int] = (1, 2)):
     args = ([jnp.zeros((WIDTH, WIDTH))] * LAYERS, jnp.zeros((BATCH, WIDTH)), jnp.zeros((BATCH, WIDTH)))
-    module = parse_module(jax.jit(_mlp_step(checkpointed)).lower(*args).as_text())
+    module = parse_module(jax.jit(mlp_step(_layer, checkpointed)).lower(*args).as_text())
     Pipeline.parse("builtin.module(hlopar-import)", module.context).run(module, PassContext())
     graph = FuncGraph.from_module(module)
     with module.context, ir.Location.unknown():
