@@ -791,7 +791,7 @@ def _memory_lines(memory: dict | None) -> list[str]:
     the device's (docs/codegen.md, memory.json)."""
     if not memory:
         return []
-    from hlopar.codegen.schedules.instructions import format_bytes
+    from hlopar.units import format_bytes
 
     device = memory.get("device_memory")
     of = f" of {format_bytes(device)} per device" if device else ""

@@ -223,7 +223,7 @@ def predicted_collectives(report: dict) -> list[tuple[str, tuple[str, ...], int]
 
 def _as_reported(nbytes: int) -> int:
     """Bytes rounded the way the report prints them (`format_bytes`), so both sides compare."""
-    from hlopar.analysis.auto_sharding.collectives import format_bytes
+    from hlopar.units import format_bytes
 
     amount, unit = format_bytes(nbytes).split()
     return round(float(amount) * _UNIT[unit])

@@ -213,7 +213,7 @@ def summary(directory: str) -> str:
 
 def _memory_line(memory: dict) -> str:
     """The fragment that needs the most memory per device, compiled and predicted."""
-    from hlopar.codegen.schedules.instructions import format_bytes
+    from hlopar.units import format_bytes
 
     checked = [f for f in memory["fragments"] if f["compiled"] is not None]
     if not checked:

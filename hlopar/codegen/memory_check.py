@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from hlopar.analysis.fragment_memory import FragmentMemory, fragment_memory, io_tiles
 from hlopar.codegen.pipeline_program import BACKWARD, FORWARD, WEIGHT, PipelineProgram, ProgramFragment
 from hlopar.codegen.schedules import PipelineStreams
-from hlopar.codegen.schedules.instructions import FREE, format_bytes
+from hlopar.codegen.schedules.instructions import FREE
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError
+from hlopar.units import format_bytes
 
 __all__ = ["FragmentCheck", "MemoryCheck", "check_memory", "compiled_memory"]
 
@@ -159,7 +160,7 @@ def _refusal(f: FragmentCheck, device_memory: float) -> str:
 
 
 def _bytes(n: float) -> str:
-    return f"{int(n)} B" if n < 1e3 else f"{int(n)} B ({format_bytes(n)})"
+    return f"{int(n)} B" if n < 1024 else f"{int(n)} B ({format_bytes(n)})"
 
 
 def _value_tiles(program: PipelineProgram) -> dict[int, int]:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hlopar.analysis.auto_sharding.cluster import LogicalMesh
+from hlopar.units import format_bytes
 
 __all__ = [
     "Collective",
@@ -33,7 +34,6 @@ __all__ = [
     "all_to_all_cost",
     "collective_cost",
     "collective_permute_cost",
-    "format_bytes",
     "reduce_scatter_cost",
 ]
 
@@ -122,14 +122,3 @@ def all_to_all_cost(mesh: LogicalMesh, axes: Sequence[str], nbytes: float) -> fl
 def collective_permute_cost(mesh: LogicalMesh, axes: Sequence[str], nbytes: float) -> float:
     """Collective-permute of an `nbytes` per-device buffer: alpha + nbytes / beta."""
     return collective_cost("collective-permute", mesh, axes, nbytes)
-
-
-def format_bytes(nbytes: float) -> str:
-    """`512 B`, `4.0 KiB`, `1.5 MiB`, ...: sizes as reports and `Collective.__str__` print them."""
-    if nbytes < 1024:
-        return f"{int(nbytes)} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        nbytes /= 1024
-        if nbytes < 1024 or unit == "TiB":
-            break
-    return f"{nbytes:.1f} {unit}"

@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from hlopar.codegen.schedules.registry import get_schedule
 from hlopar.codegen.schedules.tasks import BACKWARD, FORWARD, WEIGHT, Schedule
 from hlopar.codegen.schedules.topology import PipelineTopology
+from hlopar.units import format_bytes
 
 __all__ = [
     "RUN", "SEND", "RECV", "ACCUMULATE", "FREE", "UPDATE",
-    "Instruction", "MeshStream", "PipelineStreams", "build_streams", "format_bytes",
+    "Instruction", "MeshStream", "PipelineStreams", "build_streams",
 ]
 
 RUN, SEND, RECV, ACCUMULATE, FREE, UPDATE = "RUN", "SEND", "RECV", "ACCUMULATE", "FREE", "UPDATE"
@@ -66,7 +67,7 @@ class Instruction:
         return self.id.rpartition(":")[0]
 
     def describe(self) -> str:
-        """The instruction without its id and deps: `SEND act mb=3 -> m2 (4.0 MB)`."""
+        """The instruction without its id and deps: `SEND act mb=3 -> m2 (3.8 MiB)`."""
         mb = f" mb={self.microbatch}" if self.microbatch is not None else ""
         if self.op == RUN:
             return f"RUN {self.kind}{mb}" + (f" [{', '.join(self.executables)}]" if self.executables else "")
@@ -295,10 +296,3 @@ class _StageBuilder:
     def add_update(self) -> None:
         accs = [key for key, fields, _ in self.items if fields["op"] == ACCUMULATE]
         self._emit(("update", self.stage), accs, op=UPDATE)
-
-
-def format_bytes(nbytes: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{int(nbytes)} B"

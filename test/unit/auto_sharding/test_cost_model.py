@@ -15,13 +15,13 @@ from hlopar.analysis.auto_sharding.collectives import (
     all_gather_cost,
     all_reduce_cost,
     all_to_all_cost,
-    format_bytes,
     reduce_scatter_cost,
 )
 from hlopar.analysis.auto_sharding.resharding import per_device_bytes, resharding_collectives, resharding_cost
 from hlopar.analysis.device_slices import all_device_slices
 from hlopar.analysis.mesh import DeviceMesh
 from hlopar.analysis.sharding import ShardingSpec
+from hlopar.units import format_bytes
 
 S = ShardingSpec.of
 R = None

@@ -129,7 +129,7 @@ def test_hlopar_compile_refuses_what_stage_construction_let_through(tmp_path):
     assert done.returncode == 1 and not out.exists(), error
     assert (f"{source}: error: the plan does not fit the devices' memory: fragment stage0_update on mesh m0 needs "
             in error), error
-    assert "a device has 10000 B (10.0 KB)" in error and "Traceback" not in error
+    assert "a device has 10000 B (9.8 KiB)" in error and "Traceback" not in error
 
 
 SHARDED = """

@@ -33,23 +33,23 @@ def test_text_of_a_small_pipeline():
 # schedule 1f1b, 2 meshes, 1 microbatch
 mesh m1 (stage 0)
   m1:0  RUN F mb=0
-  m1:1  SEND act mb=0 -> m2 (4.0 MB)  after m1:0
-  m1:2  FREE act.0->m2 (4.0 MB)  after m1:1
-  m1:3  RECV grad mb=0 <- m2 (4.0 MB)  after m2:3
+  m1:1  SEND act mb=0 -> m2 (3.8 MiB)  after m1:0
+  m1:2  FREE act.0->m2 (3.8 MiB)  after m1:1
+  m1:3  RECV grad mb=0 <- m2 (3.8 MiB)  after m2:3
   m1:4  RUN B mb=0  after m1:0, m1:3
   m1:5  ACCUMULATE mb=0  after m1:4
-  m1:6  FREE stash.0 (10.0 MB)  after m1:4
-  m1:7  FREE grad.0<-m2 (4.0 MB)  after m1:4
+  m1:6  FREE stash.0 (9.5 MiB)  after m1:4
+  m1:7  FREE grad.0<-m2 (3.8 MiB)  after m1:4
   m1:8  UPDATE  after m1:5
 mesh m2 (stage 1)
-  m2:0  RECV act mb=0 <- m1 (4.0 MB)  after m1:1
+  m2:0  RECV act mb=0 <- m1 (3.8 MiB)  after m1:1
   m2:1  RUN F mb=0  after m2:0
   m2:2  RUN B mb=0  after m2:1
-  m2:3  SEND grad mb=0 -> m1 (4.0 MB)  after m2:2
-  m2:4  FREE grad.0->m1 (4.0 MB)  after m2:3
+  m2:3  SEND grad mb=0 -> m1 (3.8 MiB)  after m2:2
+  m2:4  FREE grad.0->m1 (3.8 MiB)  after m2:3
   m2:5  ACCUMULATE mb=0  after m2:2
-  m2:6  FREE stash.0 (10.0 MB)  after m2:2
-  m2:7  FREE act.0<-m1 (4.0 MB)  after m2:2
+  m2:6  FREE stash.0 (9.5 MiB)  after m2:2
+  m2:7  FREE act.0<-m1 (3.8 MiB)  after m2:2
   m2:8  UPDATE  after m2:5
 """
 
