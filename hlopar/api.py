@@ -91,8 +91,8 @@ __all__ = ["Cluster", "HloparWarning", "ParallelizedFunction", "PlannedStep", "P
 METHODS = ("auto", "shard", "pipeline")
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
 RNG_MODES = ("exact", "per-microbatch")
-REMAT_MODES = ("auto", "always", "never")
-CACHE_VERSION = "hlopar-plan-v8"  # bumped when the planner's output changes
+REMAT_MODES = ("auto", "always", "never", "layers")
+CACHE_VERSION = "hlopar-plan-v9"  # bumped when the planner's output changes
 
 
 # --------------------------------------------------------------------------- the cluster
@@ -814,7 +814,8 @@ def parallelize(fn: Callable | None = None, *, cluster: Cluster | None = None, n
     several microbatches) or "per-microbatch" (they draw per microbatch, with a warning;
     docs/training_step.md). `remat`: which pipeline stages recompute their forward in the
     backward instead of keeping its activations ("auto": where stage construction finds it
-    pays; True or "always"; False or "never"; docs/codegen.md, "Rematerialization").
+    pays, per stage or per layer; True or "always": every stage, per stage; "layers": every
+    stage, per layer; False or "never"; docs/codegen.md, "Rematerialization").
     `stage_loops=True`: each pipeline stage runs the iterations it holds of a scanned layer
     stack as one loop (`hlopar-reroll-stage-loops`); off by default, as on XLA:CPU the
     rolled stage compiles slower and copies its layers' pieces into the loop every run

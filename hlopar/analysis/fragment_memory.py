@@ -55,7 +55,8 @@ TUPLE_POINTER_BYTES = 8  # one entry of XLA's result tuple table (a 64-bit host 
 _SHARDING = "sdy.sharding"
 _ALIASING_OUTPUT = "tf.aliasing_output"
 
-# Ops whose result is a view of their first operand (no buffer of its own).
+# Ops whose result is a view of their first operand (no buffer of its own); an optimization
+# barrier's results are each a view of its operand in the same position.
 _VIEWS = frozenset({"stablehlo.reshape", "stablehlo.bitcast_convert", "sdy.sharding_constraint",
                     "stablehlo.optimization_barrier"})
 # Ops XLA fuses into their readers: elementwise math and data movement computed per element.
@@ -166,6 +167,9 @@ def _temporaries(graph: FuncGraph, mesh: DeviceMesh | None, size: dict[int, int]
                     root[v] = root[op.operands[0]]
                     continue
                 name, shardings = _RESHARD, (target,)
+            elif name == "stablehlo.optimization_barrier":  # each result is its operand
+                root[v] = root[op.operands[k]]
+                continue
             elif name in _VIEWS or (name in _IN_PLACE and op.operands):
                 root[v] = root[op.operands[0]]
                 continue

@@ -58,9 +58,9 @@ class AutoParallelPass(ModulePass):
     memory_per_device: float | None = option(None, "bytes per device, e.g. 80GiB (default: the preset's)", parse=parse_bytes)
     preset: str = option("cpu", f"cluster preset ({', '.join(sorted(CLUSTER_PRESETS))})")
     layers: int | None = option(None, "number of layers, or auto", parse=parse_count_or_auto)
-    remat: Literal["auto", "always", "never"] = option(
+    remat: Literal["auto", "always", "never", "layers"] = option(
         "auto", "rematerialized stages (hlopar-rematerialize): auto (where stage construction finds it pays), "
-                "always, never")
+                "always (per stage), layers (per layer), never")
     unstack_layers: bool = option(True, "unroll scans over stacked layers and split their stacks per layer "
                                         "(hlopar-unstack-layer-scans), so that stages can cut between layers")
     reroll: Literal["auto", "never"] = option(

@@ -155,21 +155,30 @@ def layer_slices(reads: Sequence[Iterable[int]], defines: Sequence[Iterable[int]
     never recomputed, every slice reads it as an input. Every other wanted value made by an op
     is recomputed by its layer's slice, cloning only that layer's ops; values of other layers
     that are not boundaries (a layering out of program order) and results of ops that cannot be
-    cloned are `kept`."""
+    cloned are `kept`. Ops computing from no input (constants, what is made of them alone) are
+    no layer's: never boundaries, cloned by every slice that needs them."""
     reads = [tuple(r) for r in reads]
     defines = [tuple(d) for d in defines]
     if len(layers) != len(reads):
         raise ValueError(f"{len(reads)} read lists, {len(layers)} layers")
     wanted = list(wanted)
-    layer_of = {v: layers[i] for i, d in enumerate(defines) for v in d}
+    constant: set[int] = set()
+    free = [False] * len(reads)
+    for i, r in enumerate(reads):
+        free[i] = clonable[i] and all(v in constant for v in r)
+        if free[i]:
+            constant.update(defines[i])
+    layer_of = {v: layers[i] for i, d in enumerate(defines) for v in d if v not in constant}
     boundary = {v for i, r in enumerate(reads) for v in r if v in layer_of and layer_of[v] < layers[i]}
     boundary |= {v for v, reader in wanted if v in layer_of and reader is not None and layer_of[v] < reader}
     unstashed = [tuple(v for v in d if v not in boundary) for d in defines]  # boundaries: inputs to every slice
     values = {v for v, _ in wanted}
+    owner = {v: layer_of[v] for v in values - boundary if v in layer_of}
+    owner.update({v: reader for v, reader in wanted if v in constant and reader is not None})  # its reader's
     slices = []
-    for layer in sorted({layer_of[v] for v in values - boundary if v in layer_of}, reverse=True):
-        mine = [v for v in values - boundary if layer_of.get(v) == layer]
-        ours = [ok and l == layer for ok, l in zip(clonable, layers)]
+    for layer in sorted(set(owner.values()), reverse=True):
+        mine = sorted(v for v, l in owner.items() if l == layer)
+        ours = [ok and (l == layer or idle) for ok, l, idle in zip(clonable, layers, free)]
         slices.append((layer, recompute_slice(reads, unstashed, ours, mine)))
     return LayerRecompute(tuple(slices), tuple(sorted(values & boundary)))
 
@@ -232,7 +241,7 @@ class RematerializePass(ModulePass):
                         and op.is_before_in_block(backward)]
             view = _StageForward.of(forwards)
             if form == LAYERS:
-                if any(layer is None for layer in view.layers):
+                if view.layers and all(layer is None for layer in view.layers):
                     self.fail(backward, f"stage {stage}'s backward is marked {REMAT_ATTR} = \"{LAYERS}\" but its "
                                         f"forward ops carry no {LAYER_ATTR} (stage construction keeps it on the "
                                         "stages it marks so)")
@@ -374,7 +383,7 @@ def _recompute_layers_in(backward: ir.Operation, view: _StageForward, plan: Laye
         body = _body(new)[:-1]
         first = next(k for k, op in enumerate(body) if _read_values(op, mine))
         later = [op for op in body[first:] if _layer(op) in (layer, None)]
-        made_before = {r for op in body[:first] if len(op.operands) for r in op.results}  # constants: no progress
+        made_before = _progress(body[:first], block)
         tie = list(dict.fromkeys(v for op in later for v in _read_values(op, made_before)))
         read = [*piece.inputs, *piece.kept]
         with ir.InsertionPoint(body[first]):
@@ -394,6 +403,15 @@ def _recompute_layers_in(backward: ir.Operation, view: _StageForward, plan: Laye
     for p in reversed(replaced):
         block.erase_argument(p)
     new.attributes[REMAT_ATTR] = ir.StringAttr.get(LAYERS)
+
+
+def _progress(ops: Sequence[ir.Operation], block: ir.Block) -> set[ir.Value]:
+    """The results of `ops` that depend on the block's arguments (not constants alone)."""
+    found: set[ir.Value] = set(block.arguments)
+    for op in ops:
+        if _read_values(op, found):
+            found.update(op.results)
+    return found - set(block.arguments)
 
 
 def _readers(backward: ir.Operation) -> list[tuple[ir.Value, int | None]]:

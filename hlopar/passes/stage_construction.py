@@ -8,7 +8,10 @@ physical devices (`submeshes.assign_devices`, Appendix A) and rewrites the entry
 into an MPMD program (`mpmd_program.write_mpmd_program`): one mesh per stage, each stage's
 forward and backward on its mesh, update fragments where their parameters live. The backward
 fragment of a stage planned rematerialized (`remat`, `span_costs`) carries the unit attribute
-`hlopar.remat`: `hlopar-rematerialize` makes it recompute the forward from the stage's inputs.
+`hlopar.remat`: `hlopar-rematerialize` makes it recompute the forward from the stage's inputs;
+a stage planned rematerialized per layer carries `hlopar.remat = "layers"`, and its forward
+and backward ops keep their `hlopar.layer` (the layers the per-layer recompute follows; every
+other op loses the clustering's attributes).
 """
 
 from __future__ import annotations
@@ -43,9 +46,9 @@ from hlopar.ir.graph import FuncGraph
 from hlopar.ir.signature import FuncSignature
 from hlopar.passes.auto_sharding import _run_upstream_on, parse_bytes, planned_functions
 from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto
-from hlopar.passes.cluster_operators import ClusterOperatorsPass, Layering, read_layering, strip_layering
+from hlopar.passes.cluster_operators import LAYER_ATTR, ClusterOperatorsPass, Layering, read_layering, strip_layering
 from hlopar.passes.mpmd_program import StageMesh, fragment_role, write_mpmd_program
-from hlopar.passes.rematerialize import REMAT_ATTR
+from hlopar.passes.rematerialize import LAYERS, REMAT_ATTR, STAGE
 from hlopar.passes.split_microbatches import MICROBATCHES_ATTR
 
 AXIS_NAMES = ("x", "y")
@@ -60,7 +63,7 @@ class PipelinePlan:
     microbatches: int
     total_latency: float
     t_max: float
-    stages: tuple[dict, ...]  # per stage: layers, submesh, logical shape, devices, latency, memory, remat
+    stages: tuple[dict, ...]  # per stage: layers, submesh, logical shape, devices, latency, memory, remat (and its form)
     runner_ups: tuple[dict, ...]
     candidates: tuple[dict, ...]  # per microbatch count tried: its best latency
 
@@ -84,8 +87,9 @@ class StageConstructionPass(ModulePass):
     epsilon: float = option(1e-6, "t_max step of the DP's enumeration, seconds (Alpa §5.2)")
     plan_shardings: bool = option(True, "plan each stage's intra-op shardings (false: stages replicated)")
     stages: int | None = option(None, "exactly this many pipeline stages (default: the DP chooses)")
-    remat: Literal["auto", "always", "never"] = option(
-        "auto", "rematerialize stages: auto (where it pays), always (every stage that stashes activations), never")
+    remat: Literal["auto", "always", "never", "layers"] = option(
+        "auto", "rematerialize stages: auto (where it pays, per stage or per layer), always (every stage that "
+                "stashes activations, per stage), layers (likewise, per layer), never")
     report: str | None = option(None, "write a JSON report of the plan to this path")
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
@@ -110,11 +114,18 @@ class StageConstructionPass(ModulePass):
             meshes = [StageMesh(f"m{k}", AXIS_NAMES, tuple(s["logical_shape"]), tuple(s["devices"]),
                                 options=(("prefer_reduce_scatter", s["intra_op"] == WEIGHT_UPDATE_SHARDING),))
                       for k, s in enumerate(plan.stages)]
+            per_layer = {k for k, s in enumerate(plan.stages) if s["remat_form"] == LAYERS}
+            kept = [(op.mlir_op, layer) for op, layer, role, stage in
+                    zip(graph.ops, layering.layers, layering.roles, stage_of_op)
+                    if stage in per_layer and role != "update"]
             strip_layering(func)
+            i64 = ir.IntegerType.get_signless(64)
+            for op, layer in kept:  # what hlopar-rematerialize's per-layer form follows
+                op.attributes[LAYER_ATTR] = ir.IntegerAttr.get(i64, layer)
             emit = time.perf_counter()
             write_mpmd_program(module, stage_of_op, layering.roles, meshes,
                                plan_shardings=self.plan_shardings, preset=self.preset)
-            mark_rematerialized(module, [k for k, s in enumerate(plan.stages) if s["remat"]])
+            mark_rematerialized(module, {k: s["remat_form"] for k, s in enumerate(plan.stages) if s["remat"]})
             timings["mpmd_program"] = time.perf_counter() - emit
         if self.report:
             timings["total"] = time.perf_counter() - start
@@ -207,6 +218,8 @@ class StageConstructionPass(ModulePass):
                 "memory_bytes": float(table.memory[i, j, m, s - 1]),
                 "update_memory_bytes": float(table.update_memory[i, j, m, s - 1]),
                 "remat": bool(table.remat[i, j, m, s - 1]),
+                "remat_form": (LAYERS if table.per_layer[i, j, m, s - 1] else STAGE) if table.remat[i, j, m, s - 1]
+                else None,
             })
         runner_ups = tuple(
             {"total_latency": r.total_latency, "t_max": r.t_max,
@@ -291,8 +304,9 @@ class StageConstructionPass(ModulePass):
         }
 
 
-def mark_rematerialized(module: ir.Operation, stages: list[int]) -> None:
-    """Puts `hlopar.remat` on the backward fragments of these stages."""
+def mark_rematerialized(module: ir.Operation, stages: dict[int, str]) -> None:
+    """Marks the backward fragments of these stages with their form: `hlopar.remat` (the stage
+    form) or `hlopar.remat = "layers"`."""
     if not stages:
         return
     main = planned_functions(module)[0]
@@ -300,7 +314,9 @@ def mark_rematerialized(module: ir.Operation, stages: list[int]) -> None:
         op = op.operation
         if (op.name == "mpmd.fragment" and "stage_id" in op.attributes and fragment_role(op) == "backward"
                 and ir.IntegerAttr(op.attributes["stage_id"]).value in stages):
-            op.attributes[REMAT_ATTR] = ir.UnitAttr.get(module.context)
+            form = stages[ir.IntegerAttr(op.attributes["stage_id"]).value]
+            op.attributes[REMAT_ATTR] = (ir.StringAttr.get(LAYERS, module.context) if form == LAYERS
+                                         else ir.UnitAttr.get(module.context))
 
 
 def _stage_of_ops(layering: Layering, plan: PipelinePlan) -> list[int]:

@@ -32,10 +32,21 @@ activations: the stage stashes only its inputs per microbatch in flight and its 
 recomputes the forward from them. Memory in the forward and backward: state + gradients +
 the span's inputs (per microbatch) × in flight + one microbatch's activations (the
 recompute's peak, held once) + the temporaries; the update's as above.
-Latency: the span's per-microbatch latency plus its forward share once more. The table keeps
-the fastest option that fits, keeping activations on ties, so a span is rematerialized only
-where that is feasible and the other is not, or where it lets a faster logical mesh or
-intra-op option fit; the pass weighs the microbatch counts this opens.
+Latency: the span's per-microbatch latency plus its forward share once more.
+
+Per-layer rematerialization (`jax.checkpoint` around each layer; `hlopar.remat = "layers"`)
+is a third option: the stage stashes the values each of its layers reads from earlier layers
+(the span's inputs and its inner layer boundaries, `input_bytes`) per microbatch in flight,
+and its backward recomputes one layer at a time, so it holds the LARGEST single layer's
+activations of one microbatch, not the span's. Memory: state + gradients + boundaries ×
+in flight + that largest layer's activations + the temporaries; latency as stage remat.
+
+The table keeps the fastest option that fits; on ties, keeping activations, then stage
+remat, then per layer: a span is rematerialized only where that is feasible and keeping is
+not, or where it lets a faster logical mesh or intra-op option fit, and per layer only where
+the stage form does not fit as well; the pass weighs the microbatch counts this opens.
+`remat="always"` forces the stage form on every span that stashes activations,
+`remat="layers"` the per-layer form.
 """
 
 from __future__ import annotations
@@ -48,7 +59,8 @@ import numpy as np
 
 __all__ = ["LayerArrays", "REMAT_MODES", "SpanTable", "span_table"]
 
-REMAT_MODES = ("auto", "always", "never")
+REMAT_MODES = ("auto", "always", "never", "layers")
+KEEP, STAGE, LAYERS = 0, 1, 2  # the options, in the order ties go
 
 
 @dataclass(frozen=True)
@@ -80,13 +92,15 @@ class SpanTable:
     with s stages from this one to the last (inf: out of memory or j < i); `mesh[i, j, m, s-1]`
     the logical mesh (index g) that achieves it; `memory[i, j, m, s-1]` its bytes per device
     (the larger of its two phases), `update_memory[i, j, m, s-1]` those of its update's phase;
-    `remat[i, j, m, s-1]` whether it is the rematerialized option."""
+    `remat[i, j, m, s-1]` whether it is a rematerialized option, `per_layer[i, j, m, s-1]`
+    whether that is the per-layer one."""
 
     latency: np.ndarray
     mesh: np.ndarray
     memory: np.ndarray
     remat: np.ndarray
     update_memory: np.ndarray
+    per_layer: np.ndarray
 
 
 def span_table(
@@ -109,8 +123,9 @@ def span_table(
     from another mesh; `in_flight(s)` the microbatches whose activations a stage with s stages
     after it (itself included) keeps at once. With `per_microbatch`, the layers were planned
     on the program of one microbatch already: their costs and activations are not scaled.
-    `remat`: "auto" weighs both options (module docstring), "always" rematerializes every span
-    that stashes activations, "never" keeps them all."""
+    `remat`: "auto" weighs the three options (module docstring), "always" rematerializes every
+    span that stashes activations (the stage form), "layers" likewise per layer, "never" keeps
+    them all."""
     if remat not in REMAT_MODES:
         raise ValueError(f"remat must be one of {', '.join(REMAT_MODES)}, got {remat!r}")
     if remat != "never" and (layers.forward_latency is None or layers.forward_fixed_latency is None
@@ -131,6 +146,8 @@ def span_table(
         forward_micro = layers.forward_fixed_latency + (layers.forward_latency - layers.forward_fixed_latency) / B
         recompute_span = _span_sums(forward_micro)
         inputs_span = _inputs_by_span(layers.input_bytes) / B
+        boundaries_span = inputs_span + _inner_pair_sums(layers.input_bytes) / B
+        largest_layer = _span_maxima(layers.activation_bytes) / B
 
     valid = np.triu(np.ones((num_layers, num_layers), dtype=bool))
     stages = np.arange(1, max_stages + 1)
@@ -141,8 +158,9 @@ def span_table(
     chosen = np.full(shape, -1, dtype=np.int64)
     memory = np.full(shape, np.inf)
     updating = np.full(shape, np.inf)
-    rematerialized = np.zeros(shape, dtype=bool)
-    options = {"never": (False,), "auto": (False, True), "always": (False, True)}[remat]
+    option_of = np.full(shape, KEEP, dtype=np.int8)
+    options = {"never": (KEEP,), "auto": (KEEP, STAGE, LAYERS), "always": (KEEP, STAGE), "layers": (KEEP, LAYERS)}[remat]
+    forced = remat in ("always", "layers")
     rows, cols = np.ogrid[:num_layers, :num_layers]
     rows, cols = rows[:, :, None], cols[:, :, None]
     for m, meshes in enumerate(meshes_of_submesh):
@@ -155,13 +173,16 @@ def span_table(
         slope = np.empty_like(base)
         times = np.empty((len(candidates),) + shape[:2] + (max_stages,))
         for c, (option, g) in enumerate(candidates):
-            usable = valid if remat != "always" else valid & ((act_span[g] > 0) == option)
+            usable = valid & ((act_span[g] > 0) == (option != KEEP)) if forced else valid
             t = lat_span[g] + transfer
-            if option:
+            if option == STAGE:
                 base[c], slope[c] = running[g] + act_span[g], inputs_span[g]
-                t = t + recompute_span[g]
+            elif option == LAYERS:
+                base[c], slope[c] = running[g] + largest_layer[g], boundaries_span[g]
             else:
                 base[c], slope[c] = running[g], act_span[g]
+            if option != KEEP:
+                t = t + recompute_span[g]
             t = np.where(usable & (update_peak[g] <= memory_per_device), t, np.inf)
             need = base[c][:, :, None] + slope[c][:, :, None] * flight  # (L, L, S)
             times[c] = np.where(need <= memory_per_device, t[:, :, None], np.inf)
@@ -175,14 +196,22 @@ def span_table(
         memory[:, :, m, :] = np.where(found, np.maximum(base[best, rows, cols] + slope[best, rows, cols] * flight, peak),
                                       np.inf)
         updating[:, :, m, :] = np.where(found, peak, np.inf)
-        rematerialized[:, :, m, :] = found & np.array([option for option, _ in candidates])[best]
-    return SpanTable(latency, chosen, memory, rematerialized, updating)
+        option_of[:, :, m, :] = np.where(found, np.array([option for option, _ in candidates])[best], KEEP)
+    return SpanTable(latency, chosen, memory, option_of != KEEP, updating, option_of == LAYERS)
 
 
 def _span_sums(per_layer: np.ndarray) -> np.ndarray:
     """(G, L) → (G, L, L): sum over layers i..j at [g, i, j] (garbage below the diagonal)."""
     prefix = np.concatenate([np.zeros(per_layer.shape[:-1] + (1,)), np.cumsum(per_layer, axis=-1)], axis=-1)
     return prefix[..., None, 1:] - prefix[..., :-1, None]
+
+
+def _span_maxima(per_layer: np.ndarray) -> np.ndarray:
+    """(G, L) → (G, L, L): the largest over layers i..j at [g, i, j] (zero below the diagonal)."""
+    out = np.zeros(per_layer.shape + per_layer.shape[-1:])
+    for i in range(per_layer.shape[-1]):
+        out[..., i, i:] = np.maximum.accumulate(per_layer[..., i:], axis=-1)
+    return out
 
 
 def _inner_pair_sums(pairs: np.ndarray) -> np.ndarray:

@@ -80,6 +80,15 @@ def test_layer_slices_stash_what_a_later_layer_reads():
         layer_slices(LAYER_READS, LAYER_DEFINES, [True] * 4, [0, 0, 1], [])
 
 
+def test_layer_slices_clone_constants_where_needed():
+    # op0 7 = constant (written in layer 0); op1 (layer 0) 3 = f(x, 7); op2 (layer 1) 5 = g(3, 7).
+    # 7 is no boundary (made of nothing): layer 1's slice clones it; the backward reading 7
+    # itself gets it from its reader's slice, not from the stash.
+    reads, defines = [(), (0, 7), (3, 7)], [(7,), (3,), (5,)]
+    plan = layer_slices(reads, defines, [True] * 3, [0, 0, 1], [(5, 1), (7, 1)])
+    assert plan == LayerRecompute(((1, Recompute((0, 2), (3,), ())),), ())
+
+
 def test_fill_layers_from_producers_then_readers():
     # op0 reads only an input: the layer of its reader op1 (0); op2 likewise takes op3's (1);
     # op4 follows its producer op3 (1); op5 touches nothing with a layer: the lowest, 0.
@@ -159,7 +168,7 @@ def test_parallelize_takes_remat_as_a_mode_or_a_bool():
     assert hlopar.parallelize(lambda x: x).remat == "auto"
     assert hlopar.parallelize(lambda x: x, remat=True).remat == "always"
     assert hlopar.parallelize(lambda x: x, remat=False).remat == "never"
-    with pytest.raises(ValueError, match="remat must be True, False or one of auto, always, never, got 'yes'"):
+    with pytest.raises(ValueError, match="remat must be True, False or one of auto, always, never, layers, got 'yes'"):
         hlopar.parallelize(lambda x: x, remat="yes")
 
 

@@ -170,5 +170,50 @@ def test_remat_needs_its_arrays_and_a_known_mode():
     with pytest.raises(ValueError, match="remat=auto needs the layers' forward latencies"):
         table(bare, B=1, memory_gib=100, remat="auto")
     assert not table(bare, B=1, memory_gib=100, remat="never").remat.any()
-    with pytest.raises(ValueError, match="remat must be one of auto, always, never, got 'yes'"):
+    with pytest.raises(ValueError, match="remat must be one of auto, always, never, layers, got 'yes'"):
         table(layers, B=1, memory_gib=100, remat="yes")
+
+
+# --------------------------------------------------------------------------- per layer
+
+
+def test_per_layer_memory_and_latency_exactly():
+    """Forced per layer: state + gradients + the largest layer's activations of one microbatch
+    + every boundary the span's layers read (from before i, and between its own layers) per
+    microbatch in flight; latency as the stage form's (one more forward)."""
+    layers = arrays(L=4)
+    B = 4
+    stage = table(layers, B=B, memory_gib=1e9, remat="always")
+    per_layer = table(layers, B=B, memory_gib=1e9, remat="layers")
+    for i in range(4):
+        for j in range(i, 4):
+            n = j - i + 1
+            boundaries = (0.5 if i > 0 else 0.0) + 0.5 * (n - 1)
+            for s in (1, 2, 3, 4):
+                assert per_layer.per_layer[i, j, 0, s - 1] and per_layer.remat[i, j, 0, s - 1]
+                assert not stage.per_layer[i, j, 0, s - 1]
+                assert per_layer.latency[i, j, 0, s - 1] == stage.latency[i, j, 0, s - 1]
+                assert per_layer.memory[i, j, 0, s - 1] == pytest.approx((2 * n + 8 / B + boundaries / B * s) * GIB,
+                                                                         rel=1e-12)
+
+
+def test_auto_takes_per_layer_only_where_it_alone_fits():
+    """Four layers of 8 GiB activations a step, B = 4, one in flight. All four layers: keeping
+    needs 8 + 8 = 16 GiB, the stage form 8 + 8 = 16, per layer 8 + 2 + 1.5/4 = 10.375 (1.75 s
+    against 1.3 s kept)."""
+    layers = arrays(L=4)
+    tight = table(layers, B=4, memory_gib=12.0, remat="auto")
+    assert tight.per_layer[0, 3, 0, 0] and tight.remat[0, 3, 0, 0]
+    assert tight.memory[0, 3, 0, 0] == pytest.approx(10.375 * GIB, rel=1e-12)
+    assert tight.latency[0, 3, 0, 0] == pytest.approx(4 * (0.1 + 0.9 / 4) + 4 * (0.05 + 0.25 / 4), rel=1e-12)
+    assert np.isinf(table(layers, B=4, memory_gib=12.0, remat="always").latency[0, 3, 0, 0])
+    # 16 GiB: keeping fits, and is faster: nothing is rematerialized.
+    roomy = table(layers, B=4, memory_gib=16.0, remat="auto")
+    assert not roomy.remat[0, 3, 0, 0] and roomy.latency[0, 3, 0, 0] == pytest.approx(1.3, rel=1e-12)
+    # Two in flight with 17 GiB: keeping needs 24; both remat forms fit (16 and 10.75) at the
+    # same time: the tie goes to the stage form.
+    both = table(layers, B=4, memory_gib=17.0, remat="auto")
+    assert both.remat[0, 3, 0, 1] and not both.per_layer[0, 3, 0, 1]
+    assert both.memory[0, 3, 0, 1] == pytest.approx(16 * GIB, rel=1e-12)
+    # One layer: both forms hold the same bytes, so per layer is never chosen.
+    assert not tight.per_layer[:, :, :, :][np.eye(4, dtype=bool)].any()
