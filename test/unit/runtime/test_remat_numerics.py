@@ -13,7 +13,7 @@ hundreds of kilobytes of activations).
 
 Per layer (`remat="layers"`, `hlopar.remat = "layers"`): the tiny GPT's two stages (layers
 0-1 and 2-4) recompute layer by layer behind optimization barriers, equal to one device with
-1f1b and gpipe (eager-1f1b: heavy); and compiled by stock jaxlib, the backward of the stage of
+1f1b and gpipe (eager-1f1b and eager-1f1b-wd: heavy); and compiled by stock jaxlib, the backward of the stage of
 three layers needs fewer temporaries than the stage form's (`memory_analysis()`), on the tiny
 GPT's architecture at 64 tokens x 16 sequences, where the activations outweigh the weights.
 """
@@ -73,7 +73,10 @@ def test_rematerialized_pipeline_equals_one_device(ray_cluster, model, schedule,
         parallel.close()
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", pytest.param("eager-1f1b", marks=pytest.mark.heavy)])
+LAYER_SCHEDULES = ["1f1b", "gpipe", *(pytest.param(s, marks=pytest.mark.heavy) for s in ("eager-1f1b", "eager-1f1b-wd"))]
+
+
+@pytest.mark.parametrize("schedule", LAYER_SCHEDULES)
 def test_per_layer_rematerialized_pipeline_equals_one_device(ray_cluster, schedule):
     ts = get_train_step("gpt", "tiny")
     params = ts.init(jax.random.key(0))
