@@ -380,9 +380,9 @@ def _recompute_layers_in(backward: ir.Operation, view: _StageForward, plan: Laye
     targets = {view.number[operands[p]]: block.arguments[p] for p in replaced}
     for layer, piece in plan.slices:
         mine = {targets[v]: v for i in piece.ops for v in view.defines[i] if v in targets}
-        body = _body(new)[:-1]
+        body = _body(new)  # the terminator last: a value the backward only returns is made before it
         first = next(k for k, op in enumerate(body) if _read_values(op, mine))
-        later = [op for op in body[first:] if _layer(op) in (layer, None)]
+        later = [op for op in body[first:-1] if _layer(op) in (layer, None)]
         made_before = _progress(body[:first], block)
         tie = list(dict.fromkeys(v for op in later for v in _read_values(op, made_before)))
         read = [*piece.inputs, *piece.kept]
