@@ -243,7 +243,8 @@ def _resources(amounts: Mapping[str, float], only: Sequence[str] | None = None) 
 
 class MeshWorker:
     """One worker of a mesh (a threaded Ray actor: `run_step` runs the stream while
-    `deliver` and `fetch` serve the peers). Module docstring."""
+    `deliver` and `fetch` serve the peers; a plan's only worker, which has no peers, is a
+    plain actor, whose calls run on its process's main thread). Module docstring."""
 
     def __init__(self, mesh: str, device_kind: str = "cpu", timeout: float = 120.0, name: str | None = None):
         self.mesh = mesh
@@ -729,11 +730,17 @@ class RayRuntime:
         clock = time.perf_counter()
         for name, slot in slots.items():
             need = self.placement.worker_resources(name)
-            options = {"num_cpus": need["CPU"], "max_concurrency": 16, "max_restarts": 0,
+            # A lone worker serves no peer during a step: a plain actor runs its calls one at a
+            # time on the process's main thread, where the step runs as fast as in a driver (the
+            # GPT of tools/bench_runtime.py, its one executable, 5 x 6 interleaved steps each at
+            # load 8-16: main thread 0.99-1.01x the driver, an actor's pool thread 1.07-1.20x;
+            # docs/runtime.md). Several workers stay threaded to serve `deliver` and `fetch`.
+            threaded = len(slots) > 1
+            options = {"num_cpus": need["CPU"], "max_concurrency": 16 if threaded else 1, "max_restarts": 0,
                        "scheduling_strategy": PlacementGroupSchedulingStrategy(
                            self.group, placement_group_bundle_index=bundle_of_host[slot.host])}
-            # CPU devices' buffers are the host's malloc: in the actor's thread (not the main
-            # thread, as in a driver) glibc gives the step a per-thread arena, whose large
+            # CPU devices' buffers are the host's malloc: in a threaded actor's thread (not the
+            # main thread, as in a driver or a lone worker) glibc gives the step a per-thread arena, whose large
             # blocks are mapped afresh each step (the GPT of tools/bench_runtime.py, one
             # executable of 8 CPU devices: 45 k minor page faults a step against 21 k in the
             # driver, 0.457 s against 0.347); one arena: 10.6 k, 0.386 s (load 12-14).
@@ -745,9 +752,10 @@ class RayRuntime:
                 options["num_gpus"] = need["GPU"]
                 options["runtime_env"] = {"env_vars": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **threads}}
             else:
+                arena = {"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX") or "1"} if threaded else {}
                 options["runtime_env"] = {"env_vars": {
                     **host_device_environment(len(slot.devices), environ={}), "JAX_PLATFORMS": "cpu", **threads,
-                    "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX") or "1"}}
+                    **arena}}
             self.actors[name] = ray.remote(MeshWorker).options(**options).remote(slot.mesh, kind, self.worker_timeout,
                                                                                  name)
         self._gather({n: a.set_peers.remote(self.actors) for n, a in self.actors.items()}, "start")
