@@ -335,27 +335,11 @@ def _recompute_in(backward: ir.Operation, view: _StageForward, plan: Recompute) 
     """Rewrites `backward` to compute the forward values it read: clones of `plan.ops` at its
     top, reading the stage inputs (and kept values) it now takes after its other operands;
     the operands the clones replace are dropped."""
-    cloned = {v for i in plan.ops for v in view.defines[i]}
-    operands = list(backward.operands)
-    replaced = [p for p, v in enumerate(operands) if view.number.get(v) in cloned]
-    stay = [v for p, v in enumerate(operands) if p not in replaced]
-    present = {view.number[v] for v in stay if v in view.number}
-    added = [v for v in (*plan.inputs, *plan.kept) if v not in present]
-    new = _rebuilt(backward, operands=[*stay, *(view.outer[v] for v in added)])
+    new, available, targets = _take_inputs(backward, view, [plan])
     block = new.regions[0].blocks[0]
-    available = {view.number[v]: block.arguments[p] for p, v in enumerate(operands)
-                 if p not in replaced and v in view.number}
-    for v in added:
-        available[v] = block.add_argument(view.inner[v].type, ir.Location.unknown())
     with ir.InsertionPoint.at_block_begin(block):
-        for i in plan.ops:
-            mapping = {value: available[view.number[value]] for value in view.read_values[i]}
-            clone_into(view.ops[i], mapping)
-            for result in view.ops[i].results:
-                available[view.number[result]] = mapping[result]
-    for p in reversed(replaced):
-        block.arguments[p].replace_all_uses_with(available[view.number[operands[p]]])
-        block.erase_argument(p)
+        _clone_slice(view, plan.ops, available)
+    _drop_replaced(new, targets, available)
     new.attributes[REMAT_ATTR] = ir.UnitAttr.get()
 
 
@@ -365,19 +349,9 @@ def _recompute_layers_in(backward: ir.Operation, view: _StageForward, plan: Laye
     it reads and what the backward computed so far for that layer; the stage inputs and
     boundary values the slices read become operands after its others; the operands the clones
     replace are dropped."""
-    cloned = {v for _, s in plan.slices for i in s.ops for v in view.defines[i]}
-    operands = list(backward.operands)
-    replaced = [p for p, v in enumerate(operands) if view.number.get(v) in cloned]
-    stay = [v for p, v in enumerate(operands) if p not in replaced]
-    present = {view.number[v] for v in stay if v in view.number}
-    added = list(dict.fromkeys(v for _, s in plan.slices for v in (*s.inputs, *s.kept) if v not in present))
-    new = _rebuilt(backward, operands=[*stay, *(view.outer[v] for v in added)])
+    new, available, targets = _take_inputs(backward, view, [piece for _, piece in plan.slices])
     block = new.regions[0].blocks[0]
-    available = {view.number[v]: block.arguments[p] for p, v in enumerate(operands)
-                 if p not in replaced and v in view.number}
-    for v in added:
-        available[v] = block.add_argument(view.inner[v].type, ir.Location.unknown())
-    targets = {view.number[operands[p]]: block.arguments[p] for p in replaced}
+    recomputed = {}
     for layer, piece in plan.slices:
         mine = {targets[v]: v for i in piece.ops for v in view.defines[i] if v in targets}
         body = _body(new)  # the terminator last: a value the backward only returns is made before it
@@ -393,16 +367,47 @@ def _recompute_layers_in(backward: ir.Operation, view: _StageForward, plan: Laye
                 local = dict(zip(read, list(barrier.results)[len(tie):]))
             else:
                 local = {v: available[v] for v in read}
-            for i in piece.ops:
-                mapping = {value: local[view.number[value]] for value in view.read_values[i]}
-                clone_into(view.ops[i], mapping)
-                for result in view.ops[i].results:
-                    local[view.number[result]] = mapping[result]
-        for argument, v in mine.items():
-            argument.replace_all_uses_with(local[v])
-    for p in reversed(replaced):
-        block.erase_argument(p)
+            _clone_slice(view, piece.ops, local)
+        recomputed.update({v: local[v] for v in mine.values()})
+    _drop_replaced(new, targets, recomputed)
     new.attributes[REMAT_ATTR] = ir.StringAttr.get(LAYERS)
+
+
+def _take_inputs(backward: ir.Operation, view: _StageForward, slices: Sequence[Recompute]):
+    """`backward` rebuilt to take, after its operands, the inputs (and kept values) `slices`
+    read that it does not take yet: the new fragment, the value of its body holding each
+    number it takes, and per number the clones will make, the block argument they replace."""
+    cloned = {v for piece in slices for i in piece.ops for v in view.defines[i]}
+    operands = list(backward.operands)
+    replaced = [p for p, v in enumerate(operands) if view.number.get(v) in cloned]
+    stay = [v for p, v in enumerate(operands) if p not in replaced]
+    present = {view.number[v] for v in stay if v in view.number}
+    added = list(dict.fromkeys(v for piece in slices for v in (*piece.inputs, *piece.kept) if v not in present))
+    new = _rebuilt(backward, operands=[*stay, *(view.outer[v] for v in added)])
+    block = new.regions[0].blocks[0]
+    available = {view.number[v]: block.arguments[p] for p, v in enumerate(operands)
+                 if p not in replaced and v in view.number}
+    for v in added:
+        available[v] = block.add_argument(view.inner[v].type, ir.Location.unknown())
+    return new, available, {view.number[operands[p]]: block.arguments[p] for p in replaced}
+
+
+def _clone_slice(view: _StageForward, ops: Sequence[int], available: dict[int, ir.Value]) -> None:
+    """Clones the forward ops `ops` at the insertion point, reading `available` (by number),
+    where their results are recorded."""
+    for i in ops:
+        mapping = {value: available[view.number[value]] for value in view.read_values[i]}
+        clone_into(view.ops[i], mapping)
+        for result in view.ops[i].results:
+            available[view.number[result]] = mapping[result]
+
+
+def _drop_replaced(fragment: ir.Operation, targets: dict[int, ir.Value], made: dict[int, ir.Value]) -> None:
+    """Erases the block arguments the clones replace (their uses moved to `made`)."""
+    block = fragment.regions[0].blocks[0]
+    for v, argument in sorted(targets.items(), key=lambda item: item[1].arg_number, reverse=True):
+        argument.replace_all_uses_with(made[v])
+        block.erase_argument(argument.arg_number)
 
 
 def _progress(ops: Sequence[ir.Operation], block: ir.Block) -> set[ir.Value]:
