@@ -1,15 +1,17 @@
-"""Compile time of one pipeline stage's fragments, unrolled against re-rolled (issue 17).
+"""Compile and run time of one pipeline stage's fragments, unrolled against re-rolled (issue 17).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 \
         python tools/bench_stage_loops.py [--model gpt:39B-scan] [--hosts 8] [--devices 8] [--stage K] ...
 
 Exports the zoo model as `tools/bench_stage_construction.py` does, plans it with
 `hlopar-opt` (import, unstack-layer-scans, cluster-operators, stage-construction), then runs
-`hlopar-reroll-stage-loops` on a copy of the MPMD program and compiles the forward and
-backward fragments of one stage (default: the first stage of the most layers whose mesh has
-at most as many devices as this machine has) on the local devices, both forms, with stock
-jaxlib (`codegen.spmd.compile_spmd`). Prints the stage's layers, the ranges rolled, the ops
-in each fragment and the compile seconds of each.
+`hlopar-reroll-stage-loops` on copies of the MPMD program (`hold-ranges=false`: "rolled", the
+loops pack their layers' pieces; `hold-ranges=true`: "held", the stage holds its range as one
+value) and compiles the forward, backward and update fragments of one stage (default: the
+first stage of the most layers whose mesh has at most as many devices as this machine has) on
+the local devices, all three forms, with stock jaxlib (`codegen.spmd.compile_spmd`), then runs
+each on zeros (`--repeats` timed runs after a warm-up; the median). Prints the stage's layers,
+the ranges rolled, the lines of each fragment, its compile seconds and one run's time.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ def main() -> int:
     parser.add_argument("--microbatches", default="64")
     parser.add_argument("--preset", default="a100-80g-nvlink")
     parser.add_argument("--stage", type=int, default=None, help="the stage whose fragments to compile")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs of each fragment timed (after one warm-up); 0: compile only")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="the model's batch size instead of its configuration's (to run big models on a CPU)")
     parser.add_argument("--program", type=Path, default=None,
                         help="an MPMD program planned before (with --save): skip the export and planning")
     parser.add_argument("--save", type=Path, default=None, help="write the planned MPMD program here")
@@ -44,15 +50,19 @@ def main() -> int:
         return 1
     if args.save:
         args.save.write_text(text)
-    return _compare(text, args.stage)
+    return _compare(text, args.stage, args.repeats)
 
 
 def _plan(args) -> str | None:
     """The zoo model exported and planned by hlopar-opt: the MPMD program's text."""
-    from hlopar.models import get_train_step
+    from dataclasses import replace
+
+    from hlopar.models import MODELS, get_train_step
 
     with tempfile.TemporaryDirectory() as scratch:
         model, config = args.model.split(":", 1)
+        if args.batch is not None:
+            config = replace(MODELS[model].configs[config], batch_size=args.batch)
         source, out = Path(scratch) / "in.mlir", Path(scratch) / "out.mlir"
         source.write_text(get_train_step(model, config).lower(donate=True))
         pipeline = (f"builtin.module(hlopar-import,hlopar-unstack-layer-scans,"
@@ -70,7 +80,10 @@ def _plan(args) -> str | None:
         return out.read_text()
 
 
-def _compare(text: str, wanted: int | None) -> int:
+FORMS = ("unrolled", "rolled", "held")  # held: rolled, the stage's layers held as one range
+
+
+def _compare(text: str, wanted: int | None, repeats: int) -> int:
     import json
 
     import jax
@@ -84,14 +97,18 @@ def _compare(text: str, wanted: int | None) -> int:
     from hlopar.passes.reroll_stage_loops import RerollStageLoopsPass, fragments
     from hlopar.runtime.sequential_mpmd import _entry
 
-    unrolled, rolled = parse_module(text), parse_module(text)
-    report = Path(tempfile.mkstemp(suffix=".json")[1])
-    start = time.perf_counter()
-    RerollStageLoopsPass(report=str(report)).run(rolled, PassContext())
-    print(f"hlopar-reroll-stage-loops: {time.perf_counter() - start:.1f} s", flush=True)
-    ranges = json.loads(report.read_text())["ranges"]
-    report.unlink()
+    modules = {form: parse_module(text) for form in FORMS}
+    ranges = []
+    for form in FORMS[1:]:
+        report = Path(tempfile.mkstemp(suffix=".json")[1])
+        start = time.perf_counter()
+        RerollStageLoopsPass(hold_ranges=form == "held", report=str(report)).run(modules[form], PassContext())
+        print(f"hlopar-reroll-stage-loops{{hold-ranges={str(form == 'held').lower()}}}: "
+              f"{time.perf_counter() - start:.1f} s", flush=True)
+        ranges = json.loads(report.read_text())["ranges"]
+        report.unlink()
     local = len(jax.devices())
+    unrolled = modules["unrolled"]
     with unrolled.context:
         topology = program_topology(_entry(unrolled))
         physical = program_devices(unrolled, topology)
@@ -102,31 +119,52 @@ def _compare(text: str, wanted: int | None) -> int:
         def mesh_of(fragment) -> str:
             return ir.StringAttr(fragment.attributes["mesh_name"]).value
 
-        pairs = [(a, b) for a, b in zip(fragments(unrolled), fragments(rolled)) if fragment_role(a) != "update"]
-        sizes = {stage_of(a): len(physical[mesh_of(a)]) for a, _ in pairs}
+        rows = list(zip(*(fragments(modules[form]) for form in FORMS)))
+        sizes = {stage_of(r[0]): len(physical[mesh_of(r[0])]) for r in rows if stage_of(r[0]) is not None}
         held = {s: sum(r["trips"] for r in ranges if r["rolled"] and r["fragment"] == f"stage{s}") for s in sizes}
         stage = wanted if wanted is not None else max(
             (s for s in sizes if sizes[s] <= local), key=lambda s: (held[s], -s))
+        mesh = next(mesh_of(r[0]) for r in rows if stage_of(r[0]) == stage)
         print(f"stage {stage}: {sizes[stage]} devices; ranges rolled: "
               + "; ".join(f"{r['fragment']} loop {r['loop']} layers {r['layers']}" for r in ranges
                           if r["rolled"] and r["fragment"].startswith(f"stage{stage}")))
-        totals = [0.0, 0.0]
-        for a, b in pairs:
-            if stage_of(a) != stage:
+        totals = {form: [0.0, 0.0] for form in FORMS}
+        for row in rows:
+            if mesh_of(row[0]) != mesh:
                 continue
-            devices = jax.devices()[:len(physical[mesh_of(a)])]  # as many local devices as the mesh has
-            line = [f"  {fragment_role(a):<8}"]
-            for k, fragment in enumerate((a, b)):
+            devices = jax.devices()[:len(physical[mesh])]  # as many local devices as the mesh has
+            line = [f"  {fragment_role(row[0]):<8}"]
+            for form, fragment in zip(FORMS, row):
                 module = fragment_module(fragment, topology)
                 lines = str(module).count("\n")
                 start = time.perf_counter()
-                compile_spmd(module, devices)
+                executable = compile_spmd(module, devices)
                 seconds = time.perf_counter() - start
-                totals[k] += seconds
-                line.append(f"{'unrolled' if k == 0 else 'rolled'}: {lines} lines, compiled in {seconds:.1f} s")
+                run = _run_seconds(executable, repeats) if repeats else 0.0
+                totals[form][0] += seconds
+                totals[form][1] += run
+                line.append(f"{form}: {lines} lines, compile {seconds:.1f} s"
+                            + (f", run {run * 1e3:.0f} ms" if repeats else ""))
             print("; ".join(line), flush=True)
-        print(f"  stage {stage} compile, forward + backward: unrolled {totals[0]:.1f} s, rolled {totals[1]:.1f} s")
+        print(f"  stage {stage} (forward, backward, update), compile / one run of each: "
+              + "; ".join(f"{form} {c:.1f} s / {r * 1e3:.0f} ms" for form, (c, r) in totals.items()))
     return 0
+
+
+def _run_seconds(executable, repeats: int) -> float:
+    """The median seconds of one run of a compiled fragment on zeros placed beforehand."""
+    import jax
+    import numpy as np
+
+    placed = [jax.device_put(np.zeros(shape, dtype), sharding)
+              for (shape, dtype), sharding in zip(executable.input_types, executable.input_shardings)]
+    times = []
+    for _ in range(repeats + 1):  # the first warms up
+        start = time.perf_counter()
+        outputs = executable.executable.execute_sharded(placed).disassemble_into_single_device_arrays()
+        jax.block_until_ready(outputs)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[1:]))
 
 
 if __name__ == "__main__":

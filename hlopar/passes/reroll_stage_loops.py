@@ -22,9 +22,16 @@ turns each run of at least `min-trips` consecutive, identical iterations back in
 
 Anything else (an iteration reading a value two iterations back, a region capturing a value
 from outside, an op outside the run that both reads the run and is read by it) keeps the
-run unrolled, and the report says why. The fragment's arguments and results are unchanged,
-so the instruction streams, the transfers and the runtime run it as before; the update
-fragments (the optimizer, elementwise per piece) stay unrolled.
+run unrolled, and the report says why. The update fragments (the optimizer, elementwise per
+piece) stay unrolled.
+
+With `hold-ranges` (the default), the stage also holds the layers it loops over as one range
+(`hold_ranges`, before the rolling): the pieces a..b-1 of each stacked argument and result of
+`@main` (`hlopar.layer_pieces`) become one value of rows a:b, which fragments read by slices,
+so a loop's per-iteration inputs are the rows of one value and it reads them by its counter
+instead of packing copies (`_rows_of_one`); after the rolling, a fragment returns a loop's
+stacked stash or gradients as one value (`return_stacks`). Without it the fragments'
+arguments and results are unchanged and the loops pack their pieces each run.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ from hlopar.passes.base import ModulePass, PassContext, option
 from hlopar.passes.microbatch_index import INDEX_ARG_ATTR
 from hlopar.passes.mpmd_program import fragment_role
 from hlopar.passes.split_microbatches import BATCH, BATCH_ARGS_ATTR, KIND_ATTR, SUM
-from hlopar.passes.unstack_layer_scans import LAYER_ITERATION_ATTR, LAYER_PIECES_ATTR, LayerPieces
+from hlopar.passes.unstack_layer_scans import ELEMENTWISE, LAYER_ITERATION_ATTR, LAYER_PIECES_ATTR, LayerPieces
 
 __all__ = ["LAYER_LOOP_ATTR", "LoopRange", "RerollStageLoopsPass", "fragments", "identical_runs", "reroll_block",
            "stage_loop_lines"]
@@ -121,6 +128,10 @@ class RerollStageLoopsPass(ModulePass):
                     if self.hold_ranges:
                         fragment = return_stacks(fragment)
                     _erase_unread(fragment.regions[0].blocks[0])
+            if held:
+                for fragment in fragments(module):
+                    if fragment_role(fragment) == "update":
+                        widen_joins(fragment)
         if self.report:
             with open(self.report, "w") as out:
                 json.dump({"pass": self.name, "reroll": self.reroll, "ranges": [asdict(r) for r in ranges],
@@ -879,3 +890,97 @@ def _renumber(main: ir.Operation, pieces: LayerPieces, arg_rows: list[int], resu
     if INDEX_ARG_ATTR in main.attributes:
         main.attributes[INDEX_ARG_ATTR] = ir.IntegerAttr.get(
             ir.IntegerType.get_signless(64), new_arg[ir.IntegerAttr(main.attributes[INDEX_ARG_ATTR]).value])
+
+
+def widen_joins(fragment: ir.Operation) -> int:
+    """In an update fragment, each range result joined by `concatenate` from per-layer pieces
+    computed alike (the optimizer's elementwise ops on each layer's rows) is computed once on
+    the whole range instead (`_Widen`); returns how many joins were widened."""
+    block = fragment.regions[0].blocks[0]
+    terminator = list(block.operations)[-1].operation
+    widen = _Widen(terminator)
+    count = 0
+    for value in list(terminator.operands):
+        owner = value.owner
+        if isinstance(owner, ir.Block) or owner.operation.name != "stablehlo.concatenate":
+            continue
+        join = owner.operation
+        if ir.IntegerAttr(join.attributes["dimension"]).value != 0 or any(_shape(v)[0] != 1 for v in join.operands):
+            continue
+        wide = widen(tuple(join.operands))
+        if wide is not None and wide.type == value.type:
+            value.replace_all_uses_with(wide)
+            count += 1
+    if count:
+        for op in reversed(list(block.operations)[:-1]):
+            op = op.operation
+            if op.name in _PURE and not any(list(r.uses) for r in op.results):
+                op.erase()
+    return count
+
+
+_PURE = ELEMENTWISE | {"stablehlo.slice", "stablehlo.reshape", "stablehlo.concatenate", "stablehlo.broadcast_in_dim",
+                       "stablehlo.constant", "stablehlo.reverse"}
+
+
+@dataclass
+class _Widen:
+    """One value of n rows from n values of one row each (row i of the result is the i-th),
+    made before `before`: a value shared by all rows is broadcast, rows of one stack in order
+    are that stack's slice (reversed for a descending order), values made alike by elementwise
+    ops are made once from their widened operands; None where neither holds."""
+
+    before: ir.Operation
+    made: dict[tuple, ir.Value | None] = field(default_factory=dict)
+
+    def __call__(self, values: tuple[ir.Value, ...]) -> ir.Value | None:
+        if values not in self.made:
+            with ir.InsertionPoint(self.before), self.before.location:
+                self.made[values] = self._widened(values)
+        return self.made[values]
+
+    def _widened(self, values: tuple[ir.Value, ...]) -> ir.Value | None:
+        n, t = len(values), ir.RankedTensorType(values[0].type)
+        if t.rank == 0:
+            return values[0] if len(set(values)) == 1 else None
+        if t.shape[0] != 1:
+            return None
+        wide = ir.RankedTensorType.get([n] + list(t.shape[1:]), t.element_type, t.encoding)
+        if len(set(values)) == 1:
+            return stablehlo.BroadcastInDimOp(wide, values[0], ir.DenseI64ArrayAttr.get(list(range(t.rank)))).result
+        rows = _rows_of_one(values)
+        if rows is not None:
+            _, stack, first, step = rows
+            low = first if step == 1 else first - n + 1
+            source = ir.RankedTensorType(stack.type)
+            if low != 0 or source.shape[0] != n:
+                stack = stablehlo.SliceOp(stack, [low] + [0] * (source.rank - 1), [low + n] + list(source.shape[1:]),
+                                          [1] * source.rank).result
+            if step == -1:
+                stack = stablehlo.ReverseOp(stack, ir.DenseI64ArrayAttr.get([0])).result
+            return stack if stack.type == wide else stablehlo.ReshapeOp(wide, stack).result
+        owners = [v.owner for v in values]
+        if any(isinstance(o, ir.Block) for o in owners):
+            return None
+        ops = [o.operation for o in owners]
+        name = ops[0].name
+        if len(ops[0].results) != 1 or len({_structure(op) for op in ops}) != 1:
+            return None
+        if name == "stablehlo.constant":
+            attr = ir.DenseElementsAttr(ops[0].attributes["value"])
+            if not attr.is_splat:
+                return None
+            return stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(wide, attr.get_splat_value())).result
+        if name == "stablehlo.broadcast_in_dim":
+            if 0 in _ints(ops[0], "broadcast_dimensions") or len({op.operands[0] for op in ops}) != 1:
+                return None
+        elif name not in ELEMENTWISE:
+            return None
+        operands = [self(tuple(op.operands[k] for op in ops)) for k in range(len(ops[0].operands))]
+        if any(v is None for v in operands):
+            return None
+        clone = ops[0].clone(ip=ir.InsertionPoint(self.before))
+        for k, v in enumerate(operands):
+            clone.operands[k] = v
+        clone.results[0].set_type(wide)
+        return clone.results[0]

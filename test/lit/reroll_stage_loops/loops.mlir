@@ -149,9 +149,9 @@ module attributes {hlopar.devices = {m0 = array<i64: 0, 1>}} {
 // are the stacked weight, one piece per layer): the forward loops over layers 0..2, the
 // backward over 2..0, the update runs per piece. The weight's pieces become ONE argument and
 // ONE result of rows 0:3, which the loops read by their counter (the backward's row 2 - i) and
-// the update reads by slices and returns joined; the forward hands its stashed residuals to the
+// the update computes on the whole range; the forward hands its stashed residuals to the
 // backward, and the backward its gradients to the update, as one stacked value each. No
-// concatenate packs pieces any more.
+// concatenate packs or joins pieces any more.
 
 // CHECK-LABEL: func.func @main
 // CHECK-SAME:    (%[[X:.*]]: !mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, %[[W:.*]]: !mpmd.mesh_tensor<"m0", tensor<3x4x4xf32>>) -> (!mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<3x4x4xf32>>)
@@ -170,11 +170,12 @@ module attributes {hlopar.devices = {m0 = array<i64: 0, 1>}} {
 // CHECK:             stablehlo.dynamic_slice %[[ST]], %{{.*}}, %{{.*}}, %{{.*}}, sizes = [1, 8, 4]
 // CHECK-NOT:         stablehlo.dynamic_slice %[[ST]]
 // CHECK:           mpmd.return %{{.*}} : tensor<3x1x4x4xf32>
+// The update runs once on the whole range (its layers' gradients in the backward's order, reversed).
 // CHECK:         %[[UPD:.*]] = mpmd.fragment<mesh="m0", origin=["stage0_update"]> (%[[W]], %[[BWD]]) (%[[WU:.*]]: tensor<3x4x4xf32>, %[[G:.*]]: tensor<3x1x4x4xf32>)
-// CHECK-DAG:       stablehlo.slice %[[WU]] [0:1, 0:4, 0:4]
-// CHECK-DAG:       stablehlo.slice %[[G]] [2:3, 0:1, 0:4, 0:4]
-// CHECK:           %[[JOINED:.*]] = stablehlo.concatenate %{{.*}}, %{{.*}}, %{{.*}}, dim = 0 : (tensor<1x4x4xf32>, tensor<1x4x4xf32>, tensor<1x4x4xf32>) -> tensor<3x4x4xf32>
-// CHECK:           mpmd.return %[[JOINED]] : tensor<3x4x4xf32>
+// CHECK-NEXT:      %[[REV:.*]] = stablehlo.reverse %[[G]], dims = [0] : tensor<3x1x4x4xf32>
+// CHECK-NEXT:      %[[GW:.*]] = stablehlo.reshape %[[REV]] : (tensor<3x1x4x4xf32>) -> tensor<3x4x4xf32>
+// CHECK-NEXT:      %[[NEW:.*]] = stablehlo.subtract %[[WU]], %[[GW]] : tensor<3x4x4xf32>
+// CHECK-NEXT:      mpmd.return %[[NEW]] : tensor<3x4x4xf32>
 // CHECK:         return %[[FWD]]#0, %[[UPD]]
 // NEVER-LABEL: func.func @main
 // NEVER-NOT:     stablehlo.while

@@ -1,7 +1,8 @@
 """Scanned layer stacks through `hlopar.parallelize`, pipelined: each stage holds only its
 layers' slices of the stacked parameters and optimizer state, runs the iterations it holds of
-the scan as a loop again (`hlopar-reroll-stage-loops`, `stage_loops=True`) or unrolled (the
-default, the zoo GPT here), and the steps equal one device.
+the scan as a loop again (`hlopar-reroll-stage-loops`, `stage_loops=True`), holding the
+layers it loops over as ONE array of rows a:b per stacked leaf on its worker, or unrolled
+(the default, the zoo GPT here) with one piece per layer, and the steps equal one device.
 
 The models: the plain-JAX `lax.scan` GPT (optax Adam) and the Flax ``nn.scan`` Transformer
 (TrainState) of `scan_steps` with 6 layers, each also with `jax.checkpoint` / `nn.remat` around
