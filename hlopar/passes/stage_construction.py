@@ -115,9 +115,9 @@ class StageConstructionPass(ModulePass):
                                 options=(("prefer_reduce_scatter", s["intra_op"] == WEIGHT_UPDATE_SHARDING),))
                       for k, s in enumerate(plan.stages)]
             per_layer = {k for k, s in enumerate(plan.stages) if s["remat_form"] == LAYERS}
-            kept = [(op.mlir_op, layer) for op, layer, role, stage in
+            kept = [(op.mlir_op, layer) for op, layer, role, stage in  # constants: copied into every reader's fragment
                     zip(graph.ops, layering.layers, layering.roles, stage_of_op)
-                    if stage in per_layer and role != "update"]
+                    if stage in per_layer and role != "update" and op.operands]
             strip_layering(func)
             i64 = ir.IntegerType.get_signless(64)
             for op, layer in kept:  # what hlopar-rematerialize's per-layer form follows
