@@ -13,9 +13,11 @@ hundreds of kilobytes of activations).
 
 Per layer (`remat="layers"`, `hlopar.remat = "layers"`): the tiny GPT's two stages (layers
 0-1 and 2-4) recompute layer by layer behind optimization barriers, equal to one device with
-1f1b and gpipe (eager-1f1b and eager-1f1b-wd: heavy); and compiled by stock jaxlib, the backward of the stage of
-three layers needs fewer temporaries than the stage form's (`memory_analysis()`), on the tiny
-GPT's architecture at 64 tokens x 16 sequences, where the activations outweigh the weights.
+1f1b and gpipe (eager-1f1b and eager-1f1b-wd: heavy); and compiled by stock jaxlib, the
+backward of the stage of three layers needs fewer temporaries than the stage form's
+(`memory_analysis()`), on the tiny GPT's architecture at 64 tokens x 16 sequences, where the
+activations outweigh the weights; there every fragment's predicted memory is within 20% of
+the compiled one.
 """
 
 from __future__ import annotations
@@ -109,8 +111,12 @@ def test_per_layer_backward_compiles_to_fewer_temporaries(tmp_path, monkeypatch)
         step = plan_step(text, CLUSTER.resolved(), num_microbatches=2, method="pipeline", schedule="1f1b",
                          remat=remat, cache=False)
         assert [s["layers"] for s in step.plan["stages"]["stages"]] == [[0, 1], [2, 4]]
-        memory = {f["fragment"]: f for f in json.loads((step.bundle / "memory.json").read_text())["fragments"]}
+        checked = json.loads((step.bundle / "memory.json").read_text())
+        memory = {f["fragment"]: f for f in checked["fragments"]}
         temporaries[remat] = {k: memory[f"stage{k}_backward"]["compiled"]["temporaries"] for k in (0, 1)}
+        if remat == "layers":  # the planner's accounting of the per-layer form against XLA's
+            for f in memory.values():
+                assert 0.8 <= f["predicted"]["total"] / f["compiled"]["total"] <= 1.2, f
     # Measured: stage 1 (three layers) 5,541,888 -> 5,021,952 bytes, stage 0 (two) 4,880,384 -> 3,297,280.
     assert temporaries["layers"][1] < 0.95 * temporaries["always"][1], temporaries
     assert temporaries["layers"][0] < 0.8 * temporaries["always"][0], temporaries
