@@ -48,7 +48,7 @@ from jaxlib.mlir.dialects import mpmd, stablehlo
 
 from hlopar.analysis.mesh import quote_string
 from hlopar.analysis.mpmd import MeshTensorType
-from hlopar.analysis.sharding import DimSharding
+from hlopar.analysis.sharding import DimSharding, TensorSharding
 from hlopar.ir.extract import clone_into
 from hlopar.passes.base import ModulePass, PassContext, option
 from hlopar.passes.microbatch_index import INDEX_ARG_ATTR
@@ -159,12 +159,14 @@ class RerollStageLoopsPass(ModulePass):
         return spans
 
 
+_UNREAD = frozenset({"stablehlo.slice", "stablehlo.reshape", "stablehlo.concatenate", "sdy.sharding_constraint"})
+
+
 def _erase_unread(block: ir.Block) -> None:
     """The slices and reshapes no one reads any more (a rolled loop reads a range by its counter)."""
     for op in reversed(list(block.operations)):
         op = op.operation
-        if op.name in ("stablehlo.slice", "stablehlo.reshape", "stablehlo.concatenate") and not any(
-                list(r.uses) for r in op.results):
+        if op.name in _UNREAD and not any(list(r.uses) for r in op.results):
             op.erase()
 
 
@@ -568,11 +570,14 @@ def _static_row(stacked: ir.Value, i: int, row_type: ir.Type) -> ir.Value:
 
 def _row_of(value: ir.Value) -> tuple[ir.Value, int] | None:
     """`(stack, r)` when `value` is row r of `stack` (a unit slice of its leading dim, whole
-    in the others, maybe reshaped without that dim), else None."""
+    in the others, maybe reshaped without that dim; through a sharding constraint on it,
+    which a loop reading the row by its counter does without), else None."""
     owner = value.owner
     if isinstance(owner, ir.Block):
         return None
     op = owner.operation
+    if op.name == "sdy.sharding_constraint":
+        return _row_of(op.operands[0])
     if op.name == "stablehlo.reshape" and not isinstance(op.operands[0].owner, ir.Block):
         inner = op.operands[0].owner.operation
         if inner.name == "stablehlo.slice" and list(_shape(op.operands[0])[1:]) == _shape(value):
@@ -581,7 +586,8 @@ def _row_of(value: ir.Value) -> tuple[ir.Value, int] | None:
         return None
     source = op.operands[0]
     start, limit = _ints(op, "start_indices"), _ints(op, "limit_indices")
-    if limit[0] - start[0] != 1 or any(start[1:]) or limit[1:] != _shape(source)[1:] or set(_ints(op, "strides")) != {1}:
+    if (limit[0] - start[0] != 1 or any(start[1:]) or limit[1:] != _shape(source)[1:]
+            or set(_ints(op, "strides")) != {1}):
         return None
     return source, start[0]
 
@@ -742,7 +748,8 @@ def return_stacks(fragment: ir.Operation) -> ir.Operation:
             value.owner.attributes[KIND_ATTR] = row.attributes[KIND_ATTR]
         values.append(value)
         part = fragment.results[positions[0]]
-        types.append(_mesh_type(part, ir.RankedTensorType(stack.type), _shape(stack)[1:] == _shape(returned[positions[0]])))
+        lead = _shape(stack)[1:] == _shape(returned[positions[0]])
+        types.append(_mesh_type(part, ir.RankedTensorType(stack.type), lead))
     new = _refragment(fragment, list(fragment.operands), values, types)
     for k, p in enumerate(kept):
         fragment.results[p].replace_all_uses_with(new.results[k])
@@ -919,68 +926,116 @@ def widen_joins(fragment: ir.Operation) -> int:
     return count
 
 
+_SHARDING = re.compile(r"sdy\.sharding = #sdy\.sharding_per_value<\[(?:<[^<>]*>(?:, )?)*\]>,? ?")
 _PURE = ELEMENTWISE | {"stablehlo.slice", "stablehlo.reshape", "stablehlo.concatenate", "stablehlo.broadcast_in_dim",
                        "stablehlo.constant", "stablehlo.reverse"}
 
 
 @dataclass
 class _Widen:
-    """One value of n rows from n values of one row each (row i of the result is the i-th),
-    made before `before`: a value shared by all rows is broadcast, rows of one stack in order
-    are that stack's slice (reversed for a descending order), values made alike by elementwise
-    ops are made once from their widened operands; None where neither holds."""
+    """One value of n rows from n values (row i of the result is the i-th: with `lead`, each
+    value's unit leading dim becomes the rows, else a leading dim is added), made before
+    `before`: a value shared by all rows is broadcast, rows of one stack in order are that
+    stack's slice (reversed for a descending order), values made alike by elementwise ops (and
+    broadcasts, sharding constraints) are made once from their widened operands; None where
+    neither holds."""
 
     before: ir.Operation
     made: dict[tuple, ir.Value | None] = field(default_factory=dict)
 
-    def __call__(self, values: tuple[ir.Value, ...]) -> ir.Value | None:
-        if values not in self.made:
+    def __call__(self, values: tuple[ir.Value, ...], lead: bool = True) -> ir.Value | None:
+        if (values, lead) not in self.made:
             with ir.InsertionPoint(self.before), self.before.location:
-                self.made[values] = self._widened(values)
-        return self.made[values]
+                self.made[(values, lead)] = self._widened(values, lead)
+        return self.made[(values, lead)]
 
-    def _widened(self, values: tuple[ir.Value, ...]) -> ir.Value | None:
+    def _widened(self, values: tuple[ir.Value, ...], lead: bool) -> ir.Value | None:
         n, t = len(values), ir.RankedTensorType(values[0].type)
-        if t.rank == 0:
-            return values[0] if len(set(values)) == 1 else None
-        if t.shape[0] != 1:
-            return None
-        wide = ir.RankedTensorType.get([n] + list(t.shape[1:]), t.element_type, t.encoding)
+        if lead and (t.rank == 0 or t.shape[0] != 1):
+            return values[0] if t.rank == 0 and len(set(values)) == 1 else None  # a shared scalar operand
+        rest = list(t.shape[1:] if lead else t.shape)
+        wide = ir.RankedTensorType.get([n] + rest, t.element_type, t.encoding)
         if len(set(values)) == 1:
-            return stablehlo.BroadcastInDimOp(wide, values[0], ir.DenseI64ArrayAttr.get(list(range(t.rank)))).result
+            dims = list(range(t.rank)) if lead else list(range(1, t.rank + 1))
+            return stablehlo.BroadcastInDimOp(wide, values[0], ir.DenseI64ArrayAttr.get(dims)).result
         rows = _rows_of_one(values)
         if rows is not None:
-            _, stack, first, step = rows
-            low = first if step == 1 else first - n + 1
-            source = ir.RankedTensorType(stack.type)
-            if low != 0 or source.shape[0] != n:
-                stack = stablehlo.SliceOp(stack, [low] + [0] * (source.rank - 1), [low + n] + list(source.shape[1:]),
-                                          [1] * source.rank).result
-            if step == -1:
-                stack = stablehlo.ReverseOp(stack, ir.DenseI64ArrayAttr.get([0])).result
-            return stack if stack.type == wide else stablehlo.ReshapeOp(wide, stack).result
+            return _rows(rows[1], rows[2], rows[3], n, wide)
         owners = [v.owner for v in values]
-        if any(isinstance(o, ir.Block) for o in owners):
-            return None
-        ops = [o.operation for o in owners]
+        ops = [None if isinstance(o, ir.Block) else o.operation for o in owners]
+        if any(op is None for op in ops) or len(ops[0].results) != 1:
+            return self._joined(values, wide)
+        structures = {_structure(op) for op in ops}
+        if len(structures) > 1 and all(op.name == "sdy.sharding_constraint" for op in ops):
+            return self(tuple(op.operands[0] for op in ops), lead)  # differing constraints: none
+        # Layers laid out differently (a layer cut between stages) are computed alike all the same.
+        if len({_SHARDING.sub("", text) for text in structures}) != 1:
+            return self._joined(values, wide)
         name = ops[0].name
-        if len(ops[0].results) != 1 or len({_structure(op) for op in ops}) != 1:
-            return None
         if name == "stablehlo.constant":
             attr = ir.DenseElementsAttr(ops[0].attributes["value"])
             if not attr.is_splat:
                 return None
             return stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(wide, attr.get_splat_value())).result
         if name == "stablehlo.broadcast_in_dim":
-            if 0 in _ints(ops[0], "broadcast_dimensions") or len({op.operands[0] for op in ops}) != 1:
+            dims = _ints(ops[0], "broadcast_dimensions")
+            if lead and 0 in dims:
                 return None
-        elif name not in ELEMENTWISE:
-            return None
-        operands = [self(tuple(op.operands[k] for op in ops)) for k in range(len(ops[0].operands))]
+            operand = self(tuple(op.operands[0] for op in ops), lead=False)
+            if operand is None:
+                return None
+            return stablehlo.BroadcastInDimOp(wide, operand, ir.DenseI64ArrayAttr.get(
+                [0] + [d if lead else d + 1 for d in dims])).result
+        if name not in ELEMENTWISE:
+            return self._joined(values, wide)
+        operands = [self(tuple(op.operands[k] for op in ops), lead) for k in range(len(ops[0].operands))]
         if any(v is None for v in operands):
             return None
         clone = ops[0].clone(ip=ir.InsertionPoint(self.before))
         for k, v in enumerate(operands):
             clone.operands[k] = v
         clone.results[0].set_type(wide)
+        if name == "sdy.sharding_constraint" and not lead:  # the new rows dim: whole
+            sharding = TensorSharding.parse(str(clone.attributes["sharding"]))
+            clone.attributes["sharding"] = ir.Attribute.parse(
+                replace(sharding, dims=(DimSharding(),) + sharding.dims).format())
+        elif "sdy.sharding" in clone.attributes and (not lead or len(structures) > 1):
+            del clone.attributes["sdy.sharding"]  # of the rank before, or differing: left to propagation
         return clone.results[0]
+
+    def _joined(self, values: tuple[ir.Value, ...], wide: ir.RankedTensorType) -> ir.Value | None:
+        """The values as runs of rows of stacks (in order, each run at least two rows) and
+        single values between them, concatenated (the layer a stage computed outside its
+        loop beside the loop's rows); None without such a run."""
+        segments: list[tuple[int, int]] = []  # (start, end) in values
+        start = 0
+        while start < len(values):
+            end = start + 1
+            while end < len(values) and _rows_of_one(values[start:end + 1]) is not None:
+                end += 1
+            segments.append((start, end))
+            start = end
+        if all(end - start == 1 for start, end in segments):
+            return None
+        parts = []
+        for start, end in segments:
+            t = ir.RankedTensorType.get([end - start] + list(wide.shape[1:]), wide.element_type, wide.encoding)
+            if end - start == 1:
+                value = values[start]
+                parts.append(value if value.type == t else stablehlo.ReshapeOp(t, value).result)
+            else:
+                _, stack, first, step = _rows_of_one(values[start:end])
+                parts.append(_rows(stack, first, step, end - start, t))
+        return stablehlo.ConcatenateOp(parts, 0).result
+
+
+def _rows(stack: ir.Value, first: int, step: int, n: int, wide: ir.RankedTensorType) -> ir.Value:
+    """Rows first, first + step, ... (n of them) of `stack`, as `wide`."""
+    low = first if step == 1 else first - n + 1
+    source = ir.RankedTensorType(stack.type)
+    if low != 0 or source.shape[0] != n:
+        stack = stablehlo.SliceOp(stack, [low] + [0] * (source.rank - 1), [low + n] + list(source.shape[1:]),
+                                  [1] * source.rank).result
+    if step == -1:
+        stack = stablehlo.ReverseOp(stack, ir.DenseI64ArrayAttr.get([0])).result
+    return stack if stack.type == wide else stablehlo.ReshapeOp(wide, stack).result

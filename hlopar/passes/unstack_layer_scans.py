@@ -685,8 +685,8 @@ class _Splitter:
             [a.type for a in self.block.arguments], [v.type for v in ret.operands]))
         main.attributes["arg_attrs"] = ir.ArrayAttr.get(arg_attrs)
         main.attributes["res_attrs"] = ir.ArrayAttr.get(self._res_attrs)
-        main.attributes[LAYER_PIECES_ATTR] = LayerPieces(
-            tuple(self._arg_origin), tuple(self._arg_piece), tuple(self._res_origin), tuple(self._res_piece)).attribute()
+        main.attributes[LAYER_PIECES_ATTR] = LayerPieces(tuple(self._arg_origin), tuple(self._arg_piece),
+                                                         tuple(self._res_origin), tuple(self._res_piece)).attribute()
 
     def _attrs(self, key: str, count: int) -> list[ir.Attribute]:
         if key in self.main.attributes:
