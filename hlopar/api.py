@@ -756,8 +756,8 @@ def describe_plan(planned: PlannedStep) -> str:
         sharded = sum(1 for dims in shardings if '"' in dims)
         shape = "x".join(str(s) for s in info.get("logical_shape", ())) or "?"
         latency = f", predicted {info['latency'] * 1e3:.3g} ms/microbatch" if info.get("latency") else ""
-        latency += (f"; forward recomputed in the backward (remat, per {info.get('remat_form') or 'stage'})"
-                    if info.get("remat") else "")
+        per = "layer" if info.get("remat_form") == "layers" else "stage"
+        latency += f"; forward recomputed in the backward (remat, per {per})" if info.get("remat") else ""
         lines.append(f"  {mesh}: stage {stage}, mesh {shape} on devices {list(program.devices[mesh])}, "
                      f"fragments {', '.join(f.name for f in fragments)}; {sharded} of {len(shardings)} "
                      f"annotated tensors sharded{latency}")

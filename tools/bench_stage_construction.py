@@ -104,7 +104,7 @@ def main() -> int:
     for stage in report["stages"]:
         print(f"    layers {stage['layers'][0]:>2}-{stage['layers'][1]:<2} submesh {tuple(stage['submesh'])} "
               f"logical {tuple(stage['logical_shape'])} latency {stage['latency'] * 1e3:.1f} ms "
-              f"memory {stage['memory_bytes'] / 2**30:.1f} GiB{' remat per ' + (stage.get('remat_form') or 'stage') if stage.get('remat') else ''}")
+              f"memory {stage['memory_bytes'] / 2**30:.1f} GiB{(' remat per layer' if stage.get('remat_form') == 'layers' else ' remat') if stage.get('remat') else ''}")
     print(f"  predicted step {report['predicted_step_seconds']:.3f} s, bubble {report['bubble_fraction']:.1%}")
     tried = ", ".join(f"B={c['microbatches']}: " + (f"{c['total_latency']:.3f} s" if c["total_latency"] is not None
                                                     else "no plan") for c in report["microbatch_candidates"])

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 import hlopar
-from hlopar.api import plan_step
+from hlopar.api import describe_plan, plan_step
 from hlopar.models import get_train_step
 from hlopar.models.gpt import GPTConfig, train_step
 from numerics import assert_adam_step_close
@@ -90,6 +90,7 @@ def test_per_layer_rematerialized_pipeline_equals_one_device(ray_cluster, schedu
         planned = parallel.planned
         stages = planned.plan["stages"]["stages"]
         assert [(s["layers"], s["remat_form"]) for s in stages] == [([0, 1], "layers"), ([2, 4], "layers")]
+        assert describe_plan(planned).count("(remat, per layer)") == 2
         program = planned.program
         text = (planned.bundle / "program.mlir").read_text()
         assert text.count('{hlopar.remat = "layers"}') == 2
