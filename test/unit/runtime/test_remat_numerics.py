@@ -95,8 +95,10 @@ def test_per_layer_rematerialized_pipeline_equals_one_device(ray_cluster, schedu
         text = (planned.bundle / "program.mlir").read_text()
         assert text.count('{hlopar.remat = "layers"}') == 2
         for stage, barriers in ((0, 1), (1, 2)):  # one per layer after the first one recomputed
-            backward = next(f for f in program.fragments if f.stage == stage and f.role == "backward")
-            assert backward.text.count("stablehlo.optimization_barrier") == barriers, backward.name
+            # (eager-1f1b-wd cuts the backward into B and W: each keeps the barriers it needs)
+            counts = [f.text.count("stablehlo.optimization_barrier") for f in program.fragments
+                      if f.stage == stage and f.role in ("backward", "weight")]
+            assert max(counts) == barriers, (stage, counts)
         want = jax.jit(ts.step)(*args)
         assert_adam_step_close(results, want, params, lambda tree: tree[0], rtol=1e-5)
     finally:
