@@ -35,11 +35,12 @@ def table(layers: LayerArrays, *, B: int, memory_gib: float, remat: str, meshes=
                       remat=remat)
 
 
-def test_memory_and_latency_of_both_options_exactly():
+def test_memory_and_latency_of_every_option_exactly():
     layers = arrays(L=3)
     B = 4
     keep = table(layers, B=B, memory_gib=1e9, remat="never")
     forced = table(layers, B=B, memory_gib=1e9, remat="always")
+    per_layer = table(layers, B=B, memory_gib=1e9, remat="layers")
     for i in range(3):
         for j in range(i, 3):
             n = j - i + 1
@@ -55,7 +56,15 @@ def test_memory_and_latency_of_both_options_exactly():
                 inputs = 0.5 if i > 0 else 0.0
                 assert forced.memory[i, j, 0, s - 1] == pytest.approx((2 * n + 8 * n / B + inputs / B * s) * GIB,
                                                                       rel=1e-12)
-                assert forced.remat[i, j, 0, s - 1]
+                assert forced.remat[i, j, 0, s - 1] and not forced.per_layer[i, j, 0, s - 1]
+                # Per layer: the largest layer's activations of one microbatch, and every
+                # boundary the span's layers read (from before i, and between its own) per
+                # microbatch in flight; the same latency.
+                boundaries = inputs + 0.5 * (n - 1)
+                assert per_layer.latency[i, j, 0, s - 1] == forced.latency[i, j, 0, s - 1]
+                assert per_layer.memory[i, j, 0, s - 1] == pytest.approx((2 * n + 8 / B + boundaries / B * s) * GIB,
+                                                                         rel=1e-12)
+                assert per_layer.remat[i, j, 0, s - 1] and per_layer.per_layer[i, j, 0, s - 1]
 
 
 def test_memory_is_the_larger_of_the_update_and_the_forward_backward_phase():
@@ -175,26 +184,6 @@ def test_remat_needs_its_arrays_and_a_known_mode():
 
 
 # --------------------------------------------------------------------------- per layer
-
-
-def test_per_layer_memory_and_latency_exactly():
-    """Forced per layer: state + gradients + the largest layer's activations of one microbatch
-    + every boundary the span's layers read (from before i, and between its own layers) per
-    microbatch in flight; latency as the stage form's (one more forward)."""
-    layers = arrays(L=4)
-    B = 4
-    stage = table(layers, B=B, memory_gib=1e9, remat="always")
-    per_layer = table(layers, B=B, memory_gib=1e9, remat="layers")
-    for i in range(4):
-        for j in range(i, 4):
-            n = j - i + 1
-            boundaries = (0.5 if i > 0 else 0.0) + 0.5 * (n - 1)
-            for s in (1, 2, 3, 4):
-                assert per_layer.per_layer[i, j, 0, s - 1] and per_layer.remat[i, j, 0, s - 1]
-                assert not stage.per_layer[i, j, 0, s - 1]
-                assert per_layer.latency[i, j, 0, s - 1] == stage.latency[i, j, 0, s - 1]
-                assert per_layer.memory[i, j, 0, s - 1] == pytest.approx((2 * n + 8 / B + boundaries / B * s) * GIB,
-                                                                         rel=1e-12)
 
 
 def test_auto_takes_per_layer_only_where_it_alone_fits():
