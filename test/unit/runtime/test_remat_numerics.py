@@ -13,7 +13,8 @@ hundreds of kilobytes of activations).
 
 Per layer (`remat="layers"`, `hlopar.remat = "layers"`): the tiny GPT's two stages (layers
 0-1 and 2-4) recompute layer by layer behind optimization barriers, equal to one device with
-1f1b and gpipe (eager-1f1b and eager-1f1b-wd: heavy); and compiled by stock jaxlib, the
+1f1b and gpipe (heavy: eager-1f1b, eager-1f1b-wd, and the U-Transformer's four stages with
+1f1b, 25-60 s each on 2 cores); and compiled by stock jaxlib, the
 backward of the stage of three layers needs fewer temporaries than the stage form's
 (`memory_analysis()`), on the tiny GPT's architecture at 64 tokens x 16 sequences, where the
 activations outweigh the weights; there every fragment's predicted memory is within 20% of
@@ -75,30 +76,35 @@ def test_rematerialized_pipeline_equals_one_device(ray_cluster, model, schedule,
         parallel.close()
 
 
-LAYER_SCHEDULES = ["1f1b", "gpipe", *(pytest.param(s, marks=pytest.mark.heavy) for s in ("eager-1f1b", "eager-1f1b-wd"))]
+# Per model: the stages' layers and the most barriers a stage's backward (or its B or W part)
+# holds, one per layer recomputed after backward ops ran.
+LAYER_PLANS = {"gpt": ([[0, 1], [2, 4]], [1, 2]), "u_transformer": ([[0, 1], [2, 3], [4, 5], [6, 9]], [1, 1, 1, 3])}
+LAYER_CASES = [*(pytest.param("gpt", s, id=f"gpt-{s}") for s in ("1f1b", "gpipe")),
+               *(pytest.param(m, s, id=f"{m}-{s}", marks=pytest.mark.heavy)
+                 for m, s in (("gpt", "eager-1f1b"), ("gpt", "eager-1f1b-wd"), ("u_transformer", "1f1b")))]
 
 
-@pytest.mark.parametrize("schedule", LAYER_SCHEDULES)
-def test_per_layer_rematerialized_pipeline_equals_one_device(ray_cluster, schedule):
-    ts = get_train_step("gpt", "tiny")
+@pytest.mark.parametrize("model,schedule", LAYER_CASES)
+def test_per_layer_rematerialized_pipeline_equals_one_device(ray_cluster, model, schedule):
+    ts = get_train_step(model, "tiny")
     params = ts.init(jax.random.key(0))
     args = (params, ts.init_opt_state(params), ts.make_batch(jax.random.key(1)))
     parallel = hlopar.parallelize(ts.step, cluster=CLUSTER, method="pipeline", num_microbatches=2,
                                   schedule=schedule, remat="layers", verbose=False)
+    layers, barriers = LAYER_PLANS[model]
     try:
         results = parallel(*args)
         planned = parallel.planned
         stages = planned.plan["stages"]["stages"]
-        assert [(s["layers"], s["remat_form"]) for s in stages] == [([0, 1], "layers"), ([2, 4], "layers")]
-        assert describe_plan(planned).count("(remat, per layer)") == 2
+        assert [(s["layers"], s["remat_form"]) for s in stages] == [(span, "layers") for span in layers]
+        assert describe_plan(planned).count("(remat, per layer)") == len(layers)
         program = planned.program
         text = (planned.bundle / "program.mlir").read_text()
-        assert text.count('{hlopar.remat = "layers"}') == 2
-        for stage, barriers in ((0, 1), (1, 2)):  # one per layer after the first one recomputed
-            # (eager-1f1b-wd cuts the backward into B and W: each keeps the barriers it needs)
-            counts = [f.text.count("stablehlo.optimization_barrier") for f in program.fragments
-                      if f.stage == stage and f.role in ("backward", "weight")]
-            assert max(counts) == barriers, (stage, counts)
+        assert text.count('{hlopar.remat = "layers"}') == len(layers)
+        counts = [max(f.text.count("stablehlo.optimization_barrier") for f in program.fragments
+                      if f.stage == stage and f.role in ("backward", "weight"))  # eager-1f1b-wd: B and W
+                  for stage in range(len(layers))]
+        assert counts == barriers
         want = jax.jit(ts.step)(*args)
         assert_adam_step_close(results, want, params, lambda tree: tree[0], rtol=1e-5)
     finally:
