@@ -38,8 +38,9 @@ def main() -> int:
     parser.add_argument("--stage", type=int, default=None, help="the stage whose fragments to compile")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of each fragment timed (after one warm-up); 0: compile only")
-    parser.add_argument("--batch", type=int, default=None,
-                        help="the model's batch size instead of its configuration's (to run big models on a CPU)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=INT",
+                        help="a field of the model's configuration changed, e.g. batch_size=16 seq_len=256 (to run "
+                             "a big model's stage on a CPU); repeatable")
     parser.add_argument("--program", type=Path, default=None,
                         help="an MPMD program planned before (with --save): skip the export and planning")
     parser.add_argument("--save", type=Path, default=None, help="write the planned MPMD program here")
@@ -61,8 +62,9 @@ def _plan(args) -> str | None:
 
     with tempfile.TemporaryDirectory() as scratch:
         model, config = args.model.split(":", 1)
-        if args.batch is not None:
-            config = replace(MODELS[model].configs[config], batch_size=args.batch)
+        if args.set:
+            fields = dict(item.split("=", 1) for item in args.set)
+            config = replace(MODELS[model].configs[config], **{k: int(v) for k, v in fields.items()})
         source, out = Path(scratch) / "in.mlir", Path(scratch) / "out.mlir"
         source.write_text(get_train_step(model, config).lower(donate=True))
         pipeline = (f"builtin.module(hlopar-import,hlopar-unstack-layer-scans,"
