@@ -817,9 +817,10 @@ def parallelize(fn: Callable | None = None, *, cluster: Cluster | None = None, n
     pays, per stage or per layer; True or "always": every stage, per stage; "layers": every
     stage, per layer; False or "never"; docs/codegen.md, "Rematerialization").
     `stage_loops=True`: each pipeline stage runs the iterations it holds of a scanned layer
-    stack as one loop (`hlopar-reroll-stage-loops`); off by default, as on XLA:CPU the
-    rolled stage compiles slower and copies its layers' pieces into the loop every run
-    (docs/stage_construction.md). Module docstring."""
+    stack as one loop (`hlopar-reroll-stage-loops`), holding those layers' slices of the
+    stacked parameters and state as one range; off by default, as on XLA:CPU the rolled
+    stage still compiles slower than the unrolled one (docs/stage_construction.md, measured).
+    Module docstring."""
     def wrap(function: Callable) -> ParallelizedFunction:
         return ParallelizedFunction(function, cluster=cluster, num_microbatches=num_microbatches, schedule=schedule,
                                     batch_argnums=batch_argnums, donate_argnums=donate_argnums, method=method,

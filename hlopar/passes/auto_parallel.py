@@ -65,8 +65,8 @@ class AutoParallelPass(ModulePass):
                                         "(hlopar-unstack-layer-scans), so that stages can cut between layers")
     reroll: Literal["auto", "never"] = option(
         "never", "auto: run each stage's iterations of an unrolled layer scan as a loop again "
-                 "(hlopar-reroll-stage-loops); never (the default: on XLA:CPU the rolled stages compile slower and "
-                 "copy their layers' pieces into the loop, docs/stage_construction.md)")
+                 "(hlopar-reroll-stage-loops), each stage holding its range as one value; never (the default: on "
+                 "XLA:CPU the rolled stages still compile slower, docs/stage_construction.md)")
     report: str | None = option(None, "write one JSON report of every step's decisions to this path")
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
