@@ -65,7 +65,7 @@ def meshes_reading(program, argument: int) -> set[str]:
 # numerics stay in the default suite (test/unit/microbatch/test_scan_split.py).
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.heavy] if n == "flax_scan_remat" else [])
                                   for n in MODELS])
-def test_scanned_stack_pipelines_and_equals_one_device(ray_cluster, name):
+def test_scanned_stack_pipelines_and_equals_one_device(ray_cluster, tmp_path, name):
     build, pipelined, stage_loops = MODELS[name]
     step, args = build()
     parallel = hlopar.parallelize(step, cluster=CLUSTER, method="auto", num_microbatches=2, verbose=False,
@@ -125,6 +125,11 @@ def test_scanned_stack_pipelines_and_equals_one_device(ray_cluster, name):
             args = (*results[:-1], *args[len(results) - 1:])
             if k + 1 < STEPS:
                 results = parallel(*args)
+        if stage_loops:  # the ranges saved and restored: each worker writes and reads back its rows a:b
+            parallel.save(tmp_path / "saved")
+            restored = parallel.restore(tmp_path / "saved")
+            for got, want in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(results)):
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     finally:
         parallel.close()
 
