@@ -667,29 +667,32 @@ def _refragment(fragment: ir.Operation, operands: Sequence[ir.Value], returned: 
     return new
 
 
-def _read_as_one(fragment: ir.Operation, parts: Sequence[ir.Value], whole: ir.Value) -> ir.Operation:
-    """`fragment` reading `whole` (a stack of rows `parts`, in order) in place of the parts:
-    each part's block argument becomes a slice of the new one (a loop over the rows then
-    reads the stack by its counter, `_rows_of_one`)."""
+def _read_as_one(fragment: ir.Operation, groups: Sequence[tuple[Sequence[ir.Value], ir.Value]]) -> ir.Operation:
+    """`fragment` reading, per group `(parts, whole)`, `whole` (a stack of rows `parts`, in
+    order) in place of the parts: each part's block argument becomes a slice of the new one (a
+    loop over the rows then reads the stack by its counter, `_rows_of_one`)."""
     block = fragment.regions[0].blocks[0]
     operands = list(fragment.operands)
-    local = ir.RankedTensorType(ir.Type.parse(MeshTensorType.parse(str(whole.type)).tensor_type))
-    argument = block.add_argument(local, whole.location)
-    gone = [k for k, v in enumerate(operands) if v in parts]
     first = list(block.operations)[0]
-    with ir.InsertionPoint(first), fragment.location:
-        for k in gone:
-            old = block.arguments[k]
-            row = parts.index(operands[k])
-            t = ir.RankedTensorType(old.type)
-            sliced = stablehlo.SliceOp(argument, [row] + [0] * (local.rank - 1), [row + 1] + list(local.shape)[1:],
-                                       [1] * local.rank).result
-            if sliced.type != t:
-                sliced = stablehlo.ReshapeOp(t, sliced).result
-            old.replace_all_uses_with(sliced)
-    for k in reversed(gone):
+    gone: list[int] = []
+    for parts, whole in groups:
+        local = ir.RankedTensorType(ir.Type.parse(MeshTensorType.parse(str(whole.type)).tensor_type))
+        argument = block.add_argument(local, whole.location)
+        with ir.InsertionPoint(first), fragment.location:
+            for k, v in enumerate(operands):
+                if v not in parts:
+                    continue
+                gone.append(k)
+                old, row = block.arguments[k], parts.index(v)
+                t = ir.RankedTensorType(old.type)
+                sliced = stablehlo.SliceOp(argument, [row] + [0] * (local.rank - 1),
+                                           [row + 1] + list(local.shape)[1:], [1] * local.rank).result
+                if sliced.type != t:
+                    sliced = stablehlo.ReshapeOp(t, sliced).result
+                old.replace_all_uses_with(sliced)
+    for k in sorted(gone, reverse=True):
         block.erase_argument(k)
-    new = _refragment(fragment, [v for k, v in enumerate(operands) if k not in gone] + [whole],
+    new = _refragment(fragment, [v for k, v in enumerate(operands) if k not in gone] + [w for _, w in groups],
                       list(list(block.operations)[-1].operands), [r.type for r in fragment.results])
     for old, made in zip(fragment.results, new.results):
         old.replace_all_uses_with(made)
@@ -709,12 +712,16 @@ def _readers(value: ir.Value) -> list[ir.Operation] | None:
     return found
 
 
-def _read_everywhere_as_one(parts: Sequence[ir.Value], whole: ir.Value) -> None:
+def _read_everywhere_as_one(groups: Sequence[tuple[Sequence[ir.Value], ir.Value]]) -> None:
+    """Every fragment reading parts of the groups reads their wholes instead (`_read_as_one`),
+    each rebuilt once."""
     readers: list[ir.Operation] = []
-    for part in parts:
-        readers += [op for op in _readers(part) if op not in readers]
+    for parts, _ in groups:
+        for part in parts:
+            readers += [op for op in _readers(part) if op not in readers]
     for reader in readers:
-        _read_as_one(reader, parts, whole)
+        read = [(parts, whole) for parts, whole in groups if any(v in parts for v in reader.operands)]
+        _read_as_one(reader, read)
 
 
 def return_stacks(fragment: ir.Operation) -> ir.Operation:
@@ -753,9 +760,8 @@ def return_stacks(fragment: ir.Operation) -> ir.Operation:
     new = _refragment(fragment, list(fragment.operands), values, types)
     for k, p in enumerate(kept):
         fragment.results[p].replace_all_uses_with(new.results[k])
-    for g, (_, positions) in enumerate(groups):
-        parts = [fragment.results[p] for p in positions]
-        _read_everywhere_as_one(parts, new.results[len(kept) + g])
+    _read_everywhere_as_one([([fragment.results[p] for p in positions], new.results[len(kept) + g])
+                             for g, (_, positions) in enumerate(groups)])
     fragment.erase()
     return new
 
@@ -778,7 +784,8 @@ def hold_ranges(main: ir.Operation, spans: dict[str, list[tuple[int, int]]]) -> 
     arg_rows, result_rows = list(pieces.arg_rows), list(pieces.result_rows)
     dropped_args: set[int] = set()
     dropped_results: set[int] = set()
-    joined_parts: set[ir.Value] = set()  # fragment results now returned joined
+    joined_parts: set[ir.Value] = set()  # values fragments now return joined (their own results unread)
+    arg_groups: list[tuple[list[ir.Value], ir.Value]] = []  # read as one once all are known
     held: list[HeldRange] = []
     for mesh, ranges in sorted(spans.items()):
         for a, b in ranges:
@@ -792,7 +799,7 @@ def hold_ranges(main: ir.Operation, spans: dict[str, list[tuple[int, int]]]) -> 
                     continue
                 whole = parts[0]
                 whole.set_type(_mesh_type(whole, _stacked(_tensor(whole), b - a, False), False))
-                _read_everywhere_as_one(parts, whole)
+                arg_groups.append((parts, whole))
                 arg_rows[ks[0]] = b - a
                 dropped_args.update(ks[1:])
                 arguments += 1
@@ -819,16 +826,18 @@ def hold_ranges(main: ir.Operation, spans: dict[str, list[tuple[int, int]]]) -> 
                     old.replace_all_uses_with(made)
                 maker.erase()
                 ret.operands[rs[0]] = new.results[-1]
-                joined_parts.update(new.results[p] for p in positions)
+                joined_parts.update(inner[p] for p in positions)
                 result_rows[rs[0]] = b - a
                 dropped_results.update(rs[1:])
                 results += 1
             if arguments or results:
                 held.append(HeldRange(mesh, a, b - a, arguments, results))
+    _read_everywhere_as_one(arg_groups)
     if held:
         _renumber(main, pieces, arg_rows, result_rows, dropped_args, dropped_results)
         for fragment in [op.operation for op in block.operations if op.operation.name == "mpmd.fragment"]:
-            if any(r in joined_parts for r in fragment.results):
+            returned = list(fragment.regions[0].blocks[0].operations)[-1].operands
+            if any(v in joined_parts for v in returned):
                 _drop_unread(fragment)
     return held
 
