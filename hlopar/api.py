@@ -59,13 +59,11 @@ a later call starts them again. A cluster that can never hold the workers is ref
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import inspect
 import json
 import math
 import os
-import pickle
 import re
 import shutil
 import tempfile
@@ -616,10 +614,7 @@ class ParallelizedFunction:
         (`<mesh>.npz`), with a `manifest.json`; `restore` reads them back."""
         compiled = self._require_run()
         directory = Path(directory)
-        compiled.runtime.save(directory, {
-            "plan": compiled.planned.bundle.name,
-            "out_tree": base64.b64encode(pickle.dumps(compiled.out_tree)).decode(),
-        })
+        compiled.runtime.save(directory, {"plan": compiled.planned.bundle.name})  # the tree: `restore`'s plan's
         return directory
 
     def restore(self, directory: str | os.PathLike):

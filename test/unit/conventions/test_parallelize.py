@@ -3,7 +3,8 @@
 single-device JAX (`reference.py`: what the reference is and the tolerances).
 
 `method="auto"` runs with the default number of microbatches (4 for these batches of 8 and
-32), `method="shard"` with one. Three steps also run under every schedule (two of them
+32), `method="shard"` with one, and then saves and restores the state (`fn.save`,
+`fn.restore`: bit for bit, in the step's own pytree, a Flax `TrainState` included). Three steps also run under every schedule (two of them
 `heavy`: `test_every_schedule`). No `batch_argnums`: hlopar finds the batch itself. Cost:
 3.5 to 8 minutes for the default cases (2 cores, lightly to heavily shared), the
 Flax steps the dearest.
@@ -14,6 +15,7 @@ One Ray cluster and one plan cache for the module (conftest's `ray_cluster`: Ray
 from __future__ import annotations
 
 import inspect
+import tempfile
 import warnings
 
 import jax
@@ -22,11 +24,19 @@ import numpy as np
 import pytest
 
 import hlopar
+from numerics import assert_trees_equal
 from reference import reference_step, trajectory, compare
 from steps import CASES, cross_entropy, data, init_mlp, mlp
 
 CLUSTER = hlopar.Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu")
 STEPS = 3
+
+
+def _key_data(tree):
+    """Typed keys as their key data (numpy reads no key arrays)."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.random.key_data(x) if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+        else x, tree)
 
 
 def train(name: str, method: str, schedule: str = "eager-1f1b") -> None:
@@ -54,6 +64,10 @@ def train(name: str, method: str, schedule: str = "eager-1f1b") -> None:
             compare(case, args, results[k], reference_step(case, args, microbatches))
             np.testing.assert_allclose(float(case.loss(results[k])), float(case.loss(expected[k])), rtol=1e-5)
             args = case.advance(args, results[k])
+        if method == "shard":  # the state saved and restored as the step left it, in fn's own pytree
+            with tempfile.TemporaryDirectory() as directory:
+                parallel.save(directory)
+                assert_trees_equal(_key_data(parallel.restore(directory)), _key_data(results[-1]))
     finally:
         parallel.shutdown()
 
