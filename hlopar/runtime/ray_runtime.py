@@ -728,14 +728,14 @@ class RayRuntime:
         self._place()
         bundle_of_host = {h: k for k, h in enumerate(self.placement.hosts)}
         clock = time.perf_counter()
+        # A lone worker serves no peer during a step: a plain actor runs its calls one at a
+        # time on the process's main thread, where the step runs as fast as in a driver (the
+        # GPT of tools/bench_runtime.py, its one executable, 5 x 6 interleaved steps each at
+        # load 8-16: main thread 0.99-1.01x the driver, an actor's pool thread 1.07-1.20x;
+        # docs/runtime.md). Several workers stay threaded to serve `deliver` and `fetch`.
+        threaded = len(slots) > 1
         for name, slot in slots.items():
             need = self.placement.worker_resources(name)
-            # A lone worker serves no peer during a step: a plain actor runs its calls one at a
-            # time on the process's main thread, where the step runs as fast as in a driver (the
-            # GPT of tools/bench_runtime.py, its one executable, 5 x 6 interleaved steps each at
-            # load 8-16: main thread 0.99-1.01x the driver, an actor's pool thread 1.07-1.20x;
-            # docs/runtime.md). Several workers stay threaded to serve `deliver` and `fetch`.
-            threaded = len(slots) > 1
             options = {"num_cpus": need["CPU"], "max_concurrency": 16 if threaded else 1, "max_restarts": 0,
                        "scheduling_strategy": PlacementGroupSchedulingStrategy(
                            self.group, placement_group_bundle_index=bundle_of_host[slot.host])}
