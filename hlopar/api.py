@@ -34,7 +34,8 @@ back).
 Arguments and results. Results stay on the workers that computed them: a call returns `fn`'s
 output pytree of `runtime.remote_array.RemoteArray`s (shape and dtype known; reading one,
 `float(loss)`, `np.asarray`, `jax.device_get`, printing, a jax function, fetches that one
-value, once). When the next call passes a result back as an argument (new parameters,
+value, once; a scalar, such as the loss, came back with its step's reply). When the next
+call passes a result back as an argument (new parameters,
 optimizer state), the driver sends nothing for it. `batch_argnums`: the positional arguments holding the batch
 (each leaf cut along dim 0 into microbatches); `...` lets the split pass find them (the
 arguments that are not training state). `num_microbatches=None`: the largest divisor of the
@@ -81,7 +82,7 @@ import numpy as np
 from hlopar.analysis.training_roles import RolesError
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.progress import Progress
-from hlopar.runtime.remote_array import RemoteArray, is_key, jax_value
+from hlopar.runtime.remote_array import RemoteArray, is_key, jax_value, with_step
 
 __all__ = ["Cluster", "HloparWarning", "ParallelizedFunction", "PlannedStep", "PlanningError", "parallelize",
            "plan_step"]
@@ -496,7 +497,9 @@ class ParallelizedFunction:
             runtime = RayRuntime(planned.program, self.schedule, placement, timeout=self.timeout,
                                  worker_timeout=self.timeout, log=progress.message, phase=progress.phase,
                                  returned=[r for k, (out, _) in enumerate(outputs) if is_key(out.dtype)
-                                           for r in parts[k]])
+                                           for r in parts[k]],
+                                 copied=[r for k, (out, _) in enumerate(outputs) if with_step(out.shape, out.dtype)
+                                         and not is_key(out.dtype) for r in parts[k]])
             self._compiled = _Compiled(signature, lowered.out_tree, planned, runtime, cluster, outputs, pieces=pieces)
             self._log(f"starting {workers} Ray worker(s)")
             self._release_with(runtime)
@@ -546,9 +549,9 @@ class ParallelizedFunction:
         return self._results(compiled, step, returned)
 
     def _results(self, compiled: _Compiled, step: int, returned: dict):
-        """`fn`'s output pytree of the results of `step`: kept on the workers, but typed keys,
-        which came back with the step (`returned`) and are jax's own key arrays, the only
-        keys `jax.random` takes."""
+        """`fn`'s output pytree of the results of `step`: kept on the workers; typed keys,
+        which came back with the step (`returned`), as jax's own key arrays (the only keys
+        `jax.random` takes); scalars, which came back too, hold their value."""
         runtime = compiled.runtime
         parts = _result_parts(compiled.pieces, len(compiled.outputs))
         outputs = []
@@ -557,8 +560,9 @@ class ParallelizedFunction:
                 words = [returned[r] for r in parts[k]]
                 outputs.append(jax_value(words[0] if len(words) == 1 else np.concatenate(words), out.dtype))
             else:
+                host = returned[parts[k][0]] if len(parts[k]) == 1 and parts[k][0] in returned else None
                 outputs.append(RemoteArray(runtime, runtime.generation, step, k, parts[k], out.shape, out.dtype,
-                                           f"{name} (call {step})"))
+                                           f"{name} (call {step})", host=host))
         return jax.tree_util.tree_unflatten(compiled.out_tree, outputs)
 
     def _donate(self, args: tuple) -> None:

@@ -336,11 +336,13 @@ class MeshWorker:
 
     def run_step(self, step: int, arguments: Mapping[int, object], resident: Mapping[int, tuple[int, int]],
                  pulled: Mapping[int, tuple[int, int, tuple[str, ...]]] | None = None,
-                 release: Sequence[tuple[int, int]] = (), returned: Collection[int] = ()) -> dict:
+                 release: Sequence[tuple[int, int]] = (), returned: Collection[int] = (),
+                 copied: Collection[int] = ()) -> dict:
         """Runs the mesh's stream and updates for one step and keeps its results here; returns
-        only those of `returned` (typed keys: a few bytes, which the driver holds as jax's
-        own key arrays), the driver reads any other with `result`. `arguments`: argument number ->
-        array (or an ObjectRef of one); `resident`: argument number -> (step, result
+        only those of `returned` (typed keys, which the driver holds as jax's own key arrays)
+        and a copy of those of `copied` (scalars, which the driver would read at once:
+        `remote_array`), a few bytes each; the driver reads any other with `result`.
+        `arguments`: argument number -> array (or an ObjectRef of one); `resident`: argument number -> (step, result
         position) of a value this worker keeps; `pulled`: the same, kept by the workers named
         (another mesh's), asked for here; `release`: kept values no longer referenced (or
         donated), dropped once this step's arguments are taken."""
@@ -382,18 +384,18 @@ class MeshWorker:
                 self.kept[(step, r)] = run.read(self.program.results[r], last, once=True)
         run.timing["step_s"] = time.perf_counter() - clock
         run.timing["placed"] = run.placements.moved
-        return {"timing": run.timing, "spans": run.spans, "results": self._returned(step, returned)}
+        return {"timing": run.timing, "spans": run.spans, "results": self._returned(step, returned, copied)}
 
-    def _returned(self, step: int, returned: Collection[int]) -> dict:
-        """The results of `step` in `returned` that live here, as `result` gives them; the
-        previous step's copies are dropped (the driver holds them, `save` needs only the
-        last)."""
+    def _returned(self, step: int, returned: Collection[int], copied: Collection[int] = ()) -> dict:
+        """The results of `step` in `returned` and `copied` that live here, as `result` gives
+        them; the previous step's copies of `returned` are dropped (the driver holds them,
+        `save` needs only the last), `copied` ones stay kept until released."""
         mine = [r for r in returned if r in self.wp.results]
         if self.last != step:
             for r in mine:
                 self.kept.pop((self.last, r), None)
         self.last = step
-        return {r: self.result(step, r) for r in mine}
+        return {r: self.result(step, r) for r in [*mine, *(r for r in copied if r in self.wp.results)]}
 
     def result(self, step: int, r: int):
         """A kept result as the driver (or a peer) reads it: the whole value, or on a
@@ -438,9 +440,9 @@ class MeshWorker:
         np.savez(path, **arrays)
         return str(path)
 
-    def load(self, directory: str, step: int, returned: Collection[int] = ()) -> dict:
+    def load(self, directory: str, step: int, returned: Collection[int] = (), copied: Collection[int] = ()) -> dict:
         """Reads back what `save` wrote and keeps it as the results of `step`; returns those
-        of `returned` (as `run_step`)."""
+        of `returned` and `copied` (as `run_step`)."""
         import jax
 
         carry = {}
@@ -458,7 +460,7 @@ class MeshWorker:
         if missing:
             raise RuntimeError(f"{self.name}: the save holds no results {sorted(missing)}")
         self.kept.update({(step, r): value for r, value in carry.items()})
-        return self._returned(step, returned)
+        return self._returned(step, returned, copied)
 
 
 class _WorkerRun:
@@ -682,9 +684,10 @@ class RayRuntime:
 
     def __init__(self, program: PipelineProgram, schedule: str, placement: Placement, *,
                  timeout: float = 300.0, worker_timeout: float = 120.0, log=None, phase=None,
-                 returned: Collection[int] = ()):
+                 returned: Collection[int] = (), copied: Collection[int] = ()):
         self.program = program
         self.returned = tuple(returned)  # results that come back with each step (typed keys)
+        self.copied = tuple(copied)  # results kept on the workers whose copy comes back too (scalars)
         self.schedule = schedule
         self.placement = placement
         self.layout = placement.workers
@@ -701,7 +704,7 @@ class RayRuntime:
         self.setup_info: dict[str, dict] = {}
         self.last_stats: StepStats | None = None
         self.released: deque[tuple[int, int, int]] = deque()  # (generation, step, result): to drop
-        self.fetched_bytes = 0  # result bytes read by the driver, in all
+        self.fetched_bytes = 0  # result bytes that reached the driver (read, or returned with a step), in all
 
     @property
     def alive(self) -> bool:
@@ -823,7 +826,7 @@ class RayRuntime:
     def run(self, arguments: Sequence, resident: Mapping[int, tuple[int, int]] | None = None
             ) -> tuple[int, dict[int, np.ndarray]]:
         """One step on the whole batch; returns its number, by which its results are read
-        (the workers keep them), and the values of the `returned` ones. `arguments`: @main's
+        (the workers keep them), and the values of the `returned` and `copied` ones. `arguments`: @main's
         arguments (host arrays; anything for a resident one); `resident`: argument number ->
         (step, result position) of a result the workers still keep (not sent: its mesh's
         workers use their copy, the workers of another mesh that read it ask them for it)."""
@@ -871,7 +874,7 @@ class RayRuntime:
                 else:
                     sent[i] = np.asarray(arguments[i])
             calls[name] = self.actors[name].run_step.remote(step, sent, kept, pulled, release.get(slot.mesh, ()),
-                                                            self.returned)
+                                                            self.returned, self.copied)
             sent_by_worker[name], kept_by_worker[name], pulled_by_worker[name] = tuple(sent), tuple(kept), tuple(pulled)
         outputs = self._gather(calls, f"step {step}")
         self.last_stats = StepStats(time.perf_counter() - clock, {n: o["timing"] for n, o in outputs.items()},
@@ -920,12 +923,15 @@ class RayRuntime:
         return out
 
     def _assembled(self, outputs: Mapping[str, Mapping]) -> dict[int, np.ndarray]:
-        """The `returned` results from what each worker returned."""
+        """The `returned` and `copied` results from what each worker returned (counted in
+        `fetched_bytes`)."""
         parts: dict[int, list] = {}
         for output in outputs.values():
             for r, value in output["results"].items():
                 parts.setdefault(r, []).append(value)
-        return {r: _whole(values) for r, values in parts.items()}
+        whole = {r: _whole(values) for r, values in parts.items()}
+        self.fetched_bytes += sum(np.asarray(value).nbytes for value in whole.values())
+        return whole
 
     def _gather(self, calls: Mapping[str, object], what: str) -> dict[str, object]:
         """Waits for one call per worker, up to `timeout`; on a dead worker, an error or the
@@ -974,7 +980,7 @@ class RayRuntime:
     def load(self, directory: str | Path) -> tuple[int, dict[int, np.ndarray]]:
         """Each worker reads back its kept results as those of a new step; returns as `run`."""
         self.step_id += 1
-        loaded = self._gather({n: a.load.remote(str(directory), self.step_id, self.returned)
+        loaded = self._gather({n: a.load.remote(str(directory), self.step_id, self.returned, self.copied)
                                for n, a in self.actors.items()}, "restore")
         return self.step_id, self._assembled({n: {"results": values} for n, values in loaded.items()})
 

@@ -17,6 +17,12 @@ Typed random keys (`jax.random.key`) are not RemoteArrays: `jax.random`'s functi
 only jax's own key arrays, so a key result comes back with its step (a few bytes; the api
 wraps its key data, `jax_value`) and is sent again when passed back.
 
+A scalar result (a loss, a metric, a step count) also comes back with its step's reply
+(`host`, `with_step`), as Ray itself returns small objects inline: the worker
+has waited for the step anyway, and a read would cost a second round trip to the worker for
+a few bytes (a training loop reads its loss every step). It is still a RemoteArray kept on
+the workers (passed back, it moves nothing), read without asking them.
+
 A result the caller no longer references is released: its finalizer tells the runtime,
 which drops it on the workers at the start of the next step. A donated one
 (`donate_argnums`) is deleted as jax deletes donated arrays: reading it afterwards raises
@@ -33,7 +39,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-__all__ = ["RemoteArray", "ResultSource", "is_key", "jax_value", "key_impl"]
+__all__ = ["RemoteArray", "ResultSource", "is_key", "jax_value", "key_impl", "with_step"]
 
 
 class ResultSource(Protocol):
@@ -52,6 +58,12 @@ class ResultSource(Protocol):
 
 def is_key(dtype) -> bool:
     return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def with_step(shape, dtype) -> bool:
+    """Whether a result leaf's value comes back with its step's reply: a typed key, or a
+    scalar (module docstring)."""
+    return is_key(dtype) or int(np.prod(shape, dtype=np.int64)) == 1
 
 
 def key_impl(dtype) -> str:
@@ -73,15 +85,16 @@ def jax_value(host, dtype) -> jax.Array:
 class RemoteArray:
     """Result leaf `result` of step `step` of the workers of `source` (its `generation`):
     the program's results `parts` (several: the pieces of stacked layers, joined along
-    their first axis when read). Module docstring."""
+    their first axis when read); `host`: its value, when it came back with the step (a
+    scalar). Module docstring."""
 
     __slots__ = ("shape", "dtype", "_source", "_generation", "_step", "_result", "_parts", "_what", "_pending",
-                 "_value", "_deleted", "__weakref__")
+                 "_value", "_host", "_deleted", "__weakref__")
 
     __array_priority__ = 100  # numpy defers binary operators to ours
 
     def __init__(self, source: ResultSource, generation: int, step: int, result: int, parts: tuple[int, ...], shape,
-                 dtype, what: str = "a result"):
+                 dtype, what: str = "a result", host: np.ndarray | None = None):
         self.shape = tuple(int(n) for n in shape)
         self.dtype = np.dtype(dtype)  # never a key's (module docstring)
         self._source = source
@@ -92,6 +105,7 @@ class RemoteArray:
         self._what = what
         self._pending = None
         self._value: jax.Array | None = None
+        self._host = host
         self._deleted = False
         weakref.finalize(self, _release, source, generation, step, self._parts)
 
@@ -127,7 +141,7 @@ class RemoteArray:
         """Deleted as a donated jax array is: the workers drop it, reading it raises."""
         if not self._deleted:
             self._deleted = True
-            self._value = self._pending = None
+            self._value = self._pending = self._host = None
             _release(self._source, self._generation, self._step, self._parts)
 
     def block_until_ready(self) -> RemoteArray:
@@ -137,7 +151,7 @@ class RemoteArray:
 
     def copy_to_host_async(self) -> None:
         """Starts fetching (`jax.device_get` calls it on every leaf before reading any)."""
-        if self._value is None and self._pending is None and not self._deleted:
+        if self._value is None and self._host is None and self._pending is None and not self._deleted:
             try:
                 self._pending = self._source.fetch_start(self._generation, self._step, self._parts)
             except RuntimeError as error:
@@ -148,7 +162,9 @@ class RemoteArray:
         if self._deleted:
             raise RuntimeError(f"{self._what} has been deleted (donated to a later call, or deleted): "
                                "it can no longer be read")
-        if self._value is None:
+        if self._value is None and self._host is not None:
+            self._value = jax_value(self._host, self.dtype)
+        elif self._value is None:
             self.copy_to_host_async()
             pending, self._pending = self._pending, None
             parts = self._source.fetch_finish(pending, self._what)

@@ -2,7 +2,8 @@
 `fn`'s pytree, the driver receives the bytes of what it reads and nothing else, a result
 passed back moves nothing, an unreferenced or donated one is dropped on the workers, and a
 result reads like the jax array it holds (numpy, jax functions, `jax.jit`, printing); typed
-keys come back with the step as jax's own key arrays.
+keys come back with the step as jax's own key arrays, and scalars (a loss) with it too,
+so that reading them asks the workers nothing.
 
 What reaches the driver is counted at its one door: every `ray.get` the driver makes,
 each returned object pickled with protocol 5, whose out-of-band buffers are the bytes of
@@ -80,10 +81,10 @@ def test_a_100_mb_state_trains_with_only_the_loss_reaching_the_driver(ray_cluste
             *state, loss = parallel(*state, x, y)
             assert isinstance(loss, RemoteArray) and all(isinstance(s, RemoteArray) for s in state)
             assert state[0].shape == (n, k) and state[0].dtype == np.float32  # known without reading
-            assert counted.take()[0] == 0  # the step itself: no array reached the driver
-            losses.append(float(loss))
             arrays, total = counted.take()
-            assert arrays == loss.nbytes == 4 and total < 2048, (arrays, total)  # the loss, once
+            assert arrays == loss.nbytes == 4 and total < 4096, (arrays, total)  # the step: the loss alone
+            losses.append(float(loss))
+            assert counted.take() == (0, 0)  # read without asking the workers
             stats = parallel.last_stats
             assert stats.sent == {"m0": (2, 3)} and stats.kept == {"m0": (0, 1)}  # only the batch went out
         # What the workers keep: the live state and loss, and the last step's released results
@@ -121,14 +122,14 @@ def test_results_read_like_the_jax_arrays_they_hold(ray_cluster, monkeypatch, tm
         assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(expected)
         new, new_key, loss = out
         assert isinstance(new["w"], RemoteArray) and isinstance(loss, RemoteArray)
-        assert parallel.runtime.fetched_bytes == 0
+        assert parallel.runtime.fetched_bytes == 8 + 4  # the key and the loss came with the step
         assert (new["w"].shape, new["w"].dtype, new["w"].ndim, new["w"].size) == ((4, 3), np.float32, 2, 12)
         assert isinstance(new_key, jax.Array) and new_key.dtype == key.dtype and new_key.shape == ()
 
-        # Reading: each value fetched once, alone.
+        # Reading: each value fetched once, alone (the loss is already here).
         counted = DriverBytes(monkeypatch)
         value = float(loss)
-        assert counted.take()[0] == 4
+        assert counted.take()[0] == 0
         np.testing.assert_allclose(value, float(expected[2]), rtol=1e-6)
         held = jax.device_put(np.float32(value))
         assert repr(loss) == repr(held) and str(loss) == str(held) and f"{loss:.4f}" == f"{value:.4f}"
@@ -146,12 +147,12 @@ def test_results_read_like_the_jax_arrays_they_hold(ray_cluster, monkeypatch, tm
         np.testing.assert_allclose(jnp.sum(new["w"]), jnp.sum(expected[0]["w"]), rtol=1e-6)
         again = jax.jit(keyed_step)(new["w"], new_key, x)
 
-        # Passed back, the state moves nothing (the key's 8 bytes go and come back); the step
-        # equals single-device JAX's from the same values.
+        # Passed back, the state moves nothing (the key's 8 bytes go and come back, with the
+        # loss's 4); the step equals single-device JAX's from the same values.
         counted.take()
         second = parallel(new["w"], new_key, x)
         assert parallel.last_stats.kept == {"m0": (0,)} and parallel.last_stats.sent == {"m0": (1, 2)}
-        assert counted.take()[0] == 8
+        assert counted.take()[0] == 8 + 4
         np.testing.assert_allclose(second[0]["w"], again[0]["w"], rtol=1e-6)
         np.testing.assert_allclose(second[2], again[2], rtol=1e-6)
 
@@ -173,7 +174,8 @@ def sgd_step(w, x):
 def test_donated_and_lost_results(ray_cluster):
     """A donated result is deleted, as jax deletes donated arrays: reading it or passing it
     again raises, naming it; the workers drop it at the next step. After the workers stop,
-    a result read before is sent again, one never read cannot be had."""
+    a result read before (or a scalar, which came with its step) is sent again, one never
+    read cannot be had."""
     w = jnp.ones((4, 3), jnp.float32)
     x = jnp.ones((8, 4), jnp.float32)
     parallel = hlopar.parallelize(sgd_step, cluster=ONE_HOST, method="shard", donate_argnums=(0,),
@@ -195,14 +197,15 @@ def test_donated_and_lost_results(ray_cluster):
         read = np.asarray(third)  # read before the workers stop: kept on the driver
 
         parallel.shutdown()
-        with pytest.raises(RuntimeError, match=r"sgd_step's result \[1\] \(call 3\) cannot be read: its workers "
-                                               "were stopped"):
-            float(unread)
+        np.testing.assert_allclose(float(unread), float(reference(expected[0], x)[1]), rtol=1e-6)  # came with call 3
         # `third` was read before: the next call (fresh workers) sends it.
         fourth, loss = parallel(third, x)
         assert parallel.last_stats.sent == {"m0": (0, 1)}
         np.testing.assert_allclose(float(loss), float(reference(read, x)[1]), rtol=1e-6)
         parallel.shutdown()
+        with pytest.raises(RuntimeError, match=r"sgd_step's result \[0\] \(call 4\) cannot be read: its workers "
+                                               "were stopped"):
+            np.asarray(fourth)
         with pytest.raises(RuntimeError, match=r"sgd_step's argument \[0\]: .*\(call 4\) cannot be read: its "
                                                "workers were stopped"):
             parallel(fourth, x)
