@@ -21,7 +21,10 @@ The first call (per argument signature: pytree structure, shapes, dtypes):
      (num_hosts × devices_per_host), planned by hlopar-auto-sharding;
    then codegen (`codegen.pipeline_program`) and the bundle (`codegen.bundle.write_bundle`);
 3. starts one Ray worker per (mesh, host) (`runtime.ray_runtime`), which compiles its
-   fragments.
+   fragments; or, where the plan is one mesh and one executable on this machine's one host
+   and this process's jax sees its devices, compiles that executable here and runs it here,
+   as `jax.jit` does (`runtime="auto"`, `runtime.in_process`: no worker, no Ray; results
+   are `jax.Array`s on those devices). `runtime="ray"` always uses workers.
 
 With `verbose`, these phases show on stderr (`progress.Progress`: one line redrawn in place
 on a terminal, a line per phase otherwise); `verbose=False` prints nothing.
@@ -31,7 +34,8 @@ Later calls only run. The bundle is cached on disk under `$HLOPAR_CACHE_DIR` (de
 options: a new process with the same step skips planning (codegen reads `program.mlir`
 back).
 
-Arguments and results. Results stay on the workers that computed them: a call returns `fn`'s
+Arguments and results. Results stay on the workers that computed them (in this process's
+devices for a plan run here): a call returns `fn`'s
 output pytree of `runtime.remote_array.RemoteArray`s (shape and dtype known; reading one,
 `float(loss)`, `np.asarray`, `jax.device_get`, printing, a jax function, fetches that one
 value, once; a scalar, such as the loss, came back with its step's reply). When the next
@@ -82,7 +86,8 @@ import numpy as np
 from hlopar.analysis.training_roles import RolesError
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.progress import Progress
-from hlopar.runtime.remote_array import RemoteArray, is_key, jax_value, with_step
+from hlopar.runtime.ray_runtime import RayRuntime
+from hlopar.runtime.remote_array import RemoteArray, is_key, jax_value, key_impl, with_step
 
 __all__ = ["Cluster", "HloparWarning", "ParallelizedFunction", "PlannedStep", "PlanningError", "parallelize",
            "plan_step"]
@@ -91,6 +96,7 @@ METHODS = ("auto", "shard", "pipeline")
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
 RNG_MODES = ("exact", "per-microbatch")
 REMAT_MODES = ("auto", "always", "never", "layers")
+RUNTIMES = ("auto", "ray", "process")
 CACHE_VERSION = "hlopar-plan-v9"  # bumped when the planner's output changes
 
 
@@ -400,13 +406,15 @@ class ParallelizedFunction:
 
     def __init__(self, fn: Callable, *, cluster: Cluster | None, num_microbatches: int | None, schedule: str,
                  batch_argnums, donate_argnums: Sequence[int], method: str, rng: str, timeout: float, cache: bool,
-                 verbose: bool, remat: str | bool = "auto", stage_loops: bool = False):
+                 verbose: bool, remat: str | bool = "auto", stage_loops: bool = False, runtime: str = "auto"):
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         if rng not in RNG_MODES:
             raise ValueError(f"rng must be one of {', '.join(RNG_MODES)}, got {rng!r}")
+        if runtime not in RUNTIMES:
+            raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
         remat = {True: "always", False: "never"}[remat] if isinstance(remat, bool) else remat
         if remat not in REMAT_MODES:
             raise ValueError(f"remat must be True, False or one of {', '.join(REMAT_MODES)}, got {remat!r}")
@@ -421,6 +429,7 @@ class ParallelizedFunction:
         self.rng = rng
         self.remat = remat
         self.stage_loops = bool(stage_loops)
+        self.runtime_kind = runtime
         self.timeout = timeout
         self.cache = cache
         self.verbose = verbose
@@ -481,27 +490,38 @@ class ParallelizedFunction:
             return self._compiled
         self.shutdown()
         from hlopar.passes.unstack_layer_scans import LayerPieces
-        from hlopar.runtime.ray_runtime import RayRuntime, placement_of
+        from hlopar.runtime.in_process import InProcessRuntime, in_process_devices
+        from hlopar.runtime.ray_runtime import placement_of
 
         cluster = (self.cluster or Cluster.local()).resolved()
         self._progress = progress = Progress(self.verbose)
         try:
             planned, lowered = self._plan(cluster, args)
-            placement = placement_of(planned.program, cluster.devices_per_host, local=cluster.is_local,
-                                     device_kind=cluster.device_kind)
-            workers = len(placement.workers.slots)
-            _connect(cluster)
             outputs = _output_leaves(lowered, self.__name__)
             pieces = LayerPieces.from_json(planned.plan.get("layer_pieces"))
-            parts = _result_parts(pieces, len(outputs))
-            runtime = RayRuntime(planned.program, self.schedule, placement, timeout=self.timeout,
-                                 worker_timeout=self.timeout, log=progress.message, phase=progress.phase,
-                                 returned=[r for k, (out, _) in enumerate(outputs) if is_key(out.dtype)
-                                           for r in parts[k]],
-                                 copied=[r for k, (out, _) in enumerate(outputs) if with_step(out.shape, out.dtype)
-                                         and not is_key(out.dtype) for r in parts[k]])
+            devices, why_not = (None, "runtime='ray'") if self.runtime_kind == "ray" else in_process_devices(
+                planned.program, cluster.device_kind, one_host=cluster.is_local and cluster.num_hosts == 1,
+                pieces=pieces is not None)
+            if devices is None and self.runtime_kind == "process":
+                raise ValueError(f"{self.__name__} cannot run in this process (runtime='process'): {why_not}")
+            if devices is not None:
+                runtime = InProcessRuntime(planned.program, devices, log=progress.message, phase=progress.phase)
+                self._log(f"running in this process on {len(devices)} {cluster.device_kind} device(s), as jax.jit "
+                          "does (no Ray workers)")
+            else:
+                placement = placement_of(planned.program, cluster.devices_per_host, local=cluster.is_local,
+                                         device_kind=cluster.device_kind)
+                _connect(cluster)
+                parts = _result_parts(pieces, len(outputs))
+                runtime = RayRuntime(planned.program, self.schedule, placement, timeout=self.timeout,
+                                     worker_timeout=self.timeout, log=progress.message, phase=progress.phase,
+                                     returned=[r for k, (out, _) in enumerate(outputs) if is_key(out.dtype)
+                                               for r in parts[k]],
+                                     copied=[r for k, (out, _) in enumerate(outputs)
+                                             if with_step(out.shape, out.dtype) and not is_key(out.dtype)
+                                             for r in parts[k]])
+                self._log(f"starting {len(placement.workers.slots)} Ray worker(s) ({why_not})")
             self._compiled = _Compiled(signature, lowered.out_tree, planned, runtime, cluster, outputs, pieces=pieces)
-            self._log(f"starting {workers} Ray worker(s)")
             self._release_with(runtime)
             runtime.start()
         finally:
@@ -532,6 +552,8 @@ class ParallelizedFunction:
     def __call__(self, *args):
         compiled = self.compile(*args)
         runtime = compiled.runtime
+        if not isinstance(runtime, RayRuntime):
+            return self._call_in_process(compiled, args)
         paths_and_leaves = jax.tree_util.tree_flatten_with_path(args)[0]
         arguments, resident = [], {}  # resident: leaf -> (step, result leaf) the workers keep
         for i, (path, leaf) in enumerate(paths_and_leaves):
@@ -547,6 +569,25 @@ class ParallelizedFunction:
                                                          self.__name__))
         self._donate(args)
         return self._results(compiled, step, returned)
+
+    def _call_in_process(self, compiled: _Compiled, args: tuple):
+        """A call run here (`runtime.in_process`): the leaves go in as they are, the results
+        come back as `jax.Array`s (typed keys wrapped from their key data)."""
+        arguments = []
+        for path, leaf in jax.tree_util.tree_flatten_with_path(args)[0]:
+            if isinstance(leaf, RemoteArray):  # another parallelized function's result
+                leaf = _read_argument(leaf, f"{self.__name__}'s argument {jax.tree_util.keystr(path)}")
+            arguments.append(_key_data(leaf))
+        results = compiled.runtime.run(arguments)
+        self._donate(args)
+        return self._local_results(compiled, results)
+
+    @staticmethod
+    def _local_results(compiled: _Compiled, results: list) -> Any:
+        """`fn`'s output pytree of results made in this process."""
+        return jax.tree_util.tree_unflatten(compiled.out_tree, [
+            jax.random.wrap_key_data(x, impl=key_impl(out.dtype)) if is_key(out.dtype) else x
+            for x, (out, _) in zip(results, compiled.outputs)])
 
     def _results(self, compiled: _Compiled, step: int, returned: dict):
         """`fn`'s output pytree of the results of `step`: kept on the workers; typed keys,
@@ -634,6 +675,8 @@ class ParallelizedFunction:
                              f"{compiled.planned.bundle.name}")
         if not compiled.runtime.alive:
             self._restart()
+        if not isinstance(compiled.runtime, RayRuntime):
+            return self._local_results(compiled, compiled.runtime.load(directory))
         return self._results(compiled, *compiled.runtime.load(directory))
 
     def _require_run(self) -> _Compiled:
@@ -805,7 +848,7 @@ _SHARDING = re.compile(r"#sdy\.sharding<@[\w.]+, \[(.*?)\]>")
 def parallelize(fn: Callable | None = None, *, cluster: Cluster | None = None, num_microbatches: int | None = None,
                 schedule: str = "eager-1f1b", batch_argnums=..., donate_argnums: Sequence[int] | int = (),
                 method: str = "auto", rng: str = "exact", timeout: float = 300.0, cache: bool = True,
-                verbose: bool = True, remat: str | bool = "auto", stage_loops: bool = False):
+                verbose: bool = True, remat: str | bool = "auto", stage_loops: bool = False, runtime: str = "auto"):
     """`fn` (a pure JAX function, e.g. a training step) run over a cluster: a callable with
     `fn`'s signature and results. Usable as a decorator, with or without arguments.
     `verbose=False` silences the first call's progress display and messages. `rng`:
@@ -819,11 +862,13 @@ def parallelize(fn: Callable | None = None, *, cluster: Cluster | None = None, n
     stack as one loop (`hlopar-reroll-stage-loops`), holding those layers' slices of the
     stacked parameters and state as one range; off by default, as on XLA:CPU the rolled
     stage still compiles slower than the unrolled one (docs/stage_construction.md, measured).
-    Module docstring."""
+    `runtime`: "process" runs the plan in this process, as `jax.jit` does (one host, one mesh,
+    one executable, on devices this process's jax sees: `runtime.in_process`); "ray" on Ray
+    workers; "auto" in this process where the plan allows it, else on Ray. Module docstring."""
     def wrap(function: Callable) -> ParallelizedFunction:
         return ParallelizedFunction(function, cluster=cluster, num_microbatches=num_microbatches, schedule=schedule,
                                     batch_argnums=batch_argnums, donate_argnums=donate_argnums, method=method,
                                     rng=rng, timeout=timeout, cache=cache, verbose=verbose, remat=remat,
-                                    stage_loops=stage_loops)
+                                    stage_loops=stage_loops, runtime=runtime)
 
     return wrap if fn is None else wrap(fn)

@@ -28,10 +28,13 @@ workers (each its own 8 or 4 CPU devices, on the same cores):
   `local_executor.PipelinedStep`: the plan fragment by fragment, without Ray;
 - `one-program-shard-plan`: the same plan as the one executable its worker runs (one mesh,
   one microbatch: `codegen.one_program`), run in this process on `jax.Array`s, each step on
-  the last step's results as they left the devices: the plan without Ray, the driver and the
-  worker, so that `hlopar-shard-1x8` over it is the Ray runtime's own cost;
+  the last step's results as they left the devices: the plan without hlopar's runtime, so
+  that `hlopar-shard-1x8` over it is the runtime's own cost;
 - `hlopar-<method>-<hosts>x<devices>`: `hlopar.parallelize(method=...)` on
-  `Cluster.local(hosts, devices)`: shard, auto and pipeline on 1 x 8; `hlopar-pipelined-2x4`:
+  `Cluster.local(hosts, devices)`: shard, auto and pipeline on 1 x 8, each run in this
+  process where the plan allows it (`runtime="auto"`: one mesh, one executable;
+  `runtime.in_process`); `hlopar-shard-1x8-ray`: the "shard" plan on a Ray worker
+  (`runtime="ray"`), the Ray runtime's own cost; `hlopar-pipelined-2x4`:
   a pipelined plan on two simulated hosts of 4 devices, 1f1b, the first of method
   pipeline or auto, 2 or 4 microbatches, whose plan has several meshes (the row says which).
 
@@ -48,13 +51,16 @@ For hlopar rows the runtime's own timing (`ParallelizedFunction.last_stats`) is 
 medians too: `critical_s`, the slowest worker's own step (its `run_step`: stream, waits
 and updates), `executables_s` (the sum over meshes of their executables' run time) and
 `step_over_critical`. The targets of issue 18 are checked in `targets`: the "shard" plan at
-most 1.05x the same plan without the runtime, against `jit-plan-shardings`, `xla-shard-plan`
-and `fragments-shard-plan`; a pipelined plan's step at most 1.2x its slowest worker's critical path.
+most 1.05x the same plan without the runtime (`shard_over_...`; on Ray, `ray_shard_over_...`),
+against `jit-plan-shardings`, `xla-shard-plan`, `fragments-shard-plan` and
+`one-program-shard-plan` (the like for like); a pipelined plan's step at most 1.2x its
+slowest worker's critical path.
 
 `--json` prints `{"machine", "config", "rows": [{"way", "step_s", "ratio_to_jit", ...}],
 "targets"}`. `--quick` (a test runs it): a GPT of hidden 64, 2 layers, seq 16, batch 8,
 vocabulary 128, 1 warm-up and 2 timed steps, the ways in this process but `xla-shard-plan`
-(planning the whole step is the slowest part) and hlopar's "shard" plan. `--transport SIZES`: also the CPU transport's throughput, a payload of each size (MiB)
+(planning the whole step is the slowest part) and hlopar's "shard" plan in process and on
+Ray. `--transport SIZES`: also the CPU transport's throughput, a payload of each size (MiB)
 from one Ray actor to another through `ObjectStoreTransport.send` against `numpy.copy` of
 the same bytes.
 """
@@ -91,6 +97,7 @@ IN_PROCESS_WAYS = ("jit-1-device", "jit-data-parallel", "jit-plan-shardings", "x
                    "one-program-shard-plan")
 HLOPAR_WAYS = {  # way -> hosts, devices per host, the (method, options) to try in turn
     "hlopar-shard-1x8": (1, 8, [("shard", {})]),
+    "hlopar-shard-1x8-ray": (1, 8, [("shard", {"runtime": "ray"})]),
     "hlopar-auto-1x8": (1, 8, [("auto", {})]),
     "hlopar-pipeline-1x8": (1, 8, [("pipeline", {})]),
     # The planner chooses the stages (its costs change with the code): the first plan of
@@ -100,7 +107,7 @@ HLOPAR_WAYS = {  # way -> hosts, devices per host, the (method, options) to try 
 }
 WAYS = IN_PROCESS_WAYS + tuple(HLOPAR_WAYS)
 QUICK_WAYS = ("jit-1-device", "jit-data-parallel", "jit-plan-shardings", "fragments-shard-plan", "one-program-shard-plan",
-              "hlopar-shard-1x8")
+              "hlopar-shard-1x8", "hlopar-shard-1x8-ray")
 TARGET_SAME_SHARDINGS = 1.05
 TARGET_CRITICAL = 1.2
 
@@ -292,8 +299,11 @@ def hlopar_way(way: str, step, args) -> Runner:
             break
     runner = Runner(way, parallel, args, {"method": method, "cluster": f"{hosts}x{per_host}",
                                           "first_call_s": time.perf_counter() - clock}, parallel.close).first()
-    program = parallel.runtime.program
-    runner.row.update({"microbatches": program.microbatches, "workers": len(parallel.runtime.layout.slots),
+    runtime = parallel.runtime
+    program = runtime.program
+    layout = getattr(runtime, "layout", None)  # Ray's workers; none in process
+    runner.row.update({"runtime": type(runtime).__name__, "microbatches": program.microbatches,
+                       "workers": len(layout.slots) if layout else 0,
                        "meshes": {m: len(program.devices[m]) for m in program.meshes}})
     return runner
 
@@ -349,10 +359,11 @@ def bench(args) -> dict:
     targets = {}
     for key, other in (("ratio_to_plan_shardings", "jit-plan-shardings"), ("ratio_to_whole_plan", "xla-shard-plan"),
                        ("ratio_to_fragments", "fragments-shard-plan"), ("ratio_to_one_program", "one-program-shard-plan")):
-        if "hlopar-shard-1x8" in by_way and other in by_way:
-            ratio = by_way["hlopar-shard-1x8"][key]
-            targets[f"shard_over_{key[len('ratio_to_'):]}"] = {"ratio": ratio, "target": TARGET_SAME_SHARDINGS,
-                                                               "met": ratio <= TARGET_SAME_SHARDINGS}
+        for way, name in (("hlopar-shard-1x8", "shard"), ("hlopar-shard-1x8-ray", "ray_shard")):
+            if way in by_way and other in by_way:
+                ratio = by_way[way][key]
+                targets[f"{name}_over_{key[len('ratio_to_'):]}"] = {"ratio": ratio, "target": TARGET_SAME_SHARDINGS,
+                                                                    "met": ratio <= TARGET_SAME_SHARDINGS}
     for row in rows:
         if len(row.get("meshes", ())) > 1 and "step_over_critical" in row:
             targets[f"{row['way']}_over_critical"] = {"ratio": row["step_over_critical"], "target": TARGET_CRITICAL,

@@ -70,7 +70,7 @@ from hlopar.runtime.mesh_processes import (Pieces, WorkerLayout, coordinator_add
                                            join_mesh, local_pieces, mesh_devices, routes, worker_layout)
 from hlopar.runtime.fragment_calls import Placements, free_stash, run_fragment
 from hlopar.runtime.host_devices import host_device_environment
-from hlopar.runtime.step_arguments import step_arguments
+from hlopar.runtime.step_arguments import check_batch, step_arguments
 from hlopar.runtime.transports import Mailbox, TransportError, pack, transport_for, unpack, unpack_shards
 
 __all__ = ["WORKER_CPUS", "MeshWorker", "Placement", "RayRuntime", "WorkerError", "WorkerProgram", "placement_of",
@@ -838,14 +838,7 @@ class RayRuntime:
         resident = dict(resident or {})
         arguments = step_arguments([None if i in resident else a for i, a in enumerate(arguments)],
                                    len(program.argument_shapes), program.index_arg, program.microbatches)
-        for i in program.batch_args:
-            if i in resident:
-                continue
-            shape, whole = program.argument_shapes[i], np.shape(arguments[i])
-            expected = (shape[0] * program.microbatches, *shape[1:])
-            if tuple(whole) != expected:
-                raise ValueError(f"batch argument {i} has shape {tuple(whole)}; {program.microbatches} microbatches "
-                                 f"of {tuple(shape)} make {expected}")
+        check_batch(program, arguments, skip=resident)
         self.step_id += 1
         step = self.step_id
         slots = self.layout.slots

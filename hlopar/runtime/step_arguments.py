@@ -17,7 +17,7 @@ import numpy as np
 
 from hlopar.passes.microbatch_index import microbatch_index_values
 
-__all__ = ["key_data_of", "step_arguments"]
+__all__ = ["check_batch", "key_data_of", "step_arguments"]
 
 
 def key_data_of(x):
@@ -37,3 +37,16 @@ def step_arguments(arguments: Sequence, num_args: int, index_arg: int | None, mi
         own = num_args - (index_arg is not None)
         raise ValueError(f"the step takes {own} arguments, got {len(arguments)}")
     return arguments
+
+
+def check_batch(program, arguments: Sequence, skip=()) -> None:
+    """Raises ValueError where a batch argument of `program` (a `PipelineProgram`) is not
+    its microbatches' whole batch; `skip`: argument numbers not given (kept elsewhere)."""
+    for i in program.batch_args:
+        if i in skip:
+            continue
+        shape, whole = program.argument_shapes[i], np.shape(arguments[i])
+        expected = (shape[0] * program.microbatches, *shape[1:])
+        if tuple(whole) != expected:
+            raise ValueError(f"batch argument {i} has shape {tuple(whole)}; {program.microbatches} microbatches "
+                             f"of {tuple(shape)} make {expected}")

@@ -1,5 +1,5 @@
-"""Training steps the tests share: the zoo's tiny models with their data, and a small MLP
-with `jax.checkpoint` around each layer or not."""
+"""Training steps the tests share: the zoo's tiny models with their data, a small MLP
+with `jax.checkpoint` around each layer or not, and a step with a typed key."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import functools
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hlopar.models import get_train_step
@@ -40,3 +41,10 @@ def mlp_step(layer: Callable, checkpointed: bool) -> Callable:
         return [w - 0.1 * g for w, g in zip(ws, grads)], loss
 
     return step
+
+
+def keyed_step(w, key, x):
+    """A step that draws with a typed key and returns the next one."""
+    key, draw = jax.random.split(key)
+    loss, grad = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2 * jax.random.uniform(draw, ())))(w)
+    return {"w": w - 0.1 * grad}, key, loss

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import ray
+from zoo_steps import keyed_step
 
 import hlopar
 from hlopar.runtime.remote_array import RemoteArray
@@ -70,7 +71,7 @@ def test_a_100_mb_state_trains_with_only_the_loss_reaching_the_driver(ray_cluste
     x = jax.random.normal(jax.random.PRNGKey(1), (rows, n), jnp.float32)
     y = jax.random.normal(jax.random.PRNGKey(2), (rows, k), jnp.float32)
     assert w.nbytes + velocity.nbytes == 100 * 2**20
-    parallel = hlopar.parallelize(momentum_step, cluster=ONE_HOST, method="shard", batch_argnums=(2, 3),
+    parallel = hlopar.parallelize(momentum_step, cluster=ONE_HOST, method="shard", runtime="ray", batch_argnums=(2, 3),
                                   verbose=False)
     reference = jax.jit(momentum_step)
     try:
@@ -103,18 +104,12 @@ def test_a_100_mb_state_trains_with_only_the_loss_reaching_the_driver(ray_cluste
         parallel.shutdown()
 
 
-def keyed_step(w, key, x):
-    """A step that draws with a typed key and returns the next one."""
-    key, draw = jax.random.split(key)
-    loss, grad = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2 * jax.random.uniform(draw, ())))(w)
-    return {"w": w - 0.1 * grad}, key, loss
-
-
 def test_results_read_like_the_jax_arrays_they_hold(ray_cluster, monkeypatch, tmp_path):
     w = jnp.arange(12, dtype=jnp.float32).reshape(4, 3) / 10
     x = jnp.ones((8, 4), jnp.float32)
     key = jax.random.key(3)
-    parallel = hlopar.parallelize(keyed_step, cluster=ONE_HOST, method="shard", batch_argnums=(2,), verbose=False)
+    parallel = hlopar.parallelize(keyed_step, cluster=ONE_HOST, method="shard", runtime="ray", batch_argnums=(2,),
+                                  verbose=False)
     try:
         out = parallel(w, key, x)
         expected = jax.jit(keyed_step)(w, key, x)
@@ -178,7 +173,7 @@ def test_donated_and_lost_results(ray_cluster):
     read cannot be had."""
     w = jnp.ones((4, 3), jnp.float32)
     x = jnp.ones((8, 4), jnp.float32)
-    parallel = hlopar.parallelize(sgd_step, cluster=ONE_HOST, method="shard", donate_argnums=(0,),
+    parallel = hlopar.parallelize(sgd_step, cluster=ONE_HOST, method="shard", runtime="ray", donate_argnums=(0,),
                                   batch_argnums=(1,), verbose=False)
     reference = jax.jit(sgd_step)
     try:

@@ -92,7 +92,8 @@ def test_functions_share_the_machine_and_close_gives_back(ray_cluster):
     before = ray.available_resources()
     pipelined = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(2, 4), num_microbatches=2,
                                    schedule="1f1b", batch_argnums=(2,), verbose=False)
-    one_mesh = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", verbose=False)
+    one_mesh = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", runtime="ray",
+                                  verbose=False)
     across = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(2, 4), method="shard", verbose=False)
     functions = (pipelined, one_mesh, across)
     try:
@@ -115,14 +116,15 @@ def test_functions_share_the_machine_and_close_gives_back(ray_cluster):
 def test_a_with_block_and_garbage_collection_give_back(ray_cluster):
     step, args = mlp()
     before = ray.available_resources()
-    with hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", verbose=False) as f:
+    with hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", runtime="ray",
+                            verbose=False) as f:
         check_step(f, step, args)
         wait_until_held(before, WORKER_CPUS)
         runtime = f.runtime
     assert not runtime.alive
     wait_until_held(before, 0.0)
 
-    f = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", verbose=False)
+    f = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", runtime="ray", verbose=False)
     check_step(f, step, args)
     runtime = f.runtime
     wait_until_held(before, WORKER_CPUS)
@@ -157,7 +159,8 @@ def test_what_could_become_free_is_waited_for_a_bounded_time(ray_cluster):
     step, args = mlp()
     hog = ray.util.placement_group([{"CPU": ray.cluster_resources()["CPU"]}])
     ray.get(hog.ready(), timeout=30)
-    f = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", timeout=3, verbose=False)
+    f = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", runtime="ray", timeout=3,
+                           verbose=False)
     try:
         f.plan(*args)
         clock = time.monotonic()

@@ -1,0 +1,149 @@
+"""A one-mesh plan run in the calling process, on devices its jax already holds.
+
+`jax.jit` runs a program in the process that calls it, on that process's devices. So does
+this runtime, where the plan allows it (`in_process_devices`): a local cluster of one host,
+a plan of one mesh that compiles as one executable (`codegen.one_program`: one stage, one
+microbatch), no stacked layers cut into pieces, and a jax in this process that sees the
+mesh's devices (the devices of the cluster's kind, in order: the plan's physical ids are
+indices into them, as a worker's are into its own). A step is then what `jax.jit`'s is:
+each argument placed as the executable reads it (`fragment_calls.Placements`: an array
+already so laid out is used as it is), one launch, the results returned as `jax.Array`s on
+the devices without waiting for them (jax's asynchronous dispatch). No worker process, no
+Ray call, nothing through the object store; on one GPU host, also no second process
+claiming the GPUs this one's jax has claimed.
+
+The Ray runtime costs more than that even for one worker: the call and its reply, the
+worker's bookkeeping, and the executable itself ran 1.03-1.05x slower in the worker than in
+a driver in most runs on this project's 2-core machine (`tools/bench_runtime.py`,
+docs/performance.md). `parallelize(runtime="ray")` keeps the workers anyway.
+
+`save` writes what a Ray worker of the same plan writes (`<worker>.npz` of whole results,
+named as `worker_layout` names the mesh's worker), so a save restores in either runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from hlopar.codegen.pipeline_program import PipelineProgram
+from hlopar.runtime.fragment_calls import Placements
+from hlopar.runtime.ray_runtime import StepStats
+from hlopar.runtime.step_arguments import check_batch, step_arguments
+
+__all__ = ["InProcessRuntime", "in_process_devices"]
+
+
+def in_process_devices(program: PipelineProgram, device_kind: str, *, one_host: bool,
+                       pieces: bool) -> tuple[list[jax.Device] | None, str]:
+    """The devices of this process that would run `program` in it (module docstring), or
+    None and why not."""
+    from hlopar.codegen.one_program import fuses
+
+    if not one_host:
+        return None, "the cluster is not this machine's one host"
+    if pieces:
+        return None, "the plan cuts stacked layers into pieces"
+    if not fuses(program):
+        return None, "the plan is not one mesh compiling as one executable (one stage, one microbatch)"
+    try:
+        local = jax.devices(device_kind)
+    except RuntimeError:
+        local = []
+    ids = program.devices[program.meshes[0]]
+    if max(ids) >= len(local):
+        return None, (f"this process's jax sees {len(local)} {device_kind} device(s), the plan's mesh needs "
+                      f"{max(ids) + 1}")
+    return [local[d] for d in ids], ""
+
+
+class InProcessRuntime:
+    """The plan's one executable, run here (module docstring). What `hlopar.parallelize`
+    asks of a runtime: `start`, `run`, `save`, `load`, `shutdown`, `alive`, `step_id`,
+    `last_stats`."""
+
+    def __init__(self, program: PipelineProgram, devices: Sequence[jax.Device], *, log=None, phase=None):
+        from hlopar.runtime.mesh_processes import worker_layout
+
+        self.program = program
+        self.devices = list(devices)
+        self.mesh = program.meshes[0]
+        self.name = worker_layout(program.devices).of_mesh(self.mesh)[0].name  # the Ray worker's, for saves
+        self.log = log or (lambda message: None)
+        self.phase = phase or (lambda name: None)
+        self.executable = None
+        self.step_id = 0
+        self.generation = 0
+        self.last: list[jax.Array] = []  # the last step's results (what `save` writes)
+        self.last_stats = None
+        self.setup_info: dict[str, dict] = {}
+
+    @property
+    def alive(self) -> bool:
+        return self.executable is not None
+
+    def start(self) -> None:
+        from hlopar.codegen.executables import compile_executable
+        from hlopar.codegen.one_program import one_program
+
+        self.phase("compiling")
+        clock = time.perf_counter()
+        self.executable = compile_executable(one_program(self.program), self.devices)
+        self.generation += 1
+        self.setup_info = {self.name: {"mesh": self.mesh, "devices": [str(d) for d in self.devices],
+                                       "executables": 1, "one_program": True,
+                                       "compile_s": time.perf_counter() - clock}}
+        self.log(f"compiled the plan as one executable for {len(self.devices)} {self.devices[0].platform} "
+                 f"device(s) of this process in {time.perf_counter() - clock:.1f} s (no workers)")
+
+    def shutdown(self) -> None:
+        self.executable = None
+        self.last = []
+
+    def run(self, arguments: Sequence) -> list[jax.Array]:
+        """One step: @main's results, not waited for."""
+        if self.executable is None:
+            raise RuntimeError("the runtime is not started")
+        program = self.program
+        arguments = step_arguments(arguments, len(program.argument_shapes), program.index_arg, program.microbatches)
+        check_batch(program, arguments)
+        clock, started = time.perf_counter(), time.time()
+        placements = Placements()
+        ex = self.executable
+        outputs = ex.run(placements.inputs(ex, arguments, 0, tuple(ex.donated)))
+        self.step_id += 1
+        self.last = outputs
+        wall = time.perf_counter() - clock
+        self.last_stats = StepStats(wall, {self.name: {"step_s": wall, "run_s": wall, "runs": 1,
+                                                       "placed": placements.moved}},
+                                    mesh_of={self.name: self.mesh}, started=started)
+        return outputs
+
+    def save(self, directory: str | Path, manifest: Mapping) -> None:
+        """The last step's results, as the plan's Ray worker writes them, and the manifest."""
+        if any(x.is_deleted() for x in self.last):
+            raise RuntimeError("the last step's results were donated or deleted: nothing whole to save")
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        np.savez(directory / f"{self.name}.npz", **{f"r{r}": np.asarray(x) for r, x in enumerate(self.last)})
+        (directory / "manifest.json").write_text(json.dumps({
+            **manifest, "results": {str(r): self.mesh for r in range(len(self.program.results))},
+            "workers": {self.name: self.mesh},
+        }, indent=1) + "\n")
+
+    def load(self, directory: str | Path) -> list[jax.Array]:
+        """What `save` wrote (here or by a Ray worker of the plan), laid out as the executable
+        makes it, as the results of a new step."""
+        with np.load(Path(directory) / f"{self.name}.npz") as data:
+            missing = [r for r in range(len(self.program.results)) if f"r{r}" not in data.files]
+            if missing:
+                raise RuntimeError(f"{directory}: the save holds no whole results {missing}")
+            self.last = [jax.device_put(data[f"r{r}"], sharding)
+                         for r, sharding in enumerate(self.executable.output_shardings)]
+        self.step_id += 1
+        return self.last

@@ -1,0 +1,136 @@
+"""A plan of one mesh and one executable on this machine's one host runs in the calling
+process, as `jax.jit` does (`runtime/in_process.py`, issue 18 item 2): no worker, the
+results `jax.Array`s on this process's devices laid out as the plan makes them, passed back
+as they are; the numbers single-device JAX's; save and restore bit for bit, and a save
+restores in either runtime. A plan that cannot run here goes to Ray under "auto" and is
+refused, saying why, under "process".
+
+Each step is compared with single-device JAX from the same inputs (`numerics`, the
+tolerances of test_ray_runtime.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from numerics import assert_step_close, assert_trees_equal
+from zoo_steps import keyed_step
+
+import hlopar
+from hlopar.models import get_train_step
+from hlopar.runtime.in_process import InProcessRuntime
+from hlopar.runtime.ray_runtime import RayRuntime
+from hlopar.runtime.remote_array import RemoteArray
+
+ONE_HOST = hlopar.Cluster.local(1, 8, device_kind="cpu")
+RTOL = 1e-5
+UPDATE_MAX_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory):
+    """The zoo's tiny MLP step, its arguments, and its "shard" plan run in this process for
+    two steps (a plan cache of the module's own)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HLOPAR_CACHE_DIR", str(tmp_path_factory.mktemp("hlopar-cache")))
+        step = get_train_step("mlp", "tiny")
+        params = step.init(jax.random.PRNGKey(0))
+        args = (params, step.init_opt_state(params), step.make_batch(jax.random.PRNGKey(1)))
+        parallel = hlopar.parallelize(step.step, cluster=ONE_HOST, method="shard", batch_argnums=(2,),
+                                      verbose=False)
+        yield step, args, parallel
+        parallel.close()
+
+
+def test_a_one_executable_plan_runs_here_as_jax_jit_does(mlp):
+    step, args, parallel = mlp
+    first = parallel(*args)
+    assert isinstance(parallel.runtime, InProcessRuntime) and parallel.runtime.alive
+    leaves = jax.tree_util.tree_leaves(first)
+    assert not any(isinstance(x, RemoteArray) for x in leaves) and all(isinstance(x, jax.Array) for x in leaves)
+    # On this process's 8 devices, each result laid out as the executable makes it.
+    ex = parallel.runtime.executable
+    assert [x.sharding for x in leaves] == list(ex.output_shardings)
+    assert all(x.sharding.device_set == set(jax.devices()[:8]) for x in leaves)
+    assert jax.tree_util.tree_structure(first) == jax.tree_util.tree_structure(step.jitted_step(*args))
+    assert_step_close(leaves, step.jitted_step(*args), args[0], rtol=RTOL, update_max_rtol=UPDATE_MAX_RTOL)
+
+    # Passed back, a result already laid out as the executable reads it is used as it is:
+    # only those whose layouts differ are moved, once each.
+    moved = sum(not x.sharding.is_equivalent_to(ex.input_shardings[i], x.ndim)
+                for i, x in enumerate(jax.tree_util.tree_leaves(first[:2])))
+    second = parallel(first[0], first[1], args[2])
+    batch = len(jax.tree_util.tree_leaves(args[2]))  # on one device: placed on the mesh
+    assert parallel.last_stats.workers[parallel.runtime.name]["placed"] == moved + batch
+    assert_step_close(jax.tree_util.tree_leaves(second), step.jitted_step(first[0], first[1], args[2]), first[0],
+                      rtol=RTOL, update_max_rtol=UPDATE_MAX_RTOL)
+    assert parallel.runtime.step_id == 2
+
+
+def test_save_and_restore_here_and_on_ray(mlp, tmp_path, ray_cluster):
+    """A save made here restores here bit for bit; the plan's Ray worker reads the same files
+    (the same plan on `runtime="ray"`), and its save restores here."""
+    step, args, parallel = mlp
+    out = parallel(*args)
+    parallel.save(tmp_path / "here")
+    restored = parallel.restore(tmp_path / "here")
+    assert all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(restored))
+    assert_trees_equal(restored, out)
+    assert_trees_equal(parallel(*restored[:2], args[2]), parallel(*out[:2], args[2]))
+
+    on_ray = hlopar.parallelize(step.step, cluster=ONE_HOST, method="shard", batch_argnums=(2,), runtime="ray",
+                                verbose=False)
+    try:
+        on_ray.compile(*args)
+        assert isinstance(on_ray.runtime, RayRuntime) and len(on_ray.runtime.actors) == 1
+        from_here = on_ray.restore(tmp_path / "here")
+        assert_trees_equal(jax.device_get(from_here), out)
+        after = on_ray(*from_here[:2], args[2])
+        on_ray.save(tmp_path / "ray")
+        assert_trees_equal(parallel.restore(tmp_path / "ray"), jax.device_get(after))
+    finally:
+        on_ray.close()
+
+
+def test_typed_keys_and_donation(tmp_path):
+    w = jnp.arange(12, dtype=jnp.float32).reshape(4, 3) / 10
+    x = jnp.ones((8, 4), jnp.float32)
+    key = jax.random.key(3)
+    expected = jax.jit(keyed_step)(w, key, x)
+    parallel = hlopar.parallelize(keyed_step, cluster=ONE_HOST, method="shard", batch_argnums=(2,),
+                                  donate_argnums=(0,), runtime="process", verbose=False)
+    try:
+        new, new_key, loss = parallel(w, key, x)
+        assert isinstance(parallel.runtime, InProcessRuntime)
+        assert w.is_deleted()  # donated, as jax.jit deletes it
+        assert new_key.dtype == key.dtype and new_key.shape == ()  # jax's own key array
+        np.testing.assert_array_equal(jax.random.key_data(new_key), jax.random.key_data(expected[1]))
+        np.testing.assert_allclose(new["w"], expected[0]["w"], rtol=1e-6)
+        np.testing.assert_allclose(float(loss), float(expected[2]), rtol=1e-6)
+        again = jax.jit(keyed_step)(np.asarray(new["w"]), new_key, x)
+        second = parallel(new["w"], new_key, x)
+        assert new["w"].is_deleted()
+        np.testing.assert_allclose(second[0]["w"], again[0]["w"], rtol=1e-6)
+        np.testing.assert_array_equal(jax.random.key_data(second[1]), jax.random.key_data(again[1]))
+        parallel.save(tmp_path / "saved")
+        restored = parallel.restore(tmp_path / "saved")
+        np.testing.assert_array_equal(jax.random.key_data(restored[1]), jax.random.key_data(second[1]))
+        np.testing.assert_array_equal(restored[0]["w"], second[0]["w"])
+    finally:
+        parallel.close()
+
+
+def test_what_cannot_run_here():
+    w, x = jnp.ones((4, 3), jnp.float32), jnp.ones((8, 4), jnp.float32)
+    with pytest.raises(ValueError, match="runtime must be one of auto, ray, process, got 'thread'"):
+        hlopar.parallelize(keyed_step, runtime="thread")
+    two_hosts = hlopar.parallelize(keyed_step, cluster=hlopar.Cluster.local(2, 4), method="shard",
+                                   batch_argnums=(2,), runtime="process", verbose=False)
+    with pytest.raises(ValueError, match=r"keyed_step cannot run in this process \(runtime='process'\): the "
+                                         "cluster is not this machine's one host"):
+        two_hosts.compile(w, jax.random.key(0), x)
+    microbatched = hlopar.parallelize(keyed_step, cluster=ONE_HOST, method="shard", num_microbatches=2,
+                                      batch_argnums=(2,), runtime="process", rng="per-microbatch", verbose=False)
+    with pytest.raises(ValueError, match="not one mesh compiling as one executable"):
+        microbatched.compile(w, jax.random.key(0), x)
