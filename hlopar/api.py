@@ -448,7 +448,7 @@ class ParallelizedFunction:
     @staticmethod
     def _signature(args: tuple) -> tuple:
         leaves, tree = jax.tree_util.tree_flatten(args)
-        return (tree, tuple((tuple(np.shape(x)), str(_dtype(x))) for x in leaves))
+        return (tree, tuple((np.shape(x), _dtype(x)) for x in leaves))
 
     def plan(self, *args) -> tuple[PlannedStep, Any]:
         """Lowers and plans the step for these arguments, starting nothing: the plan and
