@@ -48,7 +48,8 @@ open at once: a load that comes and goes on a shared machine falls on every way 
 are printed beside each other (they agree to rounding: the same training).
 
 For hlopar rows the runtime's own timing (`ParallelizedFunction.last_stats`) is reported as
-medians too: `critical_s`, the slowest worker's own step (its `run_step`: stream, waits
+medians too (for a plan run in this process, which has no worker, `dispatch_s`: the call's
+return, its step not waited for): `critical_s`, the slowest worker's own step (its `run_step`: stream, waits
 and updates), `executables_s` (the sum over meshes of their executables' run time) and
 `step_over_critical`. The targets of issue 18 are checked in `targets`: the "shard" plan at
 most 1.05x the same plan without the runtime (`shard_over_...`; on Ray, `ray_shard_over_...`),
@@ -162,6 +163,8 @@ def _worker_medians(stats: list) -> dict:
     stats = [s for s in stats if s is not None]
     if not stats:
         return {}
+    if not any(s.workers for s in stats):  # run in this process: its dispatch, not waited for
+        return {"dispatch_s": statistics.median(s.wall_s for s in stats)}
     try:
         critical = statistics.median(max(w["step_s"] for w in s.workers.values()) for s in stats)
         return {"critical_s": critical, "executables_s": statistics.median(s.executable_s for s in stats),

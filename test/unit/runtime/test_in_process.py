@@ -62,7 +62,7 @@ def test_a_one_executable_plan_runs_here_as_jax_jit_does(mlp):
                 for i, x in enumerate(jax.tree_util.tree_leaves(first[:2])))
     second = parallel(first[0], first[1], args[2])
     batch = len(jax.tree_util.tree_leaves(args[2]))  # on one device: placed on the mesh
-    assert parallel.last_stats.workers[parallel.runtime.name]["placed"] == moved + batch
+    assert parallel.runtime.placed == moved + batch
     assert_step_close(jax.tree_util.tree_leaves(second), step.jitted_step(first[0], first[1], args[2]), first[0],
                       rtol=RTOL, update_max_rtol=UPDATE_MAX_RTOL)
     assert parallel.runtime.step_id == 2
