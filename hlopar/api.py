@@ -395,7 +395,7 @@ class _Compiled:
     signature: tuple
     out_tree: Any
     planned: PlannedStep
-    runtime: Any  # ray_runtime.RayRuntime
+    runtime: Any  # ray_runtime.RayRuntime, or in_process.InProcessRuntime
     cluster: Cluster
     outputs: list = field(default_factory=list)  # per result leaf: its shape and dtype, and its name
     pieces: Any = None  # passes.unstack_layer_scans.LayerPieces: stacked layers split per layer, or None
@@ -529,7 +529,7 @@ class ParallelizedFunction:
         return self._compiled
 
     def _restart(self) -> None:
-        self._log("restarting the workers")
+        self._log("restarting the workers" if isinstance(self._compiled.runtime, RayRuntime) else "compiling again")
         self._release_with(self._compiled.runtime)
         try:
             self._compiled.runtime.start()
