@@ -518,8 +518,7 @@ class ParallelizedFunction:
                                      returned=[r for k, (out, _) in enumerate(outputs) if is_key(out.dtype)
                                                for r in parts[k]],
                                      copied=[r for k, (out, _) in enumerate(outputs)
-                                             if with_step(out.shape, out.dtype) and not is_key(out.dtype)
-                                             for r in parts[k]])
+                                             if with_step(out.shape, out.dtype) for r in parts[k]])
                 self._log(f"starting {len(placement.workers.slots)} Ray worker(s) ({why_not})")
             self._compiled = _Compiled(signature, lowered.out_tree, planned, runtime, cluster, outputs, pieces=pieces)
             self._release_with(runtime)
@@ -571,13 +570,14 @@ class ParallelizedFunction:
         return self._results(compiled, step, returned)
 
     def _call_in_process(self, compiled: _Compiled, args: tuple):
-        """A call run here (`runtime.in_process`): the leaves go in as they are, the results
-        come back as `jax.Array`s (typed keys wrapped from their key data)."""
-        arguments = []
-        for path, leaf in jax.tree_util.tree_flatten_with_path(args)[0]:
+        """A call run here (`runtime.in_process`): the leaves go in as they are (typed keys
+        as their key data, `step_arguments`), the results come back as `jax.Array`s (typed
+        keys wrapped from their key data)."""
+        arguments = jax.tree_util.tree_leaves(args)
+        for i, leaf in enumerate(arguments):
             if isinstance(leaf, RemoteArray):  # another parallelized function's result
-                leaf = _read_argument(leaf, f"{self.__name__}'s argument {jax.tree_util.keystr(path)}")
-            arguments.append(_key_data(leaf))
+                path = jax.tree_util.tree_flatten_with_path(args)[0][i][0]
+                arguments[i] = _read_argument(leaf, f"{self.__name__}'s argument {jax.tree_util.keystr(path)}")
         results = compiled.runtime.run(arguments)
         self._donate(args)
         return self._local_results(compiled, results)

@@ -78,11 +78,9 @@ class InProcessRuntime:
         self.phase = phase or (lambda name: None)
         self.executable = None
         self.step_id = 0
-        self.generation = 0
         self.last: list[jax.Array] = []  # the last step's results (what `save` writes)
         self.last_stats = None
         self.placed = 0  # the last step's arguments placed (from the host, or moved to another layout)
-        self.setup_info: dict[str, dict] = {}
 
     @property
     def alive(self) -> bool:
@@ -95,10 +93,6 @@ class InProcessRuntime:
         self.phase("compiling")
         clock = time.perf_counter()
         self.executable = compile_executable(one_program(self.program), self.devices)
-        self.generation += 1
-        self.setup_info = {self.name: {"mesh": self.mesh, "devices": [str(d) for d in self.devices],
-                                       "executables": 1, "one_program": True,
-                                       "compile_s": time.perf_counter() - clock}}
         self.log(f"compiled the plan as one executable for {len(self.devices)} {self.devices[0].platform} "
                  f"device(s) of this process in {time.perf_counter() - clock:.1f} s (no workers)")
 

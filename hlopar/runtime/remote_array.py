@@ -61,9 +61,9 @@ def is_key(dtype) -> bool:
 
 
 def with_step(shape, dtype) -> bool:
-    """Whether a result leaf's value comes back with its step's reply: a typed key, or a
-    scalar (module docstring)."""
-    return is_key(dtype) or int(np.prod(shape, dtype=np.int64)) == 1
+    """Whether a RemoteArray's value also comes back with its step's reply: a scalar, not a
+    key (module docstring)."""
+    return not is_key(dtype) and int(np.prod(shape, dtype=np.int64)) == 1
 
 
 def key_impl(dtype) -> str:
