@@ -3,18 +3,18 @@
 The parent process only parses arguments and forks: the work happens in a child
 (`cli.guard.run_isolated`), so that a crash inside jaxlib's C++ (its verifier dies with
 SIGFPE on some invalid programs) becomes an error message and exit status 1 rather than a
-dead process, and `-o FILE` is replaced only when everything succeeded.
+dead process. `-o FILE` is written only when everything succeeded (`ir.output`: a regular
+file is replaced by a rename, a device or a pipe written into).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 
 from hlopar.cli.arguments import ArgumentParser
 from hlopar.cli.guard import run_isolated
+from hlopar.ir.output import output_problem, write_output
 
 
 class _OptArgumentParser(ArgumentParser):
@@ -52,29 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    staging = _staging_file(args.output)
-    try:
-        return run_isolated(lambda: _run(args, staging), args.input)
-    finally:
-        if staging and os.path.exists(staging):
-            os.unlink(staging)
+    problem = output_problem(args.output)
+    if problem:
+        sys.stderr.write(f"{args.output}: error: {problem}\n")
+        return 1
+    return run_isolated(lambda: _run(args), args.input)
 
 
-def _staging_file(output: str) -> str | None:
-    """A temporary file beside the output, renamed over it only on success."""
-    if output == "-":
-        return None
-    directory = os.path.dirname(os.path.abspath(output))
-    try:
-        handle, path = tempfile.mkstemp(prefix=".hlopar-opt-", dir=directory)
-    except OSError as error:
-        sys.stderr.write(f"{output}: error: cannot write output: {error.strerror}\n")
-        sys.exit(1)
-    os.close(handle)
-    return path
-
-
-def _run(args: argparse.Namespace, staging: str | None) -> int:
+def _run(args: argparse.Namespace) -> int:
     from hlopar.cli.opt_driver import OptDriver
 
     driver = OptDriver(
@@ -95,13 +80,13 @@ def _run(args: argparse.Namespace, staging: str | None) -> int:
         sys.stderr.write(result.timing_report)
     if not result.ok:
         return 1
-    if staging is None:
-        sys.stdout.buffer.write(result.output)
-        sys.stdout.flush()
-    else:
-        with open(staging, "wb") as out:
-            out.write(result.output)
-        os.replace(staging, args.output)
+    try:
+        write_output(args.output, result.output)
+    except BrokenPipeError:
+        raise
+    except OSError as error:
+        sys.stderr.write(f"{args.output}: error: cannot write output: {error.strerror}\n")
+        return 1
     return 0
 
 

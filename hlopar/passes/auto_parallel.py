@@ -25,6 +25,7 @@ from typing import Literal
 from jaxlib.mlir import ir
 
 from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS
+from hlopar.ir.output import write_output
 from hlopar.passes.auto_sharding import parse_bytes
 from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto
 from hlopar.passes.cluster_operators import ClusterOperatorsPass
@@ -102,7 +103,7 @@ class AutoParallelPass(ModulePass):
                 for key, path in paths.items():
                     merged[key] = json.loads(Path(path).read_text()) if path and Path(path).exists() else None
                 try:
-                    Path(self.report).write_text(json.dumps(merged, indent=1) + "\n")
+                    write_output(self.report, json.dumps(merged, indent=1) + "\n")
                 except OSError as error:
                     self.fail(module, f"cannot write the report to '{self.report}': {error.strerror}")
 

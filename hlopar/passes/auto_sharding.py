@@ -30,6 +30,7 @@ from hlopar.analysis.sharding import ShardingPerValue, ShardingSpec, TensorShard
 from hlopar.analysis.training_roles import RolesError, batch_arguments, state_pairs
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError
 from hlopar.ir.graph import FuncGraph
+from hlopar.ir.output import write_output
 from hlopar.passes.base import ModulePass, PassContext, option, parse_str_tuple
 
 SDY_SHARDING = "sdy.sharding"
@@ -506,4 +507,4 @@ def _write_report(path: Path, options: AutoShardingPass, mesh: LogicalMesh, func
         **{k: v for k, v in functions[0].items() if k != "function"},
         "functions": [{k: v for k, v in f.items() if k not in ("ops", "reshards")} for f in functions],
     }
-    path.write_text(json.dumps(report, indent=1))
+    write_output(path, json.dumps(report, indent=1))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from jaxlib.mlir import ir
 
@@ -25,6 +24,7 @@ from hlopar.analysis.flops import function_flops
 from hlopar.analysis.stages.clustering import choose_num_layers, cluster_operators
 from hlopar.analysis.training_roles import Role, TrainingRoles, classify, layer_of_ops, marked_layers
 from hlopar.ir.graph import FuncGraph
+from hlopar.ir.output import write_output
 from hlopar.passes.auto_sharding import planned_functions
 from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto
 
@@ -65,7 +65,7 @@ class ClusterOperatorsPass(ModulePass):
             write_layering(graph, layering)
         if self.report:
             info["seconds"] = time.perf_counter() - start
-            Path(self.report).write_text(json.dumps(info, indent=1) + "\n")
+            write_output(self.report, json.dumps(info, indent=1) + "\n")
 
     def cluster(self, graph: FuncGraph) -> tuple[Layering, dict]:
         """The layering of a function and a report of it."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Literal
 
 from jaxlib.mlir import ir
@@ -25,6 +24,7 @@ from hlopar.analysis.resharding.host_model import GBPS
 from hlopar.analysis.sharding import ShardingPerValue, ShardingSpec, TensorSharding
 from hlopar.ir.diagnostics import source_location
 from hlopar.ir.graph import bit_width
+from hlopar.ir.output import write_output
 from hlopar.passes.base import ModulePass, PassContext, option
 from hlopar.passes.transfer_ops import argument_sharding, build_transfer_op
 
@@ -208,7 +208,7 @@ class CrossMeshReshardingPass(ModulePass):
             },
             "transfers": transfers,
         }
-        Path(self.report).write_text(json.dumps(report, indent=2) + "\n")
+        write_output(self.report, json.dumps(report, indent=2) + "\n")
 
 
 def _op_sharding(op: ir.Operation) -> TensorSharding | None:

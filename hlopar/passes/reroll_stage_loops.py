@@ -50,6 +50,7 @@ from hlopar.analysis.mesh import quote_string
 from hlopar.analysis.mpmd import MeshTensorType
 from hlopar.analysis.sharding import DimSharding, TensorSharding
 from hlopar.ir.extract import clone_into
+from hlopar.ir.output import write_output
 from hlopar.passes.base import ModulePass, PassContext, option
 from hlopar.passes.microbatch_index import INDEX_ARG_ATTR
 from hlopar.passes.mpmd_program import fragment_role
@@ -133,9 +134,9 @@ class RerollStageLoopsPass(ModulePass):
                     if fragment_role(fragment) == "update":
                         widen_joins(fragment)
         if self.report:
-            with open(self.report, "w") as out:
-                json.dump({"pass": self.name, "reroll": self.reroll, "ranges": [asdict(r) for r in ranges],
-                           "held": [asdict(h) for h in held]}, out, indent=1)
+            write_output(self.report, json.dumps({"pass": self.name, "reroll": self.reroll,
+                                                  "ranges": [asdict(r) for r in ranges],
+                                                  "held": [asdict(h) for h in held]}, indent=1))
 
     def _spans(self, module: ir.Operation) -> dict[str, list[tuple[int, int]]]:
         """Per mesh, the disjoint layer ranges `[a, b)` that its fragments have runs of at

@@ -141,7 +141,6 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -155,6 +154,7 @@ from hlopar.analysis.training_roles import ELEMENTWISE_OPS, RolesError, batch_ar
 from hlopar.ir.diagnostics import DiagnosticError, source_location
 from hlopar.ir.extract import Extraction, extract_function, value_of
 from hlopar.ir.graph import FuncGraph
+from hlopar.ir.output import write_output
 from hlopar.ir.signature import FuncSignature
 from hlopar.passes.base import ModulePass, PassContext, option
 from hlopar.passes.batch_statistics import mean_divisions, reduced_count, rescale_mean, splat_value
@@ -235,8 +235,8 @@ class SplitMicrobatchesPass(ModulePass):
             self.fail(error.op if error.op is not None else main, str(error))
         module.verify()
         if self.report:
-            Path(self.report).write_text(json.dumps({"pass": self.name, "options": self.pipeline_text(), **split},
-                                                    indent=1) + "\n")
+            write_output(self.report, json.dumps({"pass": self.name, "options": self.pipeline_text(), **split},
+                                                 indent=1) + "\n")
 
 
 # --------------------------------------------------------------------------- analysis

@@ -21,7 +21,6 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -44,6 +43,7 @@ from hlopar.analysis.stages.submeshes import (
 )
 from hlopar.ir.graph import FuncGraph
 from hlopar.ir.signature import FuncSignature
+from hlopar.ir.output import write_output
 from hlopar.passes.auto_sharding import _run_upstream_on, parse_bytes, planned_functions
 from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto
 from hlopar.passes.cluster_operators import LAYER_ATTR, ClusterOperatorsPass, Layering, read_layering, strip_layering
@@ -129,7 +129,7 @@ class StageConstructionPass(ModulePass):
             timings["mpmd_program"] = time.perf_counter() - emit
         if self.report:
             timings["total"] = time.perf_counter() - start
-            Path(self.report).write_text(json.dumps(self._report(plan, stats, timings), indent=1) + "\n")
+            write_output(self.report, json.dumps(self._report(plan, stats, timings), indent=1) + "\n")
 
     # ------------------------------------------------------------------ planning
 

@@ -52,6 +52,7 @@ from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.ir.extract import clone_into
 from hlopar.ir.graph import FuncGraph
 from hlopar.ir.signature import FuncSignature
+from hlopar.ir.output import write_output
 from hlopar.passes.auto_sharding import planned_functions
 from hlopar.passes.base import ModulePass, PassContext, option
 
@@ -102,8 +103,7 @@ class UnstackLayerScansPass(ModulePass):
                       "loops": [{"trips": s.trips, "stacked_operands": len(s.stacked)} for s in scans],
                       "split_arguments": pieces.split_arguments if pieces else 0,
                       "split_results": pieces.split_results if pieces else 0}
-            with open(self.report, "w") as out:
-                json.dump(report, out, indent=1)
+            write_output(self.report, json.dumps(report, indent=1))
 
 
 def unroll(op: ir.Operation, trips: int, masks: dict[tuple[ir.Value, int], ir.Value] | None = None,

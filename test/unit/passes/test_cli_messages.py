@@ -4,6 +4,9 @@ hlopar-compile's summary on success (with the options its error messages name)."
 from __future__ import annotations
 
 import json
+import os
+import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -89,3 +92,29 @@ def test_seconds_in_round_units(seconds, text):
 
 def test_device_ranges():
     assert compile_cli._ranges([0, 1, 2, 3, 6, 8, 9]) == "0-3,6,8-9"
+
+
+def _opt_into(target: Path, monkeypatch) -> int:
+    monkeypatch.setenv("HLOPAR_NO_FORK", "1")
+    return opt_cli.main([str(MLP), "--pass-pipeline=builtin.module(canonicalize)", "-o", str(target)])
+
+
+def test_opt_writes_into_a_fifo_and_leaves_it_a_fifo(tmp_path, monkeypatch):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()))
+    reader.start()
+    assert _opt_into(fifo, monkeypatch) == 0
+    reader.join(timeout=30)
+    assert received and received[0].startswith(b"module @jit_step")
+    assert stat.S_ISFIFO(fifo.lstat().st_mode) and os.listdir(tmp_path) == ["pipe"]
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                    reason="making a character device (a copy of /dev/null) needs root")
+def test_opt_writes_into_a_character_device_and_leaves_it_one(tmp_path, monkeypatch):
+    node = tmp_path / "null"
+    os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    assert _opt_into(node, monkeypatch) == 0
+    assert stat.S_ISCHR(node.lstat().st_mode) and os.listdir(tmp_path) == ["null"]
