@@ -5,7 +5,7 @@ pipelined and sharded over a cluster (`hlopar.api`). Imported on first use, so t
 `import hlopar` stays light.
 """
 
-__all__ = ["Cluster", "HloparWarning", "PlanningError", "WorkerError", "parallelize"]
+__all__ = ["CheckpointError", "Cluster", "HloparWarning", "PlanningError", "WorkerError", "parallelize"]
 
 
 def __getattr__(name: str):
@@ -17,4 +17,8 @@ def __getattr__(name: str):
         from hlopar.runtime.ray_runtime import WorkerError
 
         return WorkerError
+    if name == "CheckpointError":
+        from hlopar.runtime.checkpoint import CheckpointError
+
+        return CheckpointError
     raise AttributeError(f"module 'hlopar' has no attribute {name!r}")

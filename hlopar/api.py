@@ -54,7 +54,8 @@ Faults: a step whose worker dies, raises or stalls raises `WorkerError` within `
 seconds (at once when Ray sees the worker die); the next call starts fresh workers and sends
 the arguments again (results the dead workers held are lost unless read before; `restore`
 brings back a save). `save(dir)` / `restore(dir)`: each worker writes / reads back its shards
-of the last step's results (the training state).
+of the last step's results (the training state); a save is committed by a rename once every
+part is written and checked, a restore checks the whole save first (`runtime.checkpoint`).
 
 Workers: each asks Ray for its GPUs and a hundredth of a core (`ray_runtime.WORKER_CPUS`), so
 several parallelized functions live in one process. `close()` (also `with parallelize(...) as
@@ -654,25 +655,33 @@ class ParallelizedFunction:
 
     # -- saving the training state
 
-    def save(self, directory: str | os.PathLike) -> Path:
-        """Each worker writes its shards of the last call's results to `directory`
-        (`<mesh>.npz`), with a `manifest.json`; `restore` reads them back."""
+    def save(self, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Each worker writes its shards of the last call's results (the training state) to
+        `directory` (`<worker>.npz`, with a `manifest.json`; `runtime.checkpoint`): written
+        beside it and renamed there once every part is written and checked. A failure raises
+        `CheckpointError` naming the path and the cause, and leaves `directory` and the
+        workers' state as they were. A `directory` holding anything but an earlier save of
+        this plan is refused unless `overwrite=True`."""
+        from hlopar.runtime import checkpoint
+
         compiled = self._require_run()
-        directory = Path(directory)
-        compiled.runtime.save(directory, {"plan": compiled.planned.bundle.name})  # the tree: `restore`'s plan's
-        return directory
+        return checkpoint.save(directory, plan=compiled.planned.bundle.name, shapes=_saved_shapes(compiled),
+                               step=compiled.runtime.step_id, write=compiled.runtime.save, overwrite=overwrite)
 
     def restore(self, directory: str | os.PathLike):
         """The results `save` wrote, as `fn`'s output pytree: each worker reads its own shards
         back and keeps them (so passing them to the next call sends nothing). Needs the
-        workers of the same plan (a call or `compile(...)` first)."""
+        workers of the same plan (a call or `compile(...)` first). The save is checked first
+        (`checkpoint.read_manifest`: manifest, plan, every part's checksum, shapes and
+        dtypes): a bad one raises `CheckpointError` naming the file and what is wrong, the
+        live state as it was."""
+        from hlopar.runtime import checkpoint
+
         compiled = self._compiled
         if compiled is None:
             raise RuntimeError("restore needs the compiled step: call it, or compile(*example_args), first")
-        manifest = json.loads((Path(directory) / "manifest.json").read_text())
-        if manifest.get("plan") != compiled.planned.bundle.name:
-            raise ValueError(f"{directory} was saved from another plan ({manifest.get('plan')}), not "
-                             f"{compiled.planned.bundle.name}")
+        checkpoint.read_manifest(directory, plan=compiled.planned.bundle.name, shapes=_saved_shapes(compiled),
+                                 workers=compiled.runtime.worker_meshes())
         if not compiled.runtime.alive:
             self._restart()
         if not isinstance(compiled.runtime, RayRuntime):
@@ -680,9 +689,27 @@ class ParallelizedFunction:
         return self._results(compiled, *compiled.runtime.load(directory))
 
     def _require_run(self) -> _Compiled:
+        if self._compiled is not None and not self._compiled.runtime.alive and self._compiled.runtime.step_id:
+            raise RuntimeError("nothing to save: the workers were stopped (after a failure, or closed), and the "
+                               "state they held with them")
         if self._compiled is None or not self._compiled.runtime.alive or self._compiled.runtime.step_id == 0:
             raise RuntimeError("nothing to save: the workers have not run a step")
         return self._compiled
+
+
+def _saved_shapes(compiled: _Compiled) -> list[tuple[tuple[int, ...], str]]:
+    """Per result of the plan's program (`@main`'s: a stacked leaf's pieces, a typed key's
+    key data), its shape and dtype: what a save of it holds."""
+    leaves = []
+    for out, _ in compiled.outputs:
+        if is_key(out.dtype):
+            out = jax.eval_shape(jax.random.key_data, out)
+        leaves.append((tuple(out.shape), str(np.dtype(out.dtype))))
+    pieces = compiled.pieces
+    if pieces is None:
+        return leaves
+    return [leaves[o] if p < 0 else ((r, *leaves[o][0][1:]), leaves[o][1])
+            for o, p, r in zip(pieces.result_origin, pieces.result_piece, pieces.result_rows)]
 
 
 class _Held:

@@ -23,7 +23,6 @@ named as `worker_layout` names the mesh's worker), so a save restores in either 
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -119,26 +118,30 @@ class InProcessRuntime:
         self.placed = placements.moved
         return outputs
 
-    def save(self, directory: str | Path, manifest: Mapping) -> None:
-        """The last step's results, as the plan's Ray worker writes them, and the manifest."""
-        if any(x.is_deleted() for x in self.last):
-            raise RuntimeError("the last step's results were donated or deleted: nothing whole to save")
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        np.savez(directory / f"{self.name}.npz", **{f"r{r}": np.asarray(x) for r, x in enumerate(self.last)})
-        (directory / "manifest.json").write_text(json.dumps({
-            **manifest, "results": {str(r): self.mesh for r in range(len(self.program.results))},
-            "workers": {self.name: self.mesh},
-        }, indent=1) + "\n")
+    def save(self, directory: str | Path, record: Mapping) -> dict:
+        """Writes the last step's results into `directory` (a save's staging directory,
+        `checkpoint.save`) as the plan's Ray worker writes its part; returns what the
+        manifest says of it."""
+        from hlopar.runtime.checkpoint import CheckpointError, write_part
+
+        if not self.last or any(x.is_deleted() for x in self.last):
+            raise CheckpointError("the last step's results were donated or deleted: nothing whole to save")
+        part = write_part(directory, self.name, {f"r{r}": np.asarray(x) for r, x in enumerate(self.last)}, record)
+        return {"results": {r: self.mesh for r in range(len(self.program.results))}, "workers": self.worker_meshes(),
+                "parts": {self.name: part}}
+
+    def worker_meshes(self) -> dict[str, str]:
+        """The one part of a save, as the plan's Ray worker names it."""
+        return {self.name: self.mesh}
 
     def load(self, directory: str | Path) -> list[jax.Array]:
-        """What `save` wrote (here or by a Ray worker of the plan), laid out as the executable
-        makes it, as the results of a new step."""
-        with np.load(Path(directory) / f"{self.name}.npz") as data:
-            missing = [r for r in range(len(self.program.results)) if f"r{r}" not in data.files]
-            if missing:
-                raise RuntimeError(f"{directory}: the save holds no whole results {missing}")
-            self.last = [jax.device_put(data[f"r{r}"], sharding)
-                         for r, sharding in enumerate(self.executable.output_shardings)]
+        """What `save` wrote (here or by a Ray worker of the plan; checked by the caller,
+        `checkpoint.read_manifest`), laid out as the executable makes it, as the results of
+        a new step."""
+        from hlopar.runtime.checkpoint import load_part
+
+        data = load_part(Path(directory) / f"{self.name}.npz")
+        self.last = [jax.device_put(data[f"r{r}"], sharding)
+                     for r, sharding in enumerate(self.executable.output_shardings)]
         self.step_id += 1
         return self.last

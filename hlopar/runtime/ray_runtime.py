@@ -51,7 +51,6 @@ and raises `WorkerError`; `start` again builds fresh workers (the caller's next 
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -424,43 +423,72 @@ class MeshWorker:
 
     # -- saving the state
 
-    def save(self, directory: str) -> str:
+    def save(self, directory: str, record: Mapping) -> dict:
         """Writes the results this worker keeps (its shards of the training state) to
-        `directory/<worker>.npz`: whole, or per device where the mesh spans hosts."""
-        arrays = {}
-        for r in self.wp.results:
-            value = self.kept[(self.last, r)]
-            if getattr(value, "is_fully_addressable", True):
-                arrays[f"r{r}"] = np.asarray(value)
-                continue
-            arrays[f"r{r}.shape"] = np.array(value.shape, np.int64)
-            for shard in value.addressable_shards:
-                arrays[f"r{r}@{self.plan_id[shard.device]}"] = np.asarray(shard.data)
-        path = Path(directory) / f"{self.name}.npz"
-        np.savez(path, **arrays)
-        return str(path)
+        `directory/<worker>.npz` (`checkpoint.write_part`): whole, or per device where the
+        mesh spans hosts. Returns the part's description, or `{"error": ...}`: a failed save
+        is the driver's to report, never a failed worker (its state stays)."""
+        from hlopar.runtime import checkpoint
+
+        try:
+            arrays = {}
+            for r in self.wp.results:
+                value = self.kept.get((self.last, r))
+                if value is None:
+                    raise checkpoint.CheckpointError(f"result {r} of the last step ({self.last}) is no longer kept "
+                                                     "(donated, or dropped)")
+                if getattr(value, "is_fully_addressable", True):
+                    arrays[f"r{r}"] = np.asarray(value)
+                    continue
+                arrays[f"r{r}.shape"] = np.array(value.shape, np.int64)
+                for shard in value.addressable_shards:
+                    arrays[f"r{r}@{self.plan_id[shard.device]}"] = np.asarray(shard.data)
+            return {"part": checkpoint.write_part(directory, self.name, arrays, record)}
+        except Exception as error:  # noqa: BLE001 - reported by the driver, the worker goes on
+            return {"error": f"{type(error).__name__}: {error}"}
 
     def load(self, directory: str, step: int, returned: Collection[int] = (), copied: Collection[int] = ()) -> dict:
-        """Reads back what `save` wrote and keeps it as the results of `step`; returns those
-        of `returned` and `copied` (as `run_step`)."""
+        """Reads back what `save` wrote (the driver has checked it, `checkpoint.read_manifest`)
+        and keeps it as the results of `step`; returns those of `returned` and `copied` (as
+        `run_step`) under "results", or `{"error": ...}` with nothing changed."""
         import jax
 
-        carry = {}
-        with np.load(Path(directory) / f"{self.name}.npz") as data:
+        from hlopar.runtime import checkpoint
+
+        try:
+            data = checkpoint.load_part(Path(directory) / f"{self.name}.npz")
+            carry = {}
             for r in self.wp.results:
-                if f"r{r}" in data.files:
-                    carry[r] = np.array(data[f"r{r}"])
-                elif f"r{r}.shape" in data.files:
+                if f"r{r}" in data:
+                    carry[r] = data[f"r{r}"]
+                elif f"r{r}.shape" in data:
                     shape = tuple(int(n) for n in data[f"r{r}.shape"])
                     sharding = self.made.get(self.program.results[r]) or self.landing[self.program.results[r]]
-                    shards = [jax.device_put(data[f"r{r}@{self.plan_id[device]}"], device)
-                              for device in sharding.addressable_devices_indices_map(shape)]
+                    shards = []
+                    for device, index in sharding.addressable_devices_indices_map(shape).items():
+                        shard = data[f"r{r}@{self.plan_id[device]}"]
+                        want = tuple(len(range(*i.indices(n))) for i, n in zip(index, shape))
+                        if shard.shape != want:
+                            raise checkpoint.CheckpointError(f"result {r}'s shard on device {self.plan_id[device]} "
+                                                             f"is {shard.shape}, the plan's is {want}")
+                        shards.append(jax.device_put(shard, device))
                     carry[r] = jax.make_array_from_single_device_arrays(shape, sharding, shards)
-        missing = set(self.wp.results) - set(carry)
-        if missing:
-            raise RuntimeError(f"{self.name}: the save holds no results {sorted(missing)}")
+            missing = set(self.wp.results) - set(carry)
+            if missing:
+                raise checkpoint.CheckpointError(f"{self.name}: the save holds no results {sorted(missing)}")
+        except Exception as error:  # noqa: BLE001 - reported by the driver, the worker goes on
+            return {"error": f"{type(error).__name__}: {error}"}
+        self.restored = (step, self.last)  # what `unload` undoes
         self.kept.update({(step, r): value for r, value in carry.items()})
-        return self._returned(step, returned, copied)
+        return {"results": self._returned(step, returned, copied)}
+
+    def unload(self, step: int) -> None:
+        """Undoes `load` of `step` (another worker's part failed): its values dropped, the
+        last step the one before."""
+        if getattr(self, "restored", (None,))[0] == step:
+            for r in self.wp.results:
+                self.kept.pop((step, r), None)
+            self.last = self.restored[1]
 
 
 class _WorkerRun:
@@ -960,22 +988,43 @@ class RayRuntime:
 
     # -- saving
 
-    def save(self, directory: str | Path, manifest: Mapping) -> None:
-        """Each worker writes its kept results; `manifest.json` says which mesh has which."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        self._gather({n: a.save.remote(str(directory)) for n, a in self.actors.items()}, "save")
-        (directory / "manifest.json").write_text(json.dumps({
-            **manifest, "results": {str(r): self.result_mesh(r) for r in range(len(self.program.results))},
-            "workers": {n: s.mesh for n, s in self.layout.slots.items()},
-        }, indent=1) + "\n")
+    def save(self, directory: str | Path, record: Mapping) -> dict:
+        """Each worker writes its part into `directory` (a save's staging directory,
+        `checkpoint.save`); returns what the manifest says of them. A worker that could not
+        write its part raises `CheckpointError`, the workers still running."""
+        from hlopar.runtime.checkpoint import CheckpointError
+
+        answers = self._gather({n: a.save.remote(str(directory), dict(record)) for n, a in self.actors.items()},
+                               "save")
+        failed = [f"the worker of {self._who(n)} could not write its part: {a['error']}" for n, a in answers.items()
+                  if "error" in a]
+        if failed:
+            raise CheckpointError("; ".join(failed))
+        return {"results": {r: self.result_mesh(r) for r in range(len(self.program.results))},
+                "workers": self.worker_meshes(), "parts": {n: a["part"] for n, a in answers.items()}}
+
+    def worker_meshes(self) -> dict[str, str]:
+        """Each worker's mesh, by worker name (the parts of a save)."""
+        return {n: s.mesh for n, s in self.layout.slots.items()}
 
     def load(self, directory: str | Path) -> tuple[int, dict[int, np.ndarray]]:
-        """Each worker reads back its kept results as those of a new step; returns as `run`."""
-        self.step_id += 1
-        loaded = self._gather({n: a.load.remote(str(directory), self.step_id, self.returned, self.copied)
+        """Each worker reads back its part (checked by the caller, `checkpoint.read_manifest`)
+        as the results of a new step; returns as `run`. If a worker cannot, the others undo
+        theirs and `CheckpointError` says why: the state is as it was."""
+        from hlopar.runtime.checkpoint import CheckpointError
+
+        step = self.step_id + 1
+        loaded = self._gather({n: a.load.remote(str(directory), step, self.returned, self.copied)
                                for n, a in self.actors.items()}, "restore")
-        return self.step_id, self._assembled({n: {"results": values} for n, values in loaded.items()})
+        failed = [f"the worker of {self._who(n)} could not read its part: {a['error']}" for n, a in loaded.items()
+                  if "error" in a]
+        if failed:
+            self._gather({n: self.actors[n].unload.remote(step) for n, a in loaded.items() if "error" not in a},
+                         "restore")
+            raise CheckpointError(f"cannot restore from {directory}: " + "; ".join(failed) +
+                                  "; nothing was restored (the live state is as it was)")
+        self.step_id = step
+        return step, self._assembled({n: {"results": a["results"]} for n, a in loaded.items()})
 
 
 def _whole(parts: Sequence) -> np.ndarray:

@@ -1,0 +1,327 @@
+"""Saves of the training state: where they go, how they are committed, how they are checked.
+
+Pure logic over files and plain data (no IR, no jax, no Ray); the runtimes write the parts
+(`ray_runtime.MeshWorker.save`, `in_process.InProcessRuntime.save`) and `hlopar.api`'s
+`save`/`restore` drive it. A save is a directory:
+
+- `<worker>.npz`, one part per worker, named as `mesh_processes.worker_layout` names the
+  mesh's workers: its kept results `r<k>` (whole), or on a mesh spanning hosts `r<k>.shape`
+  and `r<k>@<device>` (its devices' shards), and `__hlopar__`, the part's own record (the
+  save, step and plan it belongs to, as JSON), which says where a stray part came from;
+- `manifest.json`: `format`, `version`, the plan's key, the save's id and step, which mesh
+  holds which result, the workers, the shape and dtype of every result of the plan, and per
+  part its file, size, SHA-256 and arrays (shape and dtype).
+
+Saving (`save`) is atomic and harmless: the target is checked first (`check_target`: absent,
+empty, or an earlier save of this plan; anything else only with `overwrite=True`); the parts
+are written into a staging directory beside it (`.<name>.saving-*`, same file system), each
+read back and checksummed by its writer and checked again here; only then is the manifest
+written and the staging directory renamed over the target (the earlier save, moved aside
+first, is removed after). Any failure removes the staging directory and raises
+`CheckpointError` naming the target and the cause; the target is as it was.
+
+Restoring (`read_manifest`) checks everything before anything is read into the workers:
+the manifest (JSON, format, version), the plan, the results' shapes and dtypes, and per part
+its presence, size, checksum, and the shapes and dtypes of its arrays (read from the `.npy`
+headers). The first problem raises `CheckpointError` naming the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+import uuid
+import zipfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["FORMAT", "VERSION", "CheckpointError", "check_target", "load_part", "part_arrays", "read_manifest", "save",
+           "write_part"]
+
+FORMAT = "hlopar-save"
+VERSION = 2  # 1: parts and manifest without checksums (before issue 25)
+MANIFEST = "manifest.json"
+RECORD = "__hlopar__"  # a part's own record (JSON in a 0-d string array)
+
+
+class CheckpointError(RuntimeError):
+    """A save that could not be written, or a save that cannot be restored; the message
+    names the path and the cause. The workers and their state are as they were."""
+
+
+Shapes = Sequence[tuple[Sequence[int], str]]  # per result of the plan: its shape and dtype
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def check_target(target: Path, plan: str, overwrite: bool = False) -> None:
+    """Refuses a target that holds anything but an earlier save of `plan` (or nothing),
+    unless `overwrite`."""
+    if overwrite or not os.path.lexists(target):
+        return
+    if not target.is_dir() or target.is_symlink():
+        what = "is a symbolic link" if target.is_symlink() else "is a file"
+        raise CheckpointError(f"cannot save to {target}: it {what}, not a directory of an earlier save; not "
+                              "replaced (save(..., overwrite=True) replaces it)")
+    entries = sorted(p.name for p in target.iterdir())
+    if not entries:
+        return
+    manifest = _json(target / MANIFEST) if MANIFEST in entries else None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
+        raise CheckpointError(f"cannot save to {target}: it holds files that are not an hlopar save ({shown}); not "
+                              "replaced (save(..., overwrite=True) replaces the directory and all it holds)")
+    if manifest.get("plan") != plan:
+        raise CheckpointError(f"cannot save to {target}: it holds a save of another plan ({manifest.get('plan')}), "
+                              f"not this step's ({plan}); not replaced (save(..., overwrite=True) replaces it)")
+    parts = {p.get("file") for p in (manifest.get("parts") or {}).values() if isinstance(p, dict)}
+    if manifest.get("version") != VERSION:  # an earlier format: its parts by worker name
+        parts = {f"{w}.npz" for w in manifest.get("workers") or {}}
+    stray = [e for e in entries if e != MANIFEST and e not in parts]
+    if stray:
+        raise CheckpointError(f"cannot save to {target}: besides an earlier save of this plan it holds other files "
+                              f"({', '.join(stray[:5])}); not replaced (save(..., overwrite=True) replaces the "
+                              "directory and all it holds)")
+
+
+def save(target: str | os.PathLike, *, plan: str, shapes: Shapes, step: int,
+         write: Callable[[Path, dict], Mapping], overwrite: bool = False) -> Path:
+    """Writes a save to `target` atomically (module docstring). `write(staging, record)`
+    has the runtime write its parts into `staging` (each part's `record` given to
+    `write_part`) and returns `{"results": {k: mesh}, "workers": {name: mesh}, "parts":
+    {name: what write_part returned}}`; it raises `CheckpointError` (or `OSError`) for what
+    failed."""
+    target = Path(target)
+    check_target(target, plan, overwrite)
+    save_id = uuid.uuid4().hex
+    record = {"save": save_id, "step": step, "plan": plan}
+    staging = None
+    try:
+        above = next(p for p in (target.parent, *target.parent.parents) if os.path.lexists(p))
+        if not above.is_dir():
+            raise CheckpointError(f"{above} is not a directory")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
+        os.chmod(staging, 0o755)
+        written = write(staging, record)
+        parts = written["parts"]
+        for name, part in parts.items():  # as each writer found it: checked again here
+            _check_part(staging / part["file"], part)
+        manifest = {"format": FORMAT, "version": VERSION, **record, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                                                            time.gmtime()),
+                    "results": {str(k): mesh for k, mesh in written["results"].items()},
+                    "workers": dict(written["workers"]), "shapes": [[list(s), str(d)] for s, d in shapes],
+                    "parts": dict(parts)}
+        with open(staging / MANIFEST, "w") as f:
+            f.write(json.dumps(manifest, indent=1) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        _replace(staging, target)
+        staging = None
+    except (CheckpointError, OSError) as error:
+        cause = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+        raise CheckpointError(f"cannot save to {target}: {cause}; nothing was written (the partial save is "
+                              f"removed, {target} is as it was), and the workers keep the state") from error
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _replace(staging: Path, target: Path) -> None:
+    """Renames `staging` to `target`; what was there is renamed aside first, and removed after."""
+    aside = None
+    if os.path.lexists(target):
+        aside = target.with_name(f".{target.name}.replaced-{uuid.uuid4().hex[:8]}")
+        os.rename(target, aside)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if aside is not None:
+            os.rename(aside, target)
+        raise
+    _sync_directory(target.parent)
+    if aside is not None:
+        if aside.is_dir() and not aside.is_symlink():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            aside.unlink()
+
+
+def _sync_directory(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_part(directory: str | os.PathLike, name: str, arrays: Mapping[str, np.ndarray], record: Mapping) -> dict:
+    """Writes one worker's part (`<name>.npz`: `arrays` and the part's `record`), flushed to
+    disk, and reads it back: its file, size, SHA-256 and arrays, for the manifest."""
+    path = Path(directory) / f"{name}.npz"
+    with open(path, "wb") as f:
+        np.savez(f, **{RECORD: np.array(json.dumps({**record, "worker": name}))}, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    size, digest = _digest(path)
+    found = part_arrays(path)
+    wanted = {k: [list(np.shape(a)), str(np.asarray(a).dtype)] for k, a in arrays.items()}
+    if found != wanted:
+        raise CheckpointError(f"{path}: read back, it holds {found}, not what was written ({wanted})")
+    return {"file": path.name, "size": size, "sha256": digest, "arrays": found}
+
+
+def part_arrays(path: Path) -> dict[str, list]:
+    """The arrays of a part (its record left out) as `{key: [shape, dtype]}`, from their
+    `.npy` headers (nothing else is read)."""
+    out = {}
+    with zipfile.ZipFile(path) as archive:
+        for member in archive.namelist():
+            key = member.removesuffix(".npy")
+            if key == RECORD:
+                continue
+            with archive.open(member) as f:
+                version = np.lib.format.read_magic(f)
+                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                    np.lib.format.read_array_header_2_0
+                shape, _, dtype = read(f)
+            out[key] = [list(shape), str(dtype)]
+    return out
+
+
+def _digest(path: Path) -> tuple[int, str]:
+    sha = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            sha.update(chunk)
+            size += len(chunk)
+    return size, sha.hexdigest()
+
+
+def _check_part(path: Path, part: Mapping) -> None:
+    if not path.is_file():
+        raise CheckpointError(f"{path.name} was not written")
+    size, digest = _digest(path)
+    if size != part["size"] or digest != part["sha256"]:
+        raise CheckpointError(f"{path.name} changed after its worker wrote it ({size} bytes, SHA-256 "
+                              f"{digest[:12]}...; its worker wrote {part['size']} bytes, {part['sha256'][:12]}...)")
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_manifest(directory: str | os.PathLike, *, plan: str, shapes: Shapes, workers: Mapping[str, str]) -> dict:
+    """The manifest of the save in `directory`, once it and every part of `workers` (name
+    -> mesh) are checked against the plan (module docstring); else `CheckpointError`."""
+    directory = Path(directory)
+
+    def bad(where: Path | str, what: str):
+        return CheckpointError(f"cannot restore from {directory}: {where}: {what}; nothing was restored (the live "
+                               "state is as it was)")
+
+    if not directory.is_dir():
+        raise bad(directory, "no such directory" if not os.path.lexists(directory) else "not a directory")
+    path = directory / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise bad(path, "missing (not an hlopar save, or one whose writing did not finish)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise bad(path, f"not a readable JSON manifest ({type(error).__name__}: {error})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT and "plan" not in manifest:
+        raise bad(path, "not an hlopar save's manifest")
+    if manifest.get("version") != VERSION:
+        raise bad(path, f"written in save format version {manifest.get('version', 1)} (this hlopar reads "
+                        f"{VERSION}, whose parts carry checksums); save it again with this hlopar")
+    if manifest.get("plan") != plan:
+        raise bad(path, f"saved from another plan ({manifest.get('plan')}), not this step's ({plan})")
+    want = [[list(s), str(d)] for s, d in shapes]
+    if manifest.get("shapes") != want:
+        raise bad(path, f"its results' shapes and dtypes {manifest.get('shapes')} are not the plan's {want}")
+    parts = manifest.get("parts")
+    if not isinstance(parts, dict):
+        raise bad(path, "lists no parts")
+    results = manifest.get("results") or {}
+    for name, mesh in workers.items():
+        part = parts.get(name)
+        if not isinstance(part, dict) or not {"file", "size", "sha256", "arrays"} <= set(part):
+            raise bad(path, f"lists no part of worker {name}")
+        file = directory / str(part["file"])
+        if not file.is_file():
+            raise bad(file, "missing" if not os.path.lexists(file) else "not a file")
+        size, digest = _digest(file)
+        if size != part["size"] or digest != part["sha256"]:
+            raise bad(file, _stray(file, manifest) or (
+                f"empty (the manifest says {part['size']} bytes)" if size == 0 else
+                f"{size} bytes, the manifest says {part['size']} (truncated or overwritten)" if size != part["size"]
+                else "damaged: its SHA-256 is not the one the manifest records"))
+        try:
+            found = part_arrays(file)
+        except (OSError, ValueError, zipfile.BadZipFile) as error:
+            raise bad(file, f"unreadable ({type(error).__name__}: {error})") from None
+        if found != part["arrays"]:
+            raise bad(file, f"holds arrays {found}, the manifest lists {part['arrays']}")
+        for k, (shape, dtype) in enumerate(want):
+            if results.get(str(k)) != mesh:
+                continue
+            problem = _result_problem(found, k, shape, dtype)
+            if problem:
+                raise bad(file, problem)
+    return manifest
+
+
+def _result_problem(found: Mapping[str, list], k: int, shape: list, dtype: str) -> str | None:
+    """What is wrong with result k in a part's arrays (whole, or a spanning mesh's shards), or None."""
+    if f"r{k}" in found:
+        got = found[f"r{k}"]
+        return None if got == [shape, dtype] else (f"result {k} is {got[1]}{got[0]}, the plan's is "
+                                                    f"{dtype}{shape}")
+    shards = [v for key, v in found.items() if key.startswith(f"r{k}@")]
+    if f"r{k}.shape" not in found or not shards:
+        return f"holds no result {k}"
+    wrong = [v for v in shards if v[1] != dtype or len(v[0]) != len(shape) or
+             any(n > m for n, m in zip(v[0], shape))]
+    return f"result {k}'s shards {wrong} do not fit the plan's {dtype}{shape}" if wrong else None
+
+
+def _stray(file: Path, manifest: Mapping) -> str | None:
+    """Where a part that is not the one the manifest records comes from, if its own record
+    says it is another save's (else None: damaged)."""
+    record = None
+    try:
+        with np.load(file) as data:
+            record = json.loads(str(data[RECORD])) if RECORD in data.files else None
+    except Exception:  # unreadable: damaged
+        pass
+    if isinstance(record, dict) and record.get("save") != manifest.get("save"):
+        where = "another plan's save" if record.get("plan") != manifest.get("plan") else "another save of this plan"
+        return (f"a part of {where} (step {record.get('step')}, save {str(record.get('save'))[:8]}), not of this "
+                f"one (step {manifest.get('step')}, save {str(manifest.get('save'))[:8]})")
+    return None
+
+
+def _json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+
+
+def load_part(path: Path) -> dict[str, np.ndarray]:
+    """A part's arrays (its record left out)."""
+    with np.load(path) as data:
+        return {key: np.array(data[key]) for key in data.files if key != RECORD}
