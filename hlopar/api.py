@@ -205,10 +205,13 @@ def _cache_root() -> Path:
 def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = None, schedule: str = "eager-1f1b",
               method: str = "auto", batch_args: Sequence[int] | None = None, rng: str = "exact",
               remat: str = "auto", stage_loops: bool = False, cache: bool = True,
-              log: Callable[[str], None] = lambda message: None) -> PlannedStep:
+              log: Callable[[str], None] = lambda message: None, host_callbacks: bool = False) -> PlannedStep:
     """Plans a training step's StableHLO text for a (resolved) cluster and writes its bundle,
-    or reads the cached one. Module docstring."""
-    from hlopar.codegen.pipeline_program import pipeline_program
+    or reads the cached one. Module docstring. `host_callbacks`: the caller runs a plan of one
+    mesh and one microbatch in this process, host callbacks included (`pipeline_program`)."""
+    from hlopar.codegen.pipeline_program import ProgramError, pipeline_program
+    from hlopar.ir.diagnostics import error_at
+    from hlopar.ir.host_callbacks import host_callbacks as find_host_callbacks
     from hlopar.codegen.schedules import get_schedule
     from hlopar.ir.module import parse_module
 
@@ -226,12 +229,18 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
     options = {"microbatches": num_microbatches, "chosen": chosen, "schedule": schedule, "method": method,
                "batch_args": list(step_batch_args) if step_batch_args is not None else None, "rng": rng,
                "remat": remat, "stage_loops": stage_loops}
+    if find_host_callbacks(module):  # a plan that may hold them, apart: a refusal is made afresh, at the user's line
+        options["host_callbacks"] = host_callbacks
     key = hashlib.sha256(json.dumps({"version": CACHE_VERSION, "jax": jax.__version__, "text": text,
                                      "cluster": cluster.key(), "options": options},
                                     sort_keys=True).encode()).hexdigest()[:24]
     bundle = _cache_root() / "plans" / key
     if cache and (bundle / "pipeline.json").is_file() and (bundle / "program.mlir").is_file():
-        program = pipeline_program(parse_module((bundle / "program.mlir").read_text()), split_backward=split)
+        try:
+            program = pipeline_program(parse_module((bundle / "program.mlir").read_text()), split_backward=split,
+                                       host_callbacks=host_callbacks)
+        except ProgramError as error:
+            raise DiagnosticError([error_at(error.location, str(error))]) from None
         plan = json.loads((bundle / "plan.json").read_text())
         log(f"plan read from the cache ({bundle})")
         return PlannedStep(program, bundle, plan, True, time.perf_counter() - clock)
@@ -271,7 +280,10 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
 
         pieces = LayerPieces.of(planned_functions(module)[0]) or pieces
     plan["layer_pieces"] = pieces.to_json() if pieces else None
-    program = pipeline_program(module, split_backward=split)
+    try:
+        program = pipeline_program(module, split_backward=split, host_callbacks=host_callbacks)
+    except ProgramError as error:
+        raise DiagnosticError([error_at(error.location, str(error))]) from None
     if cache:
         _write_cached(bundle, program, module, plan, schedule, options, cluster)
     else:
@@ -472,7 +484,9 @@ class ParallelizedFunction:
         try:
             planned = plan_step(text, cluster, num_microbatches=self.num_microbatches, schedule=self.schedule,
                                 method=self.method, batch_args=self._batch_leaves(args), rng=self.rng,
-                                remat=self.remat, stage_loops=self.stage_loops, cache=self.cache, log=self._log)
+                                remat=self.remat, stage_loops=self.stage_loops, cache=self.cache, log=self._log,
+                                host_callbacks=self.runtime_kind != "ray" and cluster.is_local
+                                and cluster.num_hosts == 1)
         except (DiagnosticError, RolesError) as error:
             raise PlanningError(f"hlopar cannot parallelize {self.__name__}{_defined_at(self.fn)}:\n"
                                 f"{in_api_terms(str(error))}") from None
@@ -491,6 +505,9 @@ class ParallelizedFunction:
             return self._compiled
         self.shutdown()
         from hlopar.passes.unstack_layer_scans import LayerPieces
+        from hlopar.codegen.pipeline_program import host_callback_message
+        from hlopar.ir.diagnostics import Diagnostic
+        from hlopar.ir.host_callbacks import lowered_host_callbacks
         from hlopar.runtime.in_process import InProcessRuntime, in_process_devices
         from hlopar.runtime.ray_runtime import placement_of
 
@@ -506,9 +523,16 @@ class ParallelizedFunction:
             if devices is None and self.runtime_kind == "process":
                 raise ValueError(f"{self.__name__} cannot run in this process (runtime='process'): {why_not}")
             if devices is not None:
-                runtime = InProcessRuntime(planned.program, devices, log=progress.message, phase=progress.phase)
+                runtime = InProcessRuntime(planned.program, devices, log=progress.message, phase=progress.phase,
+                                           host_callbacks=lowered_host_callbacks(lowered))
                 self._log(f"running in this process on {len(devices)} {cluster.device_kind} device(s), as jax.jit "
                           "does (no Ray workers)")
+            elif planned.program.host_callbacks:  # a Ray worker would crash on it (codegen.pipeline_program)
+                where = planned.program.host_callbacks[0]
+                refusal = Diagnostic("error", host_callback_message(where.target, f"the plan runs on Ray workers "
+                                                                    f"({why_not})"), where.location)
+                raise PlanningError(f"hlopar cannot parallelize {self.__name__}{_defined_at(self.fn)}:\n"
+                                    f"{in_api_terms(refusal.format())}")
             else:
                 placement = placement_of(planned.program, cluster.devices_per_host, local=cluster.is_local,
                                          device_kind=cluster.device_kind)

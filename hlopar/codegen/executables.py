@@ -99,13 +99,15 @@ class DeviceExecutable:
         return [np.asarray(r) for r in self.run(list(arguments))]
 
 
-def compile_executable(module: ir.Operation, devices: Sequence[jax.Device]) -> DeviceExecutable:
+def compile_executable(module: ir.Operation, devices: Sequence[jax.Device],
+                       host_callbacks: Sequence = ()) -> DeviceExecutable:
     """Compiles `module`'s `@main` for `devices` (the order of its mesh); donation as its
-    argument attributes say (`set_donation`, `accumulating_module`)."""
+    argument attributes say (`set_donation`, `accumulating_module`); `host_callbacks` as
+    `spmd.compile_spmd` takes them."""
     main = _main(module)
     donated = frozenset(i for i, attrs in enumerate(_arg_attrs(main))
                         if ALIASING_OUTPUT in attrs or BUFFER_DONOR in attrs)
-    return DeviceExecutable(compile_spmd(module, devices), donated)
+    return DeviceExecutable(compile_spmd(module, devices, host_callbacks), donated)
 
 
 def set_donation(module: ir.Operation, donations: Mapping[int, int | None]) -> None:

@@ -14,11 +14,13 @@ arguments and returns its results, in `@main`'s order:
 - an accumulator is a zero constant (one microbatch: the sum is that microbatch's value,
   and XLA folds the add of zero away);
 - an argument is laid out as its first reader reads it; one an update fragment donates
-  stays donated (to the same result when the layouts match, else to any).
+  stays donated (to the same result when the layouts match, else to any);
+- a mesh only one fragment holds joins the others' (a host callback's `@maximal_mesh_0`,
+  the one device `jax.jit` calls it on: `jax.debug.print` runs in its fragment alone).
 
 None where the program is not such a program (several meshes or microbatches, transfers, an
-argument no fragment reads, a fragment with functions besides its `@main`, meshes that
-differ): it then runs fragment by fragment.
+argument no fragment reads, a fragment with functions besides its `@main`, two fragments
+giving one mesh name different meshes): it then runs fragment by fragment.
 """
 
 from __future__ import annotations
@@ -41,10 +43,25 @@ def fuses(program: PipelineProgram) -> bool:
     fragments = program.fragments
     if len(program.meshes) != 1 or program.microbatches != 1 or program.transfers or not fragments:
         return False
-    symbols = [_symbols(f.module) for f in fragments]
-    if None in symbols or len(set(symbols)) != 1:
+    if _merged_symbols(fragments) is None:
         return False
     return len(_first_reads(program)) == len(program.argument_shapes)
+
+
+def _merged_symbols(fragments) -> dict[str, ir.Operation] | None:
+    """Every fragment's top-level ops but `@main` (its meshes) by symbol name, or None where
+    a fragment has other functions or two fragments give one name different ops. A fragment
+    may hold a mesh the others lack: a host callback's `@maximal_mesh_0` (module docstring)."""
+    merged: dict[str, ir.Operation] = {}
+    for f in fragments:
+        symbols = _symbols(f.module)
+        if symbols is None:
+            return None
+        for name, op in symbols.items():
+            if name in merged and str(merged[name]) != str(op):
+                return None
+            merged.setdefault(name, op)
+    return merged
 
 
 def _first_reads(program: PipelineProgram) -> dict[int, tuple[int, int]]:
@@ -71,6 +88,10 @@ def one_program(program: PipelineProgram) -> ir.Operation | None:
 
     module = fragments[0].module.clone()
     old = _main(module)
+    have = _symbols(module)
+    for name, op in _merged_symbols(fragments).items():
+        if name not in have:  # a mesh of another fragment (a host callback's)
+            op.clone(ip=ir.InsertionPoint(old))
     with module.context, ir.Location.unknown():
         inputs = [bodies[k].arguments[a].type for k, a in (first_read[i] for i in range(len(first_read)))]
         made = {v: (k, p) for k, f in enumerate(fragments) for p, v in enumerate(f.results)}
@@ -112,17 +133,19 @@ def one_program(program: PipelineProgram) -> ir.Operation | None:
     return module
 
 
-def _symbols(module: ir.Operation) -> str | None:
-    """The module's top-level ops but `@main` as text (its meshes), or None when it has
-    other functions."""
-    others = []
+def _symbols(module: ir.Operation) -> dict[str, ir.Operation] | None:
+    """The module's top-level ops but `@main` (its meshes) by symbol name, or None when it
+    has other functions."""
+    others = {}
     for op in module.regions[0].blocks[0].operations:
+        name = op.operation.attributes["sym_name"] if "sym_name" in op.operation.attributes else None
+        name = ir.StringAttr(name).value if name is not None else str(op)
         if op.operation.name == "func.func":
-            if ir.StringAttr(op.operation.attributes["sym_name"]).value != "main":
+            if name != "main":
                 return None
             continue
-        others.append(str(op))
-    return "\n".join(others)
+        others[name] = op.operation
+    return others
 
 
 def _result_type(value, made, bodies, first_read, v) -> ir.Type:

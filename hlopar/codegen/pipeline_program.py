@@ -49,6 +49,17 @@ step's own values; with several, the split returns per-example results as sums o
 microbatch's rows placed in the whole batch, `passes.per_example_results`, accumulated like
 gradients); a mesh running two stages, stages not numbered 0..S-1, ops other than fragments and
 transfers at the top level of `@main`.
+
+Host callbacks (`jax.debug.print`, `jax.debug.callback`, `io_callback`, `pure_callback`:
+`hlopar.ir.host_callbacks`) call a Python function that lives only in the process that
+lowered the step. A program holding one is read only for a caller that runs it in that
+process (`pipeline_program(..., host_callbacks=True)`: `parallelize`'s in-process runtime),
+and only where it is one mesh and one microbatch, which that runtime compiles as one
+executable with the lowering's functions, calling each as `jax.jit` would (once per step,
+or once per device where `partitioned=True`). Otherwise it runs on Ray workers, other
+processes that do not hold the function: refused (`ProgramError` at the callback's line,
+`host_callback_message`), never run to crash a worker, and never dropped (a user's print
+lost, an `io_callback`'s effect skipped).
 """
 
 from __future__ import annotations
@@ -69,15 +80,17 @@ from hlopar.codegen.schedules.instructions import RECV, RUN, SEND, Instruction, 
 from hlopar.codegen.schedules.topology import Edge, PipelineTopology
 from hlopar.codegen.transfers import CONTAINER, PlannedTransfer, planned_transfer
 from hlopar.codegen.weight_split import split_module
+from hlopar.ir.diagnostics import SourceLocation, source_location
 from hlopar.ir.graph import FuncGraph, bit_width
+from hlopar.ir.host_callbacks import callback_target, host_callbacks
 from hlopar.ir.module import print_module
 from hlopar.ir.signature import FuncSignature
 from hlopar.passes.microbatch_index import read_index_arg
 from hlopar.passes.mpmd_program import fragment_role
 from hlopar.passes.split_microbatches import BATCH, KIND_ATTR, STEP, read_split
 
-__all__ = ["FORWARD", "BACKWARD", "WEIGHT", "UPDATE", "PipelineProgram", "ProgramError", "ProgramFragment",
-           "ProgramTransfer", "ProgramValue", "pipeline_program"]
+__all__ = ["FORWARD", "BACKWARD", "WEIGHT", "UPDATE", "HostCallback", "PipelineProgram", "ProgramError",
+           "ProgramFragment", "ProgramTransfer", "ProgramValue", "host_callback_message", "pipeline_program"]
 
 FORWARD, BACKWARD, WEIGHT, UPDATE = "forward", "backward", "weight", "update"
 _RUN_ROLES = {"F": (FORWARD,), "B": (BACKWARD, WEIGHT), "W": (WEIGHT,)}  # a whole backward: B and W
@@ -141,6 +154,23 @@ class ProgramTransfer:
     streamed: bool = False  # carried per microbatch by a SEND/RECV pair (else copied once, when first read)
 
 
+@dataclass(frozen=True)
+class HostCallback:
+    """A host callback op of the program: its call target and the user's line."""
+
+    target: str
+    location: SourceLocation | None
+
+
+def host_callback_message(target: str, reason: str) -> str:
+    """Why a program with a host callback cannot run where `reason` says it would."""
+    return (f"host callback '{target}' (jax.debug.print, jax.debug.callback, io_callback or pure_callback) "
+            f"calls a Python function of the process that lowered the step, and {reason}: other processes, which "
+            "do not hold it. "
+            "hlopar runs it only where the plan runs in that process: one mesh and one microbatch on this "
+            "machine's one host (parallelize(..., method='shard', runtime='process'))")
+
+
 @dataclass
 class PipelineProgram:
     """Everything a pipeline runtime reads of a planned program (module docstring)."""
@@ -161,6 +191,7 @@ class PipelineProgram:
     carried: dict[tuple[str, str], tuple[int, ...]] = field(default_factory=dict)  # (src, dst) -> transfers
     split_backward: bool = False  # backwards cut into B and W fragments
     index_arg: int | None = None  # the microbatch index argument the split added (`passes.microbatch_index`)
+    host_callbacks: tuple[HostCallback, ...] = ()  # run only in this process (module docstring)
 
     @property
     def mesh_of_stage(self) -> dict[int, str]:
@@ -243,16 +274,20 @@ class PipelineProgram:
         }
 
 
-def pipeline_program(module: ir.Operation, split_backward: bool = False) -> PipelineProgram:
+def pipeline_program(module: ir.Operation, split_backward: bool = False, *,
+                     host_callbacks: bool = False) -> PipelineProgram:
     """Reads a split, stage-constructed MPMD program (module docstring); `split_backward`
-    cuts each backward into B and W fragments, as backward weight delaying runs them."""
-    return _Reader(module, split_backward).read()
+    cuts each backward into B and W fragments, as backward weight delaying runs them.
+    `host_callbacks`: the caller runs a one-mesh, one-microbatch program in the process that
+    lowered it, where its host callbacks live; otherwise a program with one is refused."""
+    return _Reader(module, split_backward, host_callbacks).read()
 
 
 class _Reader:
-    def __init__(self, module: ir.Operation, split_backward: bool = False):
+    def __init__(self, module: ir.Operation, split_backward: bool = False, host_callbacks: bool = False):
         self.module = module
         self.split_backward = split_backward
+        self.runs_here = host_callbacks
         self.main = _entry(module)
         try:
             self.microbatches, self.batch_args = read_split(self.main)
@@ -271,6 +306,7 @@ class _Reader:
         self.carry_bytes: dict[int, int] = {}  # stage -> what its B fragments hand to W, per microbatch
 
     def read(self) -> PipelineProgram:
+        callbacks = self._host_callbacks()
         block = self.main.regions[0].blocks[0]
         number: dict[ir.Value, int] = {}
         shapes = []
@@ -302,7 +338,21 @@ class _Reader:
         return PipelineProgram(
             self.microbatches, self.batch_args, tuple(shapes), tuple(self.topology), dict(self.physical),
             self.values, self.fragments, self.transfers, results, topology, stage_of_mesh, kept, needed_once, carried,
-            self.split_backward, read_index_arg(self.main))
+            self.split_backward, read_index_arg(self.main), callbacks)
+
+    def _host_callbacks(self) -> tuple[HostCallback, ...]:
+        """The program's host callbacks, where it may hold them (module docstring)."""
+        ops = host_callbacks(self.main)
+        if not ops:
+            return ()
+        if not self.runs_here:
+            reason = "the plan runs on Ray workers"
+        elif len(self.topology) != 1 or self.microbatches != 1:
+            reason = (f"a plan of {len(self.topology)} mesh(es) and {self.microbatches} microbatch(es) runs on Ray "
+                      "workers")
+        else:
+            return tuple(HostCallback(callback_target(op), source_location(op.location)) for op in ops)
+        raise ProgramError(host_callback_message(callback_target(ops[0]), reason), ops[0].location)
 
     # -- ops
 

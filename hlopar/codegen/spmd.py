@@ -40,15 +40,25 @@ class SpmdExecutable:
         return results
 
 
-def compile_spmd(module: ir.Operation, devices: Sequence[jax.Device]) -> SpmdExecutable:
-    """Compiles `module` (its `@main`) for `devices`, in the order of the module's mesh."""
+def compile_spmd(module: ir.Operation, devices: Sequence[jax.Device],
+                 host_callbacks: Sequence = ()) -> SpmdExecutable:
+    """Compiles `module` (its `@main`) for `devices`, in the order of the module's mesh;
+    `host_callbacks`: the Python functions its host callbacks call, by their `index`
+    (`hlopar.ir.host_callbacks`), as `jax.jit` hands them to the compiler."""
     func = _main(module)
     options = backend.get_compile_options(
         num_replicas=1, num_partitions=len(devices), device_assignment=np.array([[d.id for d in devices]])
     )
     options.executable_build_options.use_shardy_partitioner = True
     options.executable_build_options.use_spmd_partitioning = len(devices) > 1
-    executable = backend.get_backend().compile_and_load(print_module(module), _jax.DeviceList(tuple(devices)), options)
+    client, device_list = backend.get_backend(), _jax.DeviceList(tuple(devices))
+    if host_callbacks:  # only the overload that takes a module object takes them
+        with module.context:
+            parsed = ir.Module.parse(print_module(module))
+        executable = client.compile_and_load(parsed, executable_devices=device_list, compile_options=options,
+                                             host_callbacks=list(host_callbacks))
+    else:
+        executable = client.compile_and_load(print_module(module), device_list, options)
     function_type = ir.FunctionType(ir.TypeAttr(func.attributes["function_type"]).value)
     return SpmdExecutable(
         executable,

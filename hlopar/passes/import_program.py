@@ -4,6 +4,11 @@ One `@main` with private functions inlined, chlo legalized to stablehlo, dead co
 and shardings already in the input (sdy attributes, Shardy's round-trip frontend
 attributes, or GSPMD `mhlo.sharding` strings) written as `sdy` attributes: the user's
 constraints, which later passes keep.
+
+Refused, at the op that takes it: a `!stablehlo.token` argument of `@main`, which is how JAX
+threads ordered effects through a step (`ordered=True` of `jax.debug.print`,
+`jax.debug.callback`, `io_callback`): the token is the runtime's, between one step's effects
+and the next one's, and nothing of hlopar's passes or runtimes carries it.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ from dataclasses import dataclass
 
 from jaxlib.mlir import ir, passmanager
 
-from hlopar.ir.diagnostics import DiagnosticError
+from hlopar.ir.diagnostics import DiagnosticError, error_at
+from hlopar.ir.host_callbacks import callback_target
 from hlopar.passes.base import ModulePass, PassContext, option
 from hlopar.passes.import_shardings import import_shardings
 from hlopar.passes.inline_calls import inline_calls
@@ -33,6 +39,7 @@ class ImportPass(ModulePass):
             import_shardings(module, context)
         if self.inline:
             inline_calls(module)
+        _refuse_ordered_effects(module)
         upstream = []
         if self.legalize_chlo:
             upstream.append("func.func(chlo-legalize-to-stablehlo)")
@@ -45,3 +52,22 @@ class ImportPass(ModulePass):
             manager.run(module)
         except ir.MLIRError as error:
             raise DiagnosticError.from_mlir_error(error) from None
+
+
+def _refuse_ordered_effects(module: ir.Operation) -> None:
+    """A token argument of `@main` (module docstring), refused at its first reader."""
+    for op in module.regions[0].blocks[0].operations:
+        if op.operation.name != "func.func" or ir.StringAttr(op.operation.attributes["sym_name"]).value != "main":
+            continue
+        for arg in op.regions[0].blocks[0].arguments:
+            if str(arg.type) != "!stablehlo.token":
+                continue
+            readers = [use.owner for use in arg.uses]
+            reader = readers[0] if readers else op
+            target = callback_target(reader) if readers else None
+            what = f"host callback '{target}'" if target else "an op"
+            raise DiagnosticError([error_at(reader, (
+                f"{what} takes a token of @main: an ordered effect (ordered=True of jax.debug.print, "
+                "jax.debug.callback or io_callback), ordered across steps by jax.jit's runtime; hlopar plans "
+                "none: without ordered=True a callback runs once per step where hlopar runs the plan in the "
+                "process that lowered it (one mesh and one microbatch on this machine's one host)"))])

@@ -17,6 +17,10 @@ worker's bookkeeping, and the executable itself ran 1.03-1.05x slower in the wor
 a driver in most runs on this project's 2-core machine (`tools/bench_runtime.py`,
 docs/performance.md). `parallelize(runtime="ray")` keeps the workers anyway.
 
+Host callbacks (`jax.debug.print`, `io_callback`, ...) run here, and only here: the executable
+is compiled with the lowering's Python functions, as `jax.jit` compiles it
+(`codegen.pipeline_program` refuses them in a plan for Ray workers).
+
 `save` writes what a Ray worker of the same plan writes (`<worker>.npz` of whole results,
 named as `worker_layout` names the mesh's worker), so a save restores in either runtime.
 """
@@ -66,10 +70,12 @@ class InProcessRuntime:
     asks of a runtime: `start`, `run`, `save`, `load`, `shutdown`, `alive`, `step_id`,
     `last_stats`."""
 
-    def __init__(self, program: PipelineProgram, devices: Sequence[jax.Device], *, log=None, phase=None):
+    def __init__(self, program: PipelineProgram, devices: Sequence[jax.Device], *, log=None, phase=None,
+                 host_callbacks: Sequence = ()):
         from hlopar.runtime.mesh_processes import worker_layout
 
         self.program = program
+        self.host_callbacks = list(host_callbacks)  # the lowering's, for the program's callbacks (by index)
         self.devices = list(devices)
         self.mesh = program.meshes[0]
         self.name = worker_layout(program.devices).of_mesh(self.mesh)[0].name  # the Ray worker's, for saves
@@ -91,7 +97,7 @@ class InProcessRuntime:
 
         self.phase("compiling")
         clock = time.perf_counter()
-        self.executable = compile_executable(one_program(self.program), self.devices)
+        self.executable = compile_executable(one_program(self.program), self.devices, self.host_callbacks)
         self.log(f"compiled the plan as one executable for {len(self.devices)} {self.devices[0].platform} "
                  f"device(s) of this process in {time.perf_counter() - clock:.1f} s (no workers)")
 
