@@ -5,10 +5,10 @@ and shardings already in the input (sdy attributes, Shardy's round-trip frontend
 attributes, or GSPMD `mhlo.sharding` strings) written as `sdy` attributes: the user's
 constraints, which later passes keep.
 
-Refused, at the op that takes it: a `!stablehlo.token` argument of `@main`, which is how JAX
-threads ordered effects through a step (`ordered=True` of `jax.debug.print`,
-`jax.debug.callback`, `io_callback`): the token is the runtime's, between one step's effects
-and the next one's, and nothing of hlopar's passes or runtimes carries it.
+Refused, at the callback: a host callback that takes a `!stablehlo.token` argument of
+`@main`, which is how JAX threads ordered effects through a step (`ordered=True` of
+`jax.debug.print`, `jax.debug.callback`, `io_callback`): the token is the runtime's, between
+one step's effects and the next one's, and nothing of hlopar's passes or runtimes carries it.
 """
 
 from __future__ import annotations
@@ -55,19 +55,19 @@ class ImportPass(ModulePass):
 
 
 def _refuse_ordered_effects(module: ir.Operation) -> None:
-    """A token argument of `@main` (module docstring), refused at its first reader."""
+    """A host callback reading a token argument of `@main` (module docstring)."""
     for op in module.regions[0].blocks[0].operations:
         if op.operation.name != "func.func" or ir.StringAttr(op.operation.attributes["sym_name"]).value != "main":
             continue
         for arg in op.regions[0].blocks[0].arguments:
             if str(arg.type) != "!stablehlo.token":
                 continue
-            readers = [use.owner for use in arg.uses]
-            reader = readers[0] if readers else op
-            target = callback_target(reader) if readers else None
-            what = f"host callback '{target}'" if target else "an op"
-            raise DiagnosticError([error_at(reader, (
-                f"{what} takes a token of @main: an ordered effect (ordered=True of jax.debug.print, "
-                "jax.debug.callback or io_callback), ordered across steps by jax.jit's runtime; hlopar plans "
-                "none: without ordered=True a callback runs once per step where hlopar runs the plan in the "
-                "process that lowered it (one mesh and one microbatch on this machine's one host)"))])
+            for reader in (use.owner for use in arg.uses):
+                target = callback_target(reader)
+                if target is not None:
+                    raise DiagnosticError([error_at(reader, (
+                        f"host callback '{target}' takes a token of @main: an ordered effect (ordered=True of "
+                        "jax.debug.print, jax.debug.callback or io_callback), ordered across steps by jax.jit's "
+                        "runtime; hlopar plans none: without ordered=True a callback runs once per step where "
+                        "hlopar runs the plan in the process that lowered it (one mesh and one microbatch on this "
+                        "machine's one host)"))])
