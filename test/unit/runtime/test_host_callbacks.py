@@ -82,11 +82,10 @@ def _printed(text: str) -> list[list[float]]:
 
 
 def test_debug_print_runs_in_process_once_per_step(capfd):
-    expected = []
     capfd.readouterr()
     w = W
     for _ in range(2):
-        w, loss = jax.block_until_ready(jax.jit(printing_step)(w, X))
+        w, _ = jax.block_until_ready(jax.jit(printing_step)(w, X))
     expected = _printed(capfd.readouterr().out)
     assert len(expected) == 2
 
@@ -94,7 +93,7 @@ def test_debug_print_runs_in_process_once_per_step(capfd):
     try:
         w = W
         for _ in range(2):
-            w, loss = jax.block_until_ready(parallel(w, X))
+            w, _ = jax.block_until_ready(parallel(w, X))
         assert isinstance(parallel.runtime, InProcessRuntime)
         printed = _printed(capfd.readouterr().out)
         assert len(printed) == 2  # once per step, as jax.jit prints (one device prints)
@@ -132,7 +131,7 @@ def test_partitioned_callback_is_called_as_jax_jit_calls_it_on_the_same_layout()
         same_layout = jax.jit(partitioned_step(expected), in_shardings=tuple(executable.input_shardings))
         jax.block_until_ready(same_layout(*(jax.device_put(a, s) for a, s in zip((W, X),
                                                                                  executable.input_shardings))))
-        assert sorted(shapes) == sorted(expected) and shapes
+        assert sorted(shapes) == sorted(expected) and shapes, (shapes, expected)
     finally:
         parallel.close()
 
