@@ -84,6 +84,8 @@ from typing import Any, Literal
 import jax
 import numpy as np
 
+from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS
+from hlopar.analysis.limits import check_cluster, check_cluster_dimension, check_count, check_seconds
 from hlopar.analysis.training_roles import RolesError
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.progress import Progress
@@ -120,10 +122,27 @@ class Cluster:
     device_kind: Literal["cpu", "gpu"] | None = None
     preset: str | None = None  # the planner's cluster preset (default: "cpu" on CPUs, "v100-p3.16xlarge" on GPUs)
 
+    def __post_init__(self) -> None:
+        """Sizes the planner handles (`analysis.limits`: the limit and why), a known kind and preset."""
+        for name in ("num_hosts", "devices_per_host"):
+            if getattr(self, name) is not None:
+                _check_argument(f"Cluster {name}", check_cluster_dimension, getattr(self, name))
+        if self.num_hosts is not None and self.devices_per_host is not None:
+            try:
+                check_cluster(self.num_hosts, self.devices_per_host)
+            except ValueError as error:
+                raise ValueError(f"Cluster: {error}") from None
+        if self.device_kind not in (None, "cpu", "gpu"):
+            raise ValueError(f"Cluster device_kind must be 'cpu', 'gpu' or None, got {self.device_kind!r}")
+        if self.preset is not None and self.preset not in CLUSTER_PRESETS:
+            raise ValueError(f"Cluster preset: unknown preset {self.preset!r}; known presets: "
+                             f"{', '.join(CLUSTER_PRESETS)}")
+
     @classmethod
     def local(cls, num_hosts: int = 1, devices_per_host: int | None = None,
               device_kind: Literal["cpu", "gpu"] | None = None, preset: str | None = None) -> Cluster:
         """This machine: by default one host with all the local devices jax sees."""
+        _check_argument("Cluster num_hosts", check_cluster_dimension, num_hosts)
         kind = device_kind or ("gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu")
         if devices_per_host is None:
             devices_per_host = max(1, len(jax.devices()) // num_hosts)
@@ -153,6 +172,14 @@ class Cluster:
     def key(self) -> dict:
         return {"hosts": self.num_hosts, "devices_per_host": self.devices_per_host, "kind": self.device_kind,
                 "preset": self.preset}
+
+
+def _check_argument(name: str, check: Callable[[Any], None], value: Any) -> None:
+    """`check(value)` (`analysis.limits`), its `ValueError` naming the argument."""
+    try:
+        check(value)
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None
 
 
 def _connect(cluster: Cluster) -> None:
@@ -431,6 +458,15 @@ class ParallelizedFunction:
         remat = {True: "always", False: "never"}[remat] if isinstance(remat, bool) else remat
         if remat not in REMAT_MODES:
             raise ValueError(f"remat must be True, False or one of {', '.join(REMAT_MODES)}, got {remat!r}")
+        if cluster is not None and not isinstance(cluster, Cluster):
+            raise TypeError(f"cluster must be a hlopar.Cluster or None, got {type(cluster).__name__}")
+        if num_microbatches is not None:
+            _check_argument("num_microbatches", lambda n: check_count(n, low=1), num_microbatches)
+        _check_argument("timeout", check_seconds, timeout)
+        for name, numbers in (("batch_argnums", () if batch_argnums is ... else batch_argnums),
+                              ("donate_argnums", donate_argnums)):
+            for number in (numbers,) if isinstance(numbers, int) else numbers:
+                _check_argument(name, lambda n: check_count(-n if isinstance(n, int) and n < 0 else n), number)
         self.fn = fn
         self.cluster = cluster
         self.num_microbatches = num_microbatches

@@ -25,8 +25,10 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from hlopar.analysis.limits import check_cluster, check_cluster_dimension, check_count, check_positive
 from hlopar.cli.arguments import ArgumentParser
 from hlopar.cli.guard import run_isolated
 from hlopar.runtime.host_devices import use_host_devices
@@ -99,14 +101,25 @@ class _CompileArgumentParser(ArgumentParser):
         return super().format_help()
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _checked(check: Callable[[int], None]) -> Callable[[str], int]:
+    """An argparse type: an integer that passes `check` (`analysis.limits`, as the passes' options)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+        try:
+            check(value)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return value
+
+    return parse
+
+
+_positive = _checked(lambda n: check_count(n, low=1))
+_cluster_dimension = _checked(check_cluster_dimension)
 
 
 def _indices(text: str) -> tuple[int, ...]:
@@ -116,13 +129,15 @@ def _indices(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected argument indices like 19,20, got {text!r}") from None
     if any(v < 0 for v in values):
         raise argparse.ArgumentTypeError(f"expected argument indices like 19,20, got {text!r}")
+    for value in values:
+        _checked(check_count)(str(value))
     return values
 
 
 def _index(text: str) -> int:
     if not text.isdigit():
         raise argparse.ArgumentTypeError(f"expected one result index (0, 1, ...), got {text!r}")
-    return int(text)
+    return _checked(check_count)(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,8 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("input", help="the training step: .mlir text or .mlirbc bytecode, or - for stdin")
     parser.add_argument("-o", dest="output", required=True, metavar="DIR", help="bundle directory to write")
-    parser.add_argument("--num-hosts", type=_positive, required=True, metavar="N", help="hosts in the cluster")
-    parser.add_argument("--devices-per-host", type=_positive, required=True, metavar="M", help="devices per host")
+    parser.add_argument("--num-hosts", type=_cluster_dimension, required=True, metavar="N", help="hosts in the cluster")
+    parser.add_argument("--devices-per-host", type=_cluster_dimension, required=True, metavar="M",
+                        help="devices per host")
     parser.add_argument("--microbatches", type=_positive, required=True, metavar="B",
                         help="microbatches per step (divides the batch: the leading dim of every batch argument)")
     parser.add_argument("--schedule", required=True, choices=SCHEDULE_CHOICES,
@@ -160,7 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_cluster(args.num_hosts, args.devices_per_host)
+    except ValueError as error:
+        parser.error(f"--num-hosts {args.num_hosts} --devices-per-host {args.devices_per_host}: {error}")
     output = os.path.abspath(args.output)
     problem = _output_problem(output)
     if problem:
@@ -299,7 +320,7 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
     from hlopar.ir.module import parse_module, print_module, read_source
     from hlopar.passes.auto_parallel import AutoParallelPass
     from hlopar.passes.auto_sharding import parse_bytes
-    from hlopar.passes.base import PassContext
+    from hlopar.passes.base import OptionError, PassContext
     from hlopar.passes.pipeline import Instrumentation, Pipeline, Step
     timings: list[tuple[str, float]] = []
     clock = time.perf_counter()
@@ -307,6 +328,7 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
     if args.memory_per_device is not None:
         try:
             memory = parse_bytes(args.memory_per_device)
+            check_positive(memory)
         except ValueError as error:
             raise DiagnosticError([Diagnostic("error", f"--memory-per-device: invalid value "
                                                        f"'{args.memory_per_device}': {error}")]) from None
@@ -314,11 +336,14 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
     timings.append(("parse", time.perf_counter() - clock))
 
     report = Path(staging) / "plan.json"
-    planner = AutoParallelPass(num_hosts=args.num_hosts, devices_per_host=args.devices_per_host,
-                               microbatches=args.microbatches, split=True, schedule=args.schedule,
-                               memory_per_device=memory, preset=args.preset, layers=args.layers,
-                               batch_args=args.batch_args, loss_result=args.loss_result, rng=args.rng,
-                               report=str(report))
+    try:
+        planner = AutoParallelPass(num_hosts=args.num_hosts, devices_per_host=args.devices_per_host,
+                                   microbatches=args.microbatches, split=True, schedule=args.schedule,
+                                   memory_per_device=memory, preset=args.preset, layers=args.layers,
+                                   batch_args=args.batch_args, loss_result=args.loss_result, rng=args.rng,
+                                   report=str(report))
+    except OptionError as error:
+        raise DiagnosticError([Diagnostic("error", in_cli_terms(str(error)))]) from None
     context = PassContext()
     steps: list[tuple[str, float]] = []
     try:

@@ -3,7 +3,10 @@ exit status 1, never a Python traceback, even when jaxlib's C++ crashes.
 
 `run_isolated` runs the work in a forked child (when the platform forks and
 `HLOPAR_NO_FORK` is unset): a crash inside jaxlib (its verifier dies with SIGFPE on some
-invalid programs) kills the child, and the parent reports it as an error on the input.
+invalid programs) kills the child, and the parent reports it as an error on the input. The
+child dies with the parent: SIGTERM or SIGINT to the parent ends the child first (then the
+caller cleans up, status 143 or 130), and SIGKILL of the parent kills the child through
+`processes.die_with_parent`; no process is left planning.
 `run_guarded` turns exceptions into messages: `DiagnosticError`s print their diagnostics,
 anything else prints one "internal error" line (`HLOPAR_DEBUG=1` re-raises it instead).
 """
@@ -15,6 +18,8 @@ import signal
 import sys
 from collections.abc import Callable
 
+from hlopar.processes import die_with_parent
+
 
 def run_isolated(work: Callable[[], int], input_name: str) -> int:
     """`work()`'s exit status, run guarded in a forked child where possible."""
@@ -22,16 +27,26 @@ def run_isolated(work: Callable[[], int], input_name: str) -> int:
         return run_guarded(work, input_name)
     sys.stdout.flush()
     sys.stderr.flush()
+    parent = os.getpid()
     pid = os.fork()
     if pid == 0:
         status = 1
         try:
+            die_with_parent(parent)
             status = run_guarded(work, input_name)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(status)
-    _, wait_status = os.waitpid(pid, 0)
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    try:
+        _, wait_status = os.waitpid(pid, 0)
+    except (KeyboardInterrupt, _Terminated) as stop:  # the child ends first, then the caller's cleanup runs
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return 130 if isinstance(stop, KeyboardInterrupt) else 128 + signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if os.WIFSIGNALED(wait_status):
         number = os.WTERMSIG(wait_status)
         try:
@@ -44,6 +59,14 @@ def run_isolated(work: Callable[[], int], input_name: str) -> int:
         )
         return 1
     return os.WEXITSTATUS(wait_status)
+
+
+class _Terminated(Exception):
+    """SIGTERM reached the parent of `run_isolated`'s child."""
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated
 
 
 def run_guarded(work: Callable[[], int], input_name: str) -> int:

@@ -25,9 +25,10 @@ from typing import Literal
 from jaxlib.mlir import ir
 
 from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS
+from hlopar.analysis.limits import check_cluster, check_cluster_dimension, check_positive
 from hlopar.ir.output import write_output
 from hlopar.passes.auto_sharding import parse_bytes
-from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto
+from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto, report_option
 from hlopar.passes.cluster_operators import ClusterOperatorsPass
 from hlopar.passes.cross_mesh_resharding import CrossMeshReshardingPass
 from hlopar.passes.import_program import ImportPass
@@ -44,8 +45,8 @@ class AutoParallelPass(ModulePass):
     summary = ("plan everything: import, microbatch split, operator clustering, stage construction, "
                "cross-mesh resharding")
 
-    num_hosts: int = option(1, "hosts in the cluster (N)")
-    devices_per_host: int = option(8, "devices per host (M)")
+    num_hosts: int = option(1, "hosts in the cluster (N)", check=check_cluster_dimension)
+    devices_per_host: int = option(8, "devices per host (M)", check=check_cluster_dimension)
     microbatches: int | None = option(None, "microbatches per step, or auto", parse=parse_count_or_auto)
     split: bool = option(False, "split @main into the step of one microbatch first (hlopar-split-microbatches; "
                                 "needs a number of microbatches)")
@@ -56,7 +57,8 @@ class AutoParallelPass(ModulePass):
         "exact", "with split: per-microbatch lets whole-shape random generators draw per microbatch "
                  "(hlopar-split-microbatches' rng)")
     schedule: Literal["1f1b", "eager-1f1b", "eager-1f1b-wd", "gpipe"] = option("1f1b", "pipeline schedule")
-    memory_per_device: float | None = option(None, "bytes per device, e.g. 80GiB (default: the preset's)", parse=parse_bytes)
+    memory_per_device: float | None = option(None, "bytes per device, e.g. 80GiB (default: the preset's)",
+                                             parse=parse_bytes, check=check_positive)
     preset: str = option("cpu", f"cluster preset ({', '.join(sorted(CLUSTER_PRESETS))})")
     layers: int | None = option(None, "number of layers, or auto", parse=parse_count_or_auto)
     remat: Literal["auto", "always", "never", "layers"] = option(
@@ -68,7 +70,10 @@ class AutoParallelPass(ModulePass):
         "never", "auto: run each stage's iterations of an unrolled layer scan as a loop again "
                  "(hlopar-reroll-stage-loops), each stage holding its range as one value; never (the default: on "
                  "XLA:CPU the rolled stages still compile slower, docs/stage_construction.md)")
-    report: str | None = option(None, "write one JSON report of every step's decisions to this path")
+    report: str | None = report_option("write one JSON report of every step's decisions to this path")
+
+    def check_options(self) -> None:
+        check_cluster(self.num_hosts, self.devices_per_host)
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
         if self.split and self.microbatches is None:

@@ -22,6 +22,7 @@ from jaxlib.mlir.dialects import sdy
 from hlopar.analysis.auto_sharding import ilp
 from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS, LogicalMesh, logical_mesh
 from hlopar.analysis.auto_sharding.graph_problem import ShardingProblem, build_problem
+from hlopar.analysis.limits import check_mesh_shape, check_positive, check_seconds
 from hlopar.analysis.auto_sharding.resharding import resharding_collectives
 from hlopar.analysis.auto_sharding.rules import rule_of
 from hlopar.analysis.mesh import DeviceMesh
@@ -31,7 +32,7 @@ from hlopar.analysis.training_roles import RolesError, batch_arguments, state_pa
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError
 from hlopar.ir.graph import FuncGraph
 from hlopar.ir.output import write_output
-from hlopar.passes.base import ModulePass, PassContext, option, parse_str_tuple
+from hlopar.passes.base import ModulePass, PassContext, option, parse_str_tuple, report_option
 
 SDY_SHARDING = "sdy.sharding"
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -68,13 +69,14 @@ class AutoShardingPass(ModulePass):
     name = "hlopar-auto-sharding"
     summary = "choose a sharding for every op on one device mesh (Alpa's intra-op ILP) and write it as sdy"
 
-    mesh_shape: tuple[int, ...] = option((1,), "logical mesh shape, e.g. 2x4")
+    mesh_shape: tuple[int, ...] = option((1,), "logical mesh shape, e.g. 2x4", check=check_mesh_shape)
     axis_names: tuple[str, ...] = option((), "mesh axis names (default x, y, z, ...)")
     preset: str = option("cpu", f"cluster preset for bandwidths, FLOP/s and memory ({', '.join(sorted(CLUSTER_PRESETS))})")
     latency: tuple[float, ...] = option((), "per-axis latency in seconds (overrides the preset)", parse=parse_float_tuple)
     bandwidth: tuple[float, ...] = option((), "per-axis bandwidth in bytes/s (overrides the preset)", parse=parse_float_tuple)
-    memory_budget: float | None = option(None, "bytes per device, e.g. 16GiB (none: no limit)", parse=parse_bytes)
-    time_limit: float = option(60.0, "solver time limit in seconds (keeps the best plan found)")
+    memory_budget: float | None = option(None, "bytes per device, e.g. 16GiB (none: no limit)", parse=parse_bytes,
+                                         check=check_positive)
+    time_limit: float = option(60.0, "solver time limit in seconds (keeps the best plan found)", check=check_seconds)
     prefer_reduce_scatter: bool = option(
         False, "weight-update sharding (ZeRO-like): keep the training state split over the mesh, "
                "so gradients are reduce-scattered and parameters all-gathered where used")
@@ -84,7 +86,7 @@ class AutoShardingPass(ModulePass):
     reshard_constraints: bool = option(
         True, "also write the plan as sdy.sharding_constraints (XLA keeps those and drops op shardings): "
               "on every op's results, and wherever a consumer reads a value in another layout")
-    report: str | None = option(None, "write a JSON report of the plan to this path")
+    report: str | None = report_option("write a JSON report of the plan to this path")
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
         with module.context, ir.Location.unknown():

@@ -1,12 +1,15 @@
 """The pass base class: a dataclass whose fields are its options.
 
 Options are written in MLIR pipeline syntax, `hlopar-x{mesh-shape=2x4 report=plan.json}`:
-a field `mesh_shape` is the option `mesh-shape`, parsed according to its annotation.
+a field `mesh_shape` is the option `mesh-shape`, parsed according to its annotation and
+checked against its bounds (`option(check=...)`, else by its type: `default_check`), both
+when a pipeline is parsed and when a pass is built in code, before any work.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 import types
 import typing
@@ -16,13 +19,32 @@ from typing import Any, ClassVar, Literal
 
 from jaxlib.mlir import ir
 
+from hlopar.analysis.limits import check_count, check_number
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError, source_location
+from hlopar.ir.output import output_problem
 from hlopar.ir.suggestions import did_you_mean
 
 
-def option(default: Any, help: str, *, parse: typing.Callable[[str], Any] | None = None) -> Any:
-    """Declares a pass option: a dataclass field with its help text and, if needed, a parser."""
-    return field(default=default, metadata={"help": help, "parse": parse})
+def option(default: Any, help: str, *, parse: typing.Callable[[str], Any] | None = None,
+           check: typing.Callable[[Any], None] | None = None) -> Any:
+    """Declares a pass option: a dataclass field with its help text and, if needed, a parser
+    and a check. `check(value)` raises `ValueError` saying which bound the value passes and
+    why (`analysis.limits`); without one, the value's type sets the bounds (`default_check`).
+    None, for an optional option, is never checked."""
+    return field(default=default, metadata={"help": help, "parse": parse, "check": check})
+
+
+def report_option(help: str) -> Any:
+    """Declares a `report` option: a path to write a JSON report to, or None. Checked with the
+    options: where nothing can be written (no such directory, a directory) is an error before
+    any work. A device or a pipe is written into; a file, replaced whole (`ir.output`)."""
+    return option(None, help, check=_check_output_path)
+
+
+def _check_output_path(path: str) -> None:
+    problem = output_problem(path)
+    if problem:
+        raise ValueError(problem)
 
 
 class OptionError(ValueError):
@@ -46,6 +68,23 @@ class ModulePass:
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in self.option_fields():
+            value = getattr(self, f.name)
+            try:
+                _check(f, hints[f.name], value)
+            except ValueError as error:
+                raise OptionError(f"option '{self.option_name(f)}' of pass '{self.name}': invalid value "
+                                  f"'{_format_value(value)}': {error}") from None
+        try:
+            self.check_options()
+        except ValueError as error:
+            raise OptionError(f"pass '{self.name}': {error}") from None
+
+    def check_options(self) -> None:
+        """Checks that involve several options (e.g. hosts x devices per host); raises `ValueError`."""
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
         raise NotImplementedError
@@ -89,6 +128,7 @@ class ModulePass:
                     values[f.name] = None
                     continue
                 values[f.name] = (f.metadata.get("parse") or _parser_for(hints[f.name]))(raw)
+                _check(f, hints[f.name], values[f.name])
             except (ValueError, TypeError) as error:
                 raise OptionError(f"option '{key}' of pass '{cls.name}': invalid value '{raw}': {error}") from None
         return cls(**values)
@@ -132,17 +172,38 @@ def parse_count_or_auto(text: str) -> int | None:
 
 
 def parse_int_tuple(text: str) -> tuple[int, ...]:
-    """`2x4`, `2,4` or `[2, 4]` → (2, 4)."""
-    body = text.strip().strip("[]()")
-    parts = [p for p in body.replace("x", ",").split(",") if p.strip()]
-    if not parts:
-        raise ValueError("expected sizes such as 2x4")
+    """`2x4`, `2,4` or `[2, 4]` → (2, 4); `2x`, `2,,4` and `x4` are errors."""
+    body = text.strip()
+    if body[:1] in ("[", "(") and body[-1:] == {"[": "]", "(": ")"}[body[0]]:
+        body = body[1:-1]
+    parts = re.split(r"\s*[x,]\s*", body.strip())
+    if not all(re.fullmatch(r"[+-]?\d+", p) for p in parts):
+        raise ValueError("expected integers joined by x or commas, such as 2x4")
     return tuple(int(p) for p in parts)
 
 
 def parse_str_tuple(text: str) -> tuple[str, ...]:
     body = text.strip().strip("[]()")
     return tuple(p.strip().strip("'\"") for p in body.split(",") if p.strip())
+
+
+def default_check(annotation: Any, value: Any) -> None:
+    """The bounds an option has by its type: an int (or each of a tuple's) in 0..2^31-1, a
+    float finite and >= 0. Options that need others declare a `check`."""
+    inner = _optional_inner(annotation)
+    if typing.get_origin(inner) is tuple:
+        for item in value:
+            default_check(typing.get_args(inner)[0], item)
+    elif inner is int:
+        check_count(value)
+    elif inner is float:
+        check_number(value)
+
+
+def _check(f: dataclasses.Field, annotation: Any, value: Any) -> None:
+    if value is None and _optional_inner(annotation) is not annotation:
+        return
+    (f.metadata.get("check") or (lambda v: default_check(annotation, v)))(value)
 
 
 def _optional_inner(annotation: Any) -> Any:

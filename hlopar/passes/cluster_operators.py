@@ -26,7 +26,7 @@ from hlopar.analysis.training_roles import Role, TrainingRoles, classify, layer_
 from hlopar.ir.graph import FuncGraph
 from hlopar.ir.output import write_output
 from hlopar.passes.auto_sharding import planned_functions
-from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto
+from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto, report_option
 
 LAYER_ATTR = "hlopar.layer"
 ROLE_ATTR = "hlopar.role"
@@ -52,7 +52,7 @@ class ClusterOperatorsPass(ModulePass):
     layers: int | None = option(None, "number of layers, or auto", parse=parse_count_or_auto)
     delta: float = option(0.5, "each layer's FLOPs stay within (1+delta) of the average (Eq. 6)")
     loss_result: int | None = option(None, "result number of the loss (default: found from the program)")
-    report: str | None = option(None, "write a JSON report of the layers to this path")
+    report: str | None = report_option("write a JSON report of the layers to this path")
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
         funcs = planned_functions(module)

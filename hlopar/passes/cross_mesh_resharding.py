@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from jaxlib.mlir import ir
 
+from hlopar.analysis.limits import MAX_SECONDS, check_cluster_dimension, check_number, check_positive
 from hlopar.analysis.mesh import DeviceMesh
 from hlopar.analysis.mpmd import MeshTensorType, parse_topology
 from hlopar.analysis.resharding import HostModel, host_model_for, MeshLayout, SearchBudget, plan_transfer
@@ -25,7 +26,7 @@ from hlopar.analysis.sharding import ShardingPerValue, ShardingSpec, TensorShard
 from hlopar.ir.diagnostics import source_location
 from hlopar.ir.graph import bit_width
 from hlopar.ir.output import write_output
-from hlopar.passes.base import ModulePass, PassContext, option
+from hlopar.passes.base import ModulePass, PassContext, option, report_option
 from hlopar.passes.transfer_ops import argument_sharding, build_transfer_op
 
 __all__ = ["CrossMeshReshardingPass", "DEVICES_ATTR"]
@@ -45,14 +46,17 @@ class CrossMeshReshardingPass(ModulePass):
     chunks: int = option(0, "broadcast chunks per unit task; 0 picks them per op from the cluster model")
     cluster: str = option("paper", "cluster preset: paper (4 GPUs per host over NVLink, 10 Gbps), 8gpu-100g, or a "
                                    "cost-model preset as stage construction's `preset`")
-    devices_per_host: int | None = option(None, "overrides the preset's devices per host")
-    inter_host_gbps: float | None = option(None, "overrides the preset's NIC bandwidth per host and direction, Gbit/s")
-    intra_host_gbps: float | None = option(None, "overrides the preset's device link bandwidth inside a host, Gbit/s")
+    devices_per_host: int | None = option(None, "overrides the preset's devices per host", check=check_cluster_dimension)
+    inter_host_gbps: float | None = option(None, "overrides the preset's NIC bandwidth per host and direction, Gbit/s",
+                                           check=check_positive)
+    intra_host_gbps: float | None = option(None, "overrides the preset's device link bandwidth inside a host, Gbit/s",
+                                           check=check_positive)
     inter_host_latency_us: float | None = option(None, "overrides the preset's cross-host latency, microseconds")
     intra_host_latency_us: float | None = option(None, "overrides the preset's intra-host latency, microseconds")
-    search_seconds: float = option(0.25, "time budget of the depth-first search, per transfer")
+    search_seconds: float = option(0.25, "time budget of the depth-first search, per transfer",
+                                   check=lambda s: check_number(s, high=MAX_SECONDS, what="a time budget (a week)"))
     seed: int = option(0, "seed of the randomized greedy search")
-    report: str | None = option(None, "write a JSON report of every planned transfer to this path")
+    report: str | None = report_option("write a JSON report of every planned transfer to this path")
 
     def host_model(self) -> HostModel:
         model = host_model_for(self.cluster)

@@ -46,12 +46,13 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import func as func_dialect
 from jaxlib.mlir.dialects import mpmd, stablehlo
 
+from hlopar.analysis.limits import check_count
 from hlopar.analysis.mesh import quote_string
 from hlopar.analysis.mpmd import MeshTensorType
 from hlopar.analysis.sharding import DimSharding, TensorSharding
 from hlopar.ir.extract import clone_into
 from hlopar.ir.output import write_output
-from hlopar.passes.base import ModulePass, PassContext, option
+from hlopar.passes.base import ModulePass, PassContext, option, report_option
 from hlopar.passes.microbatch_index import INDEX_ARG_ATTR
 from hlopar.passes.mpmd_program import fragment_role
 from hlopar.passes.split_microbatches import BATCH, BATCH_ARGS_ATTR, KIND_ATTR, SUM
@@ -97,8 +98,9 @@ class RerollStageLoopsPass(ModulePass):
 
     reroll: Literal["auto", "never"] = option(
         "auto", "auto: re-roll each run of at least min-trips identical iterations; never: keep every stage unrolled")
-    min_trips: int = option(2, "re-roll runs of at least this many iterations (one iteration is cheaper unrolled)")
-    report: str | None = option(None, "write a JSON report of the rolled and unrolled ranges to this path")
+    min_trips: int = option(2, "re-roll runs of at least this many iterations (one iteration is cheaper unrolled)",
+                            check=lambda n: check_count(n, low=1))
+    report: str | None = report_option("write a JSON report of the rolled and unrolled ranges to this path")
 
     hold_ranges: bool = option(
         True, "hold the pieces of the layers a stage loops over as one range of rows: one @main argument and "
@@ -106,8 +108,6 @@ class RerollStageLoopsPass(ModulePass):
               "fragments, read by the loop's counter (false: the loop packs the pieces each run)")
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
-        if self.min_trips < 1:
-            self.fail(module, f"min-trips must be at least 1, got {self.min_trips}")
         ranges: list[LoopRange] = []
         held: list[HeldRange] = []
         with module.context, ir.Location.unknown():

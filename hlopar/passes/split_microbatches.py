@@ -149,6 +149,7 @@ from jaxlib.mlir.dialects import func as func_dialect
 from jaxlib.mlir.dialects import sdy, stablehlo
 
 from hlopar.analysis.auto_sharding.rules import PASS_THROUGH_OPS, OpRule, rule_of
+from hlopar.analysis.limits import check_count
 from hlopar.analysis.sharding import ShardingPerValue, TensorSharding
 from hlopar.analysis.training_roles import ELEMENTWISE_OPS, RolesError, batch_arguments, classify
 from hlopar.ir.diagnostics import DiagnosticError, source_location
@@ -156,7 +157,7 @@ from hlopar.ir.extract import Extraction, extract_function, value_of
 from hlopar.ir.graph import FuncGraph
 from hlopar.ir.output import write_output
 from hlopar.ir.signature import FuncSignature
-from hlopar.passes.base import ModulePass, PassContext, option
+from hlopar.passes.base import ModulePass, PassContext, option, report_option
 from hlopar.passes.batch_statistics import mean_divisions, reduced_count, rescale_mean, splat_value
 from hlopar.passes.microbatch_index import count_globally, microbatch_index_values, read_index_arg
 from hlopar.passes.per_example_results import concatenated_dim, place_rows
@@ -208,7 +209,8 @@ class SplitMicrobatchesPass(ModulePass):
     name = "hlopar-split-microbatches"
     summary = "rewrite a training step into the program for one of B microbatches (gradient accumulation)"
 
-    microbatches: int = option(1, "number of microbatches B (divides every batch argument's leading dim)")
+    microbatches: int = option(1, "number of microbatches B (divides every batch argument's leading dim)",
+                               check=lambda n: check_count(n, low=1))
     batch_args: tuple[int, ...] | None = option(
         None, "arguments cut along dim 0, e.g. 19,20 (default: the arguments that are not training state)")
     loss_result: int | None = option(None, "the result that is the loss (default: found)")
@@ -216,14 +218,12 @@ class SplitMicrobatchesPass(ModulePass):
         "exact", "per-microbatch: let whole-shape random generators (stablehlo.rng, rng_bit_generator) draw per "
                  "microbatch, other numbers than the whole batch's (default: refuse them)")
     functions: bool = option(False, "write @microbatch_step, @apply_update and a @main calling them")
-    report: str | None = option(None, "write a JSON report of the split to this path")
+    report: str | None = report_option("write a JSON report of the split to this path")
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
         main = _main(module)
         if main is None:
             self.fail(module, "the module has no @main")
-        if self.microbatches < 1:
-            self.fail(main, f"microbatches must be positive, got {self.microbatches}")
         if MICROBATCHES_ATTR in main.attributes:
             self.fail(main, "@main is already split into microbatches")
         try:

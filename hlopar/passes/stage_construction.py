@@ -30,6 +30,14 @@ from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS, LogicalMesh, 
 from hlopar.analysis.auto_sharding.graph_problem import tensor_info
 from hlopar.analysis.auto_sharding.resharding import resharding_cost
 from hlopar.analysis.auto_sharding.rules import rule_of
+from hlopar.analysis.limits import (
+    check_cluster,
+    check_cluster_dimension,
+    check_count,
+    check_positive,
+    check_seconds,
+    check_workers,
+)
 from hlopar.analysis.stages.layer_costs import FORWARD, ROLES, kernel_counts, plan_layers, trivial_axes_key, value_bytes
 from hlopar.analysis.stages.span_costs import REMAT_MODES, LayerArrays, span_table
 from hlopar.analysis.stages.stage_dp import stage_dp
@@ -42,10 +50,10 @@ from hlopar.analysis.stages.submeshes import (
     submesh_shapes,
 )
 from hlopar.ir.graph import FuncGraph
-from hlopar.ir.signature import FuncSignature
 from hlopar.ir.output import write_output
+from hlopar.ir.signature import FuncSignature
 from hlopar.passes.auto_sharding import _run_upstream_on, parse_bytes, planned_functions
-from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto
+from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto, report_option
 from hlopar.passes.cluster_operators import LAYER_ATTR, ClusterOperatorsPass, Layering, read_layering, strip_layering
 from hlopar.passes.mpmd_program import StageMesh, fragment_role, write_mpmd_program
 from hlopar.passes.rematerialize import LAYERS, REMAT_ATTR, STAGE
@@ -73,32 +81,51 @@ class StageConstructionPass(ModulePass):
     name = "hlopar-stage-construction"
     summary = "slice layers into pipeline stages on submeshes (Alpa Eq. 3-5, Algorithm 1) and write an MPMD program"
 
-    num_hosts: int = option(1, "hosts in the cluster (N)")
-    devices_per_host: int = option(8, "devices per host (M)")
+    num_hosts: int = option(1, "hosts in the cluster (N)", check=check_cluster_dimension)
+    devices_per_host: int = option(8, "devices per host (M)", check=check_cluster_dimension)
     microbatches: int | None = option(None, "microbatches per step, or auto (searched over divisors of the batch)",
                                       parse=parse_count_or_auto)
     schedule: Literal["1f1b", "eager-1f1b", "eager-1f1b-wd", "gpipe"] = option("1f1b", "pipeline schedule (sets the memory check of Eq. 5)")
-    memory_per_device: float | None = option(None, "bytes per device, e.g. 80GiB (default: the preset's)", parse=parse_bytes)
+    memory_per_device: float | None = option(None, "bytes per device, e.g. 80GiB (default: the preset's)",
+                                             parse=parse_bytes, check=check_positive)
     preset: str = option("cpu", f"cluster preset for links, FLOP/s and memory ({', '.join(sorted(CLUSTER_PRESETS))})")
     layers: int | None = option(None, "layers when the input is not clustered yet (auto: chosen)",
                                 parse=parse_count_or_auto)
-    time_limit: float = option(10.0, "solver time limit per layer ILP, seconds")
-    workers: int | None = option(None, "processes solving layer ILPs (default: one per CPU core)")
+    time_limit: float = option(10.0, "solver time limit per layer ILP, seconds", check=check_seconds)
+    workers: int | None = option(None, "processes solving layer ILPs (default: one per CPU core)", check=check_workers)
     epsilon: float = option(1e-6, "t_max step of the DP's enumeration, seconds (Alpa §5.2)")
     plan_shardings: bool = option(True, "plan each stage's intra-op shardings (false: stages replicated)")
-    stages: int | None = option(None, "exactly this many pipeline stages (default: the DP chooses)")
+    stages: int | None = option(None, "exactly this many pipeline stages (default: the DP chooses)",
+                                check=lambda n: check_count(n, low=1))
     remat: Literal["auto", "always", "never", "layers"] = option(
         "auto", "rematerialize stages: auto (where it pays, per stage or per layer), always (every stage that "
                 "stashes activations, per stage), layers (likewise, per layer), never")
-    report: str | None = option(None, "write a JSON report of the plan to this path")
+    report: str | None = report_option("write a JSON report of the plan to this path")
+
+    def check_options(self) -> None:
+        check_cluster(self.num_hosts, self.devices_per_host)
+
+    def _check_entry(self, func: ir.Operation) -> None:
+        """The MPMD program it writes is @main's, and passes tensors between meshes."""
+        name = ir.StringAttr(func.attributes["sym_name"]).value
+        if name != "main":
+            self.fail(func, f"the module has no @main (its one public function is @{name})")
+        signature = FuncSignature.of(func)
+        function_type = ir.FunctionType(ir.TypeAttr(func.attributes["function_type"]).value)
+        for kind, types, names in (("argument", function_type.inputs, signature.arg_names),
+                                   ("result", function_type.results, signature.result_names)):
+            for k, t in enumerate(types):
+                if not _is_ranked_tensor(t):
+                    called = f" ({names[k]})" if names[k] else ""
+                    self.fail(func, f"{kind} {k}{called} of @main has type {t}, not a ranked tensor: pipeline stages "
+                                    f"pass tensors (jax.jit lowers a Python scalar as tensor<i32>)")
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
         funcs = planned_functions(module)
         if len(funcs) != 1:
             self.fail(module, f"expects one entry function (@main), found {len(funcs)}")
         func = funcs[0]
-        if self.num_hosts < 1 or self.devices_per_host < 1:
-            self.fail(func, "num-hosts and devices-per-host must be positive")
+        self._check_entry(func)
         if self.remat not in REMAT_MODES:
             self.fail(func, f"remat must be one of {', '.join(REMAT_MODES)}, got {self.remat!r}")
         start = time.perf_counter()
@@ -317,6 +344,14 @@ def mark_rematerialized(module: ir.Operation, stages: dict[int, str]) -> None:
             form = stages[ir.IntegerAttr(op.attributes["stage_id"]).value]
             op.attributes[REMAT_ATTR] = (ir.StringAttr.get(LAYERS, module.context) if form == LAYERS
                                          else ir.UnitAttr.get(module.context))
+
+
+def _is_ranked_tensor(t: ir.Type) -> bool:
+    try:
+        ir.RankedTensorType(t)
+    except ValueError:
+        return False
+    return True
 
 
 def _stage_of_ops(layering: Layering, plan: PipelinePlan) -> list[int]:

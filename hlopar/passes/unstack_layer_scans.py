@@ -51,10 +51,10 @@ from hlopar.analysis.layer_scans import layer_scans
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.ir.extract import clone_into
 from hlopar.ir.graph import FuncGraph
-from hlopar.ir.signature import FuncSignature
 from hlopar.ir.output import write_output
+from hlopar.ir.signature import FuncSignature
 from hlopar.passes.auto_sharding import planned_functions
-from hlopar.passes.base import ModulePass, PassContext, option
+from hlopar.passes.base import ModulePass, PassContext, option, report_option
 
 __all__ = ["LAYER_ITERATION_ATTR", "LAYER_PIECES_ATTR", "LayerPieces", "UnstackLayerScansPass", "unroll", "unstack"]
 
@@ -76,7 +76,7 @@ class UnstackLayerScansPass(ModulePass):
                "piece per layer (so that stages can cut between layers)")
 
     max_layers: int = option(512, "unroll loops over at most this many layers")
-    report: str | None = option(None, "write a JSON report of the unrolled loops and split values to this path")
+    report: str | None = report_option("write a JSON report of the unrolled loops and split values to this path")
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
         funcs = planned_functions(module)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hlopar.analysis.limits import check_mesh_shape
 from hlopar.analysis.mesh import DeviceMesh
 
 __all__ = ["CLUSTER_PRESETS", "ClusterPreset", "LogicalMesh", "MeshAxis", "logical_mesh"]
@@ -252,6 +253,8 @@ def logical_mesh(
     for size in shape:
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
             raise ValueError(f"mesh shape {shape} must be positive integers")
+    if shape:
+        check_mesh_shape(shape)  # before anything the size of the mesh is allocated
     if axis_names is None:
         axis_names = _DEFAULT_NAMES[: len(shape)] if len(shape) <= 4 else [f"axis_{i}" for i in range(len(shape))]
     axis_names = tuple(axis_names)

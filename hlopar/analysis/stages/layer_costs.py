@@ -29,6 +29,7 @@ from __future__ import annotations
 import gc
 import math
 import multiprocessing
+import os
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -45,6 +46,7 @@ from hlopar.analysis.fragment_memory import TUPLE_POINTER_BYTES, peak_temporarie
 from hlopar.analysis.loops import trip_count
 from hlopar.analysis.sharding import ShardingSpec
 from hlopar.ir.graph import FuncGraph
+from hlopar.processes import die_with_parent
 
 __all__ = ["LayerPlan", "kernel_counts", "layer_signature", "plan_layer", "value_bytes"]
 
@@ -463,7 +465,8 @@ class _LayerWork:
 _ADOPTED: list[_LayerWork] = []  # in a forked worker: the work it inherited
 
 
-def _adopt(work: _LayerWork) -> None:
+def _adopt(work: _LayerWork, parent: int) -> None:
+    die_with_parent(parent)  # a killed planner leaves no worker solving
     gc.disable()  # the inherited heap holds live IR and JAX objects: never let the child sweep it
     _ADOPTED.append(work)
 
@@ -481,7 +484,7 @@ def _solve_in_workers(work: _LayerWork, tasks: list, workers: int) -> list | Non
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
             with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("fork"),
-                                     initializer=_adopt, initargs=(work,)) as pool:
+                                     initializer=_adopt, initargs=(work, os.getpid())) as pool:
                 return list(pool.map(_solve_group, tasks))
     except BrokenProcessPool:
         return None

@@ -16,7 +16,7 @@
 
 // A bad command line is a usage error (status 2).
 // RUN: not hlopar-compile %s --num-hosts 1 --devices-per-host 2 --microbatches 0 --schedule 1f1b -o %t/bundle 2>&1 | FileCheck %s --check-prefix=USAGE
-// USAGE: hlopar-compile: error: argument --microbatches: expected a positive integer, got '0'
+// USAGE: hlopar-compile: error: argument --microbatches: expected a positive integer, got 0
 
 func.func @main(%x: tensor<4xf32>) -> tensor<4xf32> {
   %y = stablehlo.bogus %x : tensor<4xf32>

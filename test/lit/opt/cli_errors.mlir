@@ -25,6 +25,10 @@
 // RUN: FileCheck %s --check-prefix=KEPT < %t.out
 // KEPT: previous
 
+// An output where nothing can be written is refused before any work.
+// RUN: not hlopar-opt %s -o %t.no-such-dir/out.mlir 2>&1 | FileCheck %s --check-prefix=NO-DIR
+// NO-DIR: out.mlir: error: cannot write output: the directory '{{.*}}no-such-dir' does not exist
+
 // RUN: printf 'func.func @f() {\n  return %%%%x : tensor<f32>\n}\n' | not hlopar-opt - 2>&1 | FileCheck %s --check-prefix=STDIN
 // STDIN: -:2:10: error: use of undeclared SSA value name
 

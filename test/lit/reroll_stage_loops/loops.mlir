@@ -40,7 +40,7 @@
 // NEVER-LABEL: func.func @main
 // NEVER-NOT:     stablehlo.while
 // NEVER-COUNT-3: stablehlo.dot_general
-// ERR: error: hlopar-reroll-stage-loops: min-trips must be at least 1, got 0
+// ERR: error: option 'min-trips' of pass 'hlopar-reroll-stage-loops': invalid value '0': expected a positive integer, got 0
 module attributes {hlopar.devices = {m0 = array<i64: 0, 1>}} {
   sdy.mesh @m0 = <["x"=2]>
   func.func @main(%arg0: !mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, %arg1: !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, %arg2: !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>, %arg3: !mpmd.mesh_tensor<"m0", tensor<1x4x4xf32>>) -> (!mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<8x4xf32>>, !mpmd.mesh_tensor<"m0", tensor<8x4xf32>>) attributes {topology = #mpmd.topology<<"m0" : <["x"=2]>>>} {

@@ -17,7 +17,7 @@
 // DIVIDE: error: hlopar-split-microbatches: batch argument 1 has leading dim 8, not divisible by 3 microbatches
 // DIVIDE: error: hlopar-split-microbatches: batch argument 1 has leading dim 4, not divisible by 3 microbatches
 // RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-split-microbatches{microbatches=0})' 2>&1 | FileCheck %s --check-prefix=ZERO
-// ZERO: error: hlopar-split-microbatches: microbatches must be positive, got 0
+// ZERO: error: option 'microbatches' of pass 'hlopar-split-microbatches': invalid value '0': expected a positive integer, got 0
 
 // Linear regression, mean squared error, one SGD step. The batch: %x and %y (not state).
 // B2-LABEL: func.func @main

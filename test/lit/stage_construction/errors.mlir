@@ -1,7 +1,8 @@
 // Bad options and inputs: a located error, exit status 1, no traceback.
 
-// RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-stage-construction{num-hosts=0 devices-per-host=4})' 2>&1 | FileCheck %s --check-prefixes=HOSTS,ENTRY
-// RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-auto-parallel{num-hosts=2 devices-per-host=0})' 2>&1 | FileCheck %s --check-prefixes=HOSTS,ENTRY-UNSTACK
+// RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-stage-construction{num-hosts=0 devices-per-host=4})' 2>&1 | FileCheck %s --check-prefix=HOSTS
+// RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-auto-parallel{num-hosts=2 devices-per-host=0})' 2>&1 | FileCheck %s --check-prefix=DEVICES
+// RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-auto-parallel{num-hosts=1 devices-per-host=2})' 2>&1 | FileCheck %s --check-prefixes=ENTRY-UNSTACK,SIGNATURE
 // RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-stage-construction{num-hosts=1 devices-per-host=4 memory-per-device=1B})' 2>&1 | FileCheck %s --check-prefixes=MEMORY,ENTRY
 // RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-cluster-operators)' 2>&1 | FileCheck %s --check-prefix=ENTRY-CLUSTER
 
@@ -17,12 +18,14 @@
 // RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-auto-parallel{split=true})' 2>&1 | FileCheck %s --check-prefix=SPLIT
 // SPLIT: error: hlopar-auto-parallel: split=true needs a number of microbatches (microbatches=B), not auto
 
+// A cluster of no devices: refused with the options, before the input is read.
+// HOSTS: errors.mlir: error: option 'num-hosts' of pass 'hlopar-stage-construction': invalid value '0': expected a positive integer, got 0
+// DEVICES: errors.mlir: error: option 'devices-per-host' of pass 'hlopar-auto-parallel': invalid value '0': expected a positive integer, got 0
+
 // HOSTS-NOT: Traceback
 // MEMORY-NOT: Traceback
 // ENTRY-NOT: Traceback
 
-// A cluster of no devices.
-// HOSTS: errors.mlir:[[# @LINE + 3]]:{{[0-9]+}}: error: hlopar-stage-construction: num-hosts and devices-per-host must be positive
 // No stage fits in one byte of memory, on any submesh, for any number of microbatches.
 // MEMORY: errors.mlir:[[# @LINE + 1]]:{{[0-9]+}}: error: hlopar-stage-construction: no pipeline fits the cluster: B={{[0-9,]+}}: {{.*}}out of memory
 func.func @main(%x: tensor<4x8xf32>, %w: tensor<8x8xf32>) -> tensor<4x8xf32> {
@@ -41,6 +44,24 @@ func.func @f(%x: tensor<4x8xf32>) -> tensor<4x8xf32> {
   return %x : tensor<4x8xf32>
 }
 func.func @g(%x: tensor<4x8xf32>) -> tensor<4x8xf32> {
+  %y = stablehlo.tanh %x : tensor<4x8xf32>
+  return %y : tensor<4x8xf32>
+}
+
+// -----
+
+// A public function that is not @main: the MPMD program stage construction writes is @main's.
+// SIGNATURE: errors.mlir:[[# @LINE + 1]]:{{[0-9]+}}: error: hlopar-stage-construction: the module has no @main (its one public function is @step)
+func.func @step(%x: tensor<4x8xf32>) -> tensor<4x8xf32> {
+  %y = stablehlo.tanh %x : tensor<4x8xf32>
+  return %y : tensor<4x8xf32>
+}
+
+// -----
+
+// A scalar that is not a tensor in @main's signature (jax.jit lowers Python scalars as tensor<i32>).
+// SIGNATURE: errors.mlir:[[# @LINE + 1]]:{{[0-9]+}}: error: hlopar-stage-construction: argument 1 of @main has type i32, not a ranked tensor
+func.func @main(%x: tensor<4x8xf32>, %n: i32) -> tensor<4x8xf32> {
   %y = stablehlo.tanh %x : tensor<4x8xf32>
   return %y : tensor<4x8xf32>
 }

@@ -3,10 +3,15 @@ hlopar-compile's summary on success (with the options its error messages name)."
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import signal
 import stat
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -94,6 +99,26 @@ def test_device_ranges():
     assert compile_cli._ranges([0, 1, 2, 3, 6, 8, 9]) == "0-3,6,8-9"
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--num-hosts", "1000000", "--devices-per-host", "8"],
+     "argument --num-hosts: 1000000 is more than 1,024, the most hlopar takes for a cluster's hosts"),
+    (["--num-hosts", "2", "--devices-per-host", str(10**20)], "argument --devices-per-host: 100000000000000000000 is more"),
+    (["--num-hosts", "64", "--devices-per-host", "8"],
+     "--num-hosts 64 --devices-per-host 8: a cluster of 64 x 8 devices has 769 logical meshes"),
+    (["--num-hosts", "0", "--devices-per-host", "8"], "argument --num-hosts: expected a positive integer, got 0"),
+    (["--num-hosts", "2", "--devices-per-host", "4", "--layers", str(2**31)], "argument --layers: 2147483648 is more"),
+    (["--num-hosts", "2", "--devices-per-host", "4", "--batch-args", "1,99999999999"], "argument --batch-args: "),
+])
+def test_compile_refuses_out_of_bounds_flags_at_once(flags, message, capsys, tmp_path):
+    """Before any work (no jaxlib, no fork): the limit and why, exit status 2 (a bad command line)."""
+    clock = time.perf_counter()
+    with pytest.raises(SystemExit) as exit:
+        compile_cli.main([str(MLP), "-o", str(tmp_path / "b"), "--microbatches", "2", "--schedule", "1f1b", *flags])
+    assert exit.value.code == 2 and time.perf_counter() - clock < 5
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+
+
 def _opt_into(target: Path, monkeypatch) -> int:
     monkeypatch.setenv("HLOPAR_NO_FORK", "1")
     return opt_cli.main([str(MLP), "--pass-pipeline=builtin.module(canonicalize)", "-o", str(target)])
@@ -118,3 +143,69 @@ def test_opt_writes_into_a_character_device_and_leaves_it_one(tmp_path, monkeypa
     os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
     assert _opt_into(node, monkeypatch) == 0
     assert stat.S_ISCHR(node.lstat().st_mode) and os.listdir(tmp_path) == ["null"]
+
+
+@functools.cache
+def _tiny_gpt_step() -> str:
+    from hlopar.models import get_train_step
+
+    return get_train_step("gpt", "tiny").lower()
+
+
+def _children(pid: int) -> set[int]:
+    """The live processes whose parent is `pid` (from /proc)."""
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat_line = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat_line[stat_line.rindex(")") + 2:].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.add(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="looks for the processes in /proc (Linux)")
+@pytest.mark.parametrize("signal_number, status", [(signal.SIGTERM, 143), (signal.SIGKILL, -signal.SIGKILL)])
+def test_a_killed_hlopar_opt_leaves_no_process(signal_number, status, tmp_path):
+    """SIGTERM or SIGKILL to hlopar-opt alone (not its process group, as `kill PID` does) while
+    stage construction solves layer ILPs in forked workers (the zoo's tiny GPT on 8 x 8: minutes
+    of planning): the isolated child and its workers die with it, at once. SIGTERM: hlopar-opt
+    ends its child and exits 143; SIGKILL: the kernel ends them (`processes.die_with_parent`)."""
+    step = tmp_path / "gpt.mlir"
+    step.write_text(_tiny_gpt_step())
+    command = [sys.executable, "-m", "hlopar.cli.opt", str(step), "-o", str(tmp_path / "out.mlir"), "-p",
+               "builtin.module(hlopar-import,hlopar-stage-construction{num-hosts=8 devices-per-host=8 workers=2})"]
+    process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
+    seen: set[int] = set()
+    workers: set[int] = set()
+    deadline = time.monotonic() + 120
+    try:
+        while process.poll() is None and time.monotonic() < deadline and not workers:
+            children = _children(process.pid)
+            workers = {w for c in children for w in _children(c)}
+            seen |= children | workers
+            time.sleep(0.02)
+        assert process.poll() is None, "hlopar-opt ended before its layer-ILP workers could be seen"
+        assert seen and workers
+        process.send_signal(signal_number)
+        assert process.wait(timeout=10) == status
+        gone_by = time.monotonic() + 3
+        while any(_alive(pid) for pid in seen) and time.monotonic() < gone_by:
+            time.sleep(0.05)
+        assert not [pid for pid in seen if _alive(pid)]
+    finally:
+        if process.poll() is None:
+            process.kill()
+        for pid in seen:  # only if the test failed: the processes it started
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)

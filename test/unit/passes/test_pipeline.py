@@ -27,6 +27,18 @@ class ExamplePass(ModulePass):
     schedule: Literal["gpipe", "1f1b"] = option("1f1b", "schedule")
     report: str | None = option(None, "report path")
     verbose: bool = option(False, "print more")
+    count: int = option(2, "a count of at least 2", check=lambda n: _at_least_two(n))
+    low: int = option(0, "bounds that must be ordered")
+    high: int = option(9, "bounds that must be ordered")
+
+    def check_options(self) -> None:
+        if self.low > self.high:
+            raise ValueError(f"low {self.low} is above high {self.high}")
+
+
+def _at_least_two(n: int) -> None:
+    if n < 2:
+        raise ValueError(f"at least 2, got {n}")
 
 
 def test_options_parse_by_type():
@@ -44,11 +56,28 @@ def test_options_parse_by_type():
         ("mesh-shape=2xq", "invalid value '2xq'"),
         ("time-limit", "needs a value"),
         ("verbose=maybe", "expected true or false"),
+        ("mesh-shape=2x", "invalid value '2x': expected integers joined by x or commas"),
+        ("mesh-shape=2,,4", "expected integers joined by x or commas"),
+        ("mesh-shape=-2x4", "invalid value '-2x4': expected an integer >= 0, got -2"),
+        ("mesh-shape=100000000000000000000", "is more than 2,147,483,647, the most hlopar takes for a count"),
+        ("time-limit=-5", "invalid value '-5': expected a number >= 0, got -5"),
+        ("time-limit=inf", "expected a finite number, got inf"),
+        ("count=0", "option 'count' of pass 'example': invalid value '0': at least 2, got 0"),
+        ("low=3 high=2", "pass 'example': low 3 is above high 2"),
     ],
 )
 def test_bad_options_are_explained(text, message):
-    with pytest.raises(OptionError, match=message):
+    with pytest.raises(OptionError, match=re.escape(message)):
         ExamplePass.from_options(text)
+
+
+def test_bounds_hold_when_a_pass_is_built_in_code():
+    """The option's check and the pass's `check_options` run in the constructor too."""
+    with pytest.raises(OptionError, match=re.escape("option 'count' of pass 'example': invalid value '1': at least 2")):
+        ExamplePass(count=1)
+    with pytest.raises(OptionError, match="low 5 is above high 4"):
+        ExamplePass(low=5, high=4)
+    assert ExamplePass(report=None).report is None  # None is never checked
 
 
 def test_pipeline_elements_nest_and_keep_their_text():
