@@ -29,7 +29,25 @@ The first call (per argument signature: pytree structure, shapes, dtypes):
 With `verbose`, these phases show on stderr (`progress.Progress`: one line redrawn in place
 on a terminal, a line per phase otherwise); `verbose=False` prints nothing.
 
-Later calls only run. The bundle is cached on disk under `$HLOPAR_CACHE_DIR` (default
+Later calls only run. Signatures: a call of another signature (a last partial batch, a batch
+in bf16) is lowered and planned while the workers of the current one keep running with what
+they hold, so a refusal (`PlanningError`, or jax's own error at lowering) changes nothing.
+As `jax.jit` keeps an executable per signature, the function keeps each signature it
+compiled (`MAX_SIGNATURES`, the least recently called dropped): one called again is neither
+lowered nor planned again, and runs on its runtime as it is if that still runs. Ray workers
+of other signatures keep running while they ask for no GPU (CPU devices are threads of the
+host's cores, shared) and at most `MAX_WORKER_SETS` sets run in all, so a last partial batch
+alternating with the full one every epoch restarts no worker; a start that needs GPUs, or
+one past that bound, first stops the other signatures' workers (GPUs: all of them; else the
+least recently called). Before workers stop for another signature, every result of theirs
+the caller still references is read to the driver: it stays readable, and passed to the new
+signature it is sent as a host array (the state moves through the driver, once per change of
+signature). A signature set aside drops at each call what the caller no longer references
+(on its workers at once, not at its next step; in this process the last results it kept for
+`save`, which saves the last call's). Threads: one call at a time; calls (and `compile`,
+`close`) from several threads are serialized by a lock, each getting its own results.
+
+The bundle is cached on disk under `$HLOPAR_CACHE_DIR` (default
 `~/.cache/hlopar`), in `plans/<key>/`, the key a hash of the program text, the cluster and the
 options: a new process with the same step skips planning (codegen reads `program.mlir`
 back).
@@ -51,7 +69,9 @@ the donated arrays are deleted after the call (a donated result is dropped on th
 the next call; reading it raises).
 
 Faults: a step whose worker dies, raises or stalls raises `WorkerError` within `timeout`
-seconds (at once when Ray sees the worker die); the next call starts fresh workers and sends
+seconds (at once when Ray sees the worker die; within a second or two when the local cluster
+hlopar started dies, its raylet or GCS: `local_ray` disconnects, and the next call starts a
+new cluster); the next call starts fresh workers and sends
 the arguments again (results the dead workers held are lost unless read before; `restore`
 brings back a save). `save(dir)` / `restore(dir)`: each worker writes / reads back its shards
 of the last step's results (the training state); a save is committed by a rename once every
@@ -73,9 +93,11 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -89,8 +111,8 @@ from hlopar.analysis.limits import check_cluster, check_cluster_dimension, check
 from hlopar.analysis.training_roles import RolesError
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.progress import Progress
-from hlopar.runtime.ray_runtime import RayRuntime
-from hlopar.runtime.remote_array import RemoteArray, is_key, jax_value, key_impl, with_step
+from hlopar.runtime.ray_runtime import RayRuntime, WorkerError
+from hlopar.runtime.remote_array import RemoteArray, is_key, jax_value, key_impl, read_all, with_step
 
 __all__ = ["Cluster", "HloparWarning", "ParallelizedFunction", "PlannedStep", "PlanningError", "parallelize",
            "plan_step"]
@@ -185,11 +207,13 @@ def _check_argument(name: str, check: Callable[[Any], None], value: Any) -> None
 def _connect(cluster: Cluster) -> None:
     """Ray up: the cluster's address, or a local Ray of hlopar's own started here with the
     machine's cores (`runtime.local_ray`: never another cluster on the machine, quiet; a
-    worker asks for a hundredth of a core, `ray_runtime.WORKER_CPUS`)."""
+    worker asks for a hundredth of a core, `ray_runtime.WORKER_CPUS`; a new one where the
+    last died under this process)."""
     import ray
 
-    from hlopar.runtime.local_ray import connect
+    from hlopar.runtime.local_ray import connect, disconnected
 
+    disconnected()  # from a local cluster that died under this process (a new one is started)
     if not ray.is_initialized():
         connect(cluster.address, os.cpu_count() or 1)
 
@@ -439,10 +463,29 @@ class _Compiled:
     cluster: Cluster
     outputs: list = field(default_factory=list)  # per result leaf: its shape and dtype, and its name
     pieces: Any = None  # passes.unstack_layer_scans.LayerPieces: stacked layers split per layer, or None
+    # The RemoteArrays its calls returned that are still referenced (read before its workers
+    # stop for another signature's, `ParallelizedFunction._stop`).
+    issued: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
+
+
+# Signatures a ParallelizedFunction keeps compiled (plans; in-process executables), and how
+# many of them keep their Ray workers running at once (module docstring, "Signatures").
+MAX_SIGNATURES = 8
+MAX_WORKER_SETS = 2
+
+
+def _close_all(signatures: OrderedDict) -> None:
+    """Stops every signature's workers (`close`, and the function's finalizer: it holds
+    nothing of the function)."""
+    for compiled in list(signatures.values()):
+        compiled.runtime.shutdown()
 
 
 class ParallelizedFunction:
-    """What `parallelize` returns: call it like `fn`. Module docstring."""
+    """What `parallelize` returns: call it like `fn`. Module docstring.
+
+    One call at a time: calls (and `compile`, `close`) from several threads are serialized
+    by a lock, as one training loop's steps are ordered anyway."""
 
     def __init__(self, fn: Callable, *, cluster: Cluster | None, num_microbatches: int | None, schedule: str,
                  batch_argnums, donate_argnums: Sequence[int], method: str, rng: str, timeout: float, cache: bool,
@@ -483,8 +526,12 @@ class ParallelizedFunction:
         self.cache = cache
         self.verbose = verbose
         self._progress = Progress(verbose)
-        self._compiled: _Compiled | None = None
-        self._release: weakref.finalize | None = None  # stops the workers when this function is collected
+        self._lock = threading.RLock()  # one call at a time (class docstring)
+        self._signatures: OrderedDict[tuple, _Compiled] = OrderedDict()  # least recently called first
+        self._compiled: _Compiled | None = None  # the signature of the last call (or `compile`)
+        # Collecting this function stops its workers (at exit Ray's disconnection ends them anyway).
+        self._release = weakref.finalize(self, _close_all, self._signatures)
+        self._release.atexit = False
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", "parallelized")
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -533,13 +580,27 @@ class ParallelizedFunction:
 
     def compile(self, *args) -> _Compiled:
         """Lowers, plans and starts the workers for these arguments (what the first call
-        does); returns the compiled state."""
-        signature = self._signature(args)
-        if self._compiled is not None and self._compiled.signature == signature:
-            if not self._compiled.runtime.alive:
+        does); returns the compiled state. A signature seen before is taken from the
+        function's cache; a new one is planned while the current workers keep running (a
+        refusal changes nothing), and they are stopped only as the bounds say (module
+        docstring, "Signatures")."""
+        with self._lock:
+            signature = self._signature(args)
+            compiled = self._signatures.get(signature)
+            if compiled is None:
+                compiled = self._build(signature, args)
+                self._signatures[signature] = compiled
+                while len(self._signatures) > MAX_SIGNATURES:
+                    self._stop(self._signatures.popitem(last=False)[1])
+            self._signatures.move_to_end(signature)
+            self._compiled = compiled
+            if not compiled.runtime.alive:
                 self._restart()
-            return self._compiled
-        self.shutdown()
+            return compiled
+
+    def _build(self, signature: tuple, args: tuple) -> _Compiled:
+        """Lowers and plans the step for these arguments and makes its runtime, starting
+        nothing and stopping nothing."""
         from hlopar.passes.unstack_layer_scans import LayerPieces
         from hlopar.codegen.pipeline_program import host_callback_message
         from hlopar.ir.diagnostics import Diagnostic
@@ -581,20 +642,48 @@ class ParallelizedFunction:
                                      copied=[r for k, (out, _) in enumerate(outputs)
                                              if with_step(out.shape, out.dtype) for r in parts[k]])
                 self._log(f"starting {len(placement.workers.slots)} Ray worker(s) ({why_not})")
-            self._compiled = _Compiled(signature, lowered.out_tree, planned, runtime, cluster, outputs, pieces=pieces)
-            self._release_with(runtime)
-            runtime.start()
-        finally:
+        except BaseException:
             progress.done()
-        return self._compiled
+            raise
+        return _Compiled(signature, lowered.out_tree, planned, runtime, cluster, outputs, pieces=pieces)
 
     def _restart(self) -> None:
-        self._log("restarting the workers" if isinstance(self._compiled.runtime, RayRuntime) else "compiling again")
-        self._release_with(self._compiled.runtime)
+        """Starts the current signature's runtime (its workers, or its executable here),
+        first stopping the other signatures' workers that must make room for it."""
+        compiled = self._compiled
+        if isinstance(compiled.runtime, RayRuntime):
+            _connect(compiled.cluster)  # again, if the cluster died under this process
+        self._make_room(compiled)
+        if compiled.runtime.step_id:
+            self._log("restarting the workers" if isinstance(compiled.runtime, RayRuntime) else "compiling again")
         try:
-            self._compiled.runtime.start()
+            compiled.runtime.start()
         finally:
             self._progress.done()
+
+    def _make_room(self, compiled: _Compiled) -> None:
+        """Before `compiled`'s runtime starts: Ray workers of other signatures keep running
+        only where they ask for no accelerator (CPU devices are threads of the host's cores,
+        which workers share), and at most `MAX_WORKER_SETS` sets in all; GPUs a start needs
+        are held by the workers of the others, which go first. What they hold that the caller
+        still references is read first (module docstring, "Signatures")."""
+        gpus = compiled.cluster.device_kind == "gpu"
+        others = [c for c in reversed(self._signatures.values())  # most recently called first
+                  if c is not compiled and isinstance(c.runtime, RayRuntime) and c.runtime.alive]
+        keep = 0 if gpus else MAX_WORKER_SETS - 1
+        for old in others[keep:]:
+            self._stop(old)
+
+    def _stop(self, compiled: _Compiled) -> None:
+        """Stops a signature's runtime, its results the caller still references read first
+        (they stay readable, and move to another signature's workers as host arrays)."""
+        runtime = compiled.runtime
+        if isinstance(runtime, RayRuntime) and runtime.alive:
+            try:
+                read_all([a for a in list(compiled.issued.values()) if a.resident_in(runtime) is not None])
+            except RuntimeError:  # a worker died meanwhile: what it held is lost, and says so when read
+                pass
+        runtime.shutdown()
 
     def _batch_leaves(self, args: tuple) -> list[int] | None:
         if self.batch_argnums is ...:
@@ -610,7 +699,17 @@ class ParallelizedFunction:
     # -- running
 
     def __call__(self, *args):
+        with self._lock:
+            return self._call(args)
+
+    def _call(self, args: tuple):
         compiled = self.compile(*args)
+        for other in self._signatures.values():
+            if other is not compiled and other.runtime.alive:
+                try:
+                    other.runtime.set_aside()  # what the caller dropped is not left on idle workers
+                except WorkerError:  # its workers died: stopped, what they held says so when read
+                    pass
         runtime = compiled.runtime
         if not isinstance(runtime, RayRuntime):
             return self._call_in_process(compiled, args)
@@ -665,6 +764,7 @@ class ParallelizedFunction:
                 host = returned[parts[k][0]] if len(parts[k]) == 1 and parts[k][0] in returned else None
                 outputs.append(RemoteArray(runtime, runtime.generation, step, k, parts[k], out.shape, out.dtype,
                                            f"{name} (call {step})", host=host))
+                compiled.issued[(runtime.generation, step, k)] = outputs[-1]
         return jax.tree_util.tree_unflatten(compiled.out_tree, outputs)
 
     def _donate(self, args: tuple) -> None:
@@ -689,13 +789,11 @@ class ParallelizedFunction:
         return self._compiled.runtime if self._compiled else None
 
     def close(self) -> None:
-        """Stops the workers and frees what they held in Ray (their placement group); the
-        next call starts them again. Also at the end of a `with` block and when the function
-        is garbage-collected."""
-        if self._release is not None:
-            self._release.detach()
-        if self._compiled is not None:
-            self._compiled.runtime.shutdown()
+        """Stops the workers (every signature's) and frees what they held in Ray (their
+        placement groups); the next call starts them again (the plans stay). Also at the end
+        of a `with` block and when the function is garbage-collected."""
+        with self._lock:
+            _close_all(self._signatures)
 
     shutdown = close  # the earlier name
 
@@ -704,14 +802,6 @@ class ParallelizedFunction:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-    def _release_with(self, runtime) -> None:
-        """Collecting this function stops `runtime`'s workers (a finalizer holding the
-        runtime, which must hold nothing of the function: it logs through the progress
-        display, not `self._log`). At exit Ray's disconnection ends them anyway."""
-        if self._release is None or not self._release.alive:
-            self._release = weakref.finalize(self, runtime.shutdown)
-            self._release.atexit = False
 
     # -- saving the training state
 

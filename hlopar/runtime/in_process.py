@@ -105,6 +105,12 @@ class InProcessRuntime:
         self.executable = None
         self.last = []
 
+    def set_aside(self) -> None:
+        """Another signature's runtime runs the calls for now: the last step's results, kept
+        only for `save` (which saves the last call's), are let go, as `jax.jit` keeps no
+        results."""
+        self.last = []
+
     def run(self, arguments: Sequence) -> list[jax.Array]:
         """One step: @main's results, not waited for."""
         if self.executable is None:

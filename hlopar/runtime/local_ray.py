@@ -19,6 +19,18 @@ child ends when this process is gone and takes the cluster with it;
 `log_to_driver` off: the workers' output stays in `<dir>/session_latest/logs/worker-*`;
 `HLOPAR_RAY_LOG_TO_DRIVER=1` streams it to this process's terminal instead (docs/runtime.md).
 
+A cluster that dies under this process: `ray start --block` ends the whole cluster (GCS,
+raylet, workers) as soon as any of its processes dies, and a driver left connected to a
+dead GCS is ended by Ray's C++ code 60 s later (`gcs_rpc_server_reconnect_timeout_s`: "Failed
+to connect to GCS within 60 seconds ... The program will terminate"), with no Python
+exception and no `atexit`. So `connect` watches the head process (a thread polling it every
+0.2 s): when it ends without `stop`, the driver disconnects (`ray.shutdown()`, about 5 s on
+this project's machine), which keeps the process alive, and `lost()` says why; the mesh
+workers' waits (`ray_runtime.RayRuntime._gather`) look at it every second and raise
+`WorkerError`, and the next `connect` starts a new cluster. A cluster given by address is
+not watched: its head node's death ends a connected driver the same way, 60 s later, and
+nothing in Python can prevent it (docs/runtime.md, "Faults").
+
 Workers run at the driver's priority: Ray starts its workers at niceness 15 (its
 `worker_niceness`, so that its own daemons stay responsive), which on a machine with any
 other load starves the mesh workers, whose executables are the whole computation, against
@@ -37,11 +49,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["LocalRay", "connect", "log_to_driver", "start"]
+__all__ = ["LocalRay", "connect", "connection", "current", "disconnected", "log_to_driver", "lost", "start"]
 
 LOG_TO_DRIVER_VARIABLE = "HLOPAR_RAY_LOG_TO_DRIVER"
 _AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
@@ -75,11 +88,34 @@ class LocalRay:
     process: subprocess.Popen
     directory: Path
     address: str
+    lost: str | None = None  # why the cluster ended under this process (module docstring)
+    stopping: threading.Event = field(default_factory=threading.Event)
+    watcher: threading.Thread | None = None
+
+    def watch(self) -> None:
+        """Starts the thread that disconnects this driver when the cluster dies (module docstring)."""
+        self.watcher = threading.Thread(target=self._watch, name="hlopar-ray-watch", daemon=True)
+        self.watcher.start()
+
+    def _watch(self) -> None:
+        import ray
+
+        while self.process.poll() is None:
+            if self.stopping.wait(0.2):
+                return
+        if self.stopping.is_set():
+            return
+        self.lost = (f"the local Ray cluster of this process ended (its `ray start` exited with status "
+                     f"{self.process.returncode}: one of its processes, the raylet or the GCS, died; see "
+                     f"{self.directory / 'ray-start.log'} and {self.directory / 'session_latest' / 'logs'})")
+        if ray.is_initialized():
+            ray.shutdown()  # else Ray's C++ code ends this process 60 s later
 
     def stop(self, timeout: float = 30.0) -> None:
         """Disconnects this driver and ends the head node (its processes go with it)."""
         import ray
 
+        self.stopping.set()
         if ray.is_initialized():
             ray.shutdown()
         if self.process.poll() is None:
@@ -129,9 +165,16 @@ def _authentication(environ) -> None:
     Config.initialize("")
 
 
+# Ray's connection is the process's: the local cluster this process connected to last, and
+# every address it connected to (`connection`).
+_connected: list[LocalRay] = []
+_connections: list[str] = []
+
+
 def connect(address: str | None, num_cpus: int) -> LocalRay | None:
     """This process connected to Ray: to `address`, or to a local cluster started here with
-    `num_cpus` CPUs (returned; stopped at exit). Ray's own log lines stay at warnings."""
+    `num_cpus` CPUs (returned; stopped at exit; watched, module docstring). Ray's own log
+    lines stay at warnings."""
     import ray
 
     local = None
@@ -139,6 +182,35 @@ def connect(address: str | None, num_cpus: int) -> LocalRay | None:
         local = start(num_cpus)
         atexit.register(local.stop)
         address = local.address
+    _connected[:] = [local] if local is not None else []
+    _connections.append(address)
     ray.init(address=address, log_to_driver=log_to_driver(), logging_level=logging.WARNING,
              configure_logging=True)
+    if local is not None:
+        local.watch()
     return local
+
+
+def current() -> LocalRay | None:
+    """The local cluster this process connected to last (dead or alive), or None."""
+    return _connected[0] if _connected else None
+
+
+def disconnected(timeout: float = 60.0) -> None:
+    """Returns once this process is disconnected from a local cluster that died under it
+    (`ray.shutdown()` takes seconds), so that `connect` can start another; at once if none died."""
+    local = current()
+    if local is not None and local.lost is not None and local.watcher is not None:
+        local.watcher.join(timeout)
+
+
+def connection() -> int:
+    """How many times this process connected (a runtime started under another connection
+    holds nothing in this one)."""
+    return len(_connections)
+
+
+def lost() -> str | None:
+    """Why the local cluster this process connected to last died under it, or None (module docstring)."""
+    local = current()
+    return local.lost if local is not None else None

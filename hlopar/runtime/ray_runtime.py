@@ -47,6 +47,8 @@ Faults. Every wait is bounded: the driver waits for a step with `ray.wait` and a
 and notices a dead worker (`RayActorError`) as soon as Ray does, a worker waits for a
 delivery or a pull at most `timeout` seconds. On any failure the driver kills every worker
 and raises `WorkerError`; `start` again builds fresh workers (the caller's next call does).
+The driver's waits look every second at whether the local cluster died under the process
+(`local_ray.lost`: its raylet or GCS), and then raise `WorkerError` saying so.
 """
 
 from __future__ import annotations
@@ -402,6 +404,11 @@ class MeshWorker:
         value = self.kept.get((step, r))
         return None if value is None else host_value(value)
 
+    def drop(self, keys: Sequence[tuple[int, int]]) -> None:
+        """Drops kept results no longer referenced (what a step's `release` does, between steps)."""
+        for step, r in keys:
+            self.kept.pop((step, r), None)
+
     def deliver(self, step: int, items: Mapping) -> None:
         """A peer's SEND: payloads by (transfer, microbatch, sending worker)."""
         for key, payload in items.items():
@@ -725,6 +732,7 @@ class RayRuntime:
         self.programs = worker_programs(program, self.streams, self.layout)
         self.actors: dict = {}
         self.group = None
+        self.connection = 0  # `local_ray.connection()` when the workers started
         self.step_id = 0
         self.generation = 0  # increases with each start: results kept by older workers are gone
         self.log = log or (lambda message: None)
@@ -736,7 +744,12 @@ class RayRuntime:
 
     @property
     def alive(self) -> bool:
-        return bool(self.actors)
+        """Workers started, not stopped, and their cluster still the one this process is
+        connected to (`local_ray`: a local cluster that died is replaced at the next call)."""
+        from hlopar.runtime import local_ray
+
+        return bool(self.actors) and self.connection == local_ray.connection() and local_ray.lost() is None
+
 
     def result_mesh(self, r: int) -> str:
         return self.program.values[self.program.results[r]].mesh
@@ -751,8 +764,11 @@ class RayRuntime:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from hlopar.runtime import local_ray
+
         self.shutdown()
         self.generation += 1
+        self.connection = local_ray.connection()
         self.phase("starting workers")
         kind = self.placement.device_kind
         slots = self.layout.slots
@@ -915,6 +931,15 @@ class RayRuntime:
         if generation == self.generation:
             self.released.append((generation, step, r))
 
+    def set_aside(self) -> None:
+        """Another signature's runtime runs the calls for now: the results the caller no
+        longer references are dropped on the workers at once, not at this runtime's next step
+        (which may never come)."""
+        released = self._released()
+        if released and self.alive:
+            self._gather({w.name: self.actors[w.name].drop.remote(keys) for mesh, keys in released.items()
+                          for w in self.layout.of_mesh(mesh)}, "dropping released results")
+
     def _released(self) -> dict[str, list[tuple[int, int]]]:
         """Per mesh, the kept results to drop (taken from `released`)."""
         out: dict[str, list[tuple[int, int]]] = {}
@@ -964,8 +989,16 @@ class RayRuntime:
         pending = list(calls.values())
         done = {}
         while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            try:  # a second at a time: a local cluster that died is noticed within it (`local_ray.lost`)
+                ready, pending = ray.wait(pending, num_returns=1,
+                                          timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            except Exception:
+                self._cluster_lost(what)
+                raise
             if not ready:
+                self._cluster_lost(what)
+                if time.monotonic() < deadline:
+                    continue
                 late = sorted(self._who(name_of[r]) for r in pending)
                 self.shutdown()
                 raise WorkerError(f"{what}: the workers of {', '.join(late)} did not answer within "
@@ -975,6 +1008,7 @@ class RayRuntime:
                 try:
                     done[name] = ray.get(ref)
                 except ray.exceptions.RayActorError as error:
+                    self._cluster_lost(what)
                     self.shutdown()
                     raise WorkerError(f"{what}: the worker of {self._who(name)} died "
                                       f"({type(error).__name__}); the workers were stopped, the next call "
@@ -985,6 +1019,16 @@ class RayRuntime:
                     raise WorkerError(f"{what}: the worker of {self._who(name)} failed: {type(cause).__name__}: "
                                       f"{cause}; the workers were stopped, the next call restarts them") from error
         return done
+
+    def _cluster_lost(self, what: str) -> None:
+        """Raises `WorkerError` if the local cluster died under this process (`local_ray.lost`)."""
+        from hlopar.runtime import local_ray
+
+        why = local_ray.lost()
+        if why is not None:
+            self.actors, self.group = {}, None
+            raise WorkerError(f"{what}: {why}; the workers and what they held are lost, the next call starts a "
+                              "new cluster and new workers")
 
     # -- saving
 

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-__all__ = ["RemoteArray", "ResultSource", "is_key", "jax_value", "key_impl", "with_step"]
+__all__ = ["RemoteArray", "ResultSource", "is_key", "jax_value", "key_impl", "read_all", "with_step"]
 
 
 class ResultSource(Protocol):
@@ -218,6 +218,16 @@ class RemoteArray:
 
     def item(self, *args):
         return self._jax().item(*args)
+
+
+def read_all(arrays) -> None:
+    """Reads each of `arrays` not read yet, keeping its value on the driver (every fetch
+    started before any is waited for): before their workers stop, so that they stay readable."""
+    arrays = [a for a in arrays if not a.is_deleted()]
+    for a in arrays:
+        a.copy_to_host_async()
+    for a in arrays:
+        a._jax()
 
 
 def _release(source: ResultSource, generation: int, step: int, parts: tuple[int, ...]) -> None:
