@@ -53,8 +53,9 @@ def mlp():
 
 
 class Reference:
-    """Single-device training alongside the parallel run: `next(batch)` is the reference of
-    the parallel step from the parallel run's previous results."""
+    """Single-device training alongside the parallel run, from its own state: `next(batch)`
+    is one device's step (and the parameters before it) that the parallel run's next step
+    must equal."""
 
     def __init__(self, step, params, state):
         self.step, self.params, self.state = step, params, state
