@@ -489,7 +489,9 @@ class ParallelizedFunction:
 
     def __init__(self, fn: Callable, *, cluster: Cluster | None, num_microbatches: int | None, schedule: str,
                  batch_argnums, donate_argnums: Sequence[int], method: str, rng: str, timeout: float, cache: bool,
-                 verbose: bool, remat: str | bool = "auto", stage_loops: bool = False, runtime: str = "auto"):
+                 verbose: bool, remat: str | bool = "auto", stage_loops: bool = False, runtime: str = "auto",
+                 checkpoint_every: int | None = None, checkpoint_dir: str | os.PathLike | None = None,
+                 checkpoint_format: str = "orbax"):
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         if schedule not in SCHEDULES:
@@ -532,6 +534,18 @@ class ParallelizedFunction:
         # Collecting this function stops its workers (at exit Ray's disconnection ends them anyway).
         self._release = weakref.finalize(self, _close_all, self._signatures)
         self._release.atexit = False
+        if (checkpoint_every is None) != (checkpoint_dir is None):
+            raise ValueError("checkpoint_every and checkpoint_dir go together: a save every checkpoint_every calls "
+                             "into checkpoint_dir/<call>")
+        if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+            raise ValueError(f"checkpoint_every must be a positive number of calls, got {checkpoint_every!r}")
+        if checkpoint_format not in ("orbax", "npz"):
+            raise ValueError(f"checkpoint_format must be 'orbax' or 'npz', got {checkpoint_format!r}")
+        self.checkpoint_format = checkpoint_format
+        from hlopar.runtime.checkpoint import PeriodicSaves
+
+        self._saves = None if checkpoint_every is None else PeriodicSaves(
+            Path(checkpoint_dir), checkpoint_every, warn=lambda message: warnings.warn(message, HloparWarning))
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", "parallelized")
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -700,7 +714,10 @@ class ParallelizedFunction:
 
     def __call__(self, *args):
         with self._lock:
-            return self._call(args)
+            out = self._call(args)
+            if self._saves is not None:
+                self._save_every()
+            return out
 
     def _call(self, args: tuple):
         compiled = self.compile(*args)
@@ -805,10 +822,12 @@ class ParallelizedFunction:
 
     # -- saving the training state
 
-    def save(self, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    def save(self, directory: str | os.PathLike, *, overwrite: bool = False, format: str = "npz") -> Path:
         """Each worker writes its shards of the last call's results (the training state) to
-        `directory` (`<worker>.npz`, with a `manifest.json`; `runtime.checkpoint`): written
-        beside it and renamed there once every part is written and checked. A failure raises
+        `directory` (`runtime.checkpoint`): `format="npz"`, hlopar's `<worker>.npz`;
+        `"orbax"`, an Orbax item per worker, `<worker>/`, which plain Orbax reads
+        (`runtime.orbax_format`); with a `manifest.json`. Written beside `directory` and
+        renamed there once every part is written and checked. A failure raises
         `CheckpointError` naming the path and the cause, and leaves `directory` and the
         workers' state as they were. A `directory` holding anything but an earlier save of
         this plan is refused unless `overwrite=True`."""
@@ -816,7 +835,8 @@ class ParallelizedFunction:
 
         compiled = self._require_run()
         return checkpoint.save(directory, plan=compiled.planned.bundle.name, shapes=_saved_shapes(compiled),
-                               step=compiled.runtime.step_id, write=compiled.runtime.save, overwrite=overwrite)
+                               step=compiled.runtime.step_id, write=compiled.runtime.save, overwrite=overwrite,
+                               format=format, keys=_result_keys(compiled))
 
     def restore(self, directory: str | os.PathLike):
         """The results `save` wrote, as `fn`'s output pytree: each worker reads its own shards
@@ -824,19 +844,84 @@ class ParallelizedFunction:
         workers of the same plan (a call or `compile(...)` first). The save is checked first
         (`checkpoint.read_manifest`: manifest, plan, every part's checksum, shapes and
         dtypes): a bad one raises `CheckpointError` naming the file and what is wrong, the
-        live state as it was."""
+        live state as it was. An Orbax save of another plan, or a checkpoint plain Orbax
+        wrote of `fn`'s output pytree, is read here instead (`orbax_format.restore_tree`)
+        and returned as single-device arrays, which the next call sends."""
         from hlopar.runtime import checkpoint
+        from hlopar.runtime.orbax_format import is_orbax_checkpoint
 
         compiled = self._compiled
         if compiled is None:
             raise RuntimeError("restore needs the compiled step: call it, or compile(*example_args), first")
-        checkpoint.read_manifest(directory, plan=compiled.planned.bundle.name, shapes=_saved_shapes(compiled),
-                                 workers=compiled.runtime.worker_meshes())
+        directory = Path(directory)
+        plan = compiled.planned.bundle.name
+        found = checkpoint.peek(directory)
+        if (found is None and is_orbax_checkpoint(directory)) or (
+                found is not None and found.get("parts_format") == "orbax" and found.get("plan") != plan):
+            return self._restore_here(compiled, directory, items=sorted(found["parts"]) if found else ())
+        manifest = checkpoint.read_manifest(directory, plan=plan, shapes=_saved_shapes(compiled),
+                                            workers=compiled.runtime.worker_meshes())
         if not compiled.runtime.alive:
             self._restart()
+        keys = manifest.get("keys", ())
         if not isinstance(compiled.runtime, RayRuntime):
-            return self._local_results(compiled, compiled.runtime.load(directory))
-        return self._results(compiled, *compiled.runtime.load(directory))
+            return self._local_results(compiled, compiled.runtime.load(directory, keys))
+        return self._results(compiled, *compiled.runtime.load(directory, keys))
+
+    def _restore_here(self, compiled: _Compiled, directory: Path, items: Sequence[str]):
+        """An Orbax checkpoint read in this process (`restore`): fn's output pytree of
+        single-device arrays."""
+        from hlopar.runtime.checkpoint import CheckpointError
+        from hlopar.runtime.orbax_format import restore_tree
+
+        shapes = _leaf_shapes(compiled)
+        device = jax.local_devices()[0]
+        target = jax.tree_util.tree_unflatten(compiled.out_tree, [
+            jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+            for shape, dtype in shapes])
+        try:
+            leaves = restore_tree(directory, _leaf_keys(compiled), shapes, target=target, items=items)
+        except Exception as error:  # noqa: BLE001 - Orbax's own errors, named with the path
+            raise CheckpointError(f"cannot restore from {directory}: {type(error).__name__}: {error}; nothing was "
+                                  "restored (the live state is as it was)") from error
+        return self._local_results(compiled, [jax.device_put(x, device) for x in leaves])
+
+    def _save_every(self) -> None:
+        """`checkpoint_every`: after a call, a save of its results begun in the background
+        (`checkpoint.PeriodicSaves`), unless the one before is still being written."""
+        from hlopar.runtime import checkpoint
+
+        compiled, saves = self._compiled, self._saves
+        due = saves.due()
+        if due is None:
+            return
+        try:
+            pending = checkpoint.PendingSave.begin(due, plan=compiled.planned.bundle.name,
+                                                   step=compiled.runtime.step_id, format=self.checkpoint_format,
+                                                   keys=_result_keys(compiled))
+            with pending.failing():
+                finish = compiled.runtime.save_start(pending.staging, pending.record)
+        except checkpoint.CheckpointError as error:
+            saves.failed(error)
+            return
+        shapes = _saved_shapes(compiled)
+        runtime = compiled.runtime
+
+        def hint(path: Path) -> None:
+            runtime.resume_hint = (f"the last checkpoint is {path} (saved after call {path.name}): "
+                                   f"restore('{path}') resumes there")
+
+        def job() -> Path:
+            with pending.failing():
+                written = finish()
+            return pending.commit(written, shapes)
+
+        saves.run(job, on_commit=hint)
+
+    def wait_for_checkpoint(self, timeout: float | None = None) -> Path | None:
+        """`checkpoint_every`: waits for the save being written (if any); returns the last
+        one committed (None: none yet, or no `checkpoint_every`)."""
+        return self._saves.wait(timeout) if self._saves is not None else None
 
     def _require_run(self) -> _Compiled:
         if self._compiled is not None and not self._compiled.runtime.alive and self._compiled.runtime.step_id:
@@ -847,14 +932,37 @@ class ParallelizedFunction:
         return self._compiled
 
 
-def _saved_shapes(compiled: _Compiled) -> list[tuple[tuple[int, ...], str]]:
-    """Per result of the plan's program (`@main`'s: a stacked leaf's pieces, a typed key's
-    key data), its shape and dtype: what a save of it holds."""
+def _leaf_shapes(compiled: _Compiled) -> list[tuple[tuple[int, ...], str]]:
+    """Per output leaf of `fn`, its shape and dtype as saved (a typed key's key data)."""
     leaves = []
     for out, _ in compiled.outputs:
         if is_key(out.dtype):
             out = jax.eval_shape(jax.random.key_data, out)
         leaves.append((tuple(out.shape), str(np.dtype(out.dtype))))
+    return leaves
+
+
+def _leaf_keys(compiled: _Compiled) -> list[str]:
+    """Per output leaf of `fn`, its path in the output pytree (`jax.tree_util.keystr`)."""
+    numbered = jax.tree_util.tree_unflatten(compiled.out_tree, range(len(compiled.outputs)))
+    return [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(numbered)[0]]
+
+
+def _result_keys(compiled: _Compiled) -> list[str]:
+    """Per result of the plan's program, its key in an Orbax save: its output leaf's path, a
+    stacked leaf's piece with its rows (`[0]['layers']['w'][2:4]`)."""
+    keys = _leaf_keys(compiled)
+    pieces = compiled.pieces
+    if pieces is None:
+        return keys
+    return [keys[o] if p < 0 else f"{keys[o]}[{p}:{p + r}]"
+            for o, p, r in zip(pieces.result_origin, pieces.result_piece, pieces.result_rows)]
+
+
+def _saved_shapes(compiled: _Compiled) -> list[tuple[tuple[int, ...], str]]:
+    """Per result of the plan's program (`@main`'s: a stacked leaf's pieces, a typed key's
+    key data), its shape and dtype: what a save of it holds."""
+    leaves = _leaf_shapes(compiled)
     pieces = compiled.pieces
     if pieces is None:
         return leaves
@@ -1025,7 +1133,9 @@ _SHARDING = re.compile(r"#sdy\.sharding<@[\w.]+, \[(.*?)\]>")
 def parallelize(fn: Callable | None = None, *, cluster: Cluster | None = None, num_microbatches: int | None = None,
                 schedule: str = "eager-1f1b", batch_argnums=..., donate_argnums: Sequence[int] | int = (),
                 method: str = "auto", rng: str = "exact", timeout: float = 300.0, cache: bool = True,
-                verbose: bool = True, remat: str | bool = "auto", stage_loops: bool = False, runtime: str = "auto"):
+                verbose: bool = True, remat: str | bool = "auto", stage_loops: bool = False, runtime: str = "auto",
+                checkpoint_every: int | None = None, checkpoint_dir: str | os.PathLike | None = None,
+                checkpoint_format: str = "orbax"):
     """`fn` (a pure JAX function, e.g. a training step) run over a cluster: a callable with
     `fn`'s signature and results. Usable as a decorator, with or without arguments.
     `verbose=False` silences the first call's progress display and messages. `rng`:
@@ -1041,11 +1151,16 @@ def parallelize(fn: Callable | None = None, *, cluster: Cluster | None = None, n
     stage still compiles slower than the unrolled one (docs/stage_construction.md, measured).
     `runtime`: "process" runs the plan in this process, as `jax.jit` does (one host, one mesh,
     one executable, on devices this process's jax sees: `runtime.in_process`); "ray" on Ray
-    workers; "auto" in this process where the plan allows it, else on Ray. Module docstring."""
+    workers; "auto" in this process where the plan allows it, else on Ray.
+    `checkpoint_every=N, checkpoint_dir=DIR`: every N calls the state is saved to
+    `DIR/<call>` in the background, the steps going on meanwhile (the last two kept), in
+    Orbax's format or hlopar's (`checkpoint_format="npz"`; `ParallelizedFunction.save`,
+    docs/runtime.md). Module docstring."""
     def wrap(function: Callable) -> ParallelizedFunction:
         return ParallelizedFunction(function, cluster=cluster, num_microbatches=num_microbatches, schedule=schedule,
                                     batch_argnums=batch_argnums, donate_argnums=donate_argnums, method=method,
                                     rng=rng, timeout=timeout, cache=cache, verbose=verbose, remat=remat,
-                                    stage_loops=stage_loops, runtime=runtime)
+                                    stage_loops=stage_loops, runtime=runtime, checkpoint_every=checkpoint_every,
+                                    checkpoint_dir=checkpoint_dir, checkpoint_format=checkpoint_format)
 
     return wrap if fn is None else wrap(fn)

@@ -8,9 +8,12 @@ Pure logic over files and plain data (no IR, no jax, no Ray); the runtimes write
   mesh's workers: its kept results `r<k>` (whole), or on a mesh spanning hosts `r<k>.shape`
   and `r<k>@<device>` (its devices' shards), and `__hlopar__`, the part's own record (the
   save, step and plan it belongs to, as JSON), which says where a stray part came from;
-- `manifest.json`: `format`, `version`, the plan's key, the save's id and step, which mesh
-  holds which result, the workers, the shape and dtype of every result of the plan, and per
-  part its file, size, SHA-256 and arrays (shape and dtype).
+  or, with `parts_format` "orbax", `<worker>/`, an Orbax item (`orbax_format`: the same
+  results keyed by the output leaf each is, `keys`; the writer is imported only then);
+- `manifest.json`: `format`, `version`, `parts_format`, the plan's key, the save's id and
+  step, which mesh holds which result, the workers, the shape and dtype of every result of
+  the plan, and per part its file (or item directory), size, SHA-256 (of a directory: of
+  its files' relative paths and bytes) and arrays (shape and dtype).
 
 Saving (`save`) is atomic and harmless: the target is checked first (`check_target`: absent,
 empty, or an earlier save of this plan; anything else only with `overwrite=True`); the parts
@@ -23,11 +26,16 @@ first, is removed after). Any failure removes the staging directory and raises
 Restoring (`read_manifest`) checks everything before anything is read into the workers:
 the manifest (JSON, format, version), the plan, the results' shapes and dtypes, and per part
 its presence, size, checksum, and the shapes and dtypes of its arrays (read from the `.npy`
-headers). The first problem raises `CheckpointError` naming the file and what is wrong.
+headers; an Orbax item's as its manifest records them, which its checksum guards). The
+first problem raises `CheckpointError` naming the file and what is wrong.
+
+`PeriodicSaves` is `parallelize(checkpoint_every=...)`'s schedule: which call's results to
+save, one save written at a time in a thread, the last ones kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -41,8 +49,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["FORMAT", "VERSION", "CheckpointError", "check_target", "load_part", "part_arrays", "read_manifest", "save",
-           "write_part"]
+__all__ = ["FORMAT", "VERSION", "CheckpointError", "PendingSave", "PeriodicSaves", "check_target", "load_part",
+           "part_arrays", "peek", "read_manifest", "save", "write_part"]
 
 FORMAT = "hlopar-save"
 VERSION = 2  # 1: parts and manifest without checksums (before issue 25)
@@ -52,7 +60,12 @@ RECORD = "__hlopar__"  # a part's own record (JSON in a 0-d string array)
 
 class CheckpointError(RuntimeError):
     """A save that could not be written, or a save that cannot be restored; the message
-    names the path and the cause. The workers and their state are as they were."""
+    names the path and the cause. The workers and their state are as they were, unless
+    `workers_lost` (a worker died while it wrote its part)."""
+
+    def __init__(self, message: str, *, workers_lost: bool = False):
+        super().__init__(message)
+        self.workers_lost = workers_lost
 
 
 Shapes = Sequence[tuple[Sequence[int], str]]  # per result of the plan: its shape and dtype
@@ -92,47 +105,90 @@ def check_target(target: Path, plan: str, overwrite: bool = False) -> None:
 
 
 def save(target: str | os.PathLike, *, plan: str, shapes: Shapes, step: int,
-         write: Callable[[Path, dict], Mapping], overwrite: bool = False) -> Path:
+         write: Callable[[Path, dict], Mapping], overwrite: bool = False, format: str = "npz",
+         keys: Sequence[str] = ()) -> Path:
     """Writes a save to `target` atomically (module docstring). `write(staging, record)`
     has the runtime write its parts into `staging` (each part's `record` given to
     `write_part`) and returns `{"results": {k: mesh}, "workers": {name: mesh}, "parts":
     {name: what write_part returned}}`; it raises `CheckpointError` (or `OSError`) for what
-    failed."""
-    target = Path(target)
-    check_target(target, plan, overwrite)
-    save_id = uuid.uuid4().hex
-    record = {"save": save_id, "step": step, "plan": plan}
-    staging = None
-    try:
-        above = next(p for p in (target.parent, *target.parent.parents) if os.path.lexists(p))
-        if not above.is_dir():
-            raise CheckpointError(f"{above} is not a directory")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
-        os.chmod(staging, 0o755)
-        written = write(staging, record)
-        parts = written["parts"]
-        for name, part in parts.items():  # as each writer found it: checked again here
-            _check_part(staging / part["file"], part)
-        manifest = {"format": FORMAT, "version": VERSION, **record, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ",
-                                                                                            time.gmtime()),
-                    "results": {str(k): mesh for k, mesh in written["results"].items()},
-                    "workers": dict(written["workers"]), "shapes": [[list(s), str(d)] for s, d in shapes],
-                    "parts": dict(parts)}
-        with open(staging / MANIFEST, "w") as f:
-            f.write(json.dumps(manifest, indent=1) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        _replace(staging, target)
-        staging = None
-    except (CheckpointError, OSError) as error:
-        cause = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
-        raise CheckpointError(f"cannot save to {target}: {cause}; nothing was written (the partial save is "
-                              f"removed, {target} is as it was), and the workers keep the state") from error
-    finally:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
-    return target
+    failed. `format`: "npz" (hlopar's) or "orbax" (`orbax_format`: `keys`, per result, the
+    output leaf it is)."""
+    pending = PendingSave.begin(target, plan=plan, step=step, overwrite=overwrite, format=format, keys=keys)
+    with pending.failing():
+        written = write(pending.staging, pending.record)
+    return pending.commit(written, shapes)
+
+
+class PendingSave:
+    """A save begun: its target checked, its staging directory made (`begin`); the parts are
+    written there, then `commit` renames it to the target. Any failure, inside `failing()` or
+    in `commit`, removes the staging directory and raises `CheckpointError` naming the target."""
+
+    def __init__(self, target: Path, staging: Path | None, record: dict):
+        self.target, self.staging, self.record = target, staging, record
+
+    @classmethod
+    def begin(cls, target: str | os.PathLike, *, plan: str, step: int, overwrite: bool = False,
+              format: str = "npz", keys: Sequence[str] = ()) -> PendingSave:
+        if format not in ("npz", "orbax"):
+            raise ValueError(f"format must be 'npz' or 'orbax', got {format!r}")
+        target = Path(target)
+        check_target(target, plan, overwrite)
+        record = {"save": uuid.uuid4().hex, "step": step, "plan": plan, "parts_format": format}
+        if format == "orbax":
+            record["keys"] = list(keys)
+        pending = cls(target, None, record)
+        with pending.failing():
+            above = next(p for p in (target.parent, *target.parent.parents) if os.path.lexists(p))
+            if not above.is_dir():
+                raise CheckpointError(f"{above} is not a directory")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            pending.staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
+            os.chmod(pending.staging, 0o755)
+        return pending
+
+    @contextlib.contextmanager
+    def failing(self):
+        """Errors inside: the staging directory removed, `CheckpointError` naming the target."""
+        try:
+            yield
+        except (CheckpointError, OSError, ImportError) as error:
+            self.abandon()
+            cause = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+            lost = getattr(error, "workers_lost", False)
+            raise CheckpointError(f"cannot save to {self.target}: {cause}; nothing was written (the partial save is "
+                                  f"removed, {self.target} is as it was)" + (
+                                      "; the workers stopped, and their state with them" if lost else
+                                      ", and the workers keep the state"), workers_lost=lost) from error
+        except BaseException:
+            self.abandon()
+            raise
+
+    def abandon(self) -> None:
+        if self.staging is not None:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            self.staging = None
+
+    def commit(self, written: Mapping, shapes: Shapes) -> Path:
+        """Checks the parts `written` describes, writes the manifest, renames the staging
+        directory to the target."""
+        with self.failing():
+            staging = self.staging
+            parts = written["parts"]
+            for name, part in parts.items():  # as each writer found it: checked again here
+                _check_part(staging / part["file"], part)
+            manifest = {"format": FORMAT, "version": VERSION, **self.record,
+                        "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        "results": {str(k): mesh for k, mesh in written["results"].items()},
+                        "workers": dict(written["workers"]), "shapes": [[list(s), str(d)] for s, d in shapes],
+                        "parts": dict(parts)}
+            with open(staging / MANIFEST, "w") as f:
+                f.write(json.dumps(manifest, indent=1) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            _replace(staging, self.target)
+            self.staging = None
+        return self.target
 
 
 def _replace(staging: Path, target: Path) -> None:
@@ -169,19 +225,44 @@ def _sync_directory(path: Path) -> None:
 
 
 def write_part(directory: str | os.PathLike, name: str, arrays: Mapping[str, np.ndarray], record: Mapping) -> dict:
-    """Writes one worker's part (`<name>.npz`: `arrays` and the part's `record`), flushed to
-    disk, and reads it back: its file, size, SHA-256 and arrays, for the manifest."""
-    path = Path(directory) / f"{name}.npz"
-    with open(path, "wb") as f:
-        np.savez(f, **{RECORD: np.array(json.dumps({**record, "worker": name}))}, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
+    """Writes one worker's part, flushed to disk, and reads it back: its file, size,
+    SHA-256 and arrays, for the manifest. `record["parts_format"]` "npz": `<name>.npz`
+    (`arrays` and the part's `record`); "orbax": the Orbax item `<name>/`
+    (`orbax_format.write_item`, keyed by `record["keys"]`)."""
+    if record.get("parts_format") == "orbax":
+        from hlopar.runtime.orbax_format import write_item
+
+        if any("@" in k or "." in k for k in arrays):
+            raise CheckpointError("a mesh spanning hosts holds shards, which hlopar does not yet save in Orbax's "
+                                  "format (save(..., format='npz') does)")
+        keys = record["keys"]
+        write_item(directory, name, {keys[int(k[1:])]: a for k, a in arrays.items()})
+        path = Path(directory) / name
+        found = {k: [list(np.shape(a)), str(np.asarray(a).dtype)] for k, a in arrays.items()}
+    else:
+        path = Path(directory) / f"{name}.npz"
+        with open(path, "wb") as f:
+            np.savez(f, **{RECORD: np.array(json.dumps({**record, "worker": name}))}, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        found = part_arrays(path)
+        wanted = {k: [list(np.shape(a)), str(np.asarray(a).dtype)] for k, a in arrays.items()}
+        if found != wanted:
+            raise CheckpointError(f"{path}: read back, it holds {found}, not what was written ({wanted})")
     size, digest = _digest(path)
-    found = part_arrays(path)
-    wanted = {k: [list(np.shape(a)), str(np.asarray(a).dtype)] for k, a in arrays.items()}
-    if found != wanted:
-        raise CheckpointError(f"{path}: read back, it holds {found}, not what was written ({wanted})")
     return {"file": path.name, "size": size, "sha256": digest, "arrays": found}
+
+
+def load_part(path: Path, keys: Sequence[str] = ()) -> dict[str, np.ndarray]:
+    """A part's arrays (its record left out): of an `.npz`, or of an Orbax item (a
+    directory; `keys`: per result, its key there)."""
+    if path.is_dir():
+        from hlopar.runtime.orbax_format import read_item
+
+        number = {k: r for r, k in enumerate(keys)}
+        return {f"r{number[k]}": v for k, v in read_item(path).items()}
+    with np.load(path) as data:
+        return {key: np.array(data[key]) for key in data.files if key != RECORD}
 
 
 def part_arrays(path: Path) -> dict[str, list]:
@@ -203,17 +284,23 @@ def part_arrays(path: Path) -> dict[str, list]:
 
 
 def _digest(path: Path) -> tuple[int, str]:
+    """Size and SHA-256 of a file, or of a directory's files (their relative paths and bytes,
+    in sorted order)."""
     sha = hashlib.sha256()
     size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            sha.update(chunk)
-            size += len(chunk)
+    files = [path] if not path.is_dir() else sorted(p for p in path.rglob("*") if p.is_file())
+    for file in files:
+        if file != path:
+            sha.update(str(file.relative_to(path)).encode() + b"\0")
+        with open(file, "rb") as f:
+            while chunk := f.read(1 << 22):
+                sha.update(chunk)
+                size += len(chunk)
     return size, sha.hexdigest()
 
 
 def _check_part(path: Path, part: Mapping) -> None:
-    if not path.is_file():
+    if not path.exists():
         raise CheckpointError(f"{path.name} was not written")
     size, digest = _digest(path)
     if size != part["size"] or digest != part["sha256"]:
@@ -261,8 +348,10 @@ def read_manifest(directory: str | os.PathLike, *, plan: str, shapes: Shapes, wo
         if not isinstance(part, dict) or not {"file", "size", "sha256", "arrays"} <= set(part):
             raise bad(path, f"lists no part of worker {name}")
         file = directory / str(part["file"])
-        if not file.is_file():
-            raise bad(file, "missing" if not os.path.lexists(file) else "not a file")
+        item = manifest.get("parts_format") == "orbax"
+        if not (file.is_dir() if item else file.is_file()):
+            raise bad(file, "missing" if not os.path.lexists(file) else
+                      f"not {'a directory (an Orbax item)' if item else 'a file'}")
         size, digest = _digest(file)
         if size != part["size"] or digest != part["sha256"]:
             raise bad(file, _stray(file, manifest) or (
@@ -270,7 +359,7 @@ def read_manifest(directory: str | os.PathLike, *, plan: str, shapes: Shapes, wo
                 f"{size} bytes, the manifest says {part['size']} (truncated or overwritten)" if size != part["size"]
                 else "damaged: its SHA-256 is not the one the manifest records"))
         try:
-            found = part_arrays(file)
+            found = part["arrays"] if item else part_arrays(file)  # an item's: as its checksum guards them
         except (OSError, ValueError, zipfile.BadZipFile) as error:
             raise bad(file, f"unreadable ({type(error).__name__}: {error})") from None
         if found != part["arrays"]:
@@ -321,7 +410,73 @@ def _json(path: Path):
         return None
 
 
-def load_part(path: Path) -> dict[str, np.ndarray]:
-    """A part's arrays (its record left out)."""
-    with np.load(path) as data:
-        return {key: np.array(data[key]) for key in data.files if key != RECORD}
+def peek(directory: str | os.PathLike) -> dict | None:
+    """The manifest of an hlopar save in `directory`, unchecked; None if there is none."""
+    manifest = _json(Path(directory) / MANIFEST)
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == FORMAT else None
+
+
+# --------------------------------------------------------------------------- saves every N calls
+
+
+class PeriodicSaves:
+    """`parallelize(checkpoint_every=every, checkpoint_dir=directory)`: after every `every`-th
+    call a save into `directory/<call>` is begun (`due`) and finished in a thread (`run`),
+    the calls going on meanwhile; a save still being written when the next is due delays
+    that one to the next call (never the step). The last `keep` saves are kept; a failed
+    save is warned about (`HloparWarning`) and leaves the earlier ones. `latest`: the last
+    save committed."""
+
+    def __init__(self, directory: Path, every: int, keep: int = 2, warn: Callable[[str], None] = print):
+        self.directory, self.every, self.keep, self.warn = Path(directory), every, keep, warn
+        self.calls = 0
+        self.owed = False  # a save was due while the one before was still being written
+        self.thread = None
+        self.latest: Path | None = None
+        self.errors: list[str] = []
+        self.committed: list[Path] = []  # the last `keep`
+        self.seconds: list[float] = []  # per save committed: from its start to its commit
+
+    def due(self) -> Path | None:
+        """Counts a call; the target of the save due after it, or None."""
+        self.calls += 1
+        if self.calls % self.every == 0:
+            self.owed = True
+        if not self.owed or self.busy():
+            return None
+        self.owed = False
+        return self.directory / str(self.calls)
+
+    def busy(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def run(self, job: Callable[[], Path], on_commit: Callable[[Path], None] = lambda path: None) -> None:
+        import threading
+
+        started = time.perf_counter()
+
+        def work():
+            try:
+                path = job()
+            except Exception as error:  # noqa: BLE001 - warned about, the calls go on
+                self.failed(error)
+                return
+            self.seconds.append(time.perf_counter() - started)
+            self.latest = path
+            self.committed.append(path)
+            on_commit(path)
+            while len(self.committed) > self.keep:
+                shutil.rmtree(self.committed.pop(0), ignore_errors=True)
+
+        self.thread = threading.Thread(target=work, name="hlopar-checkpoint", daemon=True)
+        self.thread.start()
+
+    def failed(self, error: Exception) -> None:
+        self.errors.append(str(error))
+        self.warn(f"checkpoint_every: {error}")
+
+    def wait(self, timeout: float | None = None) -> Path | None:
+        """Waits for the save being written (if any); the last save committed."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+        return self.latest

@@ -27,6 +27,7 @@ named as `worker_layout` names the mesh's worker), so a save restores in either 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -130,29 +131,58 @@ class InProcessRuntime:
         self.placed = placements.moved
         return outputs
 
-    def save(self, directory: str | Path, record: Mapping) -> dict:
-        """Writes the last step's results into `directory` (a save's staging directory,
-        `checkpoint.save`) as the plan's Ray worker writes its part; returns what the
-        manifest says of it."""
+    def save(self, directory: str | Path, record: Mapping, values: Sequence[jax.Array] | None = None) -> dict:
+        """Writes the last step's results (or `values`) into `directory` (a save's staging
+        directory, `checkpoint.save`) as the plan's Ray worker writes its part; returns what
+        the manifest says of it."""
         from hlopar.runtime.checkpoint import CheckpointError, write_part
 
-        if not self.last or any(x.is_deleted() for x in self.last):
-            raise CheckpointError("the last step's results were donated or deleted: nothing whole to save")
-        part = write_part(directory, self.name, {f"r{r}": np.asarray(x) for r, x in enumerate(self.last)}, record)
+        values = self.last if values is None else values
+        if not values or any(x.is_deleted() for x in values):
+            raise CheckpointError("the step's results were donated or deleted: nothing whole to save")
+        part = write_part(directory, self.name, {f"r{r}": np.asarray(x) for r, x in enumerate(values)}, record)
         return {"results": {r: self.mesh for r in range(len(self.program.results))}, "workers": self.worker_meshes(),
                 "parts": {self.name: part}}
+
+    def save_start(self, directory: str | Path, record: Mapping):
+        """`save` in a thread (`parallelize(checkpoint_every=...)`): the host copies start
+        now (`copy_to_host_async`, not waited for) and the call returns; the function
+        returned waits for the thread and returns what `save` returns (or raises its error).
+        Results donated to a later call before the thread read them fail the save."""
+        values = list(self.last)
+        for x in values:
+            x.copy_to_host_async()
+        answer: dict = {}
+
+        def write():
+            try:
+                answer["written"] = self.save(directory, record, values)
+            except Exception as error:  # noqa: BLE001 - raised by `finish`
+                answer["error"] = error
+
+        thread = threading.Thread(target=write, name="hlopar-save", daemon=True)
+        thread.start()
+
+        def finish() -> dict:
+            thread.join()
+            if "error" in answer:
+                raise answer["error"]
+            return answer["written"]
+
+        return finish
 
     def worker_meshes(self) -> dict[str, str]:
         """The one part of a save, as the plan's Ray worker names it."""
         return {self.name: self.mesh}
 
-    def load(self, directory: str | Path) -> list[jax.Array]:
+    def load(self, directory: str | Path, keys: Sequence[str] = ()) -> list[jax.Array]:
         """What `save` wrote (here or by a Ray worker of the plan; checked by the caller,
         `checkpoint.read_manifest`), laid out as the executable makes it, as the results of
         a new step."""
         from hlopar.runtime.checkpoint import load_part
 
-        data = load_part(Path(directory) / f"{self.name}.npz")
+        item = Path(directory) / self.name
+        data = load_part(item if item.is_dir() else Path(directory) / f"{self.name}.npz", keys)
         self.last = [jax.device_put(data[f"r{r}"], sharding)
                      for r, sharding in enumerate(self.executable.output_shardings)]
         self.step_id += 1

@@ -54,6 +54,7 @@ The driver's waits look every second at whether the local cluster died under the
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -430,20 +431,21 @@ class MeshWorker:
 
     # -- saving the state
 
-    def save(self, directory: str, record: Mapping) -> dict:
-        """Writes the results this worker keeps (its shards of the training state) to
-        `directory/<worker>.npz` (`checkpoint.write_part`): whole, or per device where the
-        mesh spans hosts. Returns the part's description, or `{"error": ...}`: a failed save
-        is the driver's to report, never a failed worker (its state stays)."""
+    def save(self, directory: str, record: Mapping, values: Mapping | None = None) -> dict:
+        """Writes the results this worker keeps (its shards of the training state) as its
+        part in `directory` (`checkpoint.write_part`: `<worker>.npz`, or an Orbax item):
+        whole, or per device where the mesh spans hosts. Returns the part's description, or
+        `{"error": ...}`: a failed save is the driver's to report, never a failed worker
+        (its state stays). `values`: the results to write (default: the last step's)."""
         from hlopar.runtime import checkpoint
 
         try:
             arrays = {}
             for r in self.wp.results:
-                value = self.kept.get((self.last, r))
+                value = self.kept.get((self.last, r)) if values is None else values[r]
                 if value is None:
-                    raise checkpoint.CheckpointError(f"result {r} of the last step ({self.last}) is no longer kept "
-                                                     "(donated, or dropped)")
+                    raise checkpoint.CheckpointError(f"result {r} of the step saved is no longer kept (donated, "
+                                                     "or dropped)")
                 if getattr(value, "is_fully_addressable", True):
                     arrays[f"r{r}"] = np.asarray(value)
                     continue
@@ -454,16 +456,47 @@ class MeshWorker:
         except Exception as error:  # noqa: BLE001 - reported by the driver, the worker goes on
             return {"error": f"{type(error).__name__}: {error}"}
 
-    def load(self, directory: str, step: int, returned: Collection[int] = (), copied: Collection[int] = ()) -> dict:
-        """Reads back what `save` wrote (the driver has checked it, `checkpoint.read_manifest`)
-        and keeps it as the results of `step`; returns those of `returned` and `copied` (as
-        `run_step`) under "results", or `{"error": ...}` with nothing changed."""
+    def save_start(self, directory: str, record: Mapping) -> None:
+        """`save`, in a thread of its own (`parallelize(checkpoint_every=...)`): the steps go
+        on while it writes; `save_poll` gives its answer."""
+        values = {r: self.kept.get((self.last, r)) for r in self.wp.results}  # this step's, whatever comes next
+        saves = self.__dict__.setdefault("saves", {})
+        saves[record["save"]] = None
+
+        def write():
+            # The step's thread takes the GIL back after each executable it runs: with a save
+            # writing Python-heavy (Orbax's asyncio) in this thread, it would wait up to the
+            # switch interval each time (5 ms); 0.5 ms while a save is written.
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(interval, 0.0005))
+            try:
+                saves[record["save"]] = self.save(directory, record, values)
+            finally:
+                sys.setswitchinterval(interval)
+
+        threading.Thread(target=write, name=f"hlopar-save-{self.name}", daemon=True).start()
+
+    def save_poll(self, save: str) -> dict | None:
+        """The answer of the `save_start` of `save` (as `save`'s), or None while it writes."""
+        saves = self.__dict__.setdefault("saves", {})
+        answer = saves.get(save)
+        if answer is not None:
+            del saves[save]
+        return answer
+
+    def load(self, directory: str, step: int, returned: Collection[int] = (), copied: Collection[int] = (),
+             keys: Sequence[str] = ()) -> dict:
+        """Reads back what `save` wrote (the driver has checked it, `checkpoint.read_manifest`;
+        `keys`: an Orbax save's, per result) and keeps it as the results of `step`; returns
+        those of `returned` and `copied` (as `run_step`) under "results", or `{"error": ...}`
+        with nothing changed."""
         import jax
 
         from hlopar.runtime import checkpoint
 
         try:
-            data = checkpoint.load_part(Path(directory) / f"{self.name}.npz")
+            item = Path(directory) / self.name
+            data = checkpoint.load_part(item if item.is_dir() else Path(directory) / f"{self.name}.npz", keys)
             carry = {}
             for r in self.wp.results:
                 if f"r{r}" in data:
@@ -952,8 +985,10 @@ class RayRuntime:
     def fetch_start(self, generation: int, step: int, results: Sequence[int]) -> tuple:
         """Asks the workers that keep them for results of `step` (not waited for)."""
         if not self.holds(generation):
+            hint = getattr(self, "resume_hint", None)
             raise RuntimeError("its workers were stopped (after a failure, or closed), and what they held with "
-                               "them; a value read before is kept, the state can be restored from a save")
+                               "them; a value read before is kept, the state can be restored from a save" +
+                               (f" ({hint})" if hint else ""))
         return tuple({w.name: self.actors[w.name].result.remote(step, r)
                       for w in self.layout.of_mesh(self.result_mesh(r))} for r in results)
 
@@ -1036,10 +1071,49 @@ class RayRuntime:
         """Each worker writes its part into `directory` (a save's staging directory,
         `checkpoint.save`); returns what the manifest says of them. A worker that could not
         write its part raises `CheckpointError`, the workers still running."""
-        from hlopar.runtime.checkpoint import CheckpointError
-
         answers = self._gather({n: a.save.remote(str(directory), dict(record)) for n, a in self.actors.items()},
                                "save")
+        return self._saved(answers)
+
+    def save_start(self, directory: str | Path, record: Mapping):
+        """`save` in the background (`parallelize(checkpoint_every=...)`): each worker starts
+        writing the last step's results in a thread of its own and the call returns; the
+        function returned waits for them (polling, so that a lone worker, whose calls run one
+        at a time, is never held up) and returns what `save` returns."""
+        import ray
+
+        generation = self.generation
+        self._gather({n: a.save_start.remote(str(directory), dict(record)) for n, a in self.actors.items()}, "save")
+        actors = dict(self.actors)
+
+        def finish(poll_s: float = 0.25) -> dict:
+            from hlopar.runtime.checkpoint import CheckpointError
+
+            answers: dict[str, dict] = {}
+            deadline = time.monotonic() + self.timeout
+            while len(answers) < len(actors):
+                if self.generation != generation or not self.alive:
+                    raise CheckpointError("the workers stopped before their parts were written", workers_lost=True)
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"the workers did not write their parts within {self.timeout:g} s")
+                for n, a in actors.items():
+                    if n not in answers:
+                        try:
+                            answer = ray.get(a.save_poll.remote(record["save"]), timeout=self.timeout)
+                        except ray.exceptions.RayError as error:
+                            raise CheckpointError(f"the worker of {self._who(n)} did not answer "
+                                                  f"({type(error).__name__})", workers_lost=True) from None
+                        if answer is not None:
+                            answers[n] = answer
+                if len(answers) < len(actors):
+                    time.sleep(poll_s)
+            return self._saved(answers)
+
+        return finish
+
+    def _saved(self, answers: Mapping[str, dict]) -> dict:
+        from hlopar.runtime.checkpoint import CheckpointError
+
         failed = [f"the worker of {self._who(n)} could not write its part: {a['error']}" for n, a in answers.items()
                   if "error" in a]
         if failed:
@@ -1051,14 +1125,14 @@ class RayRuntime:
         """Each worker's mesh, by worker name (the parts of a save)."""
         return {n: s.mesh for n, s in self.layout.slots.items()}
 
-    def load(self, directory: str | Path) -> tuple[int, dict[int, np.ndarray]]:
+    def load(self, directory: str | Path, keys: Sequence[str] = ()) -> tuple[int, dict[int, np.ndarray]]:
         """Each worker reads back its part (checked by the caller, `checkpoint.read_manifest`)
         as the results of a new step; returns as `run`. If a worker cannot, the others undo
         theirs and `CheckpointError` says why: the state is as it was."""
         from hlopar.runtime.checkpoint import CheckpointError
 
         step = self.step_id + 1
-        loaded = self._gather({n: a.load.remote(str(directory), step, self.returned, self.copied)
+        loaded = self._gather({n: a.load.remote(str(directory), step, self.returned, self.copied, tuple(keys))
                                for n, a in self.actors.items()}, "restore")
         failed = [f"the worker of {self._who(n)} could not read its part: {a['error']}" for n, a in loaded.items()
                   if "error" in a]

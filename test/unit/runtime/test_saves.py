@@ -1,5 +1,6 @@
-"""Saves cost nothing when they fail, and restores check before they touch anything (issue 25,
-items 1 and 2; `runtime/checkpoint.py`).
+"""Saves cost nothing when they fail, restores check before they touch anything, and saves
+in Orbax's format read in plain Orbax and back (issue 25, items 1 to 3; `runtime/checkpoint.py`,
+`runtime/orbax_format.py`).
 
 A save that fails (a read-only directory, a path under a file, a worker's part failing
 half-way, over an earlier save) raises `CheckpointError` naming the path and the cause; the
@@ -10,6 +11,12 @@ restore from a save with a part truncated, emptied, bit-flipped, deleted, of the
 shape, from a later save of the plan or from another plan's save, or a manifest that is not
 JSON or of another plan, raises naming the file and what is wrong, and the live state
 stays.
+
+`save(format="orbax")` writes an Orbax item per worker that plain Orbax restores into
+arrays equal to the live state (and `jax.jit` on one device steps on); a checkpoint plain
+Orbax wrote of the step's outputs restores into hlopar. `checkpoint_every` saves in the
+background; on Ray, after a worker dies, the next call names the checkpoint to resume from,
+and restoring it resumes.
 
 Both runtimes: the zoo's tiny MLP run in this process ("shard" on one host of 8 devices)
 and on Ray as a pipeline of two workers (2 hosts x 4 devices, one worker per mesh); one
@@ -288,3 +295,98 @@ def test_a_bad_save_is_refused_before_anything_is_restored(trained, tmp_path, co
     assert trained.parallel.runtime.step_id == step_id
     trained.check_live()
     trained.check_saved()
+
+
+# --------------------------------------------------------------------------- Orbax's format
+
+
+def test_an_orbax_save_reads_in_plain_orbax_and_back(trained, tmp_path):
+    """`save(format="orbax")`: an Orbax item per worker, which plain Orbax restores into host
+    arrays equal to the live state, from which plain `jax.jit` on one device steps as the
+    parallel step does; hlopar restores it too. And back: a checkpoint plain Orbax wrote of
+    the step's output pytree from single-device arrays restores into hlopar. A damaged item
+    is refused as a damaged part is."""
+    import orbax.checkpoint as ocp
+
+    target = trained.parallel.save(tmp_path / "orbax", format="orbax")
+    items = sorted(p for p in target.iterdir() if p.is_dir())
+    assert [p.name for p in items] == sorted(trained.parallel.runtime.worker_meshes())
+    checkpointer = ocp.StandardCheckpointer()
+    flat = {}
+    for item in items:
+        flat.update(checkpointer.restore(item))
+    live = jax.device_get(trained.live)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(live)
+    assert sorted(flat) == sorted(jax.tree_util.keystr(path) for path, _ in leaves)
+    state = jax.tree_util.tree_unflatten(treedef, [jax.device_put(flat[jax.tree_util.keystr(path)])
+                                                   for path, _ in leaves])
+    assert_trees_equal(state, live)
+
+    trained.live = trained.parallel.restore(target)  # the same plan: each worker reads its item
+    assert_trees_equal(jax.device_get(trained.live), live)
+
+    reference = trained.step.jitted_step(state[0], state[1], trained.batch)  # plain jax.jit, one device
+    checkpointer.save(tmp_path / "plain", reference)
+    checkpointer.wait_until_finished()
+    back = trained.parallel.restore(tmp_path / "plain")
+    assert all(x.sharding.device_set == {jax.local_devices()[0]} for x in jax.tree_util.tree_leaves(back))
+    assert_trees_equal(jax.device_get(back), jax.device_get(reference))
+    trained.live = back
+    trained.check_live()
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(target, damaged)
+    flip(max((p for p in (damaged / items[-1].name).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size))
+    with pytest.raises(CheckpointError, match=rf"{items[-1].name}: damaged: its SHA-256 is not the one the manifest"):
+        trained.parallel.restore(damaged)
+    trained.check_live()
+
+
+@pytest.mark.filterwarnings("ignore:checkpoint_every. cannot save")  # the save begun when the worker dies
+def test_checkpoint_every_and_resuming_after_a_worker_dies(trained, tmp_path):
+    """`checkpoint_every=2`: saves in Orbax's format in the background after calls 2, 4, ...
+    (the last two kept), each equal to its call's results. On Ray, after a worker dies, the
+    call that passes the lost state says which checkpoint resumes it, and restoring it gives
+    the state to go on from, equal to single-device JAX's."""
+    step, batch = trained.step, trained.batch
+    options = dict(cluster=ONE_HOST, method="shard", runtime="process") if not isinstance(
+        trained.parallel.runtime, hlopar.api.RayRuntime) else dict(cluster=TWO_HOSTS, num_microbatches=2,
+                                                                    schedule="1f1b", runtime="ray")
+    directory = tmp_path / "checkpoints"
+    parallel = hlopar.parallelize(step.step, batch_argnums=(2,), verbose=False, checkpoint_every=2,
+                                  checkpoint_dir=directory, **options)
+    try:
+        state, outputs = jax.device_get(trained.first[:2]), {}
+        for call in range(1, 6):
+            out = parallel(*state, batch)
+            outputs[call] = jax.device_get(out)
+            state = out[:2]
+            if call % 2 == 0:
+                assert parallel.wait_for_checkpoint() == directory / str(call)
+        assert sorted(p.name for p in directory.iterdir()) == ["2", "4"]
+        assert_trees_equal(jax.device_get(parallel.restore(directory / "4")), outputs[4])
+        runtime = parallel.runtime
+        if not isinstance(runtime, hlopar.api.RayRuntime):
+            return
+        import os
+        import signal
+
+        state = parallel(*state, batch)[:2]  # call 6: its save is begun; the worker dies at once
+        os.kill(runtime.worker_pids()["m0"], signal.SIGKILL)
+        with pytest.raises(hlopar.WorkerError, match="died"):
+            for _ in range(3):
+                state = parallel(*state, batch)[:2]
+        latest = parallel.wait_for_checkpoint()
+        assert latest in (directory / "4", directory / "6")
+        with pytest.raises(RuntimeError, match=rf"the last checkpoint is {latest} \(saved after call "
+                                               rf"{latest.name}\): restore\('{latest}'\) resumes there"):
+            parallel(*state, batch)
+        resumed = parallel.restore(latest)
+        if latest.name == "4":
+            assert_trees_equal(jax.device_get(resumed), outputs[4])
+        out = parallel(resumed[0], resumed[1], batch)
+        from_state = jax.device_get(resumed[:2])
+        assert_step_close(jax.tree_util.tree_leaves(out), step.jitted_step(*from_state, batch), from_state[0],
+                          rtol=RTOL, update_max_rtol=UPDATE_MAX_RTOL)
+    finally:
+        parallel.close()
