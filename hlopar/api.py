@@ -75,7 +75,9 @@ new cluster); the next call starts fresh workers and sends
 the arguments again (results the dead workers held are lost unless read before; `restore`
 brings back a save). `save(dir)` / `restore(dir)`: each worker writes / reads back its shards
 of the last step's results (the training state); a save is committed by a rename once every
-part is written and checked, a restore checks the whole save first (`runtime.checkpoint`).
+part is written and checked, a restore checks the whole save first (`runtime.checkpoint`);
+`save(dir, format="orbax")` writes Orbax items that plain Orbax reads (`runtime.orbax_format`),
+and `parallelize(checkpoint_every=N, checkpoint_dir=...)` saves every N calls in the background.
 
 Workers: each asks Ray for its GPUs and a hundredth of a core (`ray_runtime.WORKER_CPUS`), so
 several parallelized functions live in one process. `close()` (also `with parallelize(...) as
@@ -808,8 +810,11 @@ class ParallelizedFunction:
     def close(self) -> None:
         """Stops the workers (every signature's) and frees what they held in Ray (their
         placement groups); the next call starts them again (the plans stay). Also at the end
-        of a `with` block and when the function is garbage-collected."""
+        of a `with` block and when the function is garbage-collected. A `checkpoint_every`
+        save being written is waited for first."""
         with self._lock:
+            if self._saves is not None:
+                self._saves.wait()
             _close_all(self._signatures)
 
     shutdown = close  # the earlier name
