@@ -303,7 +303,8 @@ def test_a_bad_save_is_refused_before_anything_is_restored(trained, tmp_path, co
 def test_an_orbax_save_reads_in_plain_orbax_and_back(trained, tmp_path):
     """`save(format="orbax")`: an Orbax item per worker, which plain Orbax restores into host
     arrays equal to the live state, from which plain `jax.jit` on one device steps as the
-    parallel step does; hlopar restores it too. And back: a checkpoint plain Orbax wrote of
+    parallel step does; hlopar restores it too, into its workers, and as another plan's save
+    (joined in the driver, single-device arrays). And back: a checkpoint plain Orbax wrote of
     the step's output pytree from single-device arrays restores into hlopar. A damaged item
     is refused as a damaged part is."""
     import orbax.checkpoint as ocp
@@ -324,6 +325,13 @@ def test_an_orbax_save_reads_in_plain_orbax_and_back(trained, tmp_path):
 
     trained.live = trained.parallel.restore(target)  # the same plan: each worker reads its item
     assert_trees_equal(jax.device_get(trained.live), live)
+    other = tmp_path / "other-plan"  # as saved by another plan: its items joined here, on one device
+    shutil.copytree(target, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps({**manifest, "plan": "another"}))
+    joined = trained.parallel.restore(other)
+    assert all(x.sharding.device_set == {jax.local_devices()[0]} for x in jax.tree_util.tree_leaves(joined))
+    assert_trees_equal(jax.device_get(joined), live)
 
     reference = trained.step.jitted_step(state[0], state[1], trained.batch)  # plain jax.jit, one device
     checkpointer.save(tmp_path / "plain", reference)
