@@ -919,7 +919,7 @@ class ParallelizedFunction:
         def job() -> Path:
             with pending.failing():
                 written = finish()
-            return pending.commit(written, shapes)
+            return pending.commit(written, shapes, recheck=False)  # the CPU it takes is the steps'; sizes checked
 
         saves.run(job, on_commit=hint)
 
