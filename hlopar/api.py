@@ -533,6 +533,7 @@ class ParallelizedFunction:
         self._lock = threading.RLock()  # one call at a time (class docstring)
         self._signatures: OrderedDict[tuple, _Compiled] = OrderedDict()  # least recently called first
         self._compiled: _Compiled | None = None  # the signature of the last call (or `compile`)
+        self._last_run: _Compiled | None = None  # the signature whose results the last call (or restore) gave
         # Collecting this function stops its workers (at exit Ray's disconnection ends them anyway).
         self._release = weakref.finalize(self, _close_all, self._signatures)
         self._release.atexit = False
@@ -717,6 +718,7 @@ class ParallelizedFunction:
     def __call__(self, *args):
         with self._lock:
             out = self._call(args)
+            self._last_run = self._compiled
             if self._saves is not None:
                 self._save_every()
             return out
@@ -870,8 +872,11 @@ class ParallelizedFunction:
             self._restart()
         keys = manifest.get("keys", ())
         if not isinstance(compiled.runtime, RayRuntime):
-            return self._local_results(compiled, compiled.runtime.load(directory, keys))
-        return self._results(compiled, *compiled.runtime.load(directory, keys))
+            restored = self._local_results(compiled, compiled.runtime.load(directory, keys))
+        else:
+            restored = self._results(compiled, *compiled.runtime.load(directory, keys))
+        self._last_run = compiled
+        return restored
 
     def _restore_here(self, compiled: _Compiled, directory: Path, items: Sequence[str]):
         """An Orbax checkpoint read in this process (`restore`): fn's output pytree of
@@ -896,7 +901,7 @@ class ParallelizedFunction:
         (`checkpoint.PeriodicSaves`), unless the one before is still being written."""
         from hlopar.runtime import checkpoint
 
-        compiled, saves = self._compiled, self._saves
+        compiled, saves = self._last_run, self._saves
         due = saves.due()
         if due is None:
             return
@@ -929,12 +934,15 @@ class ParallelizedFunction:
         return self._saves.wait(timeout) if self._saves is not None else None
 
     def _require_run(self) -> _Compiled:
-        if self._compiled is not None and not self._compiled.runtime.alive and self._compiled.runtime.step_id:
+        """The signature whose results the last call (or `restore`) gave: what `save` saves,
+        whatever signature `compile` was called for since."""
+        compiled = self._last_run
+        if compiled is not None and not compiled.runtime.alive and compiled.runtime.step_id:
             raise RuntimeError("nothing to save: the workers were stopped (after a failure, or closed), and the "
                                "state they held with them")
-        if self._compiled is None or not self._compiled.runtime.alive or self._compiled.runtime.step_id == 0:
+        if compiled is None or not compiled.runtime.alive or compiled.runtime.step_id == 0:
             raise RuntimeError("nothing to save: the workers have not run a step")
-        return self._compiled
+        return compiled
 
 
 def _leaf_shapes(compiled: _Compiled) -> list[tuple[tuple[int, ...], str]]:

@@ -783,7 +783,6 @@ class RayRuntime:
 
         return bool(self.actors) and self.connection == local_ray.connection() and local_ray.lost() is None
 
-
     def result_mesh(self, r: int) -> str:
         return self.program.values[self.program.results[r]].mesh
 

@@ -138,9 +138,10 @@ def test_new_signatures_keep_the_state_on_ray(ray_cluster, mlp):
     assert not runtime.alive and not partial_runtime.alive
 
 
-def test_new_signatures_in_process(mlp):
+def test_new_signatures_in_process(mlp, tmp_path):
     """The same in this process: a jax error at lowering leaves the compiled step, a partial
-    or bf16 batch compiles its own, and a signature seen before is not compiled again."""
+    or bf16 batch compiles its own, and a signature seen before is not compiled again. `save`
+    saves the last call's results, also after `compile` for another signature."""
     step, params, state = mlp
     full, partial, half = batch(16), batch(8, seed=2), batch(16, jnp.bfloat16, seed=4)
     parallel = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", batch_argnums=(2,),
@@ -160,6 +161,13 @@ def test_new_signatures_in_process(mlp):
             out = parallel(out[0], out[1], data)
             check(out, reference.next(data))
         assert parallel.runtime is runtime and runtime.executable is executable
+        parallel.compile(out[0], out[1], partial)  # another signature, not called
+        parallel.save(tmp_path / "last")
+        parallel(out[0], out[1], full)
+        restored = parallel.restore(tmp_path / "last")
+        assert jax.tree_util.tree_structure(restored) == jax.tree_util.tree_structure(out)
+        for got, want in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(out), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_calls_from_several_threads_are_serialized(ray_cluster, mlp):
