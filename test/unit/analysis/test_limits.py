@@ -52,7 +52,6 @@ def test_logical_mesh_count_is_what_stage_construction_enumerates():
 @pytest.mark.parametrize("shape, message", [
     ((100000, 100000), "a mesh of 100000x100000 = 10,000,000,000 devices is more than 1,024"),
     ((2, 0), "mesh sizes are positive integers, got 2x0"),
-    ((2, 2, 2, 2, 2), "a mesh of 2x2x2x2x2 has 5 axes of size above 1, more than 4"),
     ((), "a mesh has at least one axis"),
 ])
 def test_mesh_shapes_refused(shape, message):
@@ -60,7 +59,7 @@ def test_mesh_shapes_refused(shape, message):
         check_mesh_shape(shape)
     check_mesh_shape((2, 4))
     check_mesh_shape((MAX_DEVICES,))
-    check_mesh_shape((2, 2, 2, 2, 1, 1))  # axes of size 1 split nothing
+    check_mesh_shape((2,) * 7)  # Shardy's tests' meshes: past 4 axes a factor gets one axis
 
 
 def test_counts_numbers_and_seconds():
