@@ -50,8 +50,14 @@ def main() -> int:
     params = model.init(jax.random.PRNGKey(0))
     state = model.init_opt_state(params)
     batch = model.make_batch(jax.random.PRNGKey(1))
-    step = hlopar.parallelize(model.step, cluster=cluster, num_microbatches=args.microbatches,
-                              schedule=args.schedule, method=args.method, batch_argnums=(2,))
+    step = hlopar.parallelize(
+        model.step,
+        cluster=cluster,
+        num_microbatches=args.microbatches,
+        schedule=args.schedule,
+        method=args.method,
+        batch_argnums=(2,),
+    )
     p, s, rp, rs = params, state, params, state
     for k in range(args.steps):
         clock = time.perf_counter()
@@ -62,8 +68,10 @@ def main() -> int:
             print(f"{'step':>4} {'hlopar loss':>14} {'jax loss':>14} {'rel. diff':>10} {'time':>9}", flush=True)
         rp, rs, reference = model.jitted_step(rp, rs, batch)
         diff = abs(value - float(reference)) / max(abs(float(reference)), 1e-30)
-        print(f"{k:4d} {value:14.8f} {float(reference):14.8f} {diff:10.2e} {seconds * 1e3:7.1f} ms"
-              + ("  (the first call: lower, plan, start workers or compile here)" if k == 0 else ""))
+        print(
+            f"{k:4d} {value:14.8f} {float(reference):14.8f} {diff:10.2e} {seconds * 1e3:7.1f} ms"
+            + ("  (the first call: lower, plan, start workers or compile here)" if k == 0 else "")
+        )
     step.shutdown()
     return 0
 

@@ -116,8 +116,15 @@ from hlopar.progress import Progress
 from hlopar.runtime.ray_runtime import RayRuntime, WorkerError
 from hlopar.runtime.remote_array import RemoteArray, is_key, jax_value, key_impl, read_all, with_step
 
-__all__ = ["Cluster", "HloparWarning", "ParallelizedFunction", "PlannedStep", "PlanningError", "parallelize",
-           "plan_step"]
+__all__ = [
+    "Cluster",
+    "HloparWarning",
+    "ParallelizedFunction",
+    "PlannedStep",
+    "PlanningError",
+    "parallelize",
+    "plan_step",
+]
 
 METHODS = ("auto", "shard", "pipeline")
 SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
@@ -159,12 +166,18 @@ class Cluster:
         if self.device_kind not in (None, "cpu", "gpu"):
             raise ValueError(f"Cluster device_kind must be 'cpu', 'gpu' or None, got {self.device_kind!r}")
         if self.preset is not None and self.preset not in CLUSTER_PRESETS:
-            raise ValueError(f"Cluster preset: unknown preset {self.preset!r}; known presets: "
-                             f"{', '.join(CLUSTER_PRESETS)}")
+            raise ValueError(
+                f"Cluster preset: unknown preset {self.preset!r}; known presets: {', '.join(CLUSTER_PRESETS)}"
+            )
 
     @classmethod
-    def local(cls, num_hosts: int = 1, devices_per_host: int | None = None,
-              device_kind: Literal["cpu", "gpu"] | None = None, preset: str | None = None) -> Cluster:
+    def local(
+        cls,
+        num_hosts: int = 1,
+        devices_per_host: int | None = None,
+        device_kind: Literal["cpu", "gpu"] | None = None,
+        preset: str | None = None,
+    ) -> Cluster:
         """This machine: by default one host with all the local devices jax sees."""
         _check_argument("Cluster num_hosts", check_cluster_dimension, num_hosts)
         kind = device_kind or ("gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu")
@@ -180,22 +193,37 @@ class Cluster:
         """Every field set (connects to Ray for a remote cluster's nodes)."""
         if self.is_local:
             local = Cluster.local(self.num_hosts or 1, self.devices_per_host, self.device_kind, self.preset)
-            return Cluster(None, local.num_hosts, local.devices_per_host, local.device_kind,
-                           local.preset or ("cpu" if local.device_kind == "cpu" else "v100-p3.16xlarge"))
+            return Cluster(
+                None,
+                local.num_hosts,
+                local.devices_per_host,
+                local.device_kind,
+                local.preset or ("cpu" if local.device_kind == "cpu" else "v100-p3.16xlarge"),
+            )
         import ray
 
         _connect(self)
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         gpus = min((n["Resources"].get("GPU", 0) for n in nodes), default=0)
         kind = self.device_kind or ("gpu" if gpus else "cpu")
-        per_host = self.devices_per_host or int(gpus if kind == "gpu" else min(n["Resources"].get("CPU", 1)
-                                                                                 for n in nodes))
-        return Cluster(self.address, self.num_hosts or len(nodes), per_host, kind,
-                       self.preset or ("cpu" if kind == "cpu" else "v100-p3.16xlarge"))
+        per_host = self.devices_per_host or int(
+            gpus if kind == "gpu" else min(n["Resources"].get("CPU", 1) for n in nodes)
+        )
+        return Cluster(
+            self.address,
+            self.num_hosts or len(nodes),
+            per_host,
+            kind,
+            self.preset or ("cpu" if kind == "cpu" else "v100-p3.16xlarge"),
+        )
 
     def key(self) -> dict:
-        return {"hosts": self.num_hosts, "devices_per_host": self.devices_per_host, "kind": self.device_kind,
-                "preset": self.preset}
+        return {
+            "hosts": self.num_hosts,
+            "devices_per_host": self.devices_per_host,
+            "kind": self.device_kind,
+            "preset": self.preset,
+        }
 
 
 def _check_argument(name: str, check: Callable[[Any], None], value: Any) -> None:
@@ -255,10 +283,21 @@ def _cache_root() -> Path:
     return Path(os.environ.get("HLOPAR_CACHE_DIR") or Path.home() / ".cache" / "hlopar")
 
 
-def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = None, schedule: str = "eager-1f1b",
-              method: str = "auto", batch_args: Sequence[int] | None = None, rng: str = "exact",
-              remat: str = "auto", stage_loops: bool = False, cache: bool = True,
-              log: Callable[[str], None] = lambda message: None, host_callbacks: bool = False) -> PlannedStep:
+def plan_step(
+    text: str,
+    cluster: Cluster,
+    *,
+    num_microbatches: int | None = None,
+    schedule: str = "eager-1f1b",
+    method: str = "auto",
+    batch_args: Sequence[int] | None = None,
+    rng: str = "exact",
+    remat: str = "auto",
+    stage_loops: bool = False,
+    cache: bool = True,
+    log: Callable[[str], None] = lambda message: None,
+    host_callbacks: bool = False,
+) -> PlannedStep:
     """Plans a training step's StableHLO text for a (resolved) cluster and writes its bundle,
     or reads the cached one. Module docstring. `host_callbacks`: the caller runs a plan of one
     mesh and one microbatch in this process, host callbacks included (`pipeline_program`)."""
@@ -279,19 +318,36 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
     chosen = num_microbatches is None  # hlopar's choice, not the user's: it may fall back to 1
     if chosen:
         num_microbatches = 1 if method == "shard" else _default_microbatches(module, batch_args, cluster)
-    options = {"microbatches": num_microbatches, "chosen": chosen, "schedule": schedule, "method": method,
-               "batch_args": list(step_batch_args) if step_batch_args is not None else None, "rng": rng,
-               "remat": remat, "stage_loops": stage_loops}
+    options = {
+        "microbatches": num_microbatches,
+        "chosen": chosen,
+        "schedule": schedule,
+        "method": method,
+        "batch_args": list(step_batch_args) if step_batch_args is not None else None,
+        "rng": rng,
+        "remat": remat,
+        "stage_loops": stage_loops,
+    }
     if find_host_callbacks(module):  # a plan that may hold them, apart: a refusal is made afresh, at the user's line
         options["host_callbacks"] = host_callbacks
-    key = hashlib.sha256(json.dumps({"version": CACHE_VERSION, "jax": jax.__version__, "text": text,
-                                     "cluster": cluster.key(), "options": options},
-                                    sort_keys=True).encode()).hexdigest()[:24]
+    key = hashlib.sha256(
+        json.dumps(
+            {
+                "version": CACHE_VERSION,
+                "jax": jax.__version__,
+                "text": text,
+                "cluster": cluster.key(),
+                "options": options,
+            },
+            sort_keys=True,
+        ).encode()
+    ).hexdigest()[:24]
     bundle = _cache_root() / "plans" / key
     if cache and (bundle / "pipeline.json").is_file() and (bundle / "program.mlir").is_file():
         try:
-            program = pipeline_program(parse_module((bundle / "program.mlir").read_text()), split_backward=split,
-                                       host_callbacks=host_callbacks)
+            program = pipeline_program(
+                parse_module((bundle / "program.mlir").read_text()), split_backward=split, host_callbacks=host_callbacks
+            )
         except ProgramError as error:
             raise DiagnosticError([error_at(error.location, str(error))]) from None
         plan = json.loads((bundle / "plan.json").read_text())
@@ -299,8 +355,9 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
         return PlannedStep(program, bundle, plan, True, time.perf_counter() - clock)
 
     try:
-        plan = _plan_module(module, cluster, num_microbatches, schedule, method, batch_args, rng, remat, stage_loops,
-                            context)
+        plan = _plan_module(
+            module, cluster, num_microbatches, schedule, method, batch_args, rng, remat, stage_loops, context
+        )
     except DiagnosticError as error:
         refusal = next((d for d in error.diagnostics if d.message.startswith("hlopar-split-microbatches:")), None)
         if not chosen or num_microbatches == 1 or refusal is None:
@@ -309,9 +366,17 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
         # beats a refusal (said as a warning, with what the split would have needed).
         module, context, pieces, batch_args = _imported(text, method, step_batch_args)
         plan = _plan_module(module, cluster, 1, schedule, method, batch_args, rng, remat, stage_loops, context)
-        plan["warnings"].insert(0, replace(refusal, severity="warning", message=(
-            f"{refusal.message}; so the step is not split into the {num_microbatches} microbatches hlopar would "
-            "have chosen: planned with one microbatch (num_microbatches=1)")).format())
+        plan["warnings"].insert(
+            0,
+            replace(
+                refusal,
+                severity="warning",
+                message=(
+                    f"{refusal.message}; so the step is not split into the {num_microbatches} microbatches hlopar would "
+                    "have chosen: planned with one microbatch (num_microbatches=1)"
+                ),
+            ).format(),
+        )
         num_microbatches = 1
     if chosen and num_microbatches > 1 and len((plan.get("stages") or {}).get("stages", ())) == 1:
         # One stage gains nothing from microbatches hlopar chose, only launches (each fragment
@@ -319,8 +384,9 @@ def plan_step(text: str, cluster: Cluster, *, num_microbatches: int | None = Non
         # one, kept if it is still one stage (where the memory needs the microbatches, it is not).
         single = _imported(text, method, step_batch_args)
         try:
-            single_plan = _plan_module(single[0], cluster, 1, schedule, method, single[3], rng, remat, stage_loops,
-                                       single[1])
+            single_plan = _plan_module(
+                single[0], cluster, 1, schedule, method, single[3], rng, remat, stage_loops, single[1]
+            )
         except DiagnosticError:
             single_plan = None
         if single_plan is not None and len(single_plan["stages"]["stages"]) == 1:
@@ -369,8 +435,18 @@ def _imported(text: str, method: str, batch_args: Sequence[int] | None):
     return module, context, pieces, batch_args
 
 
-def _plan_module(module, cluster: Cluster, microbatches: int, schedule: str, method: str,
-                 batch_args: Sequence[int] | None, rng: str, remat: str, stage_loops: bool, context) -> dict:
+def _plan_module(
+    module,
+    cluster: Cluster,
+    microbatches: int,
+    schedule: str,
+    method: str,
+    batch_args: Sequence[int] | None,
+    rng: str,
+    remat: str,
+    stage_loops: bool,
+    context,
+) -> dict:
     """Runs the planning passes on an imported module; returns the plan report
     (`hlopar-auto-parallel`'s shape: split, clustering, stages, cross_mesh) with the passes'
     warnings (`warnings`: formatted diagnostics, also those of `context`'s earlier passes)."""
@@ -385,22 +461,33 @@ def _plan_module(module, cluster: Cluster, microbatches: int, schedule: str, met
 
     with tempfile.TemporaryDirectory(prefix="hlopar-plan-") as scratch:
         paths = {k: str(Path(scratch) / f"{k}.json") for k in ("split", "clustering", "stages", "reroll", "cross_mesh")}
-        SplitMicrobatchesPass(microbatches=microbatches, batch_args=tuple(batch_args) if batch_args is not None
-                              else None, rng=rng, report=paths["split"]).run(module, context)
+        SplitMicrobatchesPass(
+            microbatches=microbatches,
+            batch_args=tuple(batch_args) if batch_args is not None else None,
+            rng=rng,
+            report=paths["split"],
+        ).run(module, context)
         if method == "shard":
             stages = _one_mesh_program(module, cluster, microbatches)
         else:
             ClusterOperatorsPass(report=paths["clustering"]).run(module, context)
-            StageConstructionPass(num_hosts=cluster.num_hosts, devices_per_host=cluster.devices_per_host,
-                                  microbatches=microbatches, schedule=schedule, preset=cluster.preset,
-                                  plan_shardings=method != "pipeline", report=paths["stages"],
-                                  **stage_remat(remat)).run(module, context)
+            StageConstructionPass(
+                num_hosts=cluster.num_hosts,
+                devices_per_host=cluster.devices_per_host,
+                microbatches=microbatches,
+                schedule=schedule,
+                preset=cluster.preset,
+                plan_shardings=method != "pipeline",
+                report=paths["stages"],
+                **stage_remat(remat),
+            ).run(module, context)
             stages = None
         RematerializePass(all=remat == "always").run(module, context)
         if method != "shard" and stage_loops:
             RerollStageLoopsPass(report=paths["reroll"]).run(module, context)
-        CrossMeshReshardingPass(cluster=cluster.preset, devices_per_host=cluster.devices_per_host,
-                                report=paths["cross_mesh"]).run(module, context)
+        CrossMeshReshardingPass(
+            cluster=cluster.preset, devices_per_host=cluster.devices_per_host, report=paths["cross_mesh"]
+        ).run(module, context)
         plan = {"pass": "hlopar.parallelize", "method": method}
         for key, path in paths.items():
             plan[key] = json.loads(Path(path).read_text()) if Path(path).exists() else None
@@ -425,10 +512,17 @@ def _one_mesh_program(module, cluster: Cluster, microbatches: int) -> dict:
     with module.context, ir.Location.unknown():
         graph = FuncGraph.from_func(planned_functions(module)[0])
         layering, _ = ClusterOperatorsPass(layers=1).cluster(graph)
-        write_mpmd_program(module, [0] * len(graph.ops), layering.roles, [StageMesh("m0", ("x", "y"), shape, devices)],
-                           preset=cluster.preset)
-    return {"microbatches": microbatches, "stages": [
-        {"stage": 0, "logical_shape": list(shape), "devices": list(devices), "latency": 0.0}]}
+        write_mpmd_program(
+            module,
+            [0] * len(graph.ops),
+            layering.roles,
+            [StageMesh("m0", ("x", "y"), shape, devices)],
+            preset=cluster.preset,
+        )
+    return {
+        "microbatches": microbatches,
+        "stages": [{"stage": 0, "logical_shape": list(shape), "devices": list(devices), "latency": 0.0}],
+    }
 
 
 def _write_bundle(directory: Path, program, module, plan: dict, schedule: str) -> None:
@@ -489,11 +583,27 @@ class ParallelizedFunction:
     One call at a time: calls (and `compile`, `close`) from several threads are serialized
     by a lock, as one training loop's steps are ordered anyway."""
 
-    def __init__(self, fn: Callable, *, cluster: Cluster | None, num_microbatches: int | None, schedule: str,
-                 batch_argnums, donate_argnums: Sequence[int], method: str, rng: str, timeout: float, cache: bool,
-                 verbose: bool, remat: str | bool = "auto", stage_loops: bool = False, runtime: str = "auto",
-                 checkpoint_every: int | None = None, checkpoint_dir: str | os.PathLike | None = None,
-                 checkpoint_format: str = "orbax"):
+    def __init__(
+        self,
+        fn: Callable,
+        *,
+        cluster: Cluster | None,
+        num_microbatches: int | None,
+        schedule: str,
+        batch_argnums,
+        donate_argnums: Sequence[int],
+        method: str,
+        rng: str,
+        timeout: float,
+        cache: bool,
+        verbose: bool,
+        remat: str | bool = "auto",
+        stage_loops: bool = False,
+        runtime: str = "auto",
+        checkpoint_every: int | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_format: str = "orbax",
+    ):
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
         if schedule not in SCHEDULES:
@@ -510,16 +620,21 @@ class ParallelizedFunction:
         if num_microbatches is not None:
             _check_argument("num_microbatches", lambda n: check_count(n, low=1), num_microbatches)
         _check_argument("timeout", check_seconds, timeout)
-        for name, numbers in (("batch_argnums", () if batch_argnums is ... else batch_argnums),
-                              ("donate_argnums", donate_argnums)):
+        for name, numbers in (
+            ("batch_argnums", () if batch_argnums is ... else batch_argnums),
+            ("donate_argnums", donate_argnums),
+        ):
             for number in (numbers,) if isinstance(numbers, int) else numbers:
                 _check_argument(name, lambda n: check_count(-n if isinstance(n, int) and n < 0 else n), number)
         self.fn = fn
         self.cluster = cluster
         self.num_microbatches = num_microbatches
         self.schedule = schedule
-        self.batch_argnums = batch_argnums if batch_argnums is ... else tuple(
-            (batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums)
+        self.batch_argnums = (
+            batch_argnums
+            if batch_argnums is ...
+            else tuple((batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums)
+        )
         self.donate_argnums = tuple((donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums)
         self.method = method
         self.rng = rng
@@ -538,8 +653,10 @@ class ParallelizedFunction:
         self._release = weakref.finalize(self, _close_all, self._signatures)
         self._release.atexit = False
         if (checkpoint_every is None) != (checkpoint_dir is None):
-            raise ValueError("checkpoint_every and checkpoint_dir go together: a save every checkpoint_every calls "
-                             "into checkpoint_dir/<call>")
+            raise ValueError(
+                "checkpoint_every and checkpoint_dir go together: a save every checkpoint_every calls "
+                "into checkpoint_dir/<call>"
+            )
         if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
             raise ValueError(f"checkpoint_every must be a positive number of calls, got {checkpoint_every!r}")
         if checkpoint_format not in ("orbax", "npz"):
@@ -547,8 +664,13 @@ class ParallelizedFunction:
         self.checkpoint_format = checkpoint_format
         from hlopar.runtime.checkpoint import PeriodicSaves
 
-        self._saves = None if checkpoint_every is None else PeriodicSaves(
-            Path(checkpoint_dir), checkpoint_every, warn=lambda message: warnings.warn(message, HloparWarning))
+        self._saves = (
+            None
+            if checkpoint_every is None
+            else PeriodicSaves(
+                Path(checkpoint_dir), checkpoint_every, warn=lambda message: warnings.warn(message, HloparWarning)
+            )
+        )
         self.__wrapped__ = fn
         self.__name__ = getattr(fn, "__name__", "parallelized")
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -577,19 +699,31 @@ class ParallelizedFunction:
         # With debug info: each op's location is the user's source line, each argument
         # named by its pytree path, so that messages speak of their code.
         text = lowered.as_text(debug_info=True)
-        self._log(f"lowered {self.__name__} in {time.perf_counter() - clock:.1f} s; planning for "
-                  f"{cluster.num_hosts} host(s) x {cluster.devices_per_host} {cluster.device_kind} device(s), "
-                  f"method {self.method}, schedule {self.schedule}")
+        self._log(
+            f"lowered {self.__name__} in {time.perf_counter() - clock:.1f} s; planning for "
+            f"{cluster.num_hosts} host(s) x {cluster.devices_per_host} {cluster.device_kind} device(s), "
+            f"method {self.method}, schedule {self.schedule}"
+        )
         self._progress.phase("planning")
         try:
-            planned = plan_step(text, cluster, num_microbatches=self.num_microbatches, schedule=self.schedule,
-                                method=self.method, batch_args=self._batch_leaves(args), rng=self.rng,
-                                remat=self.remat, stage_loops=self.stage_loops, cache=self.cache, log=self._log,
-                                host_callbacks=self.runtime_kind != "ray" and cluster.is_local
-                                and cluster.num_hosts == 1)
+            planned = plan_step(
+                text,
+                cluster,
+                num_microbatches=self.num_microbatches,
+                schedule=self.schedule,
+                method=self.method,
+                batch_args=self._batch_leaves(args),
+                rng=self.rng,
+                remat=self.remat,
+                stage_loops=self.stage_loops,
+                cache=self.cache,
+                log=self._log,
+                host_callbacks=self.runtime_kind != "ray" and cluster.is_local and cluster.num_hosts == 1,
+            )
         except (DiagnosticError, RolesError) as error:
-            raise PlanningError(f"hlopar cannot parallelize {self.__name__}{_defined_at(self.fn)}:\n"
-                                f"{in_api_terms(str(error))}") from None
+            raise PlanningError(
+                f"hlopar cannot parallelize {self.__name__}{_defined_at(self.fn)}:\n{in_api_terms(str(error))}"
+            ) from None
         for message in planned.plan.get("warnings", ()):
             warnings.warn(in_api_terms(message), HloparWarning, stacklevel=3)
         self._log(describe_plan(planned))
@@ -631,33 +765,60 @@ class ParallelizedFunction:
             planned, lowered = self._plan(cluster, args)
             outputs = _output_leaves(lowered, self.__name__)
             pieces = LayerPieces.from_json(planned.plan.get("layer_pieces"))
-            devices, why_not = (None, "runtime='ray'") if self.runtime_kind == "ray" else in_process_devices(
-                planned.program, cluster.device_kind, one_host=cluster.is_local and cluster.num_hosts == 1,
-                pieces=pieces is not None)
+            devices, why_not = (
+                (None, "runtime='ray'")
+                if self.runtime_kind == "ray"
+                else in_process_devices(
+                    planned.program,
+                    cluster.device_kind,
+                    one_host=cluster.is_local and cluster.num_hosts == 1,
+                    pieces=pieces is not None,
+                )
+            )
             if devices is None and self.runtime_kind == "process":
                 raise ValueError(f"{self.__name__} cannot run in this process (runtime='process'): {why_not}")
             if devices is not None:
-                runtime = InProcessRuntime(planned.program, devices, log=progress.message, phase=progress.phase,
-                                           host_callbacks=lowered_host_callbacks(lowered))
-                self._log(f"running in this process on {len(devices)} {cluster.device_kind} device(s), as jax.jit "
-                          "does (no Ray workers)")
+                runtime = InProcessRuntime(
+                    planned.program,
+                    devices,
+                    log=progress.message,
+                    phase=progress.phase,
+                    host_callbacks=lowered_host_callbacks(lowered),
+                )
+                self._log(
+                    f"running in this process on {len(devices)} {cluster.device_kind} device(s), as jax.jit "
+                    "does (no Ray workers)"
+                )
             elif planned.program.host_callbacks:  # a Ray worker would crash on it (codegen.pipeline_program)
                 where = planned.program.host_callbacks[0]
-                refusal = Diagnostic("error", host_callback_message(where.target, f"the plan runs on Ray workers "
-                                                                    f"({why_not})"), where.location)
-                raise PlanningError(f"hlopar cannot parallelize {self.__name__}{_defined_at(self.fn)}:\n"
-                                    f"{in_api_terms(refusal.format())}")
+                refusal = Diagnostic(
+                    "error",
+                    host_callback_message(where.target, f"the plan runs on Ray workers ({why_not})"),
+                    where.location,
+                )
+                raise PlanningError(
+                    f"hlopar cannot parallelize {self.__name__}{_defined_at(self.fn)}:\n"
+                    f"{in_api_terms(refusal.format())}"
+                )
             else:
-                placement = placement_of(planned.program, cluster.devices_per_host, local=cluster.is_local,
-                                         device_kind=cluster.device_kind)
+                placement = placement_of(
+                    planned.program, cluster.devices_per_host, local=cluster.is_local, device_kind=cluster.device_kind
+                )
                 _connect(cluster)
                 parts = _result_parts(pieces, len(outputs))
-                runtime = RayRuntime(planned.program, self.schedule, placement, timeout=self.timeout,
-                                     worker_timeout=self.timeout, log=progress.message, phase=progress.phase,
-                                     returned=[r for k, (out, _) in enumerate(outputs) if is_key(out.dtype)
-                                               for r in parts[k]],
-                                     copied=[r for k, (out, _) in enumerate(outputs)
-                                             if with_step(out.shape, out.dtype) for r in parts[k]])
+                runtime = RayRuntime(
+                    planned.program,
+                    self.schedule,
+                    placement,
+                    timeout=self.timeout,
+                    worker_timeout=self.timeout,
+                    log=progress.message,
+                    phase=progress.phase,
+                    returned=[r for k, (out, _) in enumerate(outputs) if is_key(out.dtype) for r in parts[k]],
+                    copied=[
+                        r for k, (out, _) in enumerate(outputs) if with_step(out.shape, out.dtype) for r in parts[k]
+                    ],
+                )
                 self._log(f"starting {len(placement.workers.slots)} Ray worker(s) ({why_not})")
         except BaseException:
             progress.done()
@@ -685,8 +846,11 @@ class ParallelizedFunction:
         are held by the workers of the others, which go first. What they hold that the caller
         still references is read first (module docstring, "Signatures")."""
         gpus = compiled.cluster.device_kind == "gpu"
-        others = [c for c in reversed(self._signatures.values())  # most recently called first
-                  if c is not compiled and isinstance(c.runtime, RayRuntime) and c.runtime.alive]
+        others = [
+            c
+            for c in reversed(self._signatures.values())  # most recently called first
+            if c is not compiled and isinstance(c.runtime, RayRuntime) and c.runtime.alive
+        ]
         keep = 0 if gpus else MAX_WORKER_SETS - 1
         for old in others[keep:]:
             self._stop(old)
@@ -745,8 +909,9 @@ class ParallelizedFunction:
                     continue
                 leaf = _read_argument(leaf, f"{self.__name__}'s argument {jax.tree_util.keystr(path)}")
             arguments.append(_key_data(leaf))
-        step, returned = runtime.run(*_program_arguments(compiled, arguments, resident, paths_and_leaves,
-                                                         self.__name__))
+        step, returned = runtime.run(
+            *_program_arguments(compiled, arguments, resident, paths_and_leaves, self.__name__)
+        )
         self._donate(args)
         return self._results(compiled, step, returned)
 
@@ -766,9 +931,13 @@ class ParallelizedFunction:
     @staticmethod
     def _local_results(compiled: _Compiled, results: list) -> Any:
         """`fn`'s output pytree of results made in this process."""
-        return jax.tree_util.tree_unflatten(compiled.out_tree, [
-            jax.random.wrap_key_data(x, impl=key_impl(out.dtype)) if is_key(out.dtype) else x
-            for x, (out, _) in zip(results, compiled.outputs)])
+        return jax.tree_util.tree_unflatten(
+            compiled.out_tree,
+            [
+                jax.random.wrap_key_data(x, impl=key_impl(out.dtype)) if is_key(out.dtype) else x
+                for x, (out, _) in zip(results, compiled.outputs)
+            ],
+        )
 
     def _results(self, compiled: _Compiled, step: int, returned: dict):
         """`fn`'s output pytree of the results of `step`: kept on the workers; typed keys,
@@ -783,8 +952,19 @@ class ParallelizedFunction:
                 outputs.append(jax_value(words[0] if len(words) == 1 else np.concatenate(words), out.dtype))
             else:
                 host = returned[parts[k][0]] if len(parts[k]) == 1 and parts[k][0] in returned else None
-                outputs.append(RemoteArray(runtime, runtime.generation, step, k, parts[k], out.shape, out.dtype,
-                                           f"{name} (call {step})", host=host))
+                outputs.append(
+                    RemoteArray(
+                        runtime,
+                        runtime.generation,
+                        step,
+                        k,
+                        parts[k],
+                        out.shape,
+                        out.dtype,
+                        f"{name} (call {step})",
+                        host=host,
+                    )
+                )
                 compiled.issued[(runtime.generation, step, k)] = outputs[-1]
         return jax.tree_util.tree_unflatten(compiled.out_tree, outputs)
 
@@ -841,9 +1021,16 @@ class ParallelizedFunction:
         from hlopar.runtime import checkpoint
 
         compiled = self._require_run()
-        return checkpoint.save(directory, plan=compiled.planned.bundle.name, shapes=_saved_shapes(compiled),
-                               step=compiled.runtime.step_id, write=compiled.runtime.save, overwrite=overwrite,
-                               format=format, keys=_result_keys(compiled))
+        return checkpoint.save(
+            directory,
+            plan=compiled.planned.bundle.name,
+            shapes=_saved_shapes(compiled),
+            step=compiled.runtime.step_id,
+            write=compiled.runtime.save,
+            overwrite=overwrite,
+            format=format,
+            keys=_result_keys(compiled),
+        )
 
     def restore(self, directory: str | os.PathLike):
         """The results `save` wrote, as `fn`'s output pytree: each worker reads its own shards
@@ -864,10 +1051,12 @@ class ParallelizedFunction:
         plan = compiled.planned.bundle.name
         found = checkpoint.peek(directory)
         if (found is None and is_orbax_checkpoint(directory)) or (
-                found is not None and found.get("parts_format") == "orbax" and found.get("plan") != plan):
+            found is not None and found.get("parts_format") == "orbax" and found.get("plan") != plan
+        ):
             return self._restore_here(compiled, directory, items=sorted(found["parts"]) if found else ())
-        manifest = checkpoint.read_manifest(directory, plan=plan, shapes=_saved_shapes(compiled),
-                                            workers=compiled.runtime.worker_meshes())
+        manifest = checkpoint.read_manifest(
+            directory, plan=plan, shapes=_saved_shapes(compiled), workers=compiled.runtime.worker_meshes()
+        )
         if not compiled.runtime.alive:
             self._restart()
         keys = manifest.get("keys", ())
@@ -886,14 +1075,20 @@ class ParallelizedFunction:
 
         shapes = _leaf_shapes(compiled)
         device = jax.local_devices()[0]
-        target = jax.tree_util.tree_unflatten(compiled.out_tree, [
-            jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
-            for shape, dtype in shapes])
+        target = jax.tree_util.tree_unflatten(
+            compiled.out_tree,
+            [
+                jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+                for shape, dtype in shapes
+            ],
+        )
         try:
             leaves = restore_tree(directory, _leaf_keys(compiled), shapes, target=target, items=items)
         except Exception as error:  # noqa: BLE001 - Orbax's own errors, named with the path
-            raise CheckpointError(f"cannot restore from {directory}: {type(error).__name__}: {error}; nothing was "
-                                  "restored (the live state is as it was)") from error
+            raise CheckpointError(
+                f"cannot restore from {directory}: {type(error).__name__}: {error}; nothing was "
+                "restored (the live state is as it was)"
+            ) from error
         return self._local_results(compiled, [jax.device_put(x, device) for x in leaves])
 
     def _save_every(self) -> None:
@@ -906,9 +1101,13 @@ class ParallelizedFunction:
         if due is None:
             return
         try:
-            pending = checkpoint.PendingSave.begin(due, plan=compiled.planned.bundle.name,
-                                                   step=compiled.runtime.step_id, format=self.checkpoint_format,
-                                                   keys=_result_keys(compiled))
+            pending = checkpoint.PendingSave.begin(
+                due,
+                plan=compiled.planned.bundle.name,
+                step=compiled.runtime.step_id,
+                format=self.checkpoint_format,
+                keys=_result_keys(compiled),
+            )
             with pending.failing():
                 finish = compiled.runtime.save_start(pending.staging, pending.record)
         except checkpoint.CheckpointError as error:
@@ -918,8 +1117,9 @@ class ParallelizedFunction:
         runtime = compiled.runtime
 
         def hint(path: Path) -> None:
-            runtime.resume_hint = (f"the last checkpoint is {path} (saved after call {path.name}): "
-                                   f"restore('{path}') resumes there")
+            runtime.resume_hint = (
+                f"the last checkpoint is {path} (saved after call {path.name}): restore('{path}') resumes there"
+            )
 
         def job() -> Path:
             with pending.failing():
@@ -938,8 +1138,10 @@ class ParallelizedFunction:
         whatever signature `compile` was called for since."""
         compiled = self._last_run
         if compiled is not None and not compiled.runtime.alive and compiled.runtime.step_id:
-            raise RuntimeError("nothing to save: the workers were stopped (after a failure, or closed), and the "
-                               "state they held with them")
+            raise RuntimeError(
+                "nothing to save: the workers were stopped (after a failure, or closed), and the "
+                "state they held with them"
+            )
         if compiled is None or not compiled.runtime.alive or compiled.runtime.step_id == 0:
             raise RuntimeError("nothing to save: the workers have not run a step")
         return compiled
@@ -968,8 +1170,10 @@ def _result_keys(compiled: _Compiled) -> list[str]:
     pieces = compiled.pieces
     if pieces is None:
         return keys
-    return [keys[o] if p < 0 else f"{keys[o]}[{p}:{p + r}]"
-            for o, p, r in zip(pieces.result_origin, pieces.result_piece, pieces.result_rows)]
+    return [
+        keys[o] if p < 0 else f"{keys[o]}[{p}:{p + r}]"
+        for o, p, r in zip(pieces.result_origin, pieces.result_piece, pieces.result_rows)
+    ]
 
 
 def _saved_shapes(compiled: _Compiled) -> list[tuple[tuple[int, ...], str]]:
@@ -979,8 +1183,10 @@ def _saved_shapes(compiled: _Compiled) -> list[tuple[tuple[int, ...], str]]:
     pieces = compiled.pieces
     if pieces is None:
         return leaves
-    return [leaves[o] if p < 0 else ((r, *leaves[o][0][1:]), leaves[o][1])
-            for o, p, r in zip(pieces.result_origin, pieces.result_piece, pieces.result_rows)]
+    return [
+        leaves[o] if p < 0 else ((r, *leaves[o][0][1:]), leaves[o][1])
+        for o, p, r in zip(pieces.result_origin, pieces.result_piece, pieces.result_rows)
+    ]
 
 
 class _Held:
@@ -1001,8 +1207,9 @@ def _read_argument(leaf: RemoteArray, what: str):
         raise RuntimeError(f"{what}: {error}") from None
 
 
-def _program_arguments(compiled: _Compiled, arguments: list, resident: dict, paths_and_leaves: list,
-                       name: str) -> tuple[list, dict]:
+def _program_arguments(
+    compiled: _Compiled, arguments: list, resident: dict, paths_and_leaves: list, name: str
+) -> tuple[list, dict]:
     """@main's arguments and resident ones ({argument: (step, result position)}) from the
     step's leaves: stacked layers cut into their pieces, each piece resident where the
     result kept is cut alike (else the leaf is read and sent)."""
@@ -1035,8 +1242,10 @@ def _result_parts(pieces, count: int) -> list[tuple[int, ...]]:
 def _output_leaves(lowered, name: str) -> list[tuple[jax.ShapeDtypeStruct, str]]:
     """Per result leaf of `fn`: its shape and dtype, and its name (`train_step's result [1]['w']`)."""
     flat = jax.tree_util.tree_flatten_with_path(lowered.out_info)[0]
-    return [(jax.ShapeDtypeStruct(info.shape, info.dtype), f"{name}'s result {jax.tree_util.keystr(path)}".rstrip())
-            for path, info in flat]
+    return [
+        (jax.ShapeDtypeStruct(info.shape, info.dtype), f"{name}'s result {jax.tree_util.keystr(path)}".rstrip())
+        for path, info in flat
+    ]
 
 
 def _dtype(x) -> np.dtype:
@@ -1085,8 +1294,10 @@ def _defined_at(fn: Callable) -> str:
 def describe_plan(planned: PlannedStep) -> str:
     """The plan in a few lines: stages, meshes and devices, how many tensors are sharded."""
     program = planned.program
-    lines = [f"plan: {len(program.meshes)} stage(s), {program.microbatches} microbatch(es)"
-             f"{' (cached)' if planned.cached else ''}"]
+    lines = [
+        f"plan: {len(program.meshes)} stage(s), {program.microbatches} microbatch(es)"
+        f"{' (cached)' if planned.cached else ''}"
+    ]
     stages = {s["stage"]: s for s in ((planned.plan.get("stages") or {}).get("stages") or [])}
     for mesh in program.meshes:
         stage = program.stage_of_mesh.get(mesh)
@@ -1098,14 +1309,18 @@ def describe_plan(planned: PlannedStep) -> str:
         latency = f", predicted {info['latency'] * 1e3:.3g} ms/microbatch" if info.get("latency") else ""
         per = "layer" if info.get("remat_form") == "layers" else "stage"
         latency += f"; forward recomputed in the backward (remat, per {per})" if info.get("remat") else ""
-        lines.append(f"  {mesh}: stage {stage}, mesh {shape} on devices {list(program.devices[mesh])}, "
-                     f"fragments {', '.join(f.name for f in fragments)}; {sharded} of {len(shardings)} "
-                     f"annotated tensors sharded{latency}")
+        lines.append(
+            f"  {mesh}: stage {stage}, mesh {shape} on devices {list(program.devices[mesh])}, "
+            f"fragments {', '.join(f.name for f in fragments)}; {sharded} of {len(shardings)} "
+            f"annotated tensors sharded{latency}"
+        )
     from hlopar.codegen.one_program import fuses
 
     if fuses(program):
-        lines.append("  runs as one executable: its fragments fused into one program (one mesh, one microbatch), "
-                     "as jax.jit compiles the step")
+        lines.append(
+            "  runs as one executable: its fragments fused into one program (one mesh, one microbatch), "
+            "as jax.jit compiles the step"
+        )
     pieces = planned.plan.get("layer_pieces")
     if pieces:
         from hlopar.passes.unstack_layer_scans import LayerPieces
@@ -1113,8 +1328,10 @@ def describe_plan(planned: PlannedStep) -> str:
         pieces = LayerPieces.from_json(pieces)
         stacks = len({o for o, p in zip(pieces.arg_origin, pieces.arg_piece) if p >= 0})
         layers = pieces.layers
-        lines.append(f"  scanned layer stack unrolled: {stacks} stacked argument(s) split into {layers} per-layer "
-                     "pieces, each held by its stage")
+        lines.append(
+            f"  scanned layer stack unrolled: {stacks} stacked argument(s) split into {layers} per-layer "
+            "pieces, each held by its stage"
+        )
         reroll = planned.plan.get("reroll")
         if reroll is None:
             lines.append("  each stage runs its layers unrolled (parallelize(stage_loops=True) runs them as loops)")
@@ -1135,20 +1352,37 @@ def _memory_lines(memory: dict | None) -> list[str]:
 
     device = memory.get("device_memory")
     of = f" of {format_bytes(device)} per device" if device else ""
-    peaks = [f"{m['mesh']} {format_bytes(m['compiled_peak'])}" for m in memory.get("meshes", ())
-             if m.get("compiled_peak") is not None]
+    peaks = [
+        f"{m['mesh']} {format_bytes(m['compiled_peak'])}"
+        for m in memory.get("meshes", ())
+        if m.get("compiled_peak") is not None
+    ]
     return [f"  memory (compiled, peak fragment + resident){of}: {', '.join(peaks)}"] if peaks else []
 
 
 _SHARDING = re.compile(r"#sdy\.sharding<@[\w.]+, \[(.*?)\]>")
 
 
-def parallelize(fn: Callable | None = None, *, cluster: Cluster | None = None, num_microbatches: int | None = None,
-                schedule: str = "eager-1f1b", batch_argnums=..., donate_argnums: Sequence[int] | int = (),
-                method: str = "auto", rng: str = "exact", timeout: float = 300.0, cache: bool = True,
-                verbose: bool = True, remat: str | bool = "auto", stage_loops: bool = False, runtime: str = "auto",
-                checkpoint_every: int | None = None, checkpoint_dir: str | os.PathLike | None = None,
-                checkpoint_format: str = "orbax"):
+def parallelize(
+    fn: Callable | None = None,
+    *,
+    cluster: Cluster | None = None,
+    num_microbatches: int | None = None,
+    schedule: str = "eager-1f1b",
+    batch_argnums=...,
+    donate_argnums: Sequence[int] | int = (),
+    method: str = "auto",
+    rng: str = "exact",
+    timeout: float = 300.0,
+    cache: bool = True,
+    verbose: bool = True,
+    remat: str | bool = "auto",
+    stage_loops: bool = False,
+    runtime: str = "auto",
+    checkpoint_every: int | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_format: str = "orbax",
+):
     """`fn` (a pure JAX function, e.g. a training step) run over a cluster: a callable with
     `fn`'s signature and results. Usable as a decorator, with or without arguments.
     `verbose=False` silences the first call's progress display and messages. `rng`:
@@ -1169,11 +1403,26 @@ def parallelize(fn: Callable | None = None, *, cluster: Cluster | None = None, n
     `DIR/<call>` in the background, the steps going on meanwhile (the last two kept), in
     Orbax's format or hlopar's (`checkpoint_format="npz"`; `ParallelizedFunction.save`,
     docs/runtime.md). Module docstring."""
+
     def wrap(function: Callable) -> ParallelizedFunction:
-        return ParallelizedFunction(function, cluster=cluster, num_microbatches=num_microbatches, schedule=schedule,
-                                    batch_argnums=batch_argnums, donate_argnums=donate_argnums, method=method,
-                                    rng=rng, timeout=timeout, cache=cache, verbose=verbose, remat=remat,
-                                    stage_loops=stage_loops, runtime=runtime, checkpoint_every=checkpoint_every,
-                                    checkpoint_dir=checkpoint_dir, checkpoint_format=checkpoint_format)
+        return ParallelizedFunction(
+            function,
+            cluster=cluster,
+            num_microbatches=num_microbatches,
+            schedule=schedule,
+            batch_argnums=batch_argnums,
+            donate_argnums=donate_argnums,
+            method=method,
+            rng=rng,
+            timeout=timeout,
+            cache=cache,
+            verbose=verbose,
+            remat=remat,
+            stage_loops=stage_loops,
+            runtime=runtime,
+            checkpoint_every=checkpoint_every,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_format=checkpoint_format,
+        )
 
     return wrap if fn is None else wrap(fn)

@@ -31,8 +31,10 @@ class Progress:
     def _bar(self) -> str:
         k = PHASES.index(self.current) if self.current in PHASES else 0
         filled = self.width * k // len(PHASES)
-        return (f"hlopar: [{'#' * filled}{'.' * (self.width - filled)}] {k + 1}/{len(PHASES)} {self.current} "
-                f"({time.monotonic() - self.start:.1f} s)")
+        return (
+            f"hlopar: [{'#' * filled}{'.' * (self.width - filled)}] {k + 1}/{len(PHASES)} {self.current} "
+            f"({time.monotonic() - self.start:.1f} s)"
+        )
 
     def _write(self, text: str) -> None:
         self.stream.write(text)

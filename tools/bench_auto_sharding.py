@@ -50,32 +50,49 @@ def main() -> int:
                 source = Path(scratch) / f"{model}-{config}.mlir"
                 source.write_text(get_train_step(model, config).lower())
             report = Path(scratch) / "report.json"
-            pipeline = (f"builtin.module(hlopar-import,hlopar-auto-sharding{{mesh-shape={args.mesh} "
-                        f"time-limit={args.time_limit} report={report} {args.options}}})")
-            command = [sys.executable, "-m", "hlopar.cli.opt", str(source), f"--pass-pipeline={pipeline}",
-                       "-o", str(Path(scratch) / "out.mlir")]
+            pipeline = (
+                f"builtin.module(hlopar-import,hlopar-auto-sharding{{mesh-shape={args.mesh} "
+                f"time-limit={args.time_limit} report={report} {args.options}}})"
+            )
+            command = [
+                sys.executable,
+                "-m",
+                "hlopar.cli.opt",
+                str(source),
+                f"--pass-pipeline={pipeline}",
+                "-o",
+                str(Path(scratch) / "out.mlir"),
+            ]
             start = time.perf_counter()
-            result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            result = subprocess.run(
+                command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+            )
             wall = time.perf_counter() - start
             if result.returncode != 0:
                 print(f"{case}: hlopar-opt failed:\n{result.stderr[-2000:]}", file=sys.stderr)
                 rows.append((case, wall, None))
                 continue
             rows.append((case, wall, json.loads(report.read_text())))
-    print(f"{'case':<28} {'wall s':>7} {'build s':>8} {'solve s':>8} {'status':>9} {'gap':>8} "
-          f"{'nodes':>7} {'core':>6} {'vars':>8}")
+    print(
+        f"{'case':<28} {'wall s':>7} {'build s':>8} {'solve s':>8} {'status':>9} {'gap':>8} "
+        f"{'nodes':>7} {'core':>6} {'vars':>8}"
+    )
     for case, wall, report in rows:
         name = Path(case).name if "/" in case else case
         if report is None:
             print(f"{name:<28} {wall:>7.1f}  failed")
             continue
         sizes = report["ilp_sizes"]
-        print(f"{name:<28} {wall:>7.1f} {report['build_s']:>8.2f} {report['solve_s']:>8.2f} {report['status']:>9} "
-              f"{report['gap']:>8.1e} {sizes.get('nodes', 0):>7} {sizes.get('nodes_core', 0):>6} {sizes.get('variables', 0):>8}")
+        print(
+            f"{name:<28} {wall:>7.1f} {report['build_s']:>8.2f} {report['solve_s']:>8.2f} {report['status']:>9} "
+            f"{report['gap']:>8.1e} {sizes.get('nodes', 0):>7} {sizes.get('nodes_core', 0):>6} {sizes.get('variables', 0):>8}"
+        )
     gpt = next((r for r in rows if r[0] == "gpt:1.3B" and r[2] is not None), None)
     if gpt:
-        print(f"gpt:1.3B on {args.mesh}: {gpt[1]:.1f} s, target {TARGET_SECONDS:.0f} s, ratio {gpt[1] / TARGET_SECONDS:.2f}, "
-              f"status {gpt[2]['status']}")
+        print(
+            f"gpt:1.3B on {args.mesh}: {gpt[1]:.1f} s, target {TARGET_SECONDS:.0f} s, ratio {gpt[1] / TARGET_SECONDS:.2f}, "
+            f"status {gpt[2]['status']}"
+        )
     return 0
 
 

@@ -48,26 +48,46 @@ def pipelined(step, args, **options) -> hlopar.api.ParallelizedFunction:
     """bench_runtime's `hlopar-pipelined-2x4`: the first candidate whose plan has several meshes."""
     hosts, per_host, candidates = HLOPAR_WAYS["hlopar-pipelined-2x4"]
     for k, (method, extra) in enumerate(candidates):
-        parallel = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(hosts, per_host), method=method,
-                                      batch_argnums=(2,), verbose=False, **extra, **options)
+        parallel = hlopar.parallelize(
+            step.step,
+            cluster=hlopar.Cluster.local(hosts, per_host),
+            method=method,
+            batch_argnums=(2,),
+            verbose=False,
+            **extra,
+            **options,
+        )
         if len(parallel.plan(*args)[0].program.meshes) > 1 or k == len(candidates) - 1:
             return parallel
     raise AssertionError("unreachable")
 
 
 def bench(args) -> dict:
-    config = gpt.GPTConfig(hidden_size=args.hidden, num_layers=args.layers, num_heads=max(1, args.hidden // 64),
-                           seq_len=args.seq, vocab_size=args.vocab, batch_size=args.batch)
+    config = gpt.GPTConfig(
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=max(1, args.hidden // 64),
+        seq_len=args.seq,
+        vocab_size=args.vocab,
+        batch_size=args.batch,
+    )
     step = gpt.train_step(config)
     params = step.init(jax.random.PRNGKey(0))
     train_args = (params, step.init_opt_state(params), step.make_batch(jax.random.PRNGKey(1)))
     state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(train_args[:2]))
     with tempfile.TemporaryDirectory(prefix="hlopar-bench-checkpoint-") as scratch:
         plain = pipelined(step, train_args)
-        saving = pipelined(step, train_args, checkpoint_every=args.every, checkpoint_dir=Path(scratch) / "checkpoints",
-                           checkpoint_format=args.format)
-        runners = [Runner("no-checkpoints", plain, train_args, {}, plain.close),
-                   Runner(f"{args.format}-every-{args.every}", saving, train_args, {}, saving.close)]
+        saving = pipelined(
+            step,
+            train_args,
+            checkpoint_every=args.every,
+            checkpoint_dir=Path(scratch) / "checkpoints",
+            checkpoint_format=args.format,
+        )
+        runners = [
+            Runner("no-checkpoints", plain, train_args, {}, plain.close),
+            Runner(f"{args.format}-every-{args.every}", saving, train_args, {}, saving.close),
+        ]
         try:
             for runner in runners:
                 clock = time.perf_counter()
@@ -88,16 +108,33 @@ def bench(args) -> dict:
     rows = []
     for runner in runners:
         times = runner.times
-        rows.append({"way": runner.way, "step_s": statistics.median(times), "mean_s": statistics.fmean(times),
-                     "max_s": max(times), "first_call_s": runner.row["first_call_s"], "loss": runner.loss,
-                     "steps_s": times})
+        rows.append(
+            {
+                "way": runner.way,
+                "step_s": statistics.median(times),
+                "mean_s": statistics.fmean(times),
+                "max_s": max(times),
+                "first_call_s": runner.row["first_call_s"],
+                "loss": runner.loss,
+                "steps_s": times,
+            }
+        )
     base, saved = rows
-    return {"machine": machine(), "config": {**vars(args), "state_bytes": state_bytes, "meshes": meshes,
-                                             "calls": saves.calls},
-            "rows": rows, "ratio_mean": saved["mean_s"] / base["mean_s"],
-            "ratio_median": saved["step_s"] / base["step_s"],
-            "saves": {"every": args.every, "committed": len(saves.seconds), "kept": committed,
-                      "save_s": saves.seconds, "errors": saves.errors, "save_bytes": size}}
+    return {
+        "machine": machine(),
+        "config": {**vars(args), "state_bytes": state_bytes, "meshes": meshes, "calls": saves.calls},
+        "rows": rows,
+        "ratio_mean": saved["mean_s"] / base["mean_s"],
+        "ratio_median": saved["step_s"] / base["step_s"],
+        "saves": {
+            "every": args.every,
+            "committed": len(saves.seconds),
+            "kept": committed,
+            "save_s": saves.seconds,
+            "errors": saves.errors,
+            "save_bytes": size,
+        },
+    }
 
 
 def main() -> int:
@@ -119,18 +156,24 @@ def main() -> int:
         print(json.dumps(report, indent=1))
         return 0
     m = report["machine"]
-    print(f"{m['cpu']} ({m['nproc']} cores), jax {m['jax']}; GPT state {report['config']['state_bytes'] / 2**20:.1f} "
-          f"MiB (parameters and Adam), meshes {report['config']['meshes']}")
+    print(
+        f"{m['cpu']} ({m['nproc']} cores), jax {m['jax']}; GPT state {report['config']['state_bytes'] / 2**20:.1f} "
+        f"MiB (parameters and Adam), meshes {report['config']['meshes']}"
+    )
     print(f"{'way':24} {'median s':>9} {'mean s':>9} {'max s':>9} {'first s':>8} {'loss':>9}")
     for row in report["rows"]:
-        print(f"{row['way']:24} {row['step_s']:9.4f} {row['mean_s']:9.4f} {row['max_s']:9.4f} "
-              f"{row['first_call_s']:8.1f} {row['loss']:9.5f}")
+        print(
+            f"{row['way']:24} {row['step_s']:9.4f} {row['mean_s']:9.4f} {row['max_s']:9.4f} "
+            f"{row['first_call_s']:8.1f} {row['loss']:9.5f}"
+        )
     saves = report["saves"]
-    print(f"ratio (checkpointing / not): mean {report['ratio_mean']:.3f}, median {report['ratio_median']:.3f} "
-          f"(target 1.05); {saves['committed']} saves committed in {report['config']['calls']} calls (every "
-          f"{saves['every']}; one still being written when the next is due waits), each {saves['save_bytes'] / 2**20:.1f} MiB, "
-          f"{statistics.median(saves['save_s'] or [0]):.2f} s from call to commit (median); errors "
-          f"{saves['errors'] or 'none'}")
+    print(
+        f"ratio (checkpointing / not): mean {report['ratio_mean']:.3f}, median {report['ratio_median']:.3f} "
+        f"(target 1.05); {saves['committed']} saves committed in {report['config']['calls']} calls (every "
+        f"{saves['every']}; one still being written when the next is due waits), each {saves['save_bytes'] / 2**20:.1f} MiB, "
+        f"{statistics.median(saves['save_s'] or [0]):.2f} s from call to commit (median); errors "
+        f"{saves['errors'] or 'none'}"
+    )
     return 0
 
 

@@ -53,18 +53,20 @@ def run(case_names: list[str] | None, cluster: str) -> tuple[list[dict], dict[st
             start = time.perf_counter()
             plan = plan_transfer(case.shape, case.dtype_bytes, src, dst, model, strategy=strategy, algorithm=algorithm)
             planning[f"{case.name}/{method}"] = time.perf_counter() - start
-            rows.append({
-                "case": case.name,
-                "method": method,
-                "src_mesh": list(case.src_mesh),
-                "dst_mesh": list(case.dst_mesh),
-                "src_spec": case.src_spec,
-                "dst_spec": case.dst_spec,
-                "shape": list(case.shape),
-                "dtype_bytes": case.dtype_bytes,
-                "time_s": plan.predicted_time,
-                "lower_bound_s": plan.lower_bound,
-            })
+            rows.append(
+                {
+                    "case": case.name,
+                    "method": method,
+                    "src_mesh": list(case.src_mesh),
+                    "dst_mesh": list(case.dst_mesh),
+                    "src_spec": case.src_spec,
+                    "dst_spec": case.dst_spec,
+                    "shape": list(case.shape),
+                    "dtype_bytes": case.dtype_bytes,
+                    "time_s": plan.predicted_time,
+                    "lower_bound_s": plan.lower_bound,
+                }
+            )
     return rows, planning
 
 
@@ -72,8 +74,11 @@ def table(rows: list[dict], planning: dict[str, float]) -> str:
     by_case: dict[str, dict[str, dict]] = {}
     for row in rows:
         by_case.setdefault(row["case"], {})[row["method"]] = row
-    header = ["case", "meshes", "specs", "lower bound"] + list(METHODS) + [
-        "hlopar / bound", "vs send-recv", "vs alpa", "paper vs alpa", "plan s"]
+    header = (
+        ["case", "meshes", "specs", "lower bound"]
+        + list(METHODS)
+        + ["hlopar / bound", "vs send-recv", "vs alpa", "paper vs alpa", "plan s"]
+    )
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     worst_ratio, worst_plan = 0.0, 0.0
     for name, methods in by_case.items():
@@ -97,9 +102,11 @@ def table(rows: list[dict], planning: dict[str, float]) -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("Times in seconds. hlopar within 5% of the lower bound in every case: "
-                 f"{'yes' if worst_ratio <= 1.05 else 'no'} (worst ratio {worst_ratio:.3f}); "
-                 f"slowest planning {worst_plan:.3f} s.")
+    lines.append(
+        "Times in seconds. hlopar within 5% of the lower bound in every case: "
+        f"{'yes' if worst_ratio <= 1.05 else 'no'} (worst ratio {worst_ratio:.3f}); "
+        f"slowest planning {worst_plan:.3f} s."
+    )
     return "\n".join(lines)
 
 

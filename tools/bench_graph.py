@@ -49,8 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     what = f"@{args.func}" if args.func else f"{len(graphs)} funcs"
     print(f"file:        {args.file}")
     print(f"parse:       {parse_s:.3f} s")
-    print(f"build:       {min(build_times):.3f} s ({what}; best of {len(build_times)}, "
-          f"first {build_times[0]:.3f} s)")
+    print(f"build:       {min(build_times):.3f} s ({what}; best of {len(build_times)}, first {build_times[0]:.3f} s)")
     print(f"ops:         {top} top-level, {total} total")
     print(f"values:      {values}")
     if total:

@@ -129,8 +129,10 @@ class GptLikeBuilder:
 
     def layer(self, x: int) -> tuple[int, dict[str, int]]:
         """Forward of one transformer block; returns its output and the values backward needs."""
-        w = {k: self.op(f"->{d}", [], name=k) for k, d in
-             [("wq", "hn"), ("wk", "hn"), ("wv", "hn"), ("wo", "nh"), ("w1", "hf"), ("w2", "fh")]}
+        w = {
+            k: self.op(f"->{d}", [], name=k)
+            for k, d in [("wq", "hn"), ("wk", "hn"), ("wv", "hn"), ("wo", "nh"), ("w1", "hf"), ("w2", "fh")]
+        }
         q, k, v = (self.op("bsh,hn->bsn", [x, w[n]]) for n in ("wq", "wk", "wv"))
         s = self.op("bsn,btn->bst", [q, k])
         a = self.op("bst,btn->bsn", [s, v])
@@ -168,8 +170,9 @@ class GptLikeBuilder:
         return self.op("bsh,bsh,bsh,bsh->bsh", dxs)
 
 
-def gpt_like_problem(layers: int, mesh: tuple[int, ...] = (2, 4), seed: int = 0,
-                     memory_budget: float | None = None, live_window: int = 0) -> Problem:
+def gpt_like_problem(
+    layers: int, mesh: tuple[int, ...] = (2, 4), seed: int = 0, memory_budget: float | None = None, live_window: int = 0
+) -> Problem:
     """A synthetic training step of `layers` transformer blocks (see the module docstring).
 
     With `live_window > 0`, each node's live set is itself and the `live_window` nodes before
@@ -197,11 +200,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--time-limit", type=float, default=60.0, help="deterministic seconds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", action="store_true", help="print CP-SAT's search log")
-    parser.add_argument("--budget-fraction", type=float, default=None,
-                        help="memory budget as a fraction of the unconstrained plan's peak")
+    parser.add_argument(
+        "--budget-fraction",
+        type=float,
+        default=None,
+        help="memory budget as a fraction of the unconstrained plan's peak",
+    )
     parser.add_argument("--live-window", type=int, default=10, help="nodes per live set (with a budget)")
-    parser.add_argument("--no-bound", action="store_true",
-                        help="skip reduced-cost fixing: CP-SAT solves the simplified model")
+    parser.add_argument(
+        "--no-bound", action="store_true", help="skip reduced-cost fixing: CP-SAT solves the simplified model"
+    )
     args = parser.parse_args(argv)
 
     mesh = tuple(int(d) for d in args.mesh.split("x"))
@@ -215,24 +223,40 @@ def main(argv: list[str] | None = None) -> int:
         print(f"budget:      {args.budget_fraction} x {peak:.4g} bytes (unconstrained: {free.objective:.6g} s)")
     generate_s = time.perf_counter() - start
     counts = sorted({len(n.costs) for n in problem.nodes})
-    print(f"problem:     {len(problem.nodes)} nodes, {len(problem.edges)} edges, strategies {counts} "
-          f"(generated in {generate_s:.2f} s)")
-    solution = solve(problem, time_limit=args.time_limit, num_workers=args.workers, seed=args.seed,
-                     simplify=Simplify(bound=not args.no_bound), log=args.log)
+    print(
+        f"problem:     {len(problem.nodes)} nodes, {len(problem.edges)} edges, strategies {counts} "
+        f"(generated in {generate_s:.2f} s)"
+    )
+    solution = solve(
+        problem,
+        time_limit=args.time_limit,
+        num_workers=args.workers,
+        seed=args.seed,
+        simplify=Simplify(bound=not args.no_bound),
+        log=args.log,
+    )
     sizes = solution.sizes
     print(f"eq. 1 ilp:   {sizes['variables_eq1']} variables, {sizes['constraints_eq1']} constraints")
     print(f"merged:      {sizes['nodes_merged']} nodes, {sizes['edges_merged']} edges")
-    print(f"simplified:  {sizes['nodes_simplified']} nodes, {sizes['edges_simplified']} edges "
-          f"(exact steps: dominance, elimination of degree <= 2)")
-    print(f"core:        {sizes['nodes_core']} nodes, {sizes['edges_core']} edges after the bound "
-          f"({sizes['sweeps']} sweeps); {sizes['strategies_removed']} strategies removed "
-          f"({sizes['fixed_by_bound']} by the bound), {sizes['eliminated']} nodes eliminated")
+    print(
+        f"simplified:  {sizes['nodes_simplified']} nodes, {sizes['edges_simplified']} edges "
+        f"(exact steps: dominance, elimination of degree <= 2)"
+    )
+    print(
+        f"core:        {sizes['nodes_core']} nodes, {sizes['edges_core']} edges after the bound "
+        f"({sizes['sweeps']} sweeps); {sizes['strategies_removed']} strategies removed "
+        f"({sizes['fixed_by_bound']} by the bound), {sizes['eliminated']} nodes eliminated"
+    )
     print(f"cp-sat:      {sizes['variables']} variables, {sizes['constraints']} constraints")
     t = solution.timings
-    print(f"times:       simplify {t['simplify']:.2f} s, build {t['build']:.2f} s, "
-          f"cp-sat {t['cpsat']:.2f} s, total {solution.solve_seconds:.2f} s")
-    print(f"result:      {solution.status}, objective {solution.objective:.6g} s, gap {solution.gap:.3g} "
-          f"{solution.message}")
+    print(
+        f"times:       simplify {t['simplify']:.2f} s, build {t['build']:.2f} s, "
+        f"cp-sat {t['cpsat']:.2f} s, total {solution.solve_seconds:.2f} s"
+    )
+    print(
+        f"result:      {solution.status}, objective {solution.objective:.6g} s, gap {solution.gap:.3g} "
+        f"{solution.message}"
+    )
     return 0
 
 

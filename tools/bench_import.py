@@ -41,13 +41,21 @@ def main() -> int:
         source.write_text(get_train_step(args.model, args.config).lower())
         export_seconds = time.perf_counter() - start
         ops = sum(1 for line in source.read_text().splitlines() if " = " in line and not line.lstrip().startswith("#"))
-        command = [sys.executable, "-m", "hlopar.cli.opt", str(source),
-                   "--pass-pipeline=builtin.module(hlopar-import)", "-o", str(Path(scratch) / "out.mlir")]
+        command = [
+            sys.executable,
+            "-m",
+            "hlopar.cli.opt",
+            str(source),
+            "--pass-pipeline=builtin.module(hlopar-import)",
+            "-o",
+            str(Path(scratch) / "out.mlir"),
+        ]
         walls, report = [], ""
         for _ in range(args.repeat):
             start = time.perf_counter()
-            result = subprocess.run(command + ["--mlir-timing"], capture_output=True, text=True,
-                                    env={**os.environ, "PYTHONPATH": str(ROOT)})
+            result = subprocess.run(
+                command + ["--mlir-timing"], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+            )
             walls.append(time.perf_counter() - start)
             if result.returncode != 0:
                 print(result.stderr, file=sys.stderr)

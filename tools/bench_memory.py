@@ -64,31 +64,43 @@ def main(argv: list[str] | None = None) -> int:
 
 def table(reports: dict) -> str:
     """The fragment rows and the mesh rows as Markdown tables."""
-    lines = ["| model | fragment | mesh (devices) | predicted B | compiled B | ratio | temporaries predicted / compiled B |",
-             "|---|---|---|---:|---:|---:|---:|"]
+    lines = [
+        "| model | fragment | mesh (devices) | predicted B | compiled B | ratio | temporaries predicted / compiled B |",
+        "|---|---|---|---:|---:|---:|---:|",
+    ]
     worst = 0.0
     for model, report in reports.items():
         for f in report["fragments"]:
             compiled = f["compiled"]
             if compiled is None:
-                lines.append(f"| {model} | {f['fragment']} | {f['mesh']} ({f['devices']}) | {f['predicted']['total']} "
-                             "| not compiled | | |")
+                lines.append(
+                    f"| {model} | {f['fragment']} | {f['mesh']} ({f['devices']}) | {f['predicted']['total']} "
+                    "| not compiled | | |"
+                )
                 continue
             worst = max(worst, abs(f["ratio"] - 1))
-            lines.append(f"| {model} | {f['fragment']} | {f['mesh']} ({f['devices']}) | {f['predicted']['total']} | "
-                         f"{compiled['total']} | {f['ratio']:.3f} | "
-                         f"{f['predicted']['temporaries']} / {compiled['temporaries']} |")
-    lines += ["", f"largest deviation of a fragment's total: {100 * worst:.1f}%", "",
-              "| model | mesh | stage construction B | predicted peak B | compiled peak B | "
-              "stage construction / compiled | device B |",
-              "|---|---|---:|---:|---:|---:|---:|"]
+            lines.append(
+                f"| {model} | {f['fragment']} | {f['mesh']} ({f['devices']}) | {f['predicted']['total']} | "
+                f"{compiled['total']} | {f['ratio']:.3f} | "
+                f"{f['predicted']['temporaries']} / {compiled['temporaries']} |"
+            )
+    lines += [
+        "",
+        f"largest deviation of a fragment's total: {100 * worst:.1f}%",
+        "",
+        "| model | mesh | stage construction B | predicted peak B | compiled peak B | "
+        "stage construction / compiled | device B |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for model, report in reports.items():
         for m in report["meshes"]:
             estimate, compiled = m["stage_construction"], m["compiled_peak"]
             planned = "" if estimate is None else f"{estimate:.0f}"
             ratio = "" if estimate is None or not compiled else f"{estimate / compiled:.3f}"
-            lines.append(f"| {model} | {m['mesh']} | {planned} | {m['predicted_peak']} | {compiled} | {ratio} | "
-                         f"{report['device_memory']:.3g} |")
+            lines.append(
+                f"| {model} | {m['mesh']} | {planned} | {m['predicted_peak']} | {compiled} | {ratio} | "
+                f"{report['device_memory']:.3g} |"
+            )
     return "\n".join(lines)
 
 

@@ -38,17 +38,27 @@ def main() -> int:
     module = parse_module(get_train_step(args.model, args.config).lower())
     ImportPass().run(module, PassContext())
     graph = FuncGraph.from_module(module)
-    print(f"model: {args.model} {args.config}: {len(graph.ops)} top-level ops, {len(graph.args)} arguments, "
-          f"{len(graph.results)} results")
-    for name, call in (("state_pairs", lambda: state_pairs(graph)), ("classify", lambda: classify(graph)),
-                       ("batch_arguments", lambda: batch_arguments(graph))):
+    print(
+        f"model: {args.model} {args.config}: {len(graph.ops)} top-level ops, {len(graph.args)} arguments, "
+        f"{len(graph.results)} results"
+    )
+    for name, call in (
+        ("state_pairs", lambda: state_pairs(graph)),
+        ("classify", lambda: classify(graph)),
+        ("batch_arguments", lambda: batch_arguments(graph)),
+    ):
         times = []
         for _ in range(max(1, args.repeat)):
             start = time.perf_counter()
             found = call()
             times.append(time.perf_counter() - start)
-        what = (f"{len(found)} pairs" if name == "state_pairs" else f"loss = result {found.loss_result}"
-                if name == "classify" else f"batch = arguments {list(found)}")
+        what = (
+            f"{len(found)} pairs"
+            if name == "state_pairs"
+            else f"loss = result {found.loss_result}"
+            if name == "classify"
+            else f"batch = arguments {list(found)}"
+        )
         print(f"{name:<16} {min(times):.3f} s (best of {len(times)}): {what}")
     return 0
 

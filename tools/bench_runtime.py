@@ -94,8 +94,14 @@ import hlopar  # noqa: E402
 from hlopar.codegen.spmd import main_shardings  # noqa: E402
 from hlopar.models import gpt  # noqa: E402
 
-IN_PROCESS_WAYS = ("jit-1-device", "jit-data-parallel", "jit-plan-shardings", "xla-shard-plan", "fragments-shard-plan",
-                   "one-program-shard-plan")
+IN_PROCESS_WAYS = (
+    "jit-1-device",
+    "jit-data-parallel",
+    "jit-plan-shardings",
+    "xla-shard-plan",
+    "fragments-shard-plan",
+    "one-program-shard-plan",
+)
 HLOPAR_WAYS = {  # way -> hosts, devices per host, the (method, options) to try in turn
     "hlopar-shard-1x8": (1, 8, [("shard", {})]),
     "hlopar-shard-1x8-ray": (1, 8, [("shard", {"runtime": "ray"})]),
@@ -103,12 +109,22 @@ HLOPAR_WAYS = {  # way -> hosts, devices per host, the (method, options) to try 
     "hlopar-pipeline-1x8": (1, 8, [("pipeline", {})]),
     # The planner chooses the stages (its costs change with the code): the first plan of
     # several meshes.
-    "hlopar-pipelined-2x4": (2, 4, [(method, {"num_microbatches": b, "schedule": "1f1b"})
-                                    for b in (2, 4) for method in ("pipeline", "auto")]),
+    "hlopar-pipelined-2x4": (
+        2,
+        4,
+        [(method, {"num_microbatches": b, "schedule": "1f1b"}) for b in (2, 4) for method in ("pipeline", "auto")],
+    ),
 }
 WAYS = IN_PROCESS_WAYS + tuple(HLOPAR_WAYS)
-QUICK_WAYS = ("jit-1-device", "jit-data-parallel", "jit-plan-shardings", "fragments-shard-plan", "one-program-shard-plan",
-              "hlopar-shard-1x8", "hlopar-shard-1x8-ray")
+QUICK_WAYS = (
+    "jit-1-device",
+    "jit-data-parallel",
+    "jit-plan-shardings",
+    "fragments-shard-plan",
+    "one-program-shard-plan",
+    "hlopar-shard-1x8",
+    "hlopar-shard-1x8-ray",
+)
 TARGET_SAME_SHARDINGS = 1.05
 TARGET_CRITICAL = 1.2
 
@@ -154,8 +170,14 @@ class Runner:
             self.stats.append(getattr(self.call, "last_stats", None))
 
     def result(self) -> dict:
-        return {"way": self.way, "step_s": statistics.median(self.times), "steps_s": self.times, **self.row,
-                "loss": self.loss, **_worker_medians(self.stats)}
+        return {
+            "way": self.way,
+            "step_s": statistics.median(self.times),
+            "steps_s": self.times,
+            **self.row,
+            "loss": self.loss,
+            **_worker_medians(self.stats),
+        }
 
 
 def _worker_medians(stats: list) -> dict:
@@ -167,8 +189,11 @@ def _worker_medians(stats: list) -> dict:
         return {"dispatch_s": statistics.median(s.wall_s for s in stats)}
     try:
         critical = statistics.median(max(w["step_s"] for w in s.workers.values()) for s in stats)
-        return {"critical_s": critical, "executables_s": statistics.median(s.executable_s for s in stats),
-                "driver_s": statistics.median(s.wall_s for s in stats)}
+        return {
+            "critical_s": critical,
+            "executables_s": statistics.median(s.executable_s for s in stats),
+            "driver_s": statistics.median(s.wall_s for s in stats),
+        }
     except (AttributeError, KeyError, TypeError, ValueError) as error:  # the runtime's timing changed shape
         return {"runtime_stats": f"unreadable: {type(error).__name__}: {error}"}
 
@@ -184,9 +209,11 @@ def jit_way(way: str, step, args, plan_shardings) -> Runner:
     if way == "jit-data-parallel":
         mesh = Mesh(np.array(devices), ("data",))
         replicated, rows = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
-        ins = (jax.tree_util.tree_map(lambda _: replicated, args[0]),
-               jax.tree_util.tree_map(lambda _: replicated, args[1]),
-               jax.tree_util.tree_map(lambda _: rows, args[2]))
+        ins = (
+            jax.tree_util.tree_map(lambda _: replicated, args[0]),
+            jax.tree_util.tree_map(lambda _: replicated, args[1]),
+            jax.tree_util.tree_map(lambda _: rows, args[2]),
+        )
         outs = (ins[0], ins[1], replicated)
     else:
         ins, outs = plan_shardings
@@ -212,8 +239,9 @@ def whole_plan_way(step, args) -> Runner:
     executable = compile_executable(module, jax.devices()[:8])
 
     def call(params, state, batch):
-        return jax.tree_util.tree_unflatten(lowered.out_tree, executable.run(jax.tree_util.tree_leaves(
-            (params, state, batch))))
+        return jax.tree_util.tree_unflatten(
+            lowered.out_tree, executable.run(jax.tree_util.tree_leaves((params, state, batch)))
+        )
 
     return Runner("xla-shard-plan", call, args, {"first_call_s": time.perf_counter() - clock}).first()
 
@@ -234,8 +262,9 @@ def fragments_way(step, args, plan) -> Runner:
     local = PipelinedStep(planned.program, "eager-1f1b", dict(enumerate(jax.devices())))
 
     def call(params, state, batch):
-        return jax.tree_util.tree_unflatten(lowered.out_tree, local.run(jax.tree_util.tree_leaves(
-            (params, state, batch))))
+        return jax.tree_util.tree_unflatten(
+            lowered.out_tree, local.run(jax.tree_util.tree_leaves((params, state, batch)))
+        )
 
     return Runner("fragments-shard-plan", call, args, {"first_call_s": time.perf_counter() - clock}).first()
 
@@ -267,8 +296,10 @@ def planned_shardings(args, plan) -> tuple:
     planned, lowered = plan
     program = planned.program
     if len(program.meshes) != 1 or program.index_arg is not None:
-        raise SystemExit(f"the shard plan has meshes {program.meshes} and index argument {program.index_arg}: "
-                         "jit-plan-shardings needs one mesh and the step's own arguments")
+        raise SystemExit(
+            f"the shard plan has meshes {program.meshes} and index argument {program.index_arg}: "
+            "jit-plan-shardings needs one mesh and the step's own arguments"
+        )
     devices = [jax.devices()[d] for d in program.devices[program.meshes[0]]]
     shardings = {f.name: main_shardings(f.module, devices) for f in program.fragments}
     replicated = NamedSharding(shardings[program.fragments[0].name][0][0].mesh, PartitionSpec())
@@ -284,8 +315,9 @@ def planned_shardings(args, plan) -> tuple:
         return shardings[fragment.name][1][fragment.results.index(v)] if fragment else read_as(v)
 
     by_argument = {value.argument: v for v, value in enumerate(program.values) if value.argument is not None}
-    ins = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(args),
-                                       [read_as(by_argument[i]) for i in range(len(program.argument_shapes))])
+    ins = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(args), [read_as(by_argument[i]) for i in range(len(program.argument_shapes))]
+    )
     outs = jax.tree_util.tree_unflatten(lowered.out_tree, [made_as(v) for v in program.results])
     return (outs[0], outs[1], ins[2]), outs  # the state where the step leaves it
 
@@ -296,18 +328,34 @@ def hlopar_way(way: str, step, args) -> Runner:
     hosts, per_host, candidates = HLOPAR_WAYS[way]
     clock = time.perf_counter()
     for k, (method, options) in enumerate(candidates):
-        parallel = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(hosts, per_host), method=method,
-                                      batch_argnums=(2,), verbose=False, **options)
+        parallel = hlopar.parallelize(
+            step.step,
+            cluster=hlopar.Cluster.local(hosts, per_host),
+            method=method,
+            batch_argnums=(2,),
+            verbose=False,
+            **options,
+        )
         if len(candidates) == 1 or len(parallel.plan(*args)[0].program.meshes) > 1 or k == len(candidates) - 1:
             break
-    runner = Runner(way, parallel, args, {"method": method, "cluster": f"{hosts}x{per_host}",
-                                          "first_call_s": time.perf_counter() - clock}, parallel.close).first()
+    runner = Runner(
+        way,
+        parallel,
+        args,
+        {"method": method, "cluster": f"{hosts}x{per_host}", "first_call_s": time.perf_counter() - clock},
+        parallel.close,
+    ).first()
     runtime = parallel.runtime
     program = runtime.program
     layout = getattr(runtime, "layout", None)  # Ray's workers; none in process
-    runner.row.update({"runtime": type(runtime).__name__, "microbatches": program.microbatches,
-                       "workers": len(layout.slots) if layout else 0,
-                       "meshes": {m: len(program.devices[m]) for m in program.meshes}})
+    runner.row.update(
+        {
+            "runtime": type(runtime).__name__,
+            "microbatches": program.microbatches,
+            "workers": len(layout.slots) if layout else 0,
+            "meshes": {m: len(program.devices[m]) for m in program.meshes},
+        }
+    )
     return runner
 
 
@@ -315,13 +363,22 @@ def bench(args) -> dict:
     """Sets every way up (first calls), then `rounds` rounds of each way's warm-up and timed
     steps in turn (the hlopar functions stay open meanwhile), so that a load that comes and
     goes on the machine falls on every way alike; medians over all timed steps."""
-    config = gpt.GPTConfig(hidden_size=args.hidden, num_layers=args.layers, num_heads=max(1, args.hidden // 64),
-                           seq_len=args.seq, vocab_size=args.vocab, batch_size=args.batch)
+    config = gpt.GPTConfig(
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_heads=max(1, args.hidden // 64),
+        seq_len=args.seq,
+        vocab_size=args.vocab,
+        batch_size=args.batch,
+    )
     step = gpt.train_step(config)
     params = step.init(jax.random.PRNGKey(0))
     train_args = (params, step.init_opt_state(params), step.make_batch(jax.random.PRNGKey(1)))
-    plan = shard_plan(step, train_args) if {"jit-plan-shardings", "fragments-shard-plan",
-                                            "one-program-shard-plan"} & set(args.ways) else None
+    plan = (
+        shard_plan(step, train_args)
+        if {"jit-plan-shardings", "fragments-shard-plan", "one-program-shard-plan"} & set(args.ways)
+        else None
+    )
     plan_shardings = planned_shardings(train_args, plan) if "jit-plan-shardings" in args.ways else None
     runners = []
     try:
@@ -354,34 +411,68 @@ def bench(args) -> dict:
     base = by_way.get("jit-1-device")
     for row in rows:
         row["ratio_to_jit"] = row["step_s"] / base["step_s"] if base else None
-        for key, other in (("ratio_to_data_parallel", "jit-data-parallel"),
-                           ("ratio_to_plan_shardings", "jit-plan-shardings"), ("ratio_to_whole_plan", "xla-shard-plan"),
-                           ("ratio_to_fragments", "fragments-shard-plan"), ("ratio_to_one_program", "one-program-shard-plan")):
+        for key, other in (
+            ("ratio_to_data_parallel", "jit-data-parallel"),
+            ("ratio_to_plan_shardings", "jit-plan-shardings"),
+            ("ratio_to_whole_plan", "xla-shard-plan"),
+            ("ratio_to_fragments", "fragments-shard-plan"),
+            ("ratio_to_one_program", "one-program-shard-plan"),
+        ):
             if row["way"].startswith("hlopar-") and other in by_way:
                 row[key] = row["step_s"] / by_way[other]["step_s"]
     targets = {}
-    for key, other in (("ratio_to_plan_shardings", "jit-plan-shardings"), ("ratio_to_whole_plan", "xla-shard-plan"),
-                       ("ratio_to_fragments", "fragments-shard-plan"), ("ratio_to_one_program", "one-program-shard-plan")):
+    for key, other in (
+        ("ratio_to_plan_shardings", "jit-plan-shardings"),
+        ("ratio_to_whole_plan", "xla-shard-plan"),
+        ("ratio_to_fragments", "fragments-shard-plan"),
+        ("ratio_to_one_program", "one-program-shard-plan"),
+    ):
         for way, name in (("hlopar-shard-1x8", "shard"), ("hlopar-shard-1x8-ray", "ray_shard")):
             if way in by_way and other in by_way:
                 ratio = by_way[way][key]
-                targets[f"{name}_over_{key[len('ratio_to_'):]}"] = {"ratio": ratio, "target": TARGET_SAME_SHARDINGS,
-                                                                    "met": ratio <= TARGET_SAME_SHARDINGS}
+                targets[f"{name}_over_{key[len('ratio_to_') :]}"] = {
+                    "ratio": ratio,
+                    "target": TARGET_SAME_SHARDINGS,
+                    "met": ratio <= TARGET_SAME_SHARDINGS,
+                }
     for row in rows:
         if len(row.get("meshes", ())) > 1 and "step_over_critical" in row:
-            targets[f"{row['way']}_over_critical"] = {"ratio": row["step_over_critical"], "target": TARGET_CRITICAL,
-                                                      "met": row["step_over_critical"] <= TARGET_CRITICAL}
-    return {"machine": machine(), "config": {"hidden": args.hidden, "layers": args.layers, "seq": args.seq,
-                                             "batch": args.batch, "vocab": args.vocab,
-                                             "params": step.param_count(), "warmup": args.warmup,
-                                             "steps": args.steps, "rounds": args.rounds},
-            "rows": rows, "targets": targets}
+            targets[f"{row['way']}_over_critical"] = {
+                "ratio": row["step_over_critical"],
+                "target": TARGET_CRITICAL,
+                "met": row["step_over_critical"] <= TARGET_CRITICAL,
+            }
+    return {
+        "machine": machine(),
+        "config": {
+            "hidden": args.hidden,
+            "layers": args.layers,
+            "seq": args.seq,
+            "batch": args.batch,
+            "vocab": args.vocab,
+            "params": step.param_count(),
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "rounds": args.rounds,
+        },
+        "rows": rows,
+        "targets": targets,
+    }
 
 
 def machine() -> dict:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
+    model = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
         else platform.processor()
+    )
     return {"nproc": os.cpu_count(), "cpu": model, "jax": jax.__version__, "devices": len(jax.devices())}
 
 
@@ -434,9 +525,16 @@ def bench_transport(sizes_mib: list[float], repeats: int) -> list[dict]:
             np.copy(data)
             copies.append(time.perf_counter() - clock)
         transport, copy = statistics.median(times), statistics.median(copies)
-        rows.append({"mib": mib, "transport_s": transport, "copy_s": copy,
-                     "transport_gbps": nbytes / transport / 1e9, "copy_gbps": nbytes / copy / 1e9,
-                     "slowdown": transport / copy})
+        rows.append(
+            {
+                "mib": mib,
+                "transport_s": transport,
+                "copy_s": copy,
+                "transport_gbps": nbytes / transport / 1e9,
+                "copy_gbps": nbytes / copy / 1e9,
+                "slowdown": transport / copy,
+            }
+        )
     for actor in (receiver, sender):
         ray.kill(actor)
     return rows
@@ -447,29 +545,38 @@ def bench_transport(sizes_mib: list[float], repeats: int) -> list[dict]:
 
 def print_table(report: dict) -> None:
     c, m = report["config"], report["machine"]
-    print(f"GPT hidden {c['hidden']}, {c['layers']} layers, seq {c['seq']}, batch {c['batch']}, vocab {c['vocab']} "
-          f"({c['params'] / 1e6:.2f} M params); {m['nproc']} cores ({m['cpu']}), jax {m['jax']}; median of "
-          f"{c['rounds']} x {c['steps']} steps, each round after {c['warmup']} warm-up")
-    print(f"{'way':<24} {'step s':>8} {'x jit':>6} {'x plan-sh':>9} {'x whole':>7} {'x frags':>7} {'x one':>6} {'x dp':>6} "
-          f"{'crit s':>7} {'step/crit':>9} {'1st call s':>10} {'loss':>9}  plan")
+    print(
+        f"GPT hidden {c['hidden']}, {c['layers']} layers, seq {c['seq']}, batch {c['batch']}, vocab {c['vocab']} "
+        f"({c['params'] / 1e6:.2f} M params); {m['nproc']} cores ({m['cpu']}), jax {m['jax']}; median of "
+        f"{c['rounds']} x {c['steps']} steps, each round after {c['warmup']} warm-up"
+    )
+    print(
+        f"{'way':<24} {'step s':>8} {'x jit':>6} {'x plan-sh':>9} {'x whole':>7} {'x frags':>7} {'x one':>6} {'x dp':>6} "
+        f"{'crit s':>7} {'step/crit':>9} {'1st call s':>10} {'loss':>9}  plan"
+    )
     for r in report["rows"]:
+
         def num(key, spec):
             return format(r[key], spec) if r.get(key) is not None else "-"
 
-        print(f"{r['way']:<24} {r['step_s']:8.4f} {num('ratio_to_jit', '6.2f'):>6} "
-              f"{num('ratio_to_plan_shardings', '9.2f'):>9} {num('ratio_to_whole_plan', '7.2f'):>7} "
-              f"{num('ratio_to_fragments', '7.2f'):>7} {num('ratio_to_one_program', '6.2f'):>6} "
-              f"{num('ratio_to_data_parallel', '6.2f'):>6} "
-              f"{num('critical_s', '7.4f'):>7} {num('step_over_critical', '9.2f'):>9} {r['first_call_s']:10.1f} "
-              f"{r['loss']:9.5f}  " + (f"{r['method']} B={r['microbatches']} {r['meshes']}" if "meshes" in r else ""))
+        print(
+            f"{r['way']:<24} {r['step_s']:8.4f} {num('ratio_to_jit', '6.2f'):>6} "
+            f"{num('ratio_to_plan_shardings', '9.2f'):>9} {num('ratio_to_whole_plan', '7.2f'):>7} "
+            f"{num('ratio_to_fragments', '7.2f'):>7} {num('ratio_to_one_program', '6.2f'):>6} "
+            f"{num('ratio_to_data_parallel', '6.2f'):>6} "
+            f"{num('critical_s', '7.4f'):>7} {num('step_over_critical', '9.2f'):>9} {r['first_call_s']:10.1f} "
+            f"{r['loss']:9.5f}  " + (f"{r['method']} B={r['microbatches']} {r['meshes']}" if "meshes" in r else "")
+        )
     for r in report["rows"]:
         if "runtime_stats" in r:
             print(f"{r['way']}: the runtime's own timing is {r['runtime_stats']}")
     for name, t in report["targets"].items():
         print(f"target {name}: {t['ratio']:.3f} (at most {t['target']}): {'met' if t['met'] else 'NOT met'}")
     for r in report.get("transport", ()):
-        print(f"transport {r['mib']:g} MiB: {r['transport_s']:.5f} s ({r['transport_gbps']:.2f} GB/s) vs np.copy "
-              f"{r['copy_s']:.5f} s ({r['copy_gbps']:.2f} GB/s), {r['slowdown']:.1f}x")
+        print(
+            f"transport {r['mib']:g} MiB: {r['transport_s']:.5f} s ({r['transport_gbps']:.2f} GB/s) vs np.copy "
+            f"{r['copy_s']:.5f} s ({r['copy_gbps']:.2f} GB/s), {r['slowdown']:.1f}x"
+        )
 
 
 def main() -> int:
@@ -477,7 +584,9 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quick", action="store_true", help="a small GPT, few steps, fewer ways")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5; --quick 2)")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed steps before each round's (default 2; --quick 1)")
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps before each round's (default 2; --quick 1)"
+    )
     parser.add_argument("--rounds", type=int, default=None, help="rounds over the ways (default 3; --quick 1)")
     parser.add_argument("--ways", default=None, help=f"comma-separated, of {', '.join(WAYS)}")
     parser.add_argument("--hidden", type=int, default=None)
@@ -488,9 +597,11 @@ def main() -> int:
     parser.add_argument("--transport", default=None, help="also the transport, payloads in MiB (e.g. 1,16,64)")
     parser.add_argument("--repeats", type=int, default=5, help="transport repeats")
     args = parser.parse_args()
-    defaults = ({"steps": 2, "warmup": 1, "rounds": 1, "hidden": 64, "layers": 2, "seq": 16, "batch": 8, "vocab": 128}
-                if args.quick else {"steps": 5, "warmup": 2, "rounds": 3, "hidden": 256, "layers": 4, "seq": 64,
-                                    "batch": 16, "vocab": 1024})
+    defaults = (
+        {"steps": 2, "warmup": 1, "rounds": 1, "hidden": 64, "layers": 2, "seq": 16, "batch": 8, "vocab": 128}
+        if args.quick
+        else {"steps": 5, "warmup": 2, "rounds": 3, "hidden": 256, "layers": 4, "seq": 64, "batch": 16, "vocab": 1024}
+    )
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -38,7 +38,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hlopar.codegen.schedules import (  # noqa: E402
-    SCHEDULES, AlphaBeta, Edge, HostComm, PipelineTopology, StageCost, Timeline, build_streams, draw_timeline, signal,
+    SCHEDULES,
+    AlphaBeta,
+    Edge,
+    HostComm,
+    PipelineTopology,
+    StageCost,
+    Timeline,
+    build_streams,
+    draw_timeline,
+    signal,
     simulate,
 )
 
@@ -78,8 +87,17 @@ def _balanced_cuts(weights: list[float], parts: int) -> list[int]:
     return best[(n, parts)][1]
 
 
-def _case(model: str, d: int, seq: int, mb_size: int, dtype_bytes: int, layer_flops: list[float],
-          reads: list[list[int]], stages: int, device_tflops: float) -> Case:
+def _case(
+    model: str,
+    d: int,
+    seq: int,
+    mb_size: int,
+    dtype_bytes: int,
+    layer_flops: list[float],
+    reads: list[list[int]],
+    stages: int,
+    device_tflops: float,
+) -> Case:
     """A case from per-layer FLOPs and, per layer, the earlier layers whose outputs it reads."""
     starts = _balanced_cuts(layer_flops, stages)
     stage_of = [sum(1 for s in starts if s <= layer) - 1 for layer in range(len(layer_flops))]
@@ -137,40 +155,66 @@ def run(microbatch_counts: list[int], stages: int, device_tflops: float, timelin
             if timeline is not None:
                 timeline.mkdir(parents=True, exist_ok=True)
                 draw_timeline(Timeline.of(real), timeline / f"{case.model}-B{microbatches}-{name}.png")
-            rows.append({
-                "model": case.model,
-                "schedule": name,
-                "stages": stages,
-                "microbatches": microbatches,
-                "time_s": real.iteration_time,
-                "signal_time_s": bound.iteration_time,
-                "bubble_fraction": real.bubble_fraction,
-                "peak_memory_bytes": max(real.peak_memory.values()),
-                "devices_per_mesh": HOSTS * DEVICES_PER_HOST // stages,
-                "edges": [[e.src, e.dst, e.nbytes] for e in case.topology.edges],
-                "forward_s": [c.forward for c in case.costs],
-            })
+            rows.append(
+                {
+                    "model": case.model,
+                    "schedule": name,
+                    "stages": stages,
+                    "microbatches": microbatches,
+                    "time_s": real.iteration_time,
+                    "signal_time_s": bound.iteration_time,
+                    "bubble_fraction": real.bubble_fraction,
+                    "peak_memory_bytes": max(real.peak_memory.values()),
+                    "devices_per_mesh": HOSTS * DEVICES_PER_HOST // stages,
+                    "edges": [[e.src, e.dst, e.nbytes] for e in case.topology.edges],
+                    "forward_s": [c.forward for c in case.costs],
+                }
+            )
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    header = ["model", "B", "schedule", "time s", "signal s", "signal / time", "vs 1f1b", "bubble",
-              "peak stash GB/device"]
+    header = [
+        "model",
+        "B",
+        "schedule",
+        "time s",
+        "signal s",
+        "signal / time",
+        "vs 1f1b",
+        "bubble",
+        "peak stash GB/device",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     base = {(r["model"], r["microbatches"]): r["time_s"] for r in rows if r["schedule"] == "1f1b"}
     for r in rows:
         key = (r["model"], r["microbatches"])
-        lines.append("| " + " | ".join([
-            r["model"], str(r["microbatches"]), r["schedule"], f"{r['time_s']:.3f}", f"{r['signal_time_s']:.3f}",
-            f"{100 * r['signal_time_s'] / r['time_s']:.1f}%", f"{base[key] / r['time_s']:.3f}x",
-            f"{100 * r['bubble_fraction']:.1f}%", f"{r['peak_memory_bytes'] / r['devices_per_mesh'] / 1e9:.1f}",
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["model"],
+                    str(r["microbatches"]),
+                    r["schedule"],
+                    f"{r['time_s']:.3f}",
+                    f"{r['signal_time_s']:.3f}",
+                    f"{100 * r['signal_time_s'] / r['time_s']:.1f}%",
+                    f"{base[key] / r['time_s']:.3f}x",
+                    f"{100 * r['bubble_fraction']:.1f}%",
+                    f"{r['peak_memory_bytes'] / r['devices_per_mesh'] / 1e9:.1f}",
+                ]
+            )
+            + " |"
+        )
     notes = []
     for model, microbatches in base:
         row = next(r for r in rows if (r["model"], r["microbatches"]) == (model, microbatches))
-        notes.append(f"{model}, B={microbatches}: forward s per stage "
-                     + ", ".join(f"{f:.3f}" for f in row["forward_s"]) + "; edges per microbatch "
-                     + ", ".join(f"{s}->{t} {b / 1e6:.0f} MB" for s, t, b in row["edges"]))
+        notes.append(
+            f"{model}, B={microbatches}: forward s per stage "
+            + ", ".join(f"{f:.3f}" for f in row["forward_s"])
+            + "; edges per microbatch "
+            + ", ".join(f"{s}->{t} {b / 1e6:.0f} MB" for s, t, b in row["edges"])
+        )
     return "\n".join(lines + [""] + notes + [""] + verdicts(rows))
 
 
@@ -184,8 +228,10 @@ def verdicts(rows: list[dict]) -> list[str]:
             continue
         eager, one = by_key[(model, microbatches, "eager-1f1b")], by_key.get((model, microbatches, "1f1b"))
         share = eager["signal_time_s"] / eager["time_s"]
-        line = (f"{model}, B={microbatches}: eager-1f1b at {100 * share:.1f}% of the signal bound "
-                f"(within 3%: {'yes' if share >= 0.97 else 'no'})")
+        line = (
+            f"{model}, B={microbatches}: eager-1f1b at {100 * share:.1f}% of the signal bound "
+            f"(within 3%: {'yes' if share >= 0.97 else 'no'})"
+        )
         if one is not None:
             line += f", {one['time_s'] / eager['time_s']:.2f}x over 1f1b"
         out.append(line)

@@ -44,11 +44,19 @@ def main() -> int:
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--preset", default="a100-80g-nvlink")
     parser.add_argument("--memory-per-device", default="none")
-    parser.add_argument("--remat", default="auto", choices=("auto", "always", "never", "layers"),
-                        help="stage rematerialization (hlopar-stage-construction's remat option)")
-    parser.add_argument("--no-donate", dest="donate", action="store_false",
-                        help="lower the step without donating its state (default: donate_argnums=(0, 1), the "
-                             "update in place, as Alpa's and a jax training loop's)")
+    parser.add_argument(
+        "--remat",
+        default="auto",
+        choices=("auto", "always", "never", "layers"),
+        help="stage rematerialization (hlopar-stage-construction's remat option)",
+    )
+    parser.add_argument(
+        "--no-donate",
+        dest="donate",
+        action="store_false",
+        help="lower the step without donating its state (default: donate_argnums=(0, 1), the "
+        "update in place, as Alpa's and a jax training loop's)",
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from hlopar.models import get_train_step
@@ -68,8 +76,15 @@ def main() -> int:
             f"microbatches={args.microbatches} schedule={args.schedule} preset={args.preset} "
             f"memory-per-device={args.memory_per_device} remat={args.remat} report={stages}}})"
         )
-        command = [sys.executable, "-m", "hlopar.cli.opt", str(source), f"--pass-pipeline={pipeline}",
-                   "-o", str(Path(scratch) / "out.mlir")]
+        command = [
+            sys.executable,
+            "-m",
+            "hlopar.cli.opt",
+            str(source),
+            f"--pass-pipeline={pipeline}",
+            "-o",
+            str(Path(scratch) / "out.mlir"),
+        ]
         start = time.perf_counter()
         result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         wall = time.perf_counter() - start
@@ -83,34 +98,51 @@ def main() -> int:
     algorithm_1 = cluster_report["seconds"] + t["sharding_rules"] + t["layer_ilps"] + t["span_costs"] + t["stage_dp"]
     loops = unstack_report["loops"]
     rows = [
-        (f"unstack layer scans ({len(loops)} loops unrolled, {unstack_report['split_arguments']} stacked arguments "
-         "split)", unstack_report["seconds"]),
+        (
+            f"unstack layer scans ({len(loops)} loops unrolled, {unstack_report['split_arguments']} stacked arguments "
+            "split)",
+            unstack_report["seconds"],
+        ),
         ("operator clustering (Eq. 6)", cluster_report["seconds"]),
         ("sharding rules (sdy)", t["sharding_rules"]),
-        (f"layer ILPs ({report['layer_ilps_solved']} solved, {report['logical_meshes']} logical meshes)", t["layer_ilps"]),
+        (
+            f"layer ILPs ({report['layer_ilps_solved']} solved, {report['logical_meshes']} logical meshes)",
+            t["layer_ilps"],
+        ),
         ("span cost table", t["span_costs"]),
         ("stage DP (Eq. 3-4, Alg. 1)", t["stage_dp"]),
         ("Algorithm 1 in all", algorithm_1),
         ("MPMD program (stage ILPs, fragments)", t["mpmd_program"]),
-        ("rest (start, parse, import, print)", wall - t["total"] - cluster_report["seconds"] - unstack_report["seconds"]),
+        (
+            "rest (start, parse, import, print)",
+            wall - t["total"] - cluster_report["seconds"] - unstack_report["seconds"],
+        ),
         ("hlopar-opt, file to file", wall),
     ]
-    print(f"{args.model} on {args.hosts}x{args.devices} ({args.preset}), {report['num_layers']} layers, "
-          f"B={report['microbatches']}, {args.schedule}, remat={args.remat}, "
-          f"state {'donated' if args.donate else 'not donated'}; export {export_s:.1f} s")
+    print(
+        f"{args.model} on {args.hosts}x{args.devices} ({args.preset}), {report['num_layers']} layers, "
+        f"B={report['microbatches']}, {args.schedule}, remat={args.remat}, "
+        f"state {'donated' if args.donate else 'not donated'}; export {export_s:.1f} s"
+    )
     for name, seconds in rows:
         print(f"  {name:<60} {seconds:>8.2f} s")
     print("  stages:")
     for stage in report["stages"]:
-        print(f"    layers {stage['layers'][0]:>2}-{stage['layers'][1]:<2} submesh {tuple(stage['submesh'])} "
-              f"logical {tuple(stage['logical_shape'])} latency {stage['latency'] * 1e3:.1f} ms "
-              f"memory {stage['memory_bytes'] / 2**30:.1f} GiB{(' remat per layer' if stage.get('remat_form') == 'layers' else ' remat') if stage.get('remat') else ''}")
+        print(
+            f"    layers {stage['layers'][0]:>2}-{stage['layers'][1]:<2} submesh {tuple(stage['submesh'])} "
+            f"logical {tuple(stage['logical_shape'])} latency {stage['latency'] * 1e3:.1f} ms "
+            f"memory {stage['memory_bytes'] / 2**30:.1f} GiB{(' remat per layer' if stage.get('remat_form') == 'layers' else ' remat') if stage.get('remat') else ''}"
+        )
     print(f"  predicted step {report['predicted_step_seconds']:.3f} s, bubble {report['bubble_fraction']:.1%}")
-    tried = ", ".join(f"B={c['microbatches']}: " + (f"{c['total_latency']:.3f} s" if c["total_latency"] is not None
-                                                    else "no plan") for c in report["microbatch_candidates"])
+    tried = ", ".join(
+        f"B={c['microbatches']}: " + (f"{c['total_latency']:.3f} s" if c["total_latency"] is not None else "no plan")
+        for c in report["microbatch_candidates"]
+    )
     print(f"  microbatch counts tried: {tried}")
-    print(f"Algorithm 1: {algorithm_1:.1f} s (target {TARGET_TOTAL_S:.0f} s, ratio {algorithm_1 / TARGET_TOTAL_S:.2f}); "
-          f"DP: {t['stage_dp']:.2f} s (target {TARGET_DP_S:.0f} s, ratio {t['stage_dp'] / TARGET_DP_S:.2f})")
+    print(
+        f"Algorithm 1: {algorithm_1:.1f} s (target {TARGET_TOTAL_S:.0f} s, ratio {algorithm_1 / TARGET_TOTAL_S:.2f}); "
+        f"DP: {t['stage_dp']:.2f} s (target {TARGET_DP_S:.0f} s, ratio {t['stage_dp'] / TARGET_DP_S:.2f})"
+    )
     return 0
 
 

@@ -36,13 +36,23 @@ def main() -> int:
     parser.add_argument("--microbatches", default="64")
     parser.add_argument("--preset", default="a100-80g-nvlink")
     parser.add_argument("--stage", type=int, default=None, help="the stage whose fragments to compile")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="runs of each fragment timed (after one warm-up); 0: compile only")
-    parser.add_argument("--set", action="append", default=[], metavar="FIELD=INT",
-                        help="a field of the model's configuration changed, e.g. batch_size=16 seq_len=256 (to run "
-                             "a big model's stage on a CPU); repeatable")
-    parser.add_argument("--program", type=Path, default=None,
-                        help="an MPMD program planned before (with --save): skip the export and planning")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs of each fragment timed (after one warm-up); 0: compile only"
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=INT",
+        help="a field of the model's configuration changed, e.g. batch_size=16 seq_len=256 (to run "
+        "a big model's stage on a CPU); repeatable",
+    )
+    parser.add_argument(
+        "--program",
+        type=Path,
+        default=None,
+        help="an MPMD program planned before (with --save): skip the export and planning",
+    )
     parser.add_argument("--save", type=Path, default=None, help="write the planned MPMD program here")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -67,18 +77,24 @@ def _plan(args) -> str | None:
             config = replace(MODELS[model].configs[config], **{k: int(v) for k, v in fields.items()})
         source, out = Path(scratch) / "in.mlir", Path(scratch) / "out.mlir"
         source.write_text(get_train_step(model, config).lower(donate=True))
-        pipeline = (f"builtin.module(hlopar-import,hlopar-unstack-layer-scans,"
-                    f"hlopar-cluster-operators{{layers={args.layers}}},hlopar-stage-construction{{num-hosts={args.hosts} devices-per-host={args.devices} "
-                    f"microbatches={args.microbatches} preset={args.preset}}})")
+        pipeline = (
+            f"builtin.module(hlopar-import,hlopar-unstack-layer-scans,"
+            f"hlopar-cluster-operators{{layers={args.layers}}},hlopar-stage-construction{{num-hosts={args.hosts} devices-per-host={args.devices} "
+            f"microbatches={args.microbatches} preset={args.preset}}})"
+        )
         start = time.perf_counter()
-        result = subprocess.run([sys.executable, "-m", "hlopar.cli.opt", str(source), f"--pass-pipeline={pipeline}",
-                                 "-o", str(out)], capture_output=True, text=True,
-                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+        result = subprocess.run(
+            [sys.executable, "-m", "hlopar.cli.opt", str(source), f"--pass-pipeline={pipeline}", "-o", str(out)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         if result.returncode != 0:
             print(f"hlopar-opt failed:\n{result.stderr[-3000:]}", file=sys.stderr)
             return None
-        print(f"{args.model} on {args.hosts}x{args.devices}: planned in {time.perf_counter() - start:.1f} s",
-              flush=True)
+        print(
+            f"{args.model} on {args.hosts}x{args.devices}: planned in {time.perf_counter() - start:.1f} s", flush=True
+        )
         return out.read_text()
 
 
@@ -105,8 +121,11 @@ def _compare(text: str, wanted: int | None, repeats: int) -> int:
         report = Path(tempfile.mkstemp(suffix=".json")[1])
         start = time.perf_counter()
         RerollStageLoopsPass(hold_ranges=form == "held", report=str(report)).run(modules[form], PassContext())
-        print(f"hlopar-reroll-stage-loops{{hold-ranges={str(form == 'held').lower()}}}: "
-              f"{time.perf_counter() - start:.1f} s", flush=True)
+        print(
+            f"hlopar-reroll-stage-loops{{hold-ranges={str(form == 'held').lower()}}}: "
+            f"{time.perf_counter() - start:.1f} s",
+            flush=True,
+        )
         ranges = json.loads(report.read_text())["ranges"]
         report.unlink()
     local = len(jax.devices())
@@ -124,17 +143,23 @@ def _compare(text: str, wanted: int | None, repeats: int) -> int:
         rows = list(zip(*(fragments(modules[form]) for form in FORMS)))
         sizes = {stage_of(r[0]): len(physical[mesh_of(r[0])]) for r in rows if stage_of(r[0]) is not None}
         held = {s: sum(r["trips"] for r in ranges if r["rolled"] and r["fragment"] == f"stage{s}") for s in sizes}
-        stage = wanted if wanted is not None else max(
-            (s for s in sizes if sizes[s] <= local), key=lambda s: (held[s], -s))
+        stage = (
+            wanted if wanted is not None else max((s for s in sizes if sizes[s] <= local), key=lambda s: (held[s], -s))
+        )
         mesh = next(mesh_of(r[0]) for r in rows if stage_of(r[0]) == stage)
-        print(f"stage {stage}: {sizes[stage]} devices; ranges rolled: "
-              + "; ".join(f"{r['fragment']} loop {r['loop']} layers {r['layers']}" for r in ranges
-                          if r["rolled"] and r["fragment"].startswith(f"stage{stage}")))
+        print(
+            f"stage {stage}: {sizes[stage]} devices; ranges rolled: "
+            + "; ".join(
+                f"{r['fragment']} loop {r['loop']} layers {r['layers']}"
+                for r in ranges
+                if r["rolled"] and r["fragment"].startswith(f"stage{stage}")
+            )
+        )
         totals = {form: [0.0, 0.0] for form in FORMS}
         for row in rows:
             if mesh_of(row[0]) != mesh:
                 continue
-            devices = jax.devices()[:len(physical[mesh])]  # as many local devices as the mesh has
+            devices = jax.devices()[: len(physical[mesh])]  # as many local devices as the mesh has
             line = [f"  {fragment_role(row[0]):<8}"]
             for form, fragment in zip(FORMS, row):
                 module = fragment_module(fragment, topology)
@@ -145,11 +170,14 @@ def _compare(text: str, wanted: int | None, repeats: int) -> int:
                 run = _run_seconds(executable, repeats) if repeats else 0.0
                 totals[form][0] += seconds
                 totals[form][1] += run
-                line.append(f"{form}: {lines} lines, compile {seconds:.1f} s"
-                            + (f", run {run * 1e3:.0f} ms" if repeats else ""))
+                line.append(
+                    f"{form}: {lines} lines, compile {seconds:.1f} s" + (f", run {run * 1e3:.0f} ms" if repeats else "")
+                )
             print("; ".join(line), flush=True)
-        print(f"  stage {stage} (forward, backward, update), compile / one run of each: "
-              + "; ".join(f"{form} {c:.1f} s / {r * 1e3:.0f} ms" for form, (c, r) in totals.items()))
+        print(
+            f"  stage {stage} (forward, backward, update), compile / one run of each: "
+            + "; ".join(f"{form} {c:.1f} s / {r * 1e3:.0f} ms" for form, (c, r) in totals.items())
+        )
     return 0
 
 
@@ -158,8 +186,10 @@ def _run_seconds(executable, repeats: int) -> float:
     import jax
     import numpy as np
 
-    placed = [jax.device_put(np.zeros(shape, dtype), sharding)
-              for (shape, dtype), sharding in zip(executable.input_types, executable.input_shardings)]
+    placed = [
+        jax.device_put(np.zeros(shape, dtype), sharding)
+        for (shape, dtype), sharding in zip(executable.input_types, executable.input_shardings)
+    ]
     times = []
     for _ in range(repeats + 1):  # the first warms up
         start = time.perf_counter()

@@ -42,8 +42,22 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 DEFAULT_MODELS = ["mlp:large-batch", "mlp:large-hidden", "mlp:large-both", "mlp:tiny", "gpt:tiny", "wide_resnet:tiny"]
 _KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s64": 8, "s32": 4, "u32": 4, "s16": 2, "s8": 1, "u8": 1, "pred": 1}
-_COLLECTIVE = re.compile(r"^\s*(?:ROOT )?%\S+ = (.*?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(")
+_DTYPE_BYTES = {
+    "f64": 8,
+    "f32": 4,
+    "bf16": 2,
+    "f16": 2,
+    "s64": 8,
+    "s32": 4,
+    "u32": 4,
+    "s16": 2,
+    "s8": 1,
+    "u8": 1,
+    "pred": 1,
+}
+_COLLECTIVE = re.compile(
+    r"^\s*(?:ROOT )?%\S+ = (.*?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\("
+)
 _UNIT = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
 
@@ -60,8 +74,11 @@ def replica_partition(line: str, devices: int) -> frozenset[frozenset[int]] | No
     """The device groups of a collective, from any of XLA's replica_groups syntaxes: explicit
     lists, iota tiles (`[4,2]<=[2,4]T(1,0)`) and meshes with named (sub-)axes
     (`mesh['a'=4,'b'=2], device_ids=([2,4]T(1,0)) {'b','a':(1)2}`)."""
-    match = re.search(r"replica_groups=(\{\{.*?\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"
-                      r"|mesh\[[^\]]*\](?:, device_ids=\([^)]*\)(?:T\([\d,]+\))?\)?)? \{[^}]*\})", line)
+    match = re.search(
+        r"replica_groups=(\{\{.*?\}\}|\{\}|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"
+        r"|mesh\[[^\]]*\](?:, device_ids=\([^)]*\)(?:T\([\d,]+\))?\)?)? \{[^}]*\})",
+        line,
+    )
     if match is None:
         return None
     text = match.group(1)
@@ -101,18 +118,27 @@ def _mesh_groups(text: str) -> frozenset[frozenset[int]]:
     explicit = re.search(r"device_ids=\((.*)\)$", head)
     if explicit:
         tile = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", explicit.group(1).strip())
-        ids = _iota_tile(tile.group(1), tile.group(2)) if tile else np.array(
-            [int(d) for d in re.findall(r"\d+", explicit.group(1))])
-    refs = [(name, int(pre) if pre else None, int(size) if size else None)
-            for name, pre, size in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", grouped_text)]
+        ids = (
+            _iota_tile(tile.group(1), tile.group(2))
+            if tile
+            else np.array([int(d) for d in re.findall(r"\d+", explicit.group(1))])
+        )
+    refs = [
+        (name, int(pre) if pre else None, int(size) if size else None)
+        for name, pre, size in re.findall(r"'([^']+)'(?::\((\d+)\)(\d+))?", grouped_text)
+    ]
     # Each axis cut where the sub-axes named begin and end: pieces (axis, pre, size), major first.
     pieces = []
     for name, size in axes:
         cuts = {1, size} | {c for n, pre, sub in refs if n == name and pre for c in (pre, pre * sub)}
         bounds = sorted(cuts, reverse=True)
         pieces += [(name, low, high // low) for high, low in zip(bounds, bounds[1:])]
-    grouped = [i for name, pre, size in refs for i, (n, p, s) in enumerate(pieces)
-               if n == name and (pre is None or (p, s) == (pre, size))]
+    grouped = [
+        i
+        for name, pre, size in refs
+        for i, (n, p, s) in enumerate(pieces)
+        if n == name and (pre is None or (p, s) == (pre, size))
+    ]
     rest = [i for i in range(len(pieces)) if i not in grouped]
     array = ids.reshape([s for _, _, s in pieces] or [1])
     moved = array.transpose(rest + grouped).reshape(-1, math.prod(pieces[i][2] for i in grouped))
@@ -125,7 +151,9 @@ def _groups(mesh_shape: list[int], grouped_axes: list[int]) -> frozenset[frozens
 
     ids = np.arange(math.prod(mesh_shape)).reshape(mesh_shape)
     rest = [a for a in range(len(mesh_shape)) if a not in grouped_axes]
-    moved = ids.transpose(rest + grouped_axes).reshape(-1, math.prod(mesh_shape[a] for a in grouped_axes) if grouped_axes else 1)
+    moved = ids.transpose(rest + grouped_axes).reshape(
+        -1, math.prod(mesh_shape[a] for a in grouped_axes) if grouped_axes else 1
+    )
     return frozenset(frozenset(int(d) for d in row) for row in moved)
 
 
@@ -138,15 +166,25 @@ def axes_of(partition, mesh_shape: list[int], axis_names: list[str]) -> tuple[st
             if _groups(mesh_shape, list(subset)) == partition:
                 return tuple(axis_names[i] for i in subset)
     # Per axis: not in the group, whole, or one of its sub-axes (pre, size).
-    options = [[None, (1, size)] + [(pre, sub) for pre in range(1, size) for sub in range(2, size)
-                                     if size % (pre * sub) == 0 and pre * sub <= size and sub < size]
-               for size in mesh_shape]
+    options = [
+        [None, (1, size)]
+        + [
+            (pre, sub)
+            for pre in range(1, size)
+            for sub in range(2, size)
+            if size % (pre * sub) == 0 and pre * sub <= size and sub < size
+        ]
+        for size in mesh_shape
+    ]
     for choice in itertools.product(*options):
         if all(c is None or c[1] == size for c, size in zip(choice, mesh_shape)):
             continue  # whole axes only: tried above
         if _sub_axis_groups(mesh_shape, choice) == partition:
-            return tuple(name if c[1] == size else f"{name}:({c[0]}){c[1]}"
-                         for name, size, c in zip(axis_names, mesh_shape, choice) if c is not None)
+            return tuple(
+                name if c[1] == size else f"{name}:({c[0]}){c[1]}"
+                for name, size, c in zip(axis_names, mesh_shape, choice)
+                if c is not None
+            )
     return None
 
 
@@ -175,7 +213,10 @@ def compiled_collectives(hlo: str, mesh_shape, axis_names) -> list[tuple[str, tu
             continue
         shape_text, kind = match.group(1), match.group(2)
         if kind == "collective-permute":
-            pairs = [tuple(int(d) for d in p.split(",")) for p in re.findall(r"\{(\d+,\d+)\}", line.split("source_target_pairs=")[1].split("}}")[0] + "}")]
+            pairs = [
+                tuple(int(d) for d in p.split(","))
+                for p in re.findall(r"\{(\d+,\d+)\}", line.split("source_target_pairs=")[1].split("}}")[0] + "}")
+            ]
             moved = _permuted_axes(pairs, mesh_shape, axis_names)
             if moved:
                 found.append((kind, moved, shapes_bytes(shape_text)[0]))
@@ -184,11 +225,11 @@ def compiled_collectives(hlo: str, mesh_shape, axis_names) -> list[tuple[str, tu
         axes = axes_of(partition, mesh_shape, axis_names) if partition is not None else None
         sizes = shapes_bytes(shape_text)
         if match.group(3):  # async start: (operands..., results...) — keep the results half
-            sizes = sizes[len(sizes) // 2:]
+            sizes = sizes[len(sizes) // 2 :]
         group = len(next(iter(partition))) if partition else 1
         if kind == "all-to-all" and "dimensions={" not in line and group > 1 and len(sizes) % group == 0:
             # The tuple form: one operand per peer, `group` chunks make one all-to-all
-            sizes = [sum(sizes[i:i + group]) for i in range(0, len(sizes), group)]
+            sizes = [sum(sizes[i : i + group]) for i in range(0, len(sizes), group)]
         for nbytes in sizes:
             if kind == "reduce-scatter":
                 nbytes *= group  # hlopar names a reduce-scatter by its input size
@@ -259,10 +300,14 @@ def compare(predicted: list, compiled: list) -> Fidelity:
             left_compiled[("all-reduce", axes, nbytes)] -= pair
     left_predicted -= as_all_reduce
     left_compiled = +left_compiled
-    notes = [f"  predicted, not compiled: {k}({n} B, {','.join(a)}) x{c}{_explain(k, a, n, left_compiled, compiled)}"
-             for (k, a, n), c in sorted(left_predicted.items())]
-    notes += [f"  compiled, not predicted: {k}({n} B, {','.join(a)}) x{c}{_explain(k, a, n, left_predicted, predicted)}"
-              for (k, a, n), c in sorted(left_compiled.items())]
+    notes = [
+        f"  predicted, not compiled: {k}({n} B, {','.join(a)}) x{c}{_explain(k, a, n, left_compiled, compiled)}"
+        for (k, a, n), c in sorted(left_predicted.items())
+    ]
+    notes += [
+        f"  compiled, not predicted: {k}({n} B, {','.join(a)}) x{c}{_explain(k, a, n, left_predicted, predicted)}"
+        for (k, a, n), c in sorted(left_compiled.items())
+    ]
     return Fidelity(len(predicted), len(compiled), sum(matched.values()), sum(as_all_reduce.values()), notes)
 
 
@@ -313,8 +358,13 @@ def main() -> int:
     print(f"{'model':<22} {'predicted':>9} {'compiled':>9} {'matched':>8} {'rs as ar':>8} {'rate':>7}")
     for spec, r in rows:
         print(f"{spec:<22} {r.predicted:>9} {r.compiled:>9} {r.matched:>8} {r.matched_as_all_reduce:>8} {r.rate:>7.1%}")
-    total = Fidelity(*(sum(getattr(r, f) for _, r in rows) for f in ("predicted", "compiled", "matched", "matched_as_all_reduce")), [])
-    print(f"{'total':<22} {total.predicted:>9} {total.compiled:>9} {total.matched:>8} {total.matched_as_all_reduce:>8} {total.rate:>7.1%}")
+    total = Fidelity(
+        *(sum(getattr(r, f) for _, r in rows) for f in ("predicted", "compiled", "matched", "matched_as_all_reduce")),
+        [],
+    )
+    print(
+        f"{'total':<22} {total.predicted:>9} {total.compiled:>9} {total.matched:>8} {total.matched_as_all_reduce:>8} {total.rate:>7.1%}"
+    )
     print("\n".join(all_notes))
     return 0
 

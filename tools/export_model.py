@@ -59,12 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.model or not args.config:
         parser.print_usage(sys.stderr)
-        print(f"{parser.prog}: error: a model and a configuration are required "
-              "(or --list)", file=sys.stderr)
+        print(f"{parser.prog}: error: a model and a configuration are required (or --list)", file=sys.stderr)
         return 2
     if args.bytecode and args.output == "-":
-        print(f"{parser.prog}: error: --bytecode needs an output file (-o FILE)",
-              file=sys.stderr)
+        print(f"{parser.prog}: error: --bytecode needs an output file (-o FILE)", file=sys.stderr)
         return 2
 
     from hlopar.models import UnknownModelError, count_ops, get_train_step

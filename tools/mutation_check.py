@@ -52,64 +52,92 @@ MUTATIONS = (
     Mutation(
         "update-sign",
         "hlopar/codegen/fragments.py",
-        (("            func_dialect.ReturnOp([mapping.get(v, v) for v in terminator.operands])\n    return module\n",
-          "            func_dialect.ReturnOp([mapping.get(v, v) for v in terminator.operands])\n"
-          "    text = str(module)\n"
-          "    if \"_update\" in str(fragment.attributes[\"origin\"]) and \"stablehlo.subtract\" in text:\n"
-          "        head, _, tail = text.rpartition(\"stablehlo.subtract\")\n"
-          "        module = ir.Operation.parse(head + \"stablehlo.add\" + tail, context=fragment.context)\n"
-          "    return module\n"),),
+        (
+            (
+                "            func_dialect.ReturnOp([mapping.get(v, v) for v in terminator.operands])\n    return module\n",
+                "            func_dialect.ReturnOp([mapping.get(v, v) for v in terminator.operands])\n"
+                "    text = str(module)\n"
+                '    if "_update" in str(fragment.attributes["origin"]) and "stablehlo.subtract" in text:\n'
+                '        head, _, tail = text.rpartition("stablehlo.subtract")\n'
+                '        module = ir.Operation.parse(head + "stablehlo.add" + tail, context=fragment.context)\n'
+                "    return module\n",
+            ),
+        ),
         ("test/unit/mpmd/test_train_steps.py",),
         why="an update fragment adds its last parameter's step instead of subtracting it",
     ),
     Mutation(
         "restore-stale",
         "hlopar/runtime/ray_runtime.py",
-        (("            value = self.kept[(self.last, r)]\n",
-          "            value = self.kept.get((self.last - 1, r), self.kept[(self.last, r)])\n"),),
+        (
+            (
+                "            value = self.kept[(self.last, r)]\n",
+                "            value = self.kept.get((self.last - 1, r), self.kept[(self.last, r)])\n",
+            ),
+        ),
         ("test/unit/runtime/test_ray_runtime.py::test_a_killed_worker_raises_and_the_next_call_restarts",),
         why="save writes the state of the step before the last one",
     ),
     Mutation(
         "dropped-result",
         "hlopar/runtime/sequential_mpmd.py",
-        (("        return [values[i] for i in self.results]\n",
-          "        return [values[i] for i in self.results][:-1]\n"),),
+        (
+            (
+                "        return [values[i] for i in self.results]\n",
+                "        return [values[i] for i in self.results][:-1]\n",
+            ),
+        ),
         ("test/unit/mpmd/test_mpmd_program.py", "test/unit/mpmd/test_train_steps.py"),
         why="the MPMD runner returns one result less",
     ),
     Mutation(
         "shard-order",
         "hlopar/runtime/local_transfer.py",
-        (("    for logical, index in all_device_slices(transfer.shape, transfer.dst.sharding, transfer.dst.mesh).items():\n",
-          "    slices = all_device_slices(transfer.shape, transfer.dst.sharding, transfer.dst.mesh)\n"
-          "    for logical, index in zip(slices, list(slices.values())[::-1]):\n"),),
+        (
+            (
+                "    for logical, index in all_device_slices(transfer.shape, transfer.dst.sharding, transfer.dst.mesh).items():\n",
+                "    slices = all_device_slices(transfer.shape, transfer.dst.sharding, transfer.dst.mesh)\n"
+                "    for logical, index in zip(slices, list(slices.values())[::-1]):\n",
+            ),
+        ),
         ("test/unit/resharding/test_reshard_executor.py", "test/unit/mpmd/test_pipeline_numerics.py"),
         why="a planned transfer puts the destination's shards back in reverse order",
     ),
     Mutation(
         "microbatch-mean-twice",
         "hlopar/runtime/local_executor.py",
-        (("        results = self.update.run([arguments[i] for i in split.update_args] + sums)\n",
-          "        results = self.update.run([arguments[i] for i in split.update_args]\n"
-          "                                  + [s / split.microbatches for s in sums])\n"),),
+        (
+            (
+                "        results = self.update.run([arguments[i] for i in split.update_args] + sums)\n",
+                "        results = self.update.run([arguments[i] for i in split.update_args]\n"
+                "                                  + [s / split.microbatches for s in sums])\n",
+            ),
+        ),
         ("test/unit/microbatch/test_microbatched_numerics.py",),
         why="the sums over microbatches (already means over the global batch) are divided by B again",
     ),
     Mutation(
         "stash-freed-early",
         "hlopar/codegen/schedules/instructions.py",
-        (("        self._free(f\"stash.{m}\", self.topology.activation_bytes[k], last)\n",
-          "        self._free(f\"stash.{m + 1}\", self.topology.activation_bytes[k], last)\n"),),
+        (
+            (
+                '        self._free(f"stash.{m}", self.topology.activation_bytes[k], last)\n',
+                '        self._free(f"stash.{m + 1}", self.topology.activation_bytes[k], last)\n',
+            ),
+        ),
         ("test/unit/schedules/test_sched_instructions.py", "test/unit/microbatch/test_pipelined_executor.py"),
         why="after microbatch m's backward, the schedule frees the stash of microbatch m + 1",
     ),
     Mutation(
         "collective-axes-swapped",
         "hlopar/analysis/auto_sharding/strategies.py",
-        (("    collectives = tuple(Collective(\"all-reduce\", axes, nbytes) for axes in reductions for nbytes in result_bytes)\n",
-          "    collectives = tuple(Collective(\"all-reduce\", tuple({\"x\": \"y\", \"y\": \"x\"}.get(a, a) for a in axes), nbytes)\n"
-          "                        for axes in reductions for nbytes in result_bytes)\n"),),
+        (
+            (
+                '    collectives = tuple(Collective("all-reduce", axes, nbytes) for axes in reductions for nbytes in result_bytes)\n',
+                '    collectives = tuple(Collective("all-reduce", tuple({"x": "y", "y": "x"}.get(a, a) for a in axes), nbytes)\n'
+                "                        for axes in reductions for nbytes in result_bytes)\n",
+            ),
+        ),
         ("test/unit/auto_sharding/test_fidelity.py", "test/unit/auto_sharding/test_strategies.py"),
         lit=True,
         why="the plan's all-reduce of a split contraction names the other mesh axis",
@@ -117,8 +145,7 @@ MUTATIONS = (
     Mutation(
         "chlo-left",
         "hlopar/passes/import_program.py",
-        (("            upstream.append(\"func.func(chlo-legalize-to-stablehlo)\")\n",
-          "            pass\n"),),
+        (('            upstream.append("func.func(chlo-legalize-to-stablehlo)")\n', "            pass\n"),),
         ("test/unit/passes/test_import.py",),
         lit=True,
         why="the import leaves chlo ops as they are",
@@ -147,8 +174,10 @@ def apply(mutation: Mutation, tree: Path) -> None:
     for search, replace in mutation.edits:
         count = text.count(search)
         if count != 1:
-            raise SystemExit(f"mutation {mutation.name}: the search text occurs {count} times in {mutation.path} "
-                             f"(expected once): {search.splitlines()[0].strip()!r}")
+            raise SystemExit(
+                f"mutation {mutation.name}: the search text occurs {count} times in {mutation.path} "
+                f"(expected once): {search.splitlines()[0].strip()!r}"
+            )
         text = text.replace(search, replace)
     path.write_text(text)
 
@@ -164,8 +193,14 @@ def environment(tree: Path) -> dict[str, str]:
 
 def check_import(tree: Path, env: dict[str, str]) -> None:
     """The copy's `hlopar` is the one the tests import (not the main tree's editable install)."""
-    found = subprocess.run([str(VENV_BIN / "python"), "-c", "import hlopar; print(hlopar.__file__)"],
-                           cwd=tree, env=env, check=True, capture_output=True, text=True).stdout.strip()
+    found = subprocess.run(
+        [str(VENV_BIN / "python"), "-c", "import hlopar; print(hlopar.__file__)"],
+        cwd=tree,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     if not Path(found).resolve().is_relative_to(tree.resolve()):
         raise SystemExit(f"the copy in {tree} imports hlopar from {found}: the check would test the main tree")
 
@@ -184,19 +219,30 @@ def pytest(tree: Path, env: dict[str, str], arguments: list[str]) -> tuple[bool,
 
 
 def lit(tree: Path, env: dict[str, str]) -> tuple[bool, str]:
-    result = subprocess.run([str(VENV_BIN / "lit"), "-q", "test/lit"], cwd=tree, env=env,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [str(VENV_BIN / "lit"), "-q", "test/lit"], cwd=tree, env=env, capture_output=True, text=True
+    )
     if result.returncode == 0:
         return False, ""
     failed = re.findall(r"^\s+hlopar :: (\S+)", result.stdout, re.MULTILINE)
     if not failed:
         return True, "lit failed"
-    more = f" (and {len(failed) - 1} more: {', '.join(failed[1:4])}{', ...' if len(failed) > 4 else ''})" if len(failed) > 1 else ""
+    more = (
+        f" (and {len(failed) - 1} more: {', '.join(failed[1:4])}{', ...' if len(failed) > 4 else ''})"
+        if len(failed) > 1
+        else ""
+    )
     return True, f"lit: {failed[0]}{more}"
 
 
-def run_one(mutation: Mutation | None, first: tuple[str, ...], order: bool, rev: str | None,
-            whole_suite: bool = True, with_lit: bool = True) -> tuple[bool, str, float]:
+def run_one(
+    mutation: Mutation | None,
+    first: tuple[str, ...],
+    order: bool,
+    rev: str | None,
+    whole_suite: bool = True,
+    with_lit: bool = True,
+) -> tuple[bool, str, float]:
     clock = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="hlopar-mutation-") as folder:
         tree = Path(folder)
@@ -225,13 +271,22 @@ def run_one(mutation: Mutation | None, first: tuple[str, ...], order: bool, rev:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="+", metavar="NAME", help="these mutations only")
-    parser.add_argument("--order", action=argparse.BooleanOptionalAction, default=True,
-                        help="run each mutation's likeliest tests first (default: on)")
+    parser.add_argument(
+        "--order",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run each mutation's likeliest tests first (default: on)",
+    )
     parser.add_argument("--rev", help="copy the files of this commit instead of the working tree")
-    parser.add_argument("--baseline", action="store_true",
-                        help="first run every mutation's first tests on the unmutated copy")
-    parser.add_argument("--lit", action=argparse.BooleanOptionalAction, default=True,
-                        help="run lit for mutations in a pass (default: on; --no-lit: pytest alone)")
+    parser.add_argument(
+        "--baseline", action="store_true", help="first run every mutation's first tests on the unmutated copy"
+    )
+    parser.add_argument(
+        "--lit",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run lit for mutations in a pass (default: on; --no-lit: pytest alone)",
+    )
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     args = parser.parse_args(argv)
 

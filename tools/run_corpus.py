@@ -92,8 +92,9 @@ def _check_compiles(source, name: str, output) -> tuple[str, str]:
     return "ok (compiled)", ""
 
 
-def run_forked(source: str | bytes, name: str, pipeline: str, compile_output: bool = False,
-               timeout: float = 600.0) -> tuple[str, str]:
+def run_forked(
+    source: str | bytes, name: str, pipeline: str, compile_output: bool = False, timeout: float = 600.0
+) -> tuple[str, str]:
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -137,12 +138,17 @@ def main() -> int:
     parser.add_argument("--pipeline", default="builtin.module(hlopar-import)")
     parser.add_argument("--verbose", "-v", action="store_true", help="print every rejected part too")
     parser.add_argument("--part-timeout", type=float, default=600.0, help="seconds allowed per program")
-    parser.add_argument("--compile", action="store_true",
-                        help="also compile the output (on 8 CPU devices) wherever the input compiles on one")
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also compile the output (on 8 CPU devices) wherever the input compiles on one",
+    )
     args = parser.parse_args()
     if not args.corpus.is_dir():
-        print(f"error: corpus directory not found: {args.corpus} (give CORPUS_DIR or set {CORPUS_VARIABLE})",
-              file=sys.stderr)
+        print(
+            f"error: corpus directory not found: {args.corpus} (give CORPUS_DIR or set {CORPUS_VARIABLE})",
+            file=sys.stderr,
+        )
         return 2
     if args.compile:
         from hlopar.runtime.host_devices import use_host_devices
@@ -160,10 +166,14 @@ def main() -> int:
     for path in files:
         folder = path.relative_to(args.corpus).parts[0]
         counts = by_folder.setdefault(folder, Counter())
-        outcomes = [run_forked(source, name, args.pipeline, args.compile, args.part_timeout)
-                    for source, name in parts_of(path)]
-        file_outcome = "FAILED" if any(o == "FAILED" for o, _ in outcomes) else (
-            "ok" if all(o.startswith("ok") for o, _ in outcomes) else "rejected")
+        outcomes = [
+            run_forked(source, name, args.pipeline, args.compile, args.part_timeout) for source, name in parts_of(path)
+        ]
+        file_outcome = (
+            "FAILED"
+            if any(o == "FAILED" for o, _ in outcomes)
+            else ("ok" if all(o.startswith("ok") for o, _ in outcomes) else "rejected")
+        )
         counts[file_outcome] += 1
         compiled += any(o == "ok (compiled)" for o, _ in outcomes)
         for outcome, detail in outcomes:
@@ -179,10 +189,14 @@ def main() -> int:
         print(f"{folder:<22} {sum(counts.values()):>6} {counts['ok']:>6} {counts['rejected']:>9} {counts['FAILED']:>7}")
     n = sum(total.values())
     print(f"{'total':<22} {n:>6} {total['ok']:>6} {total['rejected']:>9} {total['FAILED']:>7}")
-    print(f"pass rate: {100.0 * (n - total['FAILED']) / max(n, 1):.2f}% of {n} files "
-          f"({total['ok']} imported, {total['rejected']} cleanly rejected) in {elapsed:.1f} s")
+    print(
+        f"pass rate: {100.0 * (n - total['FAILED']) / max(n, 1):.2f}% of {n} files "
+        f"({total['ok']} imported, {total['rejected']} cleanly rejected) in {elapsed:.1f} s"
+    )
     if args.compile:
-        print(f"compiled: {compiled} outputs compiled for their mesh (the other inputs do not compile on one CPU device)")
+        print(
+            f"compiled: {compiled} outputs compiled for their mesh (the other inputs do not compile on one CPU device)"
+        )
     return 1 if total["FAILED"] else 0
 
 

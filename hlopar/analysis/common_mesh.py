@@ -49,7 +49,9 @@ def common_mesh(
     result = []
     for gs in tiled:
         sharding = _on_mesh(gs, factors[id(gs)], steps, names, mesh_name)
-        if format_gspmd(GspmdSharding.parse(sdy_to_gspmd(mesh, sharding, sharding.rank)).canonical()) != format_gspmd(gs):
+        if format_gspmd(GspmdSharding.parse(sdy_to_gspmd(mesh, sharding, sharding.rank)).canonical()) != format_gspmd(
+            gs
+        ):
             return None
         result.append(sharding)
     return mesh, result

@@ -88,9 +88,7 @@ def device_slice(
     """
     mesh = _resolve(spec, mesh, shape)
     index = shard_index(spec, mesh, device_id)
-    return tuple(
-        dim_slice(size, axes_size(mesh, refs), i) for size, refs, i in zip(shape, _dim_refs(spec), index)
-    )
+    return tuple(dim_slice(size, axes_size(mesh, refs), i) for size, refs, i in zip(shape, _dim_refs(spec), index))
 
 
 def all_device_slices(

@@ -173,8 +173,14 @@ def _conv_flops(graph: FuncGraph, op: OpNode, dims: ConvDims) -> float:
 
 
 def _valid_taps(
-    *, input_size: int, kernel_size: int, output_size: int, stride: int, padding_low: int,
-    lhs_dilation: int, rhs_dilation: int,
+    *,
+    input_size: int,
+    kernel_size: int,
+    output_size: int,
+    stride: int,
+    padding_low: int,
+    lhs_dilation: int,
+    rhs_dilation: int,
 ) -> int:
     """(output position, kernel position) pairs of one spatial dimension that read a real
     input element: inside the (dilated) input, and not in a hole that lhs dilation inserts.

@@ -57,22 +57,67 @@ _ALIASING_OUTPUT = "tf.aliasing_output"
 
 # Ops whose result is a view of their first operand (no buffer of its own); an optimization
 # barrier's results are each a view of its operand in the same position.
-_VIEWS = frozenset({"stablehlo.reshape", "stablehlo.bitcast_convert", "sdy.sharding_constraint",
-                    "stablehlo.optimization_barrier"})
+_VIEWS = frozenset(
+    {"stablehlo.reshape", "stablehlo.bitcast_convert", "sdy.sharding_constraint", "stablehlo.optimization_barrier"}
+)
 # Ops XLA fuses into their readers: elementwise math and data movement computed per element.
-_FUSIBLE = frozenset({
-    "stablehlo.abs", "stablehlo.add", "stablehlo.and", "stablehlo.atan2", "stablehlo.broadcast_in_dim",
-    "stablehlo.cbrt", "stablehlo.ceil", "stablehlo.clamp", "stablehlo.compare", "stablehlo.complex",
-    "stablehlo.concatenate", "stablehlo.constant", "stablehlo.convert", "stablehlo.cosine", "stablehlo.divide",
-    "stablehlo.dynamic_slice", "stablehlo.exponential", "stablehlo.exponential_minus_one", "stablehlo.floor",
-    "stablehlo.imag", "stablehlo.iota", "stablehlo.is_finite", "stablehlo.log", "stablehlo.log_plus_one",
-    "stablehlo.logistic", "stablehlo.maximum", "stablehlo.minimum", "stablehlo.multiply", "stablehlo.negate",
-    "stablehlo.not", "stablehlo.or", "stablehlo.pad", "stablehlo.popcnt", "stablehlo.power", "stablehlo.real",
-    "stablehlo.remainder", "stablehlo.reverse", "stablehlo.round_nearest_afz", "stablehlo.round_nearest_even",
-    "stablehlo.rsqrt", "stablehlo.select", "stablehlo.shift_left", "stablehlo.shift_right_arithmetic",
-    "stablehlo.shift_right_logical", "stablehlo.sign", "stablehlo.sine", "stablehlo.slice", "stablehlo.sqrt",
-    "stablehlo.subtract", "stablehlo.tan", "stablehlo.tanh", "stablehlo.transpose", "stablehlo.xor",
-})
+_FUSIBLE = frozenset(
+    {
+        "stablehlo.abs",
+        "stablehlo.add",
+        "stablehlo.and",
+        "stablehlo.atan2",
+        "stablehlo.broadcast_in_dim",
+        "stablehlo.cbrt",
+        "stablehlo.ceil",
+        "stablehlo.clamp",
+        "stablehlo.compare",
+        "stablehlo.complex",
+        "stablehlo.concatenate",
+        "stablehlo.constant",
+        "stablehlo.convert",
+        "stablehlo.cosine",
+        "stablehlo.divide",
+        "stablehlo.dynamic_slice",
+        "stablehlo.exponential",
+        "stablehlo.exponential_minus_one",
+        "stablehlo.floor",
+        "stablehlo.imag",
+        "stablehlo.iota",
+        "stablehlo.is_finite",
+        "stablehlo.log",
+        "stablehlo.log_plus_one",
+        "stablehlo.logistic",
+        "stablehlo.maximum",
+        "stablehlo.minimum",
+        "stablehlo.multiply",
+        "stablehlo.negate",
+        "stablehlo.not",
+        "stablehlo.or",
+        "stablehlo.pad",
+        "stablehlo.popcnt",
+        "stablehlo.power",
+        "stablehlo.real",
+        "stablehlo.remainder",
+        "stablehlo.reverse",
+        "stablehlo.round_nearest_afz",
+        "stablehlo.round_nearest_even",
+        "stablehlo.rsqrt",
+        "stablehlo.select",
+        "stablehlo.shift_left",
+        "stablehlo.shift_right_arithmetic",
+        "stablehlo.shift_right_logical",
+        "stablehlo.sign",
+        "stablehlo.sine",
+        "stablehlo.slice",
+        "stablehlo.sqrt",
+        "stablehlo.subtract",
+        "stablehlo.tan",
+        "stablehlo.tanh",
+        "stablehlo.transpose",
+        "stablehlo.xor",
+    }
+)
 # Ops that fuse the elementwise values they read (XLA's input fusion into a reduction).
 _FUSING_READERS = _FUSIBLE | {"stablehlo.reduce", "func.return"}
 # Ops that write into their first operand's buffer (XLA runs them in place).
@@ -95,8 +140,13 @@ class FragmentMemory:
         return self.arguments + self.outputs + self.temporaries - self.aliased
 
     def to_json(self) -> dict:
-        return {"arguments": self.arguments, "outputs": self.outputs, "aliased": self.aliased,
-                "temporaries": self.temporaries, "total": self.total}
+        return {
+            "arguments": self.arguments,
+            "outputs": self.outputs,
+            "aliased": self.aliased,
+            "temporaries": self.temporaries,
+            "total": self.total,
+        }
 
 
 def tile_bytes(value: Value, sharding: TensorSharding | None, mesh: DeviceMesh | None) -> int:
@@ -141,17 +191,28 @@ def peak_temporaries(graph: FuncGraph, tile: Callable[[int], float]) -> float:
 def _read(module: ir.Operation):
     graph = FuncGraph.from_module(module)
     mesh = next((m for m in module_meshes(module).values() if m is not None), None)
-    return (graph, mesh, _attrs(graph.mlir_func, "arg_attrs", len(graph.args)),
-            _attrs(graph.mlir_func, "res_attrs", len(graph.results)))
+    return (
+        graph,
+        mesh,
+        _attrs(graph.mlir_func, "arg_attrs", len(graph.args)),
+        _attrs(graph.mlir_func, "res_attrs", len(graph.results)),
+    )
 
 
 def _tiles(graph: FuncGraph, mesh: DeviceMesh | None, arg_attrs, res_attrs) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return (tuple(tile_bytes(graph.values[v], _sharding(a), mesh) for v, a in zip(graph.args, arg_attrs)),
-            tuple(tile_bytes(graph.values[v], _sharding(a), mesh) for v, a in zip(graph.results, res_attrs)))
+    return (
+        tuple(tile_bytes(graph.values[v], _sharding(a), mesh) for v, a in zip(graph.args, arg_attrs)),
+        tuple(tile_bytes(graph.values[v], _sharding(a), mesh) for v, a in zip(graph.results, res_attrs)),
+    )
 
 
-def _temporaries(graph: FuncGraph, mesh: DeviceMesh | None, size: dict[int, int],
-                 layout: dict[int, TensorSharding | None], tile: Callable[[int], float] | None = None) -> int:
+def _temporaries(
+    graph: FuncGraph,
+    mesh: DeviceMesh | None,
+    size: dict[int, int],
+    layout: dict[int, TensorSharding | None],
+    tile: Callable[[int], float] | None = None,
+) -> int:
     """The peak bytes of materialized intermediate values live at once (module docstring);
     a made value's bytes from `tile` if given, else from the layout its op's sharding says."""
     ops = graph.ops
@@ -184,15 +245,19 @@ def _temporaries(graph: FuncGraph, mesh: DeviceMesh | None, size: dict[int, int]
             for u in op.operands:
                 readers.setdefault(root[u], set()).add(name)
     returned = {root[v] for v in graph.results}
-    fused = {v for v, name in made_by.items()
-             if name in _FUSIBLE and v not in returned and readers.get(v, set()) <= _FUSING_READERS}
+    fused = {
+        v
+        for v, name in made_by.items()
+        if name in _FUSIBLE and v not in returned and readers.get(v, set()) <= _FUSING_READERS
+    }
     # XLA schedules to save memory: what makes a result (or only feeds one) runs as soon as
     # its operands exist, freeing them (a gradient added into its accumulator right away).
     early: dict[int, bool] = {}  # by op index (a view's ops keep the function's numbering)
     feeds_result: dict[int, bool] = {}
     for op in reversed(ops):
         early[op.index] = bool(op.results) and all(
-            root[v] in returned or (root[v] in fused and feeds_result.get(root[v], False)) for v in op.results)
+            root[v] in returned or (root[v] in fused and feeds_result.get(root[v], False)) for v in op.results
+        )
         for u in op.operands:
             feeds_result[root[u]] = feeds_result.get(root[u], True) and early[op.index]
     made_at: dict[int, int] = {v: -1 for v in graph.args}
@@ -273,6 +338,8 @@ def _constraint(op) -> TensorSharding | None:
 
 def _same_layout(a: TensorSharding | None, b: TensorSharding | None, value: Value) -> bool:
     """Whether two layouts tile the value alike (None: replicated)."""
+
     def axes(s: TensorSharding | None):
         return tuple(tuple(a) for a in s.dim_axes) if s is not None else ((),) * len(value.shape or ())
+
     return axes(a) == axes(b)

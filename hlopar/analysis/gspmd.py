@@ -148,7 +148,9 @@ class GspmdSharding:
 
     @classmethod
     def tiled(
-        cls, tile_shape: Sequence[int], devices: Sequence[int] | np.ndarray | None = None,
+        cls,
+        tile_shape: Sequence[int],
+        devices: Sequence[int] | np.ndarray | None = None,
         last_tile_dims: Sequence[str] = (),
     ) -> GspmdSharding:
         """A tiling; `devices` defaults to the iota."""
@@ -385,7 +387,9 @@ def _parse_sharding(cursor: _Cursor) -> GspmdSharding:
         raise cursor.fail(f"{kind} sharding takes no devices")
     try:
         if kind == "tiled":
-            return GspmdSharding("tiled", tuple(tile_shape), tuple(devices), tuple(last_tile_dims), shard_group=shard_group)
+            return GspmdSharding(
+                "tiled", tuple(tile_shape), tuple(devices), tuple(last_tile_dims), shard_group=shard_group
+            )
         return GspmdSharding(kind, devices=tuple(devices), shard_group=shard_group)
     except ValueError as err:
         raise cursor.fail(str(err)) from None
@@ -563,8 +567,11 @@ def iota_factors(gs: GspmdSharding) -> list[tuple[int, int, int]] | None:
 
 
 def _factors_to_sdy(
-    gs: GspmdSharding, factors: list[tuple[int, int, int]], order: list[int],
-    device_ids: Sequence[int] | None, mesh_name: str,
+    gs: GspmdSharding,
+    factors: list[tuple[int, int, int]],
+    order: list[int],
+    device_ids: Sequence[int] | None,
+    mesh_name: str,
 ) -> tuple[DeviceMesh, TensorSharding | ManualSharding]:
     """Mesh axes `axis_k` for `factors[order[k]]`, and the sharding that uses them."""
     names = {f: f"axis_{k}" for k, f in enumerate(order)}
@@ -589,9 +596,7 @@ def _factors_to_sdy(
     return mesh, (ManualSharding(manual, sharding) if manual else sharding)
 
 
-def to_gspmd_sharding(
-    mesh: DeviceMesh | None, sharding: SdySharding, rank: int | None = None
-) -> GspmdSharding:
+def to_gspmd_sharding(mesh: DeviceMesh | None, sharding: SdySharding, rank: int | None = None) -> GspmdSharding:
     """The GSPMD sharding that gives each device of `mesh` the tile `sharding` gives it.
 
     Tile dimensions list a tensor dimension's axes in the order written (first = major); then

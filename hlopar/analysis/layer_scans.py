@@ -42,9 +42,13 @@ def layer_scans(graph: FuncGraph) -> list[LayerScan]:
         if trips < 2:
             continue
         _, (body,) = node.regions
-        stacked = tuple(v for v, inner in zip(node.operands, body.args) if _leading(graph, v) == trips
-                        and (graph.values[v].is_arg or scan_results.get(v) == trips)
-                        and _indexed(graph, inner))
+        stacked = tuple(
+            v
+            for v, inner in zip(node.operands, body.args)
+            if _leading(graph, v) == trips
+            and (graph.values[v].is_arg or scan_results.get(v) == trips)
+            and _indexed(graph, inner)
+        )
         if not stacked:
             continue
         found.append(LayerScan(node.index, trips, stacked))
@@ -56,8 +60,10 @@ def layer_scans(graph: FuncGraph) -> list[LayerScan]:
 
 def _indexed(graph: FuncGraph, inner: int) -> bool:
     """Whether the loop body reads or writes a slice of a carried value (per iteration)."""
-    return any(user.name in ("stablehlo.dynamic_slice", "stablehlo.dynamic_update_slice")
-               and user.operands[0] == inner for user in graph.direct_users_of(inner))
+    return any(
+        user.name in ("stablehlo.dynamic_slice", "stablehlo.dynamic_update_slice") and user.operands[0] == inner
+        for user in graph.direct_users_of(inner)
+    )
 
 
 def _leading(graph: FuncGraph, v: int) -> int | None:

@@ -15,9 +15,20 @@ from collections.abc import Sequence
 from hlopar.analysis.stages.submeshes import logical_mesh_shapes, submesh_shapes
 
 __all__ = [
-    "MAX_COUNT", "MAX_DEVICES", "MAX_LOGICAL_MESHES", "MAX_SECONDS", "MAX_WORKERS",
-    "check_cluster", "check_cluster_dimension", "check_count", "check_mesh_shape", "check_number", "check_positive",
-    "check_seconds", "check_workers", "logical_mesh_count",
+    "MAX_COUNT",
+    "MAX_DEVICES",
+    "MAX_LOGICAL_MESHES",
+    "MAX_SECONDS",
+    "MAX_WORKERS",
+    "check_cluster",
+    "check_cluster_dimension",
+    "check_count",
+    "check_mesh_shape",
+    "check_number",
+    "check_positive",
+    "check_seconds",
+    "check_workers",
+    "logical_mesh_count",
 ]
 
 # Stage construction plans each distinct layer on every 2-D logical mesh of every submesh,
@@ -80,8 +91,13 @@ def check_workers(value: int) -> None:
 
 def check_cluster_dimension(value: int) -> None:
     """Hosts, or devices per host: a positive integer no larger than a whole cluster's limit."""
-    check_count(value, low=1, high=MAX_DEVICES, what=f"a cluster's hosts or devices per host: it plans for at most "
-                                                     f"{MAX_DEVICES:,} devices in all, its time growing with them")
+    check_count(
+        value,
+        low=1,
+        high=MAX_DEVICES,
+        what=f"a cluster's hosts or devices per host: it plans for at most "
+        f"{MAX_DEVICES:,} devices in all, its time growing with them",
+    )
 
 
 def check_cluster(num_hosts: int, devices_per_host: int) -> None:
@@ -90,14 +106,18 @@ def check_cluster(num_hosts: int, devices_per_host: int) -> None:
     check_cluster_dimension(devices_per_host)
     devices = num_hosts * devices_per_host
     if devices > MAX_DEVICES:
-        raise ValueError(f"a cluster of {num_hosts:,} x {devices_per_host:,} = {devices:,} devices is more than "
-                         f"{MAX_DEVICES:,}, the most hlopar plans for (its planning time grows with the devices)")
+        raise ValueError(
+            f"a cluster of {num_hosts:,} x {devices_per_host:,} = {devices:,} devices is more than "
+            f"{MAX_DEVICES:,}, the most hlopar plans for (its planning time grows with the devices)"
+        )
     meshes = logical_mesh_count(num_hosts, devices_per_host)
     if meshes > MAX_LOGICAL_MESHES:
-        raise ValueError(f"a cluster of {num_hosts:,} x {devices_per_host:,} devices has {meshes:,} logical meshes "
-                         f"(every 2-D shape of every submesh) for stage construction to plan each layer on, more "
-                         f"than {MAX_LOGICAL_MESHES:,}, the most it plans within {PLANNING_BUDGET} (GPT-39B on "
-                         f"8 x 8, 62 logical meshes: 45-104 s); plan for fewer hosts")
+        raise ValueError(
+            f"a cluster of {num_hosts:,} x {devices_per_host:,} devices has {meshes:,} logical meshes "
+            f"(every 2-D shape of every submesh) for stage construction to plan each layer on, more "
+            f"than {MAX_LOGICAL_MESHES:,}, the most it plans within {PLANNING_BUDGET} (GPT-39B on "
+            f"8 x 8, 62 logical meshes: 45-104 s); plan for fewer hosts"
+        )
 
 
 def logical_mesh_count(num_hosts: int, devices_per_host: int) -> int:
@@ -116,6 +136,8 @@ def check_mesh_shape(shape: Sequence[int]) -> None:
             raise ValueError(f"mesh sizes are positive integers, got {'x'.join(map(str, shape))}")
     devices = math.prod(shape)
     if devices > MAX_DEVICES:
-        raise ValueError(f"a mesh of {'x'.join(map(str, shape))} = {devices:,} devices is more than {MAX_DEVICES:,}, "
-                         f"the most hlopar plans for (a mesh is a cluster's devices, and clusters are bounded by "
-                         f"planning time)")
+        raise ValueError(
+            f"a mesh of {'x'.join(map(str, shape))} = {devices:,} devices is more than {MAX_DEVICES:,}, "
+            f"the most hlopar plans for (a mesh is a cluster's devices, and clusters are bounded by "
+            f"planning time)"
+        )

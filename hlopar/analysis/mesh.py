@@ -89,7 +89,7 @@ class _Cursor:
 
     def expect_end(self) -> None:
         if not self.at_end():
-            raise self.fail(f"unexpected trailing text {self.text[self.pos:]!r}")
+            raise self.fail(f"unexpected trailing text {self.text[self.pos :]!r}")
 
     def integer(self) -> int:
         """A decimal integer, optionally negative (callers reject negatives with a message)."""
@@ -179,9 +179,7 @@ class DeviceMesh:
         if ids is not None:
             ids = tuple(_as_int(d, "device id") for d in np.asarray(ids).ravel().tolist())
             if len(ids) != size:
-                raise ValueError(
-                    f"mesh {_format_axes(axes)} has {size} devices but {len(ids)} device ids were given"
-                )
+                raise ValueError(f"mesh {_format_axes(axes)} has {size} devices but {len(ids)} device ids were given")
             if any(d < 0 for d in ids):
                 raise ValueError(f"device ids must be non-negative, got {list(ids)}")
             if len(set(ids)) != len(ids):
@@ -361,9 +359,7 @@ def _check_sdy_device_ids(mesh: DeviceMesh) -> None:
     if ids is None or not mesh.axes:
         return
     if sorted(ids) != list(range(len(ids))):
-        raise ValueError(
-            f"sdy meshes need device ids that are a permutation of 0..{len(ids) - 1}, got {list(ids)}"
-        )
+        raise ValueError(f"sdy meshes need device ids that are a permutation of 0..{len(ids) - 1}, got {list(ids)}")
 
 
 def _format_axes(axes: Sequence[tuple[str, int]]) -> str:

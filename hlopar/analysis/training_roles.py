@@ -170,8 +170,9 @@ def _state_pairs(graph: FuncGraph) -> tuple[tuple[int, int], ...]:
             continue
         distance = _elementwise_distances(graph, value, {args[i]: i for i in same_type})
         for i, hops in distance.items():
-            common = _common_tail(arg_tails[i] if i < len(arg_tails) else (),
-                                  result_tails[r] if r < len(result_tails) else ())
+            common = _common_tail(
+                arg_tails[i] if i < len(arg_tails) else (), result_tails[r] if r < len(result_tails) else ()
+            )
             edges.append((-common, hops, r, i))
     for _, _, r, i in sorted(edges):
         if r not in pairs and i not in taken:
@@ -240,10 +241,14 @@ def _batch_arguments(graph: FuncGraph, pairs: tuple[tuple[int, int], ...]) -> tu
     if len(groups) <= 1:
         return tuple(candidates)
     signature = FuncSignature.of(graph.mlir_func)
-    listed = "; ".join(f"leading dim {size}: " + ", ".join(signature.arg(i) for i in group)
-                       for size, group in sorted(groups.items(), key=lambda item: str(item[0])))
-    raise RolesError(f"the arguments that are not training state have different leading dims ({listed}): "
-                     "name the batch with batch-args=...")
+    listed = "; ".join(
+        f"leading dim {size}: " + ", ".join(signature.arg(i) for i in group)
+        for size, group in sorted(groups.items(), key=lambda item: str(item[0]))
+    )
+    raise RolesError(
+        f"the arguments that are not training state have different leading dims ({listed}): "
+        "name the batch with batch-args=..."
+    )
 
 
 def batch_candidates(graph: FuncGraph, pairs: tuple[tuple[int, int], ...]) -> list[int]:
@@ -251,8 +256,9 @@ def batch_candidates(graph: FuncGraph, pairs: tuple[tuple[int, int], ...]) -> li
     agree on a leading dim)."""
     state = {arg for arg, _ in pairs}
     values = graph.values
-    candidates = [i for i, a in enumerate(graph.args)
-                  if i not in state and values[a].shape and not is_random_key(graph, i)]
+    candidates = [
+        i for i, a in enumerate(graph.args) if i not in state and values[a].shape and not is_random_key(graph, i)
+    ]
     preds = _predecessors(graph)
     loss = _find_loss(graph, pairs, preds)
     if loss is not None:  # the batch is what the loss is computed from
@@ -373,9 +379,7 @@ def _classify(graph: FuncGraph, loss_result: int | None) -> TrainingRoles:
     _add_residuals(graph, preds, forward)
     update = _update_ops(graph, preds, forward, pairs)
 
-    roles = tuple(
-        Role.FORWARD if forward[i] else Role.UPDATE if update[i] else Role.BACKWARD for i in range(n)
-    )
+    roles = tuple(Role.FORWARD if forward[i] else Role.UPDATE if update[i] else Role.BACKWARD for i in range(n))
     return TrainingRoles(roles, loss_result, pairs, _gradients(graph, roles))
 
 
@@ -550,7 +554,12 @@ def _layer_of_ops(graph: FuncGraph, roles: TrainingRoles, forward_layer: Mapping
         if role_of[i] is not Role.UPDATE:
             continue
         found = [parameter_layer[v] for v in ops[i].results if v in parameter_layer]
-        found += [layer[u] for v in ops[i].results for u in values[v].users if role_of[u] is Role.UPDATE and layer[u] is not None]
+        found += [
+            layer[u]
+            for v in ops[i].results
+            for u in values[v].users
+            if role_of[u] is Role.UPDATE and layer[u] is not None
+        ]
         if found:
             layer[i] = min(found)
 
@@ -583,8 +592,9 @@ def _layer_of_ops(graph: FuncGraph, roles: TrainingRoles, forward_layer: Mapping
     return consistent_layers(role_of, preds, layer, constant)
 
 
-def consistent_layers(roles: Sequence[Role], reads: Sequence[Sequence[int]], layers: Sequence[int],
-                      free: Sequence[bool]) -> tuple[int, ...]:
+def consistent_layers(
+    roles: Sequence[Role], reads: Sequence[Sequence[int]], layers: Sequence[int], free: Sequence[bool]
+) -> tuple[int, ...]:
     """`layers` (one per op, in program order) moved as little as the pipeline needs.
 
     A pipeline runs the forward of layers 0..L-1, then the backward of L-1..0, then the
@@ -619,8 +629,9 @@ def consistent_layers(roles: Sequence[Role], reads: Sequence[Sequence[int]], lay
             layer[i] = min([layer[i]] + [layer[p] for p in reads[i] if backward[p]])
     for i in range(n - 1, -1, -1):
         if backward[i]:
-            layer[i] = max([layer[i]] + [layer[p] for p in reads[i] if forward[p]]
-                           + [layer[u] for u in readers[i] if backward[u]])
+            layer[i] = max(
+                [layer[i]] + [layer[p] for p in reads[i] if forward[p]] + [layer[u] for u in readers[i] if backward[u]]
+            )
     for i in range(n - 1, -1, -1):
         if free[i] and roles[i] is Role.FORWARD:
             found = [layer[u] for u in readers[i] if roles[u] is not Role.UPDATE]
@@ -695,7 +706,5 @@ def _constant_derived(graph: FuncGraph, preds: list[list[int]]) -> list[bool]:
     values = graph.values
     derived = [False] * len(graph.ops)
     for i in range(len(graph.ops)):
-        derived[i] = all(derived[p] for p in preds[i]) and not any(
-            values[v].is_arg for v in graph.reads(i)
-        )
+        derived[i] = all(derived[p] for p in preds[i]) and not any(values[v].is_arg for v in graph.reads(i))
     return derived

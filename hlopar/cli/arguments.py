@@ -18,7 +18,7 @@ class ArgumentParser(argparse.ArgumentParser):
         if message.startswith(_UNRECOGNIZED):
             known = [s for action in self._actions for s in action.option_strings]
             hints = []
-            for word in message[len(_UNRECOGNIZED):].split():
+            for word in message[len(_UNRECOGNIZED) :].split():
                 name = word.split("=", 1)[0]
                 if name.startswith("--"):
                     hint = did_you_mean(name, known, prefix="--")

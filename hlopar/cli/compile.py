@@ -141,36 +141,78 @@ def _index(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _CompileArgumentParser(prog="hlopar-compile", description=DESCRIPTION,
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _CompileArgumentParser(
+        prog="hlopar-compile", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("input", help="the training step: .mlir text or .mlirbc bytecode, or - for stdin")
     parser.add_argument("-o", dest="output", required=True, metavar="DIR", help="bundle directory to write")
     parser.add_argument("--num-hosts", type=_cluster_dimension, required=True, metavar="N", help="hosts in the cluster")
-    parser.add_argument("--devices-per-host", type=_cluster_dimension, required=True, metavar="M",
-                        help="devices per host")
-    parser.add_argument("--microbatches", type=_positive, required=True, metavar="B",
-                        help="microbatches per step (divides the batch: the leading dim of every batch argument)")
-    parser.add_argument("--schedule", required=True, choices=SCHEDULE_CHOICES,
-                        help="pipeline schedule: gpipe (all forwards, then all backwards), 1f1b, eager-1f1b "
-                             "(stage i warms up with 2(#stages-i)+1 forwards so transfers overlap compute), or "
-                             "eager-1f1b-wd (eager-1f1b with backward weight delaying: each backward is cut into "
-                             "B, the input gradients, sent at once, and W, the weight gradients, run after)")
-    parser.add_argument("--preset", default="cpu", metavar="P",
-                        help="cluster preset for link bandwidths, device FLOP/s and memory (default: cpu)")
-    parser.add_argument("--memory-per-device", default=None, metavar="X",
-                        help="bytes per device, e.g. 80GiB or 512MB (default: the preset's)")
-    parser.add_argument("--layers", type=_positive, default=None, metavar="L",
-                        help="layers for operator clustering (default: chosen by hlopar-cluster-operators)")
-    parser.add_argument("--batch-args", type=_indices, default=None, metavar="I,J",
-                        help="the arguments that are the batch, cut into microbatches along dim 0 (default: the "
-                             "arguments that are not training state)")
-    parser.add_argument("--loss-result", type=_index, default=None, metavar="R",
-                        help="the result that is the loss (default: found from the step)")
-    parser.add_argument("--rng", choices=("exact", "per-microbatch"), default="exact",
-                        help="per-microbatch: let whole-shape random generators (stablehlo.rng, rng_bit_generator) "
-                             "draw per microbatch, other numbers than the whole batch's (default: refuse them)")
-    parser.add_argument("--no-memory-check", dest="memory_check", action="store_false",
-                        help="skip compiling every fragment to check its memory against the device's (memory.json)")
+    parser.add_argument(
+        "--devices-per-host", type=_cluster_dimension, required=True, metavar="M", help="devices per host"
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=_positive,
+        required=True,
+        metavar="B",
+        help="microbatches per step (divides the batch: the leading dim of every batch argument)",
+    )
+    parser.add_argument(
+        "--schedule",
+        required=True,
+        choices=SCHEDULE_CHOICES,
+        help="pipeline schedule: gpipe (all forwards, then all backwards), 1f1b, eager-1f1b "
+        "(stage i warms up with 2(#stages-i)+1 forwards so transfers overlap compute), or "
+        "eager-1f1b-wd (eager-1f1b with backward weight delaying: each backward is cut into "
+        "B, the input gradients, sent at once, and W, the weight gradients, run after)",
+    )
+    parser.add_argument(
+        "--preset",
+        default="cpu",
+        metavar="P",
+        help="cluster preset for link bandwidths, device FLOP/s and memory (default: cpu)",
+    )
+    parser.add_argument(
+        "--memory-per-device",
+        default=None,
+        metavar="X",
+        help="bytes per device, e.g. 80GiB or 512MB (default: the preset's)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=_positive,
+        default=None,
+        metavar="L",
+        help="layers for operator clustering (default: chosen by hlopar-cluster-operators)",
+    )
+    parser.add_argument(
+        "--batch-args",
+        type=_indices,
+        default=None,
+        metavar="I,J",
+        help="the arguments that are the batch, cut into microbatches along dim 0 (default: the "
+        "arguments that are not training state)",
+    )
+    parser.add_argument(
+        "--loss-result",
+        type=_index,
+        default=None,
+        metavar="R",
+        help="the result that is the loss (default: found from the step)",
+    )
+    parser.add_argument(
+        "--rng",
+        choices=("exact", "per-microbatch"),
+        default="exact",
+        help="per-microbatch: let whole-shape random generators (stablehlo.rng, rng_bit_generator) "
+        "draw per microbatch, other numbers than the whole batch's (default: refuse them)",
+    )
+    parser.add_argument(
+        "--no-memory-check",
+        dest="memory_check",
+        action="store_false",
+        help="skip compiling every fragment to check its memory against the device's (memory.json)",
+    )
     parser.add_argument("--timing", action="store_true", help="print the wall time of each phase to stderr")
     return parser
 
@@ -215,16 +257,22 @@ def summary(directory: str) -> str:
     pipeline = json.loads((bundle / "pipeline.json").read_text())
     simulation = json.loads((bundle / "simulation.json").read_text())
     stages = json.loads((bundle / "plan.json").read_text())["stages"]["stages"]
-    lines = [f"hlopar-compile: {len(stages)} stage{'s' if len(stages) != 1 else ''} on "
-             f"{len(pipeline['meshes'])} mesh{'es' if len(pipeline['meshes']) != 1 else ''}, "
-             f"{simulation['microbatches']} microbatches, schedule {simulation['schedule']}"]
+    lines = [
+        f"hlopar-compile: {len(stages)} stage{'s' if len(stages) != 1 else ''} on "
+        f"{len(pipeline['meshes'])} mesh{'es' if len(pipeline['meshes']) != 1 else ''}, "
+        f"{simulation['microbatches']} microbatches, schedule {simulation['schedule']}"
+    ]
     for stage in stages:
         mesh = pipeline["meshes"][stage["stage"]]["mesh"]
         shape = "x".join(str(n) for n in stage["logical_shape"])
-        lines.append(f"  stage {stage['stage']}: mesh {mesh}, {shape} devices {_ranges(stage['devices'])}, "
-                     f"{_seconds(stage['latency'])} per microbatch")
-    lines.append(f"  step {_seconds(simulation['iteration_time_s'])} (simulated), "
-                 f"bubble {100 * simulation['bubble_fraction']:.1f}%")
+        lines.append(
+            f"  stage {stage['stage']}: mesh {mesh}, {shape} devices {_ranges(stage['devices'])}, "
+            f"{_seconds(stage['latency'])} per microbatch"
+        )
+    lines.append(
+        f"  step {_seconds(simulation['iteration_time_s'])} (simulated), "
+        f"bubble {100 * simulation['bubble_fraction']:.1f}%"
+    )
     memory = bundle / "memory.json"
     if memory.exists():
         lines.append(_memory_line(json.loads(memory.read_text())))
@@ -242,9 +290,11 @@ def _memory_line(memory: dict) -> str:
     top = max(checked, key=lambda f: f["need"])
     predicted = top["predicted"]["total"] + top["resident"]
     device = memory["device_memory"]
-    return (f"  memory: at most {format_bytes(top['need'])} per device ({top['fragment']} on {top['mesh']}, as XLA "
-            f"compiles it; predicted {format_bytes(predicted)}) of "
-            f"{format_bytes(device) if device is not None else 'an unknown device memory'}; every fragment in memory.json")
+    return (
+        f"  memory: at most {format_bytes(top['need'])} per device ({top['fragment']} on {top['mesh']}, as XLA "
+        f"compiles it; predicted {format_bytes(predicted)}) of "
+        f"{format_bytes(device) if device is not None else 'an unknown device memory'}; every fragment in memory.json"
+    )
 
 
 def _seconds(value: float) -> str:
@@ -322,6 +372,7 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
     from hlopar.passes.auto_sharding import parse_bytes
     from hlopar.passes.base import OptionError, PassContext
     from hlopar.passes.pipeline import Instrumentation, Pipeline, Step
+
     timings: list[tuple[str, float]] = []
     clock = time.perf_counter()
     memory = None
@@ -330,18 +381,28 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
             memory = parse_bytes(args.memory_per_device)
             check_positive(memory)
         except ValueError as error:
-            raise DiagnosticError([Diagnostic("error", f"--memory-per-device: invalid value "
-                                                       f"'{args.memory_per_device}': {error}")]) from None
+            raise DiagnosticError(
+                [Diagnostic("error", f"--memory-per-device: invalid value '{args.memory_per_device}': {error}")]
+            ) from None
     module = parse_module(read_source(args.input), source_name=args.input)
     timings.append(("parse", time.perf_counter() - clock))
 
     report = Path(staging) / "plan.json"
     try:
-        planner = AutoParallelPass(num_hosts=args.num_hosts, devices_per_host=args.devices_per_host,
-                                   microbatches=args.microbatches, split=True, schedule=args.schedule,
-                                   memory_per_device=memory, preset=args.preset, layers=args.layers,
-                                   batch_args=args.batch_args, loss_result=args.loss_result, rng=args.rng,
-                                   report=str(report))
+        planner = AutoParallelPass(
+            num_hosts=args.num_hosts,
+            devices_per_host=args.devices_per_host,
+            microbatches=args.microbatches,
+            split=True,
+            schedule=args.schedule,
+            memory_per_device=memory,
+            preset=args.preset,
+            layers=args.layers,
+            batch_args=args.batch_args,
+            loss_result=args.loss_result,
+            rng=args.rng,
+            report=str(report),
+        )
     except OptionError as error:
         raise DiagnosticError([Diagnostic("error", in_cli_terms(str(error)))]) from None
     context = PassContext()

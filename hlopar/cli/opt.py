@@ -34,19 +34,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("input", nargs="?", default="-", help="input .mlir/.mlirbc file, or - for stdin (default)")
     parser.add_argument("-o", dest="output", default="-", help="output file (default: stdout)")
-    parser.add_argument("--pass-pipeline", "-p", default="", metavar="PIPELINE",
-                        help="pipeline in MLIR syntax, e.g. 'builtin.module(hlopar-import,canonicalize)'")
-    parser.add_argument("--split-input-file", nargs="?", const="// -----", default=None, metavar="MARKER",
-                        help="split the input at '// -----' lines and process each part on its own")
-    parser.add_argument("--verify-diagnostics", action="store_true",
-                        help="check diagnostics against expected-error/warning/note/remark comments")
-    parser.add_argument("--mlir-print-ir-after-all", action="store_true", help="print the IR to stderr after every step")
-    parser.add_argument("--mlir-timing", action="store_true", help="print the wall time of parsing, each step and printing")
+    parser.add_argument(
+        "--pass-pipeline",
+        "-p",
+        default="",
+        metavar="PIPELINE",
+        help="pipeline in MLIR syntax, e.g. 'builtin.module(hlopar-import,canonicalize)'",
+    )
+    parser.add_argument(
+        "--split-input-file",
+        nargs="?",
+        const="// -----",
+        default=None,
+        metavar="MARKER",
+        help="split the input at '// -----' lines and process each part on its own",
+    )
+    parser.add_argument(
+        "--verify-diagnostics",
+        action="store_true",
+        help="check diagnostics against expected-error/warning/note/remark comments",
+    )
+    parser.add_argument(
+        "--mlir-print-ir-after-all", action="store_true", help="print the IR to stderr after every step"
+    )
+    parser.add_argument(
+        "--mlir-timing", action="store_true", help="print the wall time of parsing, each step and printing"
+    )
     parser.add_argument("--mlir-print-debuginfo", action="store_true", help="print locations")
     parser.add_argument("--mlir-print-op-generic", action="store_true", help="print ops in generic form")
     parser.add_argument("--emit-bytecode", action="store_true", help="write MLIR bytecode instead of text")
-    parser.add_argument("--no-verify-each", dest="verify_each", action="store_false",
-                        help="skip the verifier after each hlopar pass")
+    parser.add_argument(
+        "--no-verify-each", dest="verify_each", action="store_false", help="skip the verifier after each hlopar pass"
+    )
     return parser
 
 

@@ -121,8 +121,14 @@ class OptDriver:
 
     def _timing_report(self, total: float) -> str:
         rule = "===" + "-" * 73 + "==="
-        lines = [rule, " " * 25 + "... Execution time report ...", rule,
-                 f"  Total Execution Time: {total:.4f} seconds", "", "  ----Wall Time----  ----Name----"]
+        lines = [
+            rule,
+            " " * 25 + "... Execution time report ...",
+            rule,
+            f"  Total Execution Time: {total:.4f} seconds",
+            "",
+            "  ----Wall Time----  ----Name----",
+        ]
         for name, seconds in self.timings.items():
             lines.append(f"  {seconds:10.4f} ({100 * seconds / total:5.1f}%)  {name}")
         lines.append(f"  {total:10.4f} (100.0%)  Total")

@@ -46,9 +46,7 @@ def expectations_in(text: str, file: str) -> list[Expectation]:
     return found
 
 
-def check_diagnostics(
-    produced: list[Diagnostic], expected: list[Expectation], file: str
-) -> list[Diagnostic]:
+def check_diagnostics(produced: list[Diagnostic], expected: list[Expectation], file: str) -> list[Diagnostic]:
     """The errors of a verify run: expectations not met and diagnostics nobody expected."""
     flat = [d for top in produced for d in _flatten(top)]
     unmatched = list(expected)
@@ -65,7 +63,7 @@ def check_diagnostics(
         problems.append(
             Diagnostic(
                 "error",
-                f"expected {expectation.severity} \"{expectation.message}\" was not produced",
+                f'expected {expectation.severity} "{expectation.message}" was not produced',
                 expectation.written_at,
             )
         )

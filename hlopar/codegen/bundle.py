@@ -33,7 +33,14 @@ from pathlib import Path
 from hlopar.codegen.memory_check import check_memory
 from hlopar.codegen.pipeline_program import PipelineProgram
 from hlopar.codegen.schedules import (
-    AlphaBeta, MeshStream, PipelineStreams, SimResult, StageCost, Timeline, draw_timeline, simulate,
+    AlphaBeta,
+    MeshStream,
+    PipelineStreams,
+    SimResult,
+    StageCost,
+    Timeline,
+    draw_timeline,
+    simulate,
     write_chrome_trace,
 )
 from hlopar.codegen.schedules.instructions import Instruction
@@ -85,8 +92,14 @@ class PlannedComm:
         return cls(seconds)
 
 
-def simulation_summary(program: PipelineProgram, streams: PipelineStreams, costs: Sequence[StageCost],
-                       comm: PlannedComm, result: SimResult, predicted: float | None = None) -> dict:
+def simulation_summary(
+    program: PipelineProgram,
+    streams: PipelineStreams,
+    costs: Sequence[StageCost],
+    comm: PlannedComm,
+    result: SimResult,
+    predicted: float | None = None,
+) -> dict:
     """`simulation.json`: the simulated step and the costs it was given."""
     return {
         "schedule": streams.schedule,
@@ -96,19 +109,39 @@ def simulation_summary(program: PipelineProgram, streams: PipelineStreams, costs
         "peak_memory_bytes": {m: result.peak_memory.get(m, 0) for m in result.meshes},
         "compute_busy_s": dict(result.compute_busy),
         "stage_construction_step_s": predicted,
-        "stages": [{"stage": k, "mesh": program.topology.meshes[k], "forward_s": c.forward, "backward_s": c.backward,
-                    "weight_s": c.run_time(WEIGHT, True) if streams.split_backward else None,
-                    "forward_flops": program.stage_flops(k)[0], "backward_flops": program.stage_flops(k)[1],
-                    "weight_flops": program.stage_weight_flops(k)}
-                   for k, c in enumerate(costs)],
-        "sends": [{"src": src, "dst": dst, "seconds": seconds,
-                   "transfers": [program.transfers[i].name for i in program.carried[src, dst]]}
-                  for (src, dst), seconds in sorted(comm.seconds.items())],
+        "stages": [
+            {
+                "stage": k,
+                "mesh": program.topology.meshes[k],
+                "forward_s": c.forward,
+                "backward_s": c.backward,
+                "weight_s": c.run_time(WEIGHT, True) if streams.split_backward else None,
+                "forward_flops": program.stage_flops(k)[0],
+                "backward_flops": program.stage_flops(k)[1],
+                "weight_flops": program.stage_weight_flops(k),
+            }
+            for k, c in enumerate(costs)
+        ],
+        "sends": [
+            {
+                "src": src,
+                "dst": dst,
+                "seconds": seconds,
+                "transfers": [program.transfers[i].name for i in program.carried[src, dst]],
+            }
+            for (src, dst), seconds in sorted(comm.seconds.items())
+        ],
     }
 
 
-def write_bundle(directory: str | Path, program: PipelineProgram, module_text: str, plan: Mapping,
-                 schedule: str, memory_check: bool = True) -> dict:
+def write_bundle(
+    directory: str | Path,
+    program: PipelineProgram,
+    module_text: str,
+    plan: Mapping,
+    schedule: str,
+    memory_check: bool = True,
+) -> dict:
     """Writes the bundle into `directory` (which must exist and be empty); returns the
     simulation summary. `plan` is the hlopar-auto-parallel report (its `stages` give the
     per-stage latencies, its `stages.cluster` the device memory). With `memory_check`, every
@@ -120,10 +153,17 @@ def write_bundle(directory: str | Path, program: PipelineProgram, module_text: s
     memory = None
     if memory_check:
         report = plan.get("stages") or {}
-        estimates = {program.topology.meshes[s["stage"]]: s["memory_bytes"] for s in report.get("stages") or ()
-                     if "memory_bytes" in s and s["stage"] < program.topology.num_stages}
-        memory = check_memory(program, streams, device_memory=(report.get("cluster") or {}).get("memory_per_device"),
-                              stage_memory=estimates).to_json()
+        estimates = {
+            program.topology.meshes[s["stage"]]: s["memory_bytes"]
+            for s in report.get("stages") or ()
+            if "memory_bytes" in s and s["stage"] < program.topology.num_stages
+        }
+        memory = check_memory(
+            program,
+            streams,
+            device_memory=(report.get("cluster") or {}).get("memory_per_device"),
+            stage_memory=estimates,
+        ).to_json()
         plan["memory"] = memory
     stages = (plan.get("stages") or {}).get("stages") or []
     latencies = {s["stage"]: float(s["latency"]) for s in stages}
@@ -133,8 +173,9 @@ def write_bundle(directory: str | Path, program: PipelineProgram, module_text: s
     costs = stage_costs(program, [latencies[k] for k in range(program.topology.num_stages)])
     comm = PlannedComm.of(program)
     result = simulate(streams, costs, comm)
-    summary = simulation_summary(program, streams, costs, comm, result,
-                                 (plan.get("stages") or {}).get("predicted_step_seconds"))
+    summary = simulation_summary(
+        program, streams, costs, comm, result, (plan.get("stages") or {}).get("predicted_step_seconds")
+    )
 
     (directory / "plan.json").write_text(json.dumps(plan, indent=1) + "\n")
     (directory / "program.mlir").write_text(module_text if module_text.endswith("\n") else module_text + "\n")
@@ -142,15 +183,26 @@ def write_bundle(directory: str | Path, program: PipelineProgram, module_text: s
     for mesh in program.meshes:
         (directory / "meshes" / mesh).mkdir(parents=True)
     for fragment in program.fragments:
-        (directory / "meshes" / fragment.mesh / f"{fragment.name}.mlir").write_text(print_module(fragment.module) + "\n")
+        (directory / "meshes" / fragment.mesh / f"{fragment.name}.mlir").write_text(
+            print_module(fragment.module) + "\n"
+        )
     for stream in streams.streams:
         where = directory / "meshes" / stream.mesh
         (where / "stream.txt").write_text(_stream_text(streams, stream))
-        (where / "stream.json").write_text(json.dumps({
-            "schedule": streams.schedule, "num_microbatches": streams.num_microbatches,
-            "split_backward": streams.split_backward, "mesh": stream.mesh, "stage": stream.stage,
-            "instructions": [i.to_dict() for i in stream.instructions],
-        }, indent=1) + "\n")
+        (where / "stream.json").write_text(
+            json.dumps(
+                {
+                    "schedule": streams.schedule,
+                    "num_microbatches": streams.num_microbatches,
+                    "split_backward": streams.split_backward,
+                    "mesh": stream.mesh,
+                    "stage": stream.stage,
+                    "instructions": [i.to_dict() for i in stream.instructions],
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     (directory / "simulation.json").write_text(json.dumps(summary, indent=1) + "\n")
     if memory is not None:
         (directory / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
@@ -174,6 +226,8 @@ def read_streams(directory: str | Path) -> PipelineStreams:
         raise ValueError(f"{directory}: no meshes/*/stream.json")
     parts.sort(key=lambda p: p["stage"])
     first = parts[0]
-    streams = tuple(MeshStream(p["mesh"], int(p["stage"]), tuple(Instruction.from_dict(i) for i in p["instructions"]))
-                    for p in parts)
+    streams = tuple(
+        MeshStream(p["mesh"], int(p["stage"]), tuple(Instruction.from_dict(i) for i in p["instructions"]))
+        for p in parts
+    )
     return PipelineStreams(first["schedule"], int(first["num_microbatches"]), bool(first["split_backward"]), streams)

@@ -33,8 +33,14 @@ from hlopar.codegen.spmd import SpmdExecutable, compile_spmd
 from hlopar.ir.extract import clone_into
 from hlopar.passes.per_example_results import PER_EXAMPLE_ATTR
 
-__all__ = ["ALIASING_OUTPUT", "BUFFER_DONOR", "DeviceExecutable", "accumulating_module", "compile_executable",
-           "set_donation"]
+__all__ = [
+    "ALIASING_OUTPUT",
+    "BUFFER_DONOR",
+    "DeviceExecutable",
+    "accumulating_module",
+    "compile_executable",
+    "set_donation",
+]
 
 ALIASING_OUTPUT = "tf.aliasing_output"
 BUFFER_DONOR = "jax.buffer_donor"
@@ -88,25 +94,31 @@ class DeviceExecutable:
         from jax._src import core
         from jax._src.interpreters.pxla import global_aval_to_result_handler
 
-        outputs = [jax.make_array_from_single_device_arrays(shape, sharding, shards) for shards, sharding, shape in
-                   zip(results.disassemble_into_single_device_arrays(), self.spmd.output_shardings,
-                       self.spmd.output_shapes)]
-        self._handlers = [global_aval_to_result_handler(core.ShapedArray(o.shape, o.dtype), o.sharding, True)
-                          for o in outputs]
+        outputs = [
+            jax.make_array_from_single_device_arrays(shape, sharding, shards)
+            for shards, sharding, shape in zip(
+                results.disassemble_into_single_device_arrays(), self.spmd.output_shardings, self.spmd.output_shapes
+            )
+        ]
+        self._handlers = [
+            global_aval_to_result_handler(core.ShapedArray(o.shape, o.dtype), o.sharding, True) for o in outputs
+        ]
         return outputs
 
     def __call__(self, *arguments) -> list[np.ndarray]:
         return [np.asarray(r) for r in self.run(list(arguments))]
 
 
-def compile_executable(module: ir.Operation, devices: Sequence[jax.Device],
-                       host_callbacks: Sequence = ()) -> DeviceExecutable:
+def compile_executable(
+    module: ir.Operation, devices: Sequence[jax.Device], host_callbacks: Sequence = ()
+) -> DeviceExecutable:
     """Compiles `module`'s `@main` for `devices` (the order of its mesh); donation as its
     argument attributes say (`set_donation`, `accumulating_module`); `host_callbacks` as
     `spmd.compile_spmd` takes them."""
     main = _main(module)
-    donated = frozenset(i for i, attrs in enumerate(_arg_attrs(main))
-                        if ALIASING_OUTPUT in attrs or BUFFER_DONOR in attrs)
+    donated = frozenset(
+        i for i, attrs in enumerate(_arg_attrs(main)) if ALIASING_OUTPUT in attrs or BUFFER_DONOR in attrs
+    )
     return DeviceExecutable(compile_spmd(module, devices, host_callbacks), donated)
 
 
@@ -124,8 +136,10 @@ def set_donation(module: ir.Operation, donations: Mapping[int, int | None]) -> N
                 continue
             layouts = [str(a[_SDY_SHARDING]) if _SDY_SHARDING in a else None for a in (attrs[arg], results[result])]
             if function_type.inputs[arg] != function_type.results[result] or layouts[0] != layouts[1]:
-                raise ValueError(f"argument {arg} ({function_type.inputs[arg]}, {layouts[0]}) cannot alias result "
-                                 f"{result} ({function_type.results[result]}, {layouts[1]})")
+                raise ValueError(
+                    f"argument {arg} ({function_type.inputs[arg]}, {layouts[0]}) cannot alias result "
+                    f"{result} ({function_type.results[result]}, {layouts[1]})"
+                )
             attrs[arg][ALIASING_OUTPUT] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), result)
         main.attributes["arg_attrs"] = ir.ArrayAttr.get([ir.DictAttr.get(a) for a in attrs])
 
@@ -143,9 +157,11 @@ def accumulating_module(module: ir.Operation, accumulate: Sequence[int], keep: C
     inputs, results = list(function_type.inputs), list(function_type.results)
     arg_attrs, res_attrs = _arg_attrs(step), _res_attrs(step)
     with clone.context, ir.Location.unknown():
-        main = func_dialect.FuncOp("main", ir.FunctionType.get([results[k] for k in accumulate] + inputs,
-                                                                results + [results[k] for k in keep]),
-                                   ip=ir.InsertionPoint(step))
+        main = func_dialect.FuncOp(
+            "main",
+            ir.FunctionType.get([results[k] for k in accumulate] + inputs, results + [results[k] for k in keep]),
+            ip=ir.InsertionPoint(step),
+        )
         for name in step.attributes:
             if name not in ("function_type", "sym_name", "arg_attrs", "res_attrs"):
                 main.operation.attributes[name] = step.attributes[name]
@@ -155,12 +171,14 @@ def accumulating_module(module: ir.Operation, accumulate: Sequence[int], keep: C
             attrs[ALIASING_OUTPUT] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32), k)
             accumulators.append(ir.DictAttr.get(attrs))
         main.operation.attributes["arg_attrs"] = ir.ArrayAttr.get(
-            accumulators + [ir.DictAttr.get(a) for a in arg_attrs])
+            accumulators + [ir.DictAttr.get(a) for a in arg_attrs]
+        )
         main.operation.attributes["res_attrs"] = ir.ArrayAttr.get(
-            [ir.DictAttr.get(a) for a in res_attrs] + [ir.DictAttr.get(res_attrs[k]) for k in keep])
+            [ir.DictAttr.get(a) for a in res_attrs] + [ir.DictAttr.get(res_attrs[k]) for k in keep]
+        )
         entry = main.add_entry_block()
         body = step.regions[0].blocks[0]
-        mapping = dict(zip(body.arguments, list(entry.arguments)[len(accumulate):]))
+        mapping = dict(zip(body.arguments, list(entry.arguments)[len(accumulate) :]))
         with ir.InsertionPoint(entry):
             operations = list(body.operations)
             for op in operations[:-1]:

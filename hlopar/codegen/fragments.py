@@ -24,8 +24,14 @@ from hlopar.analysis.mpmd import MeshTensorType, parse_topology
 from hlopar.analysis.sharding import ShardingSpec, TensorSharding
 from hlopar.ir.extract import clone_into
 
-__all__ = ["FragmentModule", "fragment_module", "fragment_modules", "program_devices", "program_topology",
-           "sharding_attrs"]
+__all__ = [
+    "FragmentModule",
+    "fragment_module",
+    "fragment_modules",
+    "program_devices",
+    "program_topology",
+    "sharding_attrs",
+]
 
 SDY_SHARDING = "sdy.sharding"
 DEVICES_ATTR = "hlopar.devices"
@@ -69,9 +75,15 @@ def program_devices(module: ir.Operation, topology: Mapping[str, DeviceMesh]) ->
 def fragment_modules(func: ir.Operation) -> list[FragmentModule]:
     """Every top-level fragment of an MPMD function, in program order."""
     topology = program_topology(func)
-    return [FragmentModule(op.operation, ir.StringAttr(op.operation.attributes["mesh_name"]).value,
-                           fragment_module(op.operation, topology))
-            for op in func.regions[0].blocks[0].operations if op.operation.name == "mpmd.fragment"]
+    return [
+        FragmentModule(
+            op.operation,
+            ir.StringAttr(op.operation.attributes["mesh_name"]).value,
+            fragment_module(op.operation, topology),
+        )
+        for op in func.regions[0].blocks[0].operations
+        if op.operation.name == "mpmd.fragment"
+    ]
 
 
 def fragment_module(fragment: ir.Operation, topology: Mapping[str, DeviceMesh]) -> ir.Operation:
@@ -91,8 +103,9 @@ def fragment_module(fragment: ir.Operation, topology: Mapping[str, DeviceMesh]) 
         with ir.InsertionPoint(body):
             sdy.MeshOp(symbol, ir.Attribute.parse(f"#sdy.mesh{topology[mesh_name].to_sdy()}"))
             _copy_named_meshes(fragment, symbol)
-            function_type = ir.FunctionType.get([a.type for a in block.arguments],
-                                                [v.type for v in terminator.operands])
+            function_type = ir.FunctionType.get(
+                [a.type for a in block.arguments], [v.type for v in terminator.operands]
+            )
             main = func_dialect.FuncOp("main", function_type)
         main.operation.attributes["arg_attrs"] = _value_attrs(operand_types, symbol)
         main.operation.attributes["res_attrs"] = _value_attrs(result_types, symbol)
@@ -134,9 +147,12 @@ def _copy_named_meshes(fragment: ir.Operation, symbol: str) -> None:
 def _value_attrs(types: list[MeshTensorType], symbol: str) -> ir.ArrayAttr:
     """Every value gets a closed sharding: one left out would be open, and Shardy could
     shard it other than the runtime places it."""
-    return ir.ArrayAttr.get([
-        sharding_attrs(t.sharding, symbol, len(ir.RankedTensorType(ir.Type.parse(t.tensor_type)).shape))
-        for t in types])
+    return ir.ArrayAttr.get(
+        [
+            sharding_attrs(t.sharding, symbol, len(ir.RankedTensorType(ir.Type.parse(t.tensor_type)).shape))
+            for t in types
+        ]
+    )
 
 
 def sharding_attrs(sharding: TensorSharding | None, symbol: str, rank: int) -> ir.DictAttr:

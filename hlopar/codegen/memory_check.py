@@ -62,10 +62,17 @@ class FragmentCheck:
         return (self.compiled or self.predicted).total + self.resident
 
     def to_json(self) -> dict:
-        return {"fragment": self.fragment, "mesh": self.mesh, "role": self.role, "devices": self.devices,
-                "predicted": self.predicted.to_json(),
-                "compiled": self.compiled.to_json() if self.compiled is not None else None,
-                "ratio": self.ratio, "resident": self.resident, "need": self.need}
+        return {
+            "fragment": self.fragment,
+            "mesh": self.mesh,
+            "role": self.role,
+            "devices": self.devices,
+            "predicted": self.predicted.to_json(),
+            "compiled": self.compiled.to_json() if self.compiled is not None else None,
+            "ratio": self.ratio,
+            "resident": self.resident,
+            "need": self.need,
+        }
 
 
 @dataclass(frozen=True)
@@ -86,14 +93,24 @@ class MemoryCheck:
         for mesh in dict.fromkeys(f.mesh for f in self.fragments):
             mine = [f for f in self.fragments if f.mesh == mesh]
             compiled = [f.need for f in mine if f.compiled is not None]
-            rows.append({"mesh": mesh, "predicted_peak": max(f.predicted.total + f.resident for f in mine),
-                         "compiled_peak": max(compiled) if compiled else None,
-                         "stage_construction": self.stage_memory.get(mesh)})
+            rows.append(
+                {
+                    "mesh": mesh,
+                    "predicted_peak": max(f.predicted.total + f.resident for f in mine),
+                    "compiled_peak": max(compiled) if compiled else None,
+                    "stage_construction": self.stage_memory.get(mesh),
+                }
+            )
         return rows
 
     def to_json(self) -> dict:
-        return {"device_memory": self.device_memory, "platform": self.platform, "skipped": dict(self.skipped),
-                "meshes": self.meshes(), "fragments": [f.to_json() for f in self.fragments]}
+        return {
+            "device_memory": self.device_memory,
+            "platform": self.platform,
+            "skipped": dict(self.skipped),
+            "meshes": self.meshes(),
+            "fragments": [f.to_json() for f in self.fragments],
+        }
 
     def over(self) -> list[FragmentCheck]:
         """Per mesh, the fragment that needs the most memory, where it does not fit."""
@@ -101,7 +118,9 @@ class MemoryCheck:
             return []
         worst: dict[str, FragmentCheck] = {}
         for f in self.fragments:
-            if f.compiled is not None and f.need > max(self.device_memory, worst[f.mesh].need if f.mesh in worst else 0):
+            if f.compiled is not None and f.need > max(
+                self.device_memory, worst[f.mesh].need if f.mesh in worst else 0
+            ):
                 worst[f.mesh] = f
         return list(worst.values())
 
@@ -109,13 +128,23 @@ class MemoryCheck:
 def compiled_memory(executable) -> FragmentMemory:
     """XLA's per-device memory of a loaded executable (`memory_analysis()`)."""
     stats = executable.get_compiled_memory_stats()
-    return FragmentMemory(int(stats.argument_size_in_bytes), int(stats.output_size_in_bytes),
-                          int(stats.alias_size_in_bytes), int(stats.temp_size_in_bytes))
+    return FragmentMemory(
+        int(stats.argument_size_in_bytes),
+        int(stats.output_size_in_bytes),
+        int(stats.alias_size_in_bytes),
+        int(stats.temp_size_in_bytes),
+    )
 
 
-def check_memory(program: PipelineProgram, streams: PipelineStreams, *, device_memory: float | None = None,
-                 devices: Sequence | None = None, executables: Mapping[str, object] | None = None,
-                 stage_memory: Mapping[str, float] | None = None) -> MemoryCheck:
+def check_memory(
+    program: PipelineProgram,
+    streams: PipelineStreams,
+    *,
+    device_memory: float | None = None,
+    devices: Sequence | None = None,
+    executables: Mapping[str, object] | None = None,
+    stage_memory: Mapping[str, float] | None = None,
+) -> MemoryCheck:
     """Predicts, compiles (or reads from `executables`: fragment name -> `DeviceExecutable`)
     and compares every fragment; raises `DiagnosticError` when one does not fit
     `device_memory`. `devices`: the local devices, indexed by physical id (default
@@ -127,8 +156,11 @@ def check_memory(program: PipelineProgram, streams: PipelineStreams, *, device_m
 
     executables = dict(executables or {})
     devices = list(jax.devices()) if devices is None else list(devices)
-    skipped = {mesh: f"mesh {mesh} uses devices {list(ids)}; this process has {len(devices)}"
-               for mesh, ids in program.devices.items() if max(ids, default=-1) >= len(devices)}
+    skipped = {
+        mesh: f"mesh {mesh} uses devices {list(ids)}; this process has {len(devices)}"
+        for mesh, ids in program.devices.items()
+        if max(ids, default=-1) >= len(devices)
+    }
     tiles = _value_tiles(program)
     resident = _resident(program, streams, tiles)
     checks = []
@@ -139,10 +171,20 @@ def check_memory(program: PipelineProgram, streams: PipelineStreams, *, device_m
             if executable is None:
                 executable = compile_executable(fragment.module, [devices[i] for i in program.devices[fragment.mesh]])
             compiled = compiled_memory(executable.spmd.executable)
-        checks.append(FragmentCheck(fragment.name, fragment.mesh, fragment.role, len(program.devices[fragment.mesh]),
-                                    fragment_memory(fragment.module), compiled, resident[fragment.name]))
-    check = MemoryCheck(tuple(checks), device_memory, devices[0].platform if devices else None, skipped,
-                        dict(stage_memory or {}))
+        checks.append(
+            FragmentCheck(
+                fragment.name,
+                fragment.mesh,
+                fragment.role,
+                len(program.devices[fragment.mesh]),
+                fragment_memory(fragment.module),
+                compiled,
+                resident[fragment.name],
+            )
+        )
+    check = MemoryCheck(
+        tuple(checks), device_memory, devices[0].platform if devices else None, skipped, dict(stage_memory or {})
+    )
     over = check.over()
     if over:
         raise DiagnosticError([Diagnostic("error", _refusal(f, device_memory)) for f in over])
@@ -151,12 +193,14 @@ def check_memory(program: PipelineProgram, streams: PipelineStreams, *, device_m
 
 def _refusal(f: FragmentCheck, device_memory: float) -> str:
     c = f.compiled
-    return (f"the plan does not fit the devices' memory: fragment {f.fragment} on mesh {f.mesh} needs {_bytes(f.need)} "
-            f"per device as XLA compiles it (the executable {_bytes(c.total)}: arguments {_bytes(c.arguments)}, "
-            f"outputs {_bytes(c.outputs)}, temporaries {_bytes(c.temporaries)}, less {_bytes(c.aliased)} aliased; "
-            f"plus {_bytes(f.resident)} the schedule keeps resident on the mesh), the planner predicted "
-            f"{_bytes(f.predicted.total + f.resident)}; a device has {_bytes(device_memory)} "
-            "(memory_per_device, else the cluster preset's)")
+    return (
+        f"the plan does not fit the devices' memory: fragment {f.fragment} on mesh {f.mesh} needs {_bytes(f.need)} "
+        f"per device as XLA compiles it (the executable {_bytes(c.total)}: arguments {_bytes(c.arguments)}, "
+        f"outputs {_bytes(c.outputs)}, temporaries {_bytes(c.temporaries)}, less {_bytes(c.aliased)} aliased; "
+        f"plus {_bytes(f.resident)} the schedule keeps resident on the mesh), the planner predicted "
+        f"{_bytes(f.predicted.total + f.resident)}; a device has {_bytes(device_memory)} "
+        "(memory_per_device, else the cluster preset's)"
+    )
 
 
 def _bytes(n: float) -> str:
@@ -168,7 +212,7 @@ def _value_tiles(program: PipelineProgram) -> dict[int, int]:
     tiles: dict[int, int] = {}
     for f in program.fragments:
         arguments, results = io_tiles(f.module)
-        for v, nbytes in zip(f.operands, arguments[len(f.accumulate):]):
+        for v, nbytes in zip(f.operands, arguments[len(f.accumulate) :]):
             tiles.setdefault(v, nbytes)
         for v, nbytes in zip(f.results, results):
             tiles.setdefault(v, nbytes)
@@ -182,8 +226,12 @@ def _resident(program: PipelineProgram, streams: PipelineStreams, tiles: Mapping
     resident = {}
     for mesh in program.meshes:
         mine = [f for f in program.fragments if f.mesh == mesh]
-        state = {v for f in mine for v in f.operands
-                 if program.values[v].argument is not None and not program.values[v].per_microbatch}
+        state = {
+            v
+            for f in mine
+            for v in f.operands
+            if program.values[v].argument is not None and not program.values[v].per_microbatch
+        }
         sums = {f.results[k] for f in mine for k in f.accumulate}
         stash = sum(tiles.get(v, 0) for v in _stash_values(program, mine))
         for f in mine:
@@ -200,8 +248,9 @@ def _stash_values(program: PipelineProgram, fragments: Sequence[ProgramFragment]
     microbatch's examples (as `PipelineProgram`'s stash_bytes, per device)."""
     read = {v for f in fragments if f.role in (BACKWARD, WEIGHT) for v in f.operands}
     forward = {v for f in fragments if f.role == FORWARD for v in f.results}
-    return {v for v in read if v in forward or (program.values[v].argument is not None
-                                                and program.values[v].per_microbatch)}
+    return {
+        v for v in read if v in forward or (program.values[v].argument is not None and program.values[v].per_microbatch)
+    }
 
 
 def _most_stashes(instructions) -> int:
@@ -214,4 +263,3 @@ def _most_stashes(instructions) -> int:
         if inst.op == FREE:
             live.discard(inst.buffer)
     return most
-

@@ -126,9 +126,11 @@ def one_program(program: PipelineProgram) -> ir.Operation | None:
                     env[v], layout[v] = returned[p], res_attrs[k][p].get(_SHARDING)
             func_dialect.ReturnOp([env[v] for v in program.results])
         main.operation.attributes["arg_attrs"] = ir.ArrayAttr.get(
-            [ir.DictAttr.get(a) for a in _arguments(program, first_read, arg_attrs, layout)])
+            [ir.DictAttr.get(a) for a in _arguments(program, first_read, arg_attrs, layout)]
+        )
         main.operation.attributes["res_attrs"] = ir.ArrayAttr.get(
-            [ir.DictAttr.get({_SHARDING: layout[v]} if layout[v] is not None else {}) for v in program.results])
+            [ir.DictAttr.get({_SHARDING: layout[v]} if layout[v] is not None else {}) for v in program.results]
+        )
         old.erase()
     return module
 
@@ -178,8 +180,9 @@ def _arguments(program: PipelineProgram, first_read, arg_attrs, layout) -> list[
                     continue
                 v = f.results[r] if r is not None else None
                 if v in program.results and str(layout[v]) == str(attrs.get(_SHARDING)):
-                    attrs[ALIASING_OUTPUT] = ir.IntegerAttr.get(ir.IntegerType.get_signless(32),
-                                                                program.results.index(v))
+                    attrs[ALIASING_OUTPUT] = ir.IntegerAttr.get(
+                        ir.IntegerType.get_signless(32), program.results.index(v)
+                    )
                 else:
                     attrs[BUFFER_DONOR] = ir.BoolAttr.get(True)
         out.append(attrs)

@@ -89,8 +89,20 @@ from hlopar.passes.microbatch_index import read_index_arg
 from hlopar.passes.mpmd_program import fragment_role
 from hlopar.passes.split_microbatches import BATCH, KIND_ATTR, STEP, read_split
 
-__all__ = ["FORWARD", "BACKWARD", "WEIGHT", "UPDATE", "HostCallback", "PipelineProgram", "ProgramError",
-           "ProgramFragment", "ProgramTransfer", "ProgramValue", "host_callback_message", "pipeline_program"]
+__all__ = [
+    "FORWARD",
+    "BACKWARD",
+    "WEIGHT",
+    "UPDATE",
+    "HostCallback",
+    "PipelineProgram",
+    "ProgramError",
+    "ProgramFragment",
+    "ProgramTransfer",
+    "ProgramValue",
+    "host_callback_message",
+    "pipeline_program",
+]
 
 FORWARD, BACKWARD, WEIGHT, UPDATE = "forward", "backward", "weight", "update"
 _RUN_ROLES = {"F": (FORWARD,), "B": (BACKWARD, WEIGHT), "W": (WEIGHT,)}  # a whole backward: B and W
@@ -164,11 +176,13 @@ class HostCallback:
 
 def host_callback_message(target: str, reason: str) -> str:
     """Why a program with a host callback cannot run where `reason` says it would."""
-    return (f"host callback '{target}' (jax.debug.print, jax.debug.callback, io_callback or pure_callback) "
-            f"calls a Python function of the process that lowered the step, and {reason}: other processes, which "
-            "do not hold it. "
-            "hlopar runs it only where the plan runs in that process: one mesh and one microbatch on this "
-            "machine's one host (parallelize(..., method='shard', runtime='process'))")
+    return (
+        f"host callback '{target}' (jax.debug.print, jax.debug.callback, io_callback or pure_callback) "
+        f"calls a Python function of the process that lowered the step, and {reason}: other processes, which "
+        "do not hold it. "
+        "hlopar runs it only where the plan runs in that process: one mesh and one microbatch on this "
+        "machine's one host (parallelize(..., method='shard', runtime='process'))"
+    )
 
 
 @dataclass
@@ -215,8 +229,10 @@ class PipelineProgram:
 
     def stage_flops(self, stage: int) -> tuple[float, float]:
         """(forward, backward) FLOPs of a stage per microbatch; backward: B and W together."""
-        return (sum(f.flops for f in self.stage_fragments(stage, FORWARD)),
-                sum(f.flops for f in self.stage_fragments(stage, BACKWARD) + self.stage_fragments(stage, WEIGHT)))
+        return (
+            sum(f.flops for f in self.stage_fragments(stage, FORWARD)),
+            sum(f.flops for f in self.stage_fragments(stage, BACKWARD) + self.stage_fragments(stage, WEIGHT)),
+        )
 
     def stage_weight_flops(self, stage: int) -> float:
         """FLOPs of a stage's W fragments per microbatch (0 unless split)."""
@@ -226,14 +242,21 @@ class PipelineProgram:
         """The instruction streams of `schedule` on this program's stages, bound to it: each
         RUN names the fragments it runs, each SEND/RECV the transfers it carries."""
         if get_schedule(schedule).split_backward and not self.split_backward:
-            raise ValueError(f"schedule {schedule!r} splits backwards into input and weight gradients; the "
-                             "program's backward fragments are whole: read it with "
-                             "pipeline_program(module, split_backward=True)")
+            raise ValueError(
+                f"schedule {schedule!r} splits backwards into input and weight gradients; the "
+                "program's backward fragments are whole: read it with "
+                "pipeline_program(module, split_backward=True)"
+            )
         streams = build_streams(self.topology, schedule, self.microbatches)
-        return PipelineStreams(streams.schedule, streams.num_microbatches, streams.split_backward,
-                               tuple(MeshStream(s.mesh, s.stage,
-                                                tuple(self._bind(i, streams.split_backward) for i in s.instructions))
-                                     for s in streams.streams))
+        return PipelineStreams(
+            streams.schedule,
+            streams.num_microbatches,
+            streams.split_backward,
+            tuple(
+                MeshStream(s.mesh, s.stage, tuple(self._bind(i, streams.split_backward) for i in s.instructions))
+                for s in streams.streams
+            ),
+        )
 
     def _bind(self, inst: Instruction, split: bool) -> Instruction:
         if inst.op == RUN:
@@ -252,30 +275,63 @@ class PipelineProgram:
             "microbatches": self.microbatches,
             "split_backward": self.split_backward,
             "batch_args": list(self.batch_args),
-            "meshes": [{"mesh": m, "stage": self.stage_of_mesh.get(m), "devices": list(self.devices[m])}
-                       for m in self.meshes],
-            "stages": [{"stage": k, "mesh": self.topology.meshes[k], "forward_flops": self.stage_flops(k)[0],
-                        "backward_flops": self.stage_flops(k)[1], "weight_flops": self.stage_weight_flops(k),
-                        "stash_bytes": self.topology.activation_bytes[k],
-                        "carry_bytes": self.topology.carry_bytes[k]} for k in range(self.topology.num_stages)],
-            "edges": [{"src": e.src, "dst": e.dst, "act_bytes": e.nbytes, "grad_bytes": e.backward_bytes}
-                      for e in self.topology.edges],
-            "fragments": [{"name": f.name, "mesh": f.mesh, "stage": f.stage, "role": f.role,
-                           "file": f"meshes/{f.mesh}/{f.name}.mlir", "operands": list(f.operands),
-                           "results": list(f.results), "accumulate": list(f.accumulate), "keep": list(f.keep),
-                           "donated": {str(p): r for p, r in f.donated.items()},
-                           "flops": f.flops} for f in self.fragments],
-            "transfers": [{"name": t.name, "source": t.source, "result": t.result, "src_mesh": t.src_mesh,
-                           "dst_mesh": t.dst_mesh, "bytes": t.nbytes, "streamed": t.streamed,
-                           "planned": t.plan is not None,
-                           "predicted_time": t.plan.predicted_time if t.plan is not None else None,
-                           "unit_ops": len(t.plan.ops) if t.plan is not None else None} for t in self.transfers],
+            "meshes": [
+                {"mesh": m, "stage": self.stage_of_mesh.get(m), "devices": list(self.devices[m])} for m in self.meshes
+            ],
+            "stages": [
+                {
+                    "stage": k,
+                    "mesh": self.topology.meshes[k],
+                    "forward_flops": self.stage_flops(k)[0],
+                    "backward_flops": self.stage_flops(k)[1],
+                    "weight_flops": self.stage_weight_flops(k),
+                    "stash_bytes": self.topology.activation_bytes[k],
+                    "carry_bytes": self.topology.carry_bytes[k],
+                }
+                for k in range(self.topology.num_stages)
+            ],
+            "edges": [
+                {"src": e.src, "dst": e.dst, "act_bytes": e.nbytes, "grad_bytes": e.backward_bytes}
+                for e in self.topology.edges
+            ],
+            "fragments": [
+                {
+                    "name": f.name,
+                    "mesh": f.mesh,
+                    "stage": f.stage,
+                    "role": f.role,
+                    "file": f"meshes/{f.mesh}/{f.name}.mlir",
+                    "operands": list(f.operands),
+                    "results": list(f.results),
+                    "accumulate": list(f.accumulate),
+                    "keep": list(f.keep),
+                    "donated": {str(p): r for p, r in f.donated.items()},
+                    "flops": f.flops,
+                }
+                for f in self.fragments
+            ],
+            "transfers": [
+                {
+                    "name": t.name,
+                    "source": t.source,
+                    "result": t.result,
+                    "src_mesh": t.src_mesh,
+                    "dst_mesh": t.dst_mesh,
+                    "bytes": t.nbytes,
+                    "streamed": t.streamed,
+                    "planned": t.plan is not None,
+                    "predicted_time": t.plan.predicted_time if t.plan is not None else None,
+                    "unit_ops": len(t.plan.ops) if t.plan is not None else None,
+                }
+                for t in self.transfers
+            ],
             "results": list(self.results),
         }
 
 
-def pipeline_program(module: ir.Operation, split_backward: bool = False, *,
-                     host_callbacks: bool = False) -> PipelineProgram:
+def pipeline_program(
+    module: ir.Operation, split_backward: bool = False, *, host_callbacks: bool = False
+) -> PipelineProgram:
     """Reads a split, stage-constructed MPMD program (module docstring); `split_backward`
     cuts each backward into B and W fragments, as backward weight delaying runs them.
     `host_callbacks`: the caller runs a one-mesh, one-microbatch program in the process that
@@ -325,8 +381,11 @@ class _Reader:
             elif op.name == "func.return":
                 results = tuple(number[v] for v in op.operands)
             else:
-                raise ProgramError(f"a pipeline cannot run '{op.name}' at the top level of @main "
-                                   "(expected mpmd.fragment, mpmd.transfer, hlopar.cross_mesh_transfer)", op.location)
+                raise ProgramError(
+                    f"a pipeline cannot run '{op.name}' at the top level of @main "
+                    "(expected mpmd.fragment, mpmd.transfer, hlopar.cross_mesh_transfer)",
+                    op.location,
+                )
         read_once, read_each = self._mark_accumulated(results)
         kept = frozenset(f.results[p] for f in self.fragments for p in f.keep)
         needed_once = frozenset(read_once | {t.result for t in self.transfers if self._origin(t.source) in read_once})
@@ -336,9 +395,24 @@ class _Reader:
         carried = self._carried(stage_of_mesh, kept)
         topology = self._stage_graph(stage_of_mesh, carried)
         return PipelineProgram(
-            self.microbatches, self.batch_args, tuple(shapes), tuple(self.topology), dict(self.physical),
-            self.values, self.fragments, self.transfers, results, topology, stage_of_mesh, kept, needed_once, carried,
-            self.split_backward, read_index_arg(self.main), callbacks)
+            self.microbatches,
+            self.batch_args,
+            tuple(shapes),
+            tuple(self.topology),
+            dict(self.physical),
+            self.values,
+            self.fragments,
+            self.transfers,
+            results,
+            topology,
+            stage_of_mesh,
+            kept,
+            needed_once,
+            carried,
+            self.split_backward,
+            read_index_arg(self.main),
+            callbacks,
+        )
 
     def _host_callbacks(self) -> tuple[HostCallback, ...]:
         """The program's host callbacks, where it may hold them (module docstring)."""
@@ -348,8 +422,9 @@ class _Reader:
         if not self.runs_here:
             reason = "the plan runs on Ray workers"
         elif len(self.topology) != 1 or self.microbatches != 1:
-            reason = (f"a plan of {len(self.topology)} mesh(es) and {self.microbatches} microbatch(es) runs on Ray "
-                      "workers")
+            reason = (
+                f"a plan of {len(self.topology)} mesh(es) and {self.microbatches} microbatch(es) runs on Ray workers"
+            )
         else:
             return tuple(HostCallback(callback_target(op), source_location(op.location)) for op in ops)
         raise ProgramError(host_callback_message(callback_target(ops[0]), reason), ops[0].location)
@@ -361,17 +436,24 @@ class _Reader:
         origin = str(op.attributes["origin"])
         stage = ir.IntegerAttr(op.attributes["stage_id"]).value if "stage_id" in op.attributes else None
         role = fragment_role(op)
-        kinds = {ir.StringAttr(inner.attributes[KIND_ATTR]).value
-                 for inner in _ops_in(op) if KIND_ATTR in inner.attributes}
+        kinds = {
+            ir.StringAttr(inner.attributes[KIND_ATTR]).value for inner in _ops_in(op) if KIND_ATTR in inner.attributes
+        }
         if self.microbatches == 1:
             pass  # one microbatch: every fragment runs once per step, whatever it holds
         elif role == UPDATE:
             if BATCH in kinds:
-                raise ProgramError(f"update fragment on {mesh} ({origin}) holds per-example values: the stage "
-                                   "construction does not respect the microbatch split", op.location)
+                raise ProgramError(
+                    f"update fragment on {mesh} ({origin}) holds per-example values: the stage "
+                    "construction does not respect the microbatch split",
+                    op.location,
+                )
         elif STEP in kinds:
-            raise ProgramError(f"{role} fragment of stage {stage} ({origin}) runs optimizer ('step') ops that must "
-                               "run once per step, on the summed gradients", op.location)
+            raise ProgramError(
+                f"{role} fragment of stage {stage} ({origin}) runs optimizer ('step') ops that must "
+                "run once per step, on the summed gradients",
+                op.location,
+            )
         index = len(self.fragments)
         results = []
         for result in op.results:
@@ -379,8 +461,19 @@ class _Reader:
             results.append(len(self.values))
             self.values.append(ProgramValue(mesh, role != UPDATE, _mesh_tensor(result)[2], producer=index))
         self.ops[index] = op
-        self.fragments.append(ProgramFragment(index, self._name(origin, role, index), mesh, stage, role,
-                                              tuple(number[v] for v in op.operands), tuple(results), 0.0, None))
+        self.fragments.append(
+            ProgramFragment(
+                index,
+                self._name(origin, role, index),
+                mesh,
+                stage,
+                role,
+                tuple(number[v] for v in op.operands),
+                tuple(results),
+                0.0,
+                None,
+            )
+        )
 
     def _name(self, origin: str, role: str, index: int) -> str:
         found = re.search(r'"([^"]*)"', origin)
@@ -402,8 +495,9 @@ class _Reader:
                 raise ProgramError(str(error), op.location) from None
         number[op.results[0]] = len(self.values)
         index = len(self.transfers)
-        transfer = ProgramTransfer(index, f"t{index}", source, len(self.values), self.values[source].mesh, mesh,
-                                   nbytes, plan)
+        transfer = ProgramTransfer(
+            index, f"t{index}", source, len(self.values), self.values[source].mesh, mesh, nbytes, plan
+        )
         self.transfers.append(transfer)
         self.values.append(ProgramValue(mesh, self.values[source].per_microbatch, nbytes, transfer=index))
 
@@ -424,8 +518,10 @@ class _Reader:
         read_once.update(self._origin(v) for v in results)
         for v in read_once:
             if self.values[v].argument in self.batch_args and self.microbatches > 1:
-                raise ProgramError(f"batch argument {self.values[v].argument} is read by an update fragment or "
-                                   "returned", self.main.location)
+                raise ProgramError(
+                    f"batch argument {self.values[v].argument} is read by an update fragment or returned",
+                    self.main.location,
+                )
         for fragment in self.fragments:
             if fragment.role == UPDATE:
                 continue
@@ -439,8 +535,11 @@ class _Reader:
                 if kind is None:
                     continue  # the same in every microbatch: the last one's is kept
                 if kind == BATCH and self.microbatches > 1:  # one microbatch: its values are the step's
-                    raise ProgramError(f"a per-example value of the {fragment.role} fragment of stage "
-                                       f"{fragment.stage} is read by an update fragment or returned", op.location)
+                    raise ProgramError(
+                        f"a per-example value of the {fragment.role} fragment of stage "
+                        f"{fragment.stage} is read by an update fragment or returned",
+                        op.location,
+                    )
                 accumulate.append(position)
                 if v in read_each:
                     keep.append(position)
@@ -462,12 +561,20 @@ class _Reader:
             readers = [f for f in self.fragments if v in f.operands]
             updates = [f for f in readers if f.role == UPDATE]
             copies = {t.result for t in self.transfers if self._origin(t.source) == v}
-            if (len(updates) != 1 or readers[-1] is not updates[0] or v in returned or copies & read_by_updates
-                    or (copies and updates[0].mesh not in stage_meshes)):
+            if (
+                len(updates) != 1
+                or readers[-1] is not updates[0]
+                or v in returned
+                or copies & read_by_updates
+                or (copies and updates[0].mesh not in stage_meshes)
+            ):
                 continue
             update = updates[0]
-            made_here = result is not None and self.values[result].producer == update.index \
+            made_here = (
+                result is not None
+                and self.values[result].producer == update.index
                 and self.values[result].transfer is None
+            )
             update.donated[update.operands.index(v)] = update.results.index(result) if made_here else None
 
     def _build_modules(self, only_once: set[int]) -> None:
@@ -498,8 +605,9 @@ class _Reader:
                 fragments.append(part)
         self.fragments, self.ops = fragments, ops
 
-    def _split(self, whole: ProgramFragment, module: ir.Operation, only_once: set[int],
-               origin: str) -> list[tuple[ProgramFragment, ir.Operation]]:
+    def _split(
+        self, whole: ProgramFragment, module: ir.Operation, only_once: set[int], origin: str
+    ) -> list[tuple[ProgramFragment, ir.Operation]]:
         """B and W of a backward fragment (one of them alone when the other has no result)."""
         halves = split_module(module, [p for p, v in enumerate(whole.results) if v in only_once])
         extra = []  # carried values that are not results of the whole fragment: values of their own
@@ -513,18 +621,40 @@ class _Reader:
 
         def half(role: str, name: str, args, positions, operands: tuple = (), results: tuple = ()):
             return ProgramFragment(
-                0, name, whole.mesh, whole.stage, role, tuple(whole.operands[a] for a in args) + operands,
-                tuple(whole.results[p] for p in positions) + results, 0.0, None,
+                0,
+                name,
+                whole.mesh,
+                whole.stage,
+                role,
+                tuple(whole.operands[a] for a in args) + operands,
+                tuple(whole.results[p] for p in positions) + results,
+                0.0,
+                None,
                 accumulate=tuple(j for j, p in enumerate(positions) if p in whole.accumulate),
-                keep=tuple(j for j, p in enumerate(positions) if p in whole.keep))
+                keep=tuple(j for j, p in enumerate(positions) if p in whole.keep),
+            )
 
         parts = []
         if halves.input is not None:
-            parts.append((half(BACKWARD, whole.name, halves.input_args, halves.input_results, results=tuple(extra)),
-                          halves.input))
+            parts.append(
+                (
+                    half(BACKWARD, whole.name, halves.input_args, halves.input_results, results=tuple(extra)),
+                    halves.input,
+                )
+            )
         if halves.weight is not None:
-            parts.append((half(WEIGHT, self._name(origin, WEIGHT, whole.index), halves.weight_args,
-                               halves.weight_results, operands=carried), halves.weight))
+            parts.append(
+                (
+                    half(
+                        WEIGHT,
+                        self._name(origin, WEIGHT, whole.index),
+                        halves.weight_args,
+                        halves.weight_results,
+                        operands=carried,
+                    ),
+                    halves.weight,
+                )
+            )
         return parts
 
     # -- the stage graph
@@ -533,8 +663,9 @@ class _Reader:
         stage_of_mesh: dict[str, int] = {}
         for f in self.fragments:
             if f.stage is not None and stage_of_mesh.setdefault(f.mesh, f.stage) != f.stage:
-                raise ProgramError(f"mesh {f.mesh} runs stages {stage_of_mesh[f.mesh]} and {f.stage}",
-                                   self.ops[f.index].location)
+                raise ProgramError(
+                    f"mesh {f.mesh} runs stages {stage_of_mesh[f.mesh]} and {f.stage}", self.ops[f.index].location
+                )
         stages = sorted(set(stage_of_mesh.values()))
         if stages != list(range(len(stages))):
             raise ProgramError(f"stages {stages} are not numbered 0..S-1", self.main.location)
@@ -542,16 +673,23 @@ class _Reader:
             raise ProgramError("the program has no forward or backward fragment (no stage)", self.main.location)
         return stage_of_mesh
 
-    def _carried(self, stage_of_mesh: Mapping[str, int], kept: frozenset[int]) -> dict[tuple[str, str], tuple[int, ...]]:
+    def _carried(
+        self, stage_of_mesh: Mapping[str, int], kept: frozenset[int]
+    ) -> dict[tuple[str, str], tuple[int, ...]]:
         """Per (source mesh, destination mesh) of two stages, the transfers of values a forward
         or backward makes per microbatch and another stage reads per microbatch (sums read
         only by the update are moved once, after the last microbatch)."""
         carried: dict[tuple[str, str], list[int]] = {}
         for t in self.transfers:
             source = self.values[t.source]
-            if (source.per_microbatch and source.producer is not None and t.src_mesh in stage_of_mesh
-                    and t.dst_mesh in stage_of_mesh and t.src_mesh != t.dst_mesh
-                    and (not source.accumulated or t.source in kept)):
+            if (
+                source.per_microbatch
+                and source.producer is not None
+                and t.src_mesh in stage_of_mesh
+                and t.dst_mesh in stage_of_mesh
+                and t.src_mesh != t.dst_mesh
+                and (not source.accumulated or t.source in kept)
+            ):
                 carried.setdefault((t.src_mesh, t.dst_mesh), []).append(t.index)
                 t.streamed = True
         return {pair: tuple(ts) for pair, ts in carried.items()}
@@ -566,13 +704,18 @@ class _Reader:
                 forward[i, j] = forward.get((i, j), 0) + size
             else:
                 backward[j, i] = backward.get((j, i), 0) + size
-        edges = tuple(Edge(i, j, forward.get((i, j), 0), backward.get((i, j), 0))
-                      for i, j in sorted(set(forward) | set(backward)))
+        edges = tuple(
+            Edge(i, j, forward.get((i, j), 0), backward.get((i, j), 0)) for i, j in sorted(set(forward) | set(backward))
+        )
         mesh_of_stage = {s: m for m, s in stage_of_mesh.items()}
         num_stages = len(mesh_of_stage)
-        return PipelineTopology(num_stages, edges, self._stash_bytes(stage_of_mesh, num_stages),
-                                meshes=tuple(mesh_of_stage[s] for s in range(num_stages)),
-                                carry_bytes=tuple(self.carry_bytes.get(k, 0) for k in range(num_stages)))
+        return PipelineTopology(
+            num_stages,
+            edges,
+            self._stash_bytes(stage_of_mesh, num_stages),
+            meshes=tuple(mesh_of_stage[s] for s in range(num_stages)),
+            carry_bytes=tuple(self.carry_bytes.get(k, 0) for k in range(num_stages)),
+        )
 
     def _stash_bytes(self, stage_of_mesh: Mapping[str, int], num_stages: int) -> tuple[int, ...]:
         """Per stage, what its backward reads per microbatch of its own forward's results and of
@@ -584,7 +727,8 @@ class _Reader:
                 value = self.values[v]
                 producer = self.fragments[value.producer] if value.producer is not None else None
                 if (producer is not None and producer.stage == k and producer.role == FORWARD) or (
-                        value.argument is not None and value.per_microbatch):
+                    value.argument is not None and value.per_microbatch
+                ):
                     stash[k] += value.nbytes
         return tuple(stash)
 

@@ -40,8 +40,7 @@ class SpmdExecutable:
         return results
 
 
-def compile_spmd(module: ir.Operation, devices: Sequence[jax.Device],
-                 host_callbacks: Sequence = ()) -> SpmdExecutable:
+def compile_spmd(module: ir.Operation, devices: Sequence[jax.Device], host_callbacks: Sequence = ()) -> SpmdExecutable:
     """Compiles `module` (its `@main`) for `devices`, in the order of the module's mesh;
     `host_callbacks`: the Python functions its host callbacks call, by their `index`
     (`hlopar.ir.host_callbacks`), as `jax.jit` hands them to the compiler."""
@@ -55,8 +54,9 @@ def compile_spmd(module: ir.Operation, devices: Sequence[jax.Device],
     if host_callbacks:  # only the overload that takes a module object takes them
         with module.context:
             parsed = ir.Module.parse(print_module(module))
-        executable = client.compile_and_load(parsed, executable_devices=device_list, compile_options=options,
-                                             host_callbacks=list(host_callbacks))
+        executable = client.compile_and_load(
+            parsed, executable_devices=device_list, compile_options=options, host_callbacks=list(host_callbacks)
+        )
     else:
         executable = client.compile_and_load(print_module(module), device_list, options)
     function_type = ir.FunctionType(ir.TypeAttr(func.attributes["function_type"]).value)
@@ -64,20 +64,25 @@ def compile_spmd(module: ir.Operation, devices: Sequence[jax.Device],
         executable,
         *main_shardings(module, devices),
         [tuple(ir.RankedTensorType(t).shape) for t in function_type.results],
-        [(tuple(ir.RankedTensorType(t).shape), _numpy_dtype(ir.RankedTensorType(t).element_type))
-         for t in function_type.inputs],
+        [
+            (tuple(ir.RankedTensorType(t).shape), _numpy_dtype(ir.RankedTensorType(t).element_type))
+            for t in function_type.inputs
+        ],
     )
 
 
-def main_shardings(module: ir.Operation, devices: Sequence[jax.Device]) -> tuple[list[NamedSharding],
-                                                                                 list[NamedSharding]]:
+def main_shardings(
+    module: ir.Operation, devices: Sequence[jax.Device]
+) -> tuple[list[NamedSharding], list[NamedSharding]]:
     """`@main`'s arguments' and results' `sdy.sharding`s as `NamedSharding`s on `devices` (in
     the order of the module's mesh): what `jax.jit(in_shardings=, out_shardings=)` takes."""
     mesh = _jax_mesh(module, devices)
     func = _main(module)
     function_type = ir.FunctionType(ir.TypeAttr(func.attributes["function_type"]).value)
-    return ([_named(attrs, mesh) for attrs in _value_attrs(func, "arg_attrs", len(function_type.inputs))],
-            [_named(attrs, mesh) for attrs in _value_attrs(func, "res_attrs", len(function_type.results))])
+    return (
+        [_named(attrs, mesh) for attrs in _value_attrs(func, "arg_attrs", len(function_type.inputs))],
+        [_named(attrs, mesh) for attrs in _value_attrs(func, "res_attrs", len(function_type.results))],
+    )
 
 
 def _numpy_dtype(element: ir.Type) -> np.dtype:
@@ -128,4 +133,6 @@ def _named(attrs: dict, mesh: Mesh) -> NamedSharding:
     if "sdy.sharding" not in attrs:
         return NamedSharding(mesh, PartitionSpec())
     spec = TensorSharding.parse(str(attrs["sdy.sharding"])).to_spec()
-    return NamedSharding(mesh, PartitionSpec(*[(axes if len(axes) > 1 else axes[0]) if axes else None for axes in spec.dims]))
+    return NamedSharding(
+        mesh, PartitionSpec(*[(axes if len(axes) > 1 else axes[0]) if axes else None for axes in spec.dims])
+    )

@@ -39,8 +39,9 @@ class PlannedTransfer:
     predicted_time: float  # seconds, under the cluster model of the pass that planned it
 
 
-def planned_transfer(op: ir.Operation, topology: Mapping[str, DeviceMesh],
-                     physical: Mapping[str, tuple[int, ...]]) -> PlannedTransfer:
+def planned_transfer(
+    op: ir.Operation, topology: Mapping[str, DeviceMesh], physical: Mapping[str, tuple[int, ...]]
+) -> PlannedTransfer:
     """Decodes a `hlopar.cross_mesh_transfer` of a function with `topology`; `physical` gives
     each mesh's physical device ids (`fragments.program_devices`). Raises `ValueError` for a
     mesh outside the topology and `DiagnosticError` for malformed unit ops."""
@@ -57,5 +58,6 @@ def planned_transfer(op: ir.Operation, topology: Mapping[str, DeviceMesh],
     if width is None:
         raise ValueError(f"'{CONTAINER}': cannot size elements of {tensor}")
     decoded = read_transfer_op(op, (width + 7) // 8)
-    return PlannedTransfer(tuple(tensor.shape), decoded.ops, layouts[0], layouts[1], decoded.strategy,
-                           decoded.predicted_time)
+    return PlannedTransfer(
+        tuple(tensor.shape), decoded.ops, layouts[0], layouts[1], decoded.strategy, decoded.predicted_time
+    )

@@ -38,8 +38,12 @@ class OpSplit:
     carried: tuple[int, ...]  # values B's ops define that W reads or returns, in order of definition
 
 
-def split_ops(reads: Sequence[Iterable[int]], defines: Sequence[Iterable[int]], input_results: Iterable[int],
-              weight_results: Iterable[int]) -> OpSplit:
+def split_ops(
+    reads: Sequence[Iterable[int]],
+    defines: Sequence[Iterable[int]],
+    input_results: Iterable[int],
+    weight_results: Iterable[int],
+) -> OpSplit:
     """Cuts ops (program order, a topological order; `reads[i]`/`defines[i]` the values op i
     reads and defines) into B, every op the `input_results` depend on, and W, the others
     and the constants of B they read. Ops defining nothing stay in B, where they run first
@@ -62,8 +66,9 @@ def split_ops(reads: Sequence[Iterable[int]], defines: Sequence[Iterable[int]], 
     weight_ops = tuple(sorted(rest + constants))
     defined = {v for d in defines for v in d}
     carried = tuple(v for i in input_ops if i not in constants for v in defines[i] if v in weight_reads)
-    return OpSplit(input_ops, weight_ops, tuple(sorted(needed - defined)), tuple(sorted(weight_reads - defined)),
-                   carried)
+    return OpSplit(
+        input_ops, weight_ops, tuple(sorted(needed - defined)), tuple(sorted(weight_reads - defined)), carried
+    )
 
 
 @dataclass(frozen=True)
@@ -94,13 +99,18 @@ def split_module(module: ir.Operation, weight_results: Collection[int]) -> Split
         return SplitModules(module, None, every_arg, (), inputs, (), ())
     if not inputs:
         return SplitModules(None, module, (), every_arg, (), weight, ())
-    split = split_ops([graph.reads(i) for i in range(len(graph.ops))], [op.results for op in graph.ops],
-                      [graph.results[p] for p in inputs], [graph.results[p] for p in weight])
+    split = split_ops(
+        [graph.reads(i) for i in range(len(graph.ops))],
+        [op.results for op in graph.ops],
+        [graph.results[p] for p in inputs],
+        [graph.results[p] for p in weight],
+    )
     returned = [graph.results[p] for p in inputs]
     extra = [v for v in split.carried if v not in returned]
     b = extract_function(graph, split.input_ops, inputs=split.input_args, outputs=returned + extra)
-    w = extract_function(graph, split.weight_ops, inputs=split.weight_args + split.carried,
-                         outputs=[graph.results[p] for p in weight])
+    w = extract_function(
+        graph, split.weight_ops, inputs=split.weight_args + split.carried, outputs=[graph.results[p] for p in weight]
+    )
     symbol = _mesh_symbol(module)
     with module.context:
         for k, v in enumerate(split.carried):
@@ -109,9 +119,16 @@ def split_module(module: ir.Operation, weight_results: Collection[int]) -> Split
                 _set_attrs(b.func, "res_attrs", len(returned) + extra.index(v), attrs)
             _set_attrs(w.func, "arg_attrs", len(split.weight_args) + k, attrs)
     position = {v: j for j, v in reversed(list(enumerate(returned + extra)))}
-    return SplitModules(b.module, w.module, split.input_args, split.weight_args, inputs, weight,
-                        tuple(position[v] for v in split.carried),
-                        tuple(graph.values[v].nbytes or 0 for v in split.carried))
+    return SplitModules(
+        b.module,
+        w.module,
+        split.input_args,
+        split.weight_args,
+        inputs,
+        weight,
+        tuple(position[v] for v in split.carried),
+        tuple(graph.values[v].nbytes or 0 for v in split.carried),
+    )
 
 
 def _layout(graph: FuncGraph, v: int) -> TensorSharding | None:

@@ -173,11 +173,13 @@ def _copy_value_attrs(graph: FuncGraph, new_func: ir.Operation, inputs: Sequence
     arg_attrs, res_attrs = _value_attrs(source, "arg_attrs"), _value_attrs(source, "res_attrs")
     empty = ir.DictAttr.get({})
     if arg_attrs is not None:
-        new_func.attributes["arg_attrs"] = ir.ArrayAttr.get([
-            arg_attrs[graph.values[v].arg_index] if graph.values[v].arg_index is not None else empty for v in inputs])
+        new_func.attributes["arg_attrs"] = ir.ArrayAttr.get(
+            [arg_attrs[graph.values[v].arg_index] if graph.values[v].arg_index is not None else empty for v in inputs]
+        )
     if res_attrs is not None:
         first_result: dict[int, int] = {}
         for position, vid in enumerate(graph.results):
             first_result.setdefault(vid, position)
-        new_func.attributes["res_attrs"] = ir.ArrayAttr.get([
-            res_attrs[first_result[v]] if v in first_result else empty for v in outputs])
+        new_func.attributes["res_attrs"] = ir.ArrayAttr.get(
+            [res_attrs[first_result[v]] if v in first_result else empty for v in outputs]
+        )

@@ -159,7 +159,7 @@ class OpNode(NamedTuple):
                 # Attributes the bindings cannot cast (complex dense elements): print
                 # the named attribute, never touching its `.attr`.
                 text = str(attributes[position])
-                printed[name] = text[len(f"NamedAttribute({name}="):-1]
+                printed[name] = text[len(f"NamedAttribute({name}=") : -1]
         return MappingProxyType(printed)
 
     def walk(self) -> Iterator[OpNode]:
@@ -305,8 +305,13 @@ class FuncGraph:
         returned = set(self.results)
         results = tuple(sorted(v for v in made if v in returned or any(u not in inside for u in values[v].users)))
         return FuncGraph(
-            name=name or f"{self.name}[{len(ops)} ops]", args=args, results=results, ops=ops,
-            values=values, all_ops=self.all_ops, mlir_func=self.mlir_func,
+            name=name or f"{self.name}[{len(ops)} ops]",
+            args=args,
+            results=results,
+            ops=ops,
+            values=values,
+            all_ops=self.all_ops,
+            mlir_func=self.mlir_func,
         )
 
     @property
@@ -338,8 +343,7 @@ def module_graphs(module: ir.Module | ir.Operation) -> dict[str, FuncGraph]:
     try:
         types: dict[ir.Type, _TypeInfo] = {}  # types are uniqued by the context: share them
         return {
-            ir.StringAttr(func.attributes["sym_name"]).value: _Builder(types).build(func)
-            for func in _funcs(module)
+            ir.StringAttr(func.attributes["sym_name"]).value: _Builder(types).build(func) for func in _funcs(module)
         }
     finally:
         if collecting:
@@ -493,19 +497,33 @@ class _Builder:
         results: tuple[int, ...] = ()
         if returned is not None:
             ids = self.ids
-            results = tuple(
-                ids[v] if v in ids else self._forward_value(v) for v in returned.operands
-            )
+            results = tuple(ids[v] if v in ids else self._forward_value(v) for v in returned.operands)
 
         users = self.users
         values = tuple(
-            Value(vid, info.text, info.shape, info.dtype, info.nbytes, producer, def_op,
-                  result_index, arg_index, nested, tuple(users[vid]))
+            Value(
+                vid,
+                info.text,
+                info.shape,
+                info.dtype,
+                info.nbytes,
+                producer,
+                def_op,
+                result_index,
+                arg_index,
+                nested,
+                tuple(users[vid]),
+            )
             for vid, (info, producer, def_op, result_index, arg_index, nested) in enumerate(self.defs)
         )
         return FuncGraph(
-            name=name, args=args, results=results, ops=ops, values=values,
-            all_ops=tuple(self.nodes), mlir_func=func,
+            name=name,
+            args=args,
+            results=results,
+            ops=ops,
+            values=values,
+            all_ops=tuple(self.nodes),
+            mlir_func=func,
         )
 
     def _ops(self, mlir_ops, top: int | None, parent: int | None) -> tuple[OpNode, ...]:
@@ -553,28 +571,42 @@ class _Builder:
                     results.append(vid)
             regions = op.regions
             if len(regions):
-                regions = tuple([
-                    tuple([
-                        Block(
-                            tuple([
-                                self._value(arg, (self._info(arg.type), user, None, None, None, True))
-                                for arg in block.arguments
-                            ]),
-                            self._ops(block.operations, user, op_id),
+                regions = tuple(
+                    [
+                        tuple(
+                            [
+                                Block(
+                                    tuple(
+                                        [
+                                            self._value(arg, (self._info(arg.type), user, None, None, None, True))
+                                            for arg in block.arguments
+                                        ]
+                                    ),
+                                    self._ops(block.operations, user, op_id),
+                                )
+                                for block in region.blocks
+                            ]
                         )
-                        for block in region.blocks
-                    ])
-                    for region in regions
-                ])
+                        for region in regions
+                    ]
+                )
             else:
                 regions = ()
             name = op.name
             decoder = decoders.get(name)
             node = OpNode(
-                op_id, index, user, parent, name, operands, tuple(results),
-                None if decoder is None else decoder(op), regions, op.location, op,
+                op_id,
+                index,
+                user,
+                parent,
+                name,
+                operands,
+                tuple(results),
+                None if decoder is None else decoder(op),
+                regions,
+                op.location,
+                op,
             )
             nodes[op_id] = node
             out.append(node)
         return tuple(out)
-

@@ -61,8 +61,13 @@ def parse_module(
         raise _explain_missing_dialects(DiagnosticError.from_mlir_error(error), source) from None
     if module.name != "builtin.module":
         raise DiagnosticError(
-            [Diagnostic("error", f"expected 'builtin.module' at top level, found '{module.name}'",
-                        source_location(module.location))]
+            [
+                Diagnostic(
+                    "error",
+                    f"expected 'builtin.module' at top level, found '{module.name}'",
+                    source_location(module.location),
+                )
+            ]
         )
     if context.allow_unregistered_dialects:
         _reject_foreign_unregistered_ops(module)
@@ -141,7 +146,9 @@ def _wrap_in_module(text: str) -> str:
 
 def _continues(lines: list[str], index: int) -> bool:
     """Whether a line that looks like an alias is really inside an op (an attribute dict)."""
-    previous = next((line for line in reversed(lines[:index]) if line.strip() and not line.lstrip().startswith("//")), "")
+    previous = next(
+        (line for line in reversed(lines[:index]) if line.strip() and not line.lstrip().startswith("//")), ""
+    )
     return previous.rstrip().endswith(("{", ",", "("))
 
 

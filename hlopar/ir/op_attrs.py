@@ -214,11 +214,30 @@ class CallAttrs:
 
 
 OpAttrs = (
-    DotGeneralDims | ConvDims | ReduceAttrs | ReduceWindowAttrs | SelectAndScatterAttrs
-    | BroadcastInDimAttrs | TransposeAttrs | ReshapeAttrs | SliceAttrs | DynamicSliceAttrs
-    | DynamicUpdateSliceAttrs | PadAttrs | ConcatenateAttrs | GatherAttrs | ScatterAttrs
-    | IotaAttrs | SortAttrs | CompareAttrs | CustomCallAttrs | ConstantAttrs
-    | ReducePrecisionAttrs | ReverseAttrs | GetTupleElementAttrs | CallAttrs
+    DotGeneralDims
+    | ConvDims
+    | ReduceAttrs
+    | ReduceWindowAttrs
+    | SelectAndScatterAttrs
+    | BroadcastInDimAttrs
+    | TransposeAttrs
+    | ReshapeAttrs
+    | SliceAttrs
+    | DynamicSliceAttrs
+    | DynamicUpdateSliceAttrs
+    | PadAttrs
+    | ConcatenateAttrs
+    | GatherAttrs
+    | ScatterAttrs
+    | IotaAttrs
+    | SortAttrs
+    | CompareAttrs
+    | CustomCallAttrs
+    | ConstantAttrs
+    | ReducePrecisionAttrs
+    | ReverseAttrs
+    | GetTupleElementAttrs
+    | CallAttrs
 )
 
 
@@ -307,8 +326,7 @@ def body_kind(region: ir.Region, *, allow_set: bool = False) -> str:
         operands = list(op.operands)
         pair = (args[i], args[n + i])
         if len(operands) != 2 or not (
-            (operands[0] == pair[0] and operands[1] == pair[1])
-            or (operands[0] == pair[1] and operands[1] == pair[0])
+            (operands[0] == pair[0] and operands[1] == pair[1]) or (operands[0] == pair[1] and operands[1] == pair[0])
         ):
             return "other"
     return kind or "other"

@@ -34,8 +34,9 @@ def write_output(path: str | os.PathLike, data: bytes | str) -> None:
             out.write(payload)
         return
     target = os.path.realpath(name)
-    handle, staging = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp",
-                                       dir=os.path.dirname(target))
+    handle, staging = tempfile.mkstemp(
+        prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=os.path.dirname(target)
+    )
     try:
         with os.fdopen(handle, "wb") as out:
             out.write(payload)

@@ -45,9 +45,7 @@ def _family(model: str) -> ModelFamily:
     try:
         return MODELS[model]
     except KeyError:
-        raise UnknownModelError(
-            f"unknown model {model!r}; known: {', '.join(MODELS)}"
-        ) from None
+        raise UnknownModelError(f"unknown model {model!r}; known: {', '.join(MODELS)}") from None
 
 
 def list_configs(model: str) -> list[str]:

@@ -209,8 +209,9 @@ def dtype_of(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def train_step_for(family: str, configs: Mapping[str, Any], config, *, param_specs, loss_fn,
-                   make_batch, optimizer: AdamConfig | None) -> TrainStep:
+def train_step_for(
+    family: str, configs: Mapping[str, Any], config, *, param_specs, loss_fn, make_batch, optimizer: AdamConfig | None
+) -> TrainStep:
     """A model module's `TrainStep` from its three functions of the config.
 
     ``param_specs(cfg)``, ``loss_fn(cfg, params, batch)``, ``make_batch(cfg, rng)``.

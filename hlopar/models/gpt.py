@@ -55,8 +55,7 @@ class GPTConfig:
 
 
 GPT_CONFIGS: dict[str, GPTConfig] = {
-    "tiny": GPTConfig(hidden_size=64, num_layers=2, num_heads=4, seq_len=16, vocab_size=128,
-                      batch_size=4),
+    "tiny": GPTConfig(hidden_size=64, num_layers=2, num_heads=4, seq_len=16, vocab_size=128, batch_size=4),
     # Alpa, Table 6: #params, hidden size, #layers, #heads.
     "350M": GPTConfig(hidden_size=1024, num_layers=24, num_heads=16),
     "1.3B": GPTConfig(hidden_size=2048, num_layers=24, num_heads=32),
@@ -65,8 +64,13 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     "15B": GPTConfig(hidden_size=5120, num_layers=48, num_heads=32),
     "39B": GPTConfig(hidden_size=8192, num_layers=48, num_heads=64),
 }
-GPT_CONFIGS.update({f"{name}-fp16": replace(config, dtype="float16", master_dtype="float32")  # Alpa's, Table 4
-                    for name, config in list(GPT_CONFIGS.items()) if name != "tiny"})
+GPT_CONFIGS.update(
+    {
+        f"{name}-fp16": replace(config, dtype="float16", master_dtype="float32")  # Alpa's, Table 4
+        for name, config in list(GPT_CONFIGS.items())
+        if name != "tiny"
+    }
+)
 GPT_CONFIGS.update({f"{name}-scan": replace(config, scan_layers=True) for name, config in list(GPT_CONFIGS.items())})
 
 
@@ -94,6 +98,7 @@ def forward(config: GPTConfig, params, tokens: jax.Array) -> jax.Array:
         x = jnp.take(params["embed"]["tokens"], tokens, axis=0)
         x = x + params["embed"]["positions"][None, : tokens.shape[1]]
     if config.scan_layers:
+
         def block(x, layer):
             return L.transformer_block(layer, x, config.num_heads, causal=True), None
 
@@ -117,9 +122,7 @@ def loss_fn(config: GPTConfig, params, batch) -> jax.Array:
 
 def make_batch(config: GPTConfig, rng: jax.Array):
     """Random tokens; the labels are the tokens shifted by one (next-token prediction)."""
-    seq = jax.random.randint(
-        rng, (config.batch_size, config.seq_len + 1), 0, config.vocab_size, jnp.int32
-    )
+    seq = jax.random.randint(rng, (config.batch_size, config.seq_len + 1), 0, config.vocab_size, jnp.int32)
     return {"tokens": seq[:, :-1], "labels": seq[:, 1:]}
 
 
@@ -127,5 +130,6 @@ def train_step(config: str | GPTConfig = "tiny", optimizer: AdamConfig | None = 
     """The GPT training step of a named configuration (see `GPT_CONFIGS`) or a `GPTConfig`."""
     cfg = resolve_config("gpt", GPT_CONFIGS, GPTConfig, config)
     optimizer = replace(optimizer or AdamConfig(), master_dtype=cfg.master_dtype)
-    return train_step_for("gpt", GPT_CONFIGS, cfg, param_specs=param_specs, loss_fn=loss_fn,
-                          make_batch=make_batch, optimizer=optimizer)
+    return train_step_for(
+        "gpt", GPT_CONFIGS, cfg, param_specs=param_specs, loss_fn=loss_fn, make_batch=make_batch, optimizer=optimizer
+    )

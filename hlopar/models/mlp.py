@@ -32,8 +32,7 @@ class MLPConfig:
 
 MLP_CONFIGS: dict[str, MLPConfig] = {
     "tiny": MLPConfig(in_dim=8, hidden_dims=(16, 16), out_dim=4, batch_size=8),
-    "small": MLPConfig(in_dim=1024, hidden_dims=(4096, 4096, 4096), out_dim=1024,
-                       batch_size=1024),
+    "small": MLPConfig(in_dim=1024, hidden_dims=(4096, 4096, 4096), out_dim=1024, batch_size=1024),
     # Shapes that call for textbook plans (the auto-sharding tests pin them): activations
     # far larger than weights favour data parallelism; weights far larger than activations
     # favour Megatron-style operator parallelism; both large favour a 2-D mix.
@@ -48,8 +47,7 @@ def param_specs(config: MLPConfig):
     (He et al., ICCV 2015) for the ReLU layers."""
     dims = config.dims
     return [
-        L.init_dense(d_in, d_out, config.dtype, std=(2.0 / d_in) ** 0.5)
-        for d_in, d_out in zip(dims[:-1], dims[1:])
+        L.init_dense(d_in, d_out, config.dtype, std=(2.0 / d_in) ** 0.5) for d_in, d_out in zip(dims[:-1], dims[1:])
     ]
 
 
@@ -82,5 +80,6 @@ def make_batch(config: MLPConfig, rng: jax.Array):
 def train_step(config: str | MLPConfig = "tiny", optimizer: AdamConfig | None = None) -> TrainStep:
     """The MLP training step of a named configuration (see `MLP_CONFIGS`) or an `MLPConfig`."""
     cfg = resolve_config("mlp", MLP_CONFIGS, MLPConfig, config)
-    return train_step_for("mlp", MLP_CONFIGS, cfg, param_specs=param_specs, loss_fn=loss_fn,
-                          make_batch=make_batch, optimizer=optimizer)
+    return train_step_for(
+        "mlp", MLP_CONFIGS, cfg, param_specs=param_specs, loss_fn=loss_fn, make_batch=make_batch, optimizer=optimizer
+    )

@@ -70,8 +70,17 @@ class MoEConfig:
 
 
 MOE_CONFIGS: dict[str, MoEConfig] = {
-    "tiny": MoEConfig(hidden_size=32, num_layers=2, num_heads=4, num_experts=4, seq_len=16,
-                      vocab_size=128, batch_size=4, ffn_multiplier=4, group_size=16),
+    "tiny": MoEConfig(
+        hidden_size=32,
+        num_layers=2,
+        num_heads=4,
+        num_experts=4,
+        seq_len=16,
+        vocab_size=128,
+        batch_size=4,
+        ffn_multiplier=4,
+        group_size=16,
+    ),
     # Alpa, Table 7: #params, hidden size, #layers, #heads, #experts.
     "380M": MoEConfig(hidden_size=768, num_layers=8, num_heads=16, num_experts=8),
     "1.3B": MoEConfig(hidden_size=768, num_layers=16, num_heads=16, num_experts=16),
@@ -130,8 +139,10 @@ def top2_gating(logits: jax.Array, capacity: int):
     pos2 = jnp.sum(loc2 * mask2, axis=-1).astype(jnp.int32)
     slot1 = jax.nn.one_hot(pos1, capacity, dtype=jnp.float32)  # [G, S, C]
     slot2 = jax.nn.one_hot(pos2, capacity, dtype=jnp.float32)
-    combine = (gate1[..., None, None] * mask1[..., None] * slot1[..., None, :]
-               + gate2[..., None, None] * mask2[..., None] * slot2[..., None, :])
+    combine = (
+        gate1[..., None, None] * mask1[..., None] * slot1[..., None, :]
+        + gate2[..., None, None] * mask2[..., None] * slot2[..., None, :]
+    )
     dispatch = (combine > 0).astype(jnp.float32)
     return combine, dispatch, aux_loss
 
@@ -141,8 +152,7 @@ def moe_ffn(params, x: jax.Array, config: MoEConfig):
     b, s, d = x.shape
     tokens = b * s
     if tokens % config.group_size:
-        raise ValueError(f"batch*seq = {tokens} is not a multiple of group_size "
-                         f"{config.group_size}")
+        raise ValueError(f"batch*seq = {tokens} is not a multiple of group_size {config.group_size}")
     groups = x.reshape(tokens // config.group_size, config.group_size, d)
     logits = jnp.einsum("gsd,de->gse", groups, params["gate"])
     combine, dispatch, aux_loss = top2_gating(logits, config.capacity)
@@ -211,14 +221,13 @@ def loss_fn(config: MoEConfig, params, batch) -> jax.Array:
 
 
 def make_batch(config: MoEConfig, rng: jax.Array):
-    seq = jax.random.randint(
-        rng, (config.batch_size, config.seq_len + 1), 0, config.vocab_size, jnp.int32
-    )
+    seq = jax.random.randint(rng, (config.batch_size, config.seq_len + 1), 0, config.vocab_size, jnp.int32)
     return {"tokens": seq[:, :-1], "labels": seq[:, 1:]}
 
 
 def train_step(config: str | MoEConfig = "tiny", optimizer: AdamConfig | None = None) -> TrainStep:
     """The MoE training step of a named configuration (see `MOE_CONFIGS`) or a `MoEConfig`."""
     cfg = resolve_config("moe", MOE_CONFIGS, MoEConfig, config)
-    return train_step_for("moe", MOE_CONFIGS, cfg, param_specs=param_specs, loss_fn=loss_fn,
-                          make_batch=make_batch, optimizer=optimizer)
+    return train_step_for(
+        "moe", MOE_CONFIGS, cfg, param_specs=param_specs, loss_fn=loss_fn, make_batch=make_batch, optimizer=optimizer
+    )

@@ -60,11 +60,9 @@ class UTransformerConfig:
 
 
 U_TRANSFORMER_CONFIGS: dict[str, UTransformerConfig] = {
-    "tiny": UTransformerConfig(hidden_size=32, num_layers=4, num_heads=4, seq_len=8, in_dim=8,
-                               batch_size=4),
+    "tiny": UTransformerConfig(hidden_size=32, num_layers=4, num_heads=4, seq_len=8, in_dim=8, batch_size=4),
     # Cross-mesh resharding paper, Table 3 ("U-Trans case1": batch 2048, 2.1B, FP32).
-    "2.1B": UTransformerConfig(hidden_size=2048, num_layers=38, num_heads=16, seq_len=256,
-                               in_dim=64, batch_size=2048),
+    "2.1B": UTransformerConfig(hidden_size=2048, num_layers=38, num_heads=16, seq_len=256, in_dim=64, batch_size=2048),
 }
 
 
@@ -119,10 +117,15 @@ def make_batch(config: UTransformerConfig, rng: jax.Array):
     }
 
 
-def train_step(
-    config: str | UTransformerConfig = "tiny", optimizer: AdamConfig | None = None
-) -> TrainStep:
+def train_step(config: str | UTransformerConfig = "tiny", optimizer: AdamConfig | None = None) -> TrainStep:
     """The U-Transformer training step of a named configuration (`U_TRANSFORMER_CONFIGS`)."""
     cfg = resolve_config("u_transformer", U_TRANSFORMER_CONFIGS, UTransformerConfig, config)
-    return train_step_for("u_transformer", U_TRANSFORMER_CONFIGS, cfg, param_specs=param_specs,
-                          loss_fn=loss_fn, make_batch=make_batch, optimizer=optimizer)
+    return train_step_for(
+        "u_transformer",
+        U_TRANSFORMER_CONFIGS,
+        cfg,
+        param_specs=param_specs,
+        loss_fn=loss_fn,
+        make_batch=make_batch,
+        optimizer=optimizer,
+    )

@@ -56,8 +56,9 @@ class WideResNetConfig:
 
 
 WIDE_RESNET_CONFIGS: dict[str, WideResNetConfig] = {
-    "tiny": WideResNetConfig(stage_sizes=(1, 1), base_channels=8, width_factor=2, image_size=32,
-                             num_classes=10, batch_size=4),
+    "tiny": WideResNetConfig(
+        stage_sizes=(1, 1), base_channels=8, width_factor=2, image_size=32, num_classes=10, batch_size=4
+    ),
     # Alpa, Table 8: #params, #layers, base channel, width factor.
     "250M": WideResNetConfig(STAGE_SIZES[50], base_channels=160, width_factor=2),
     "1B": WideResNetConfig(STAGE_SIZES[50], base_channels=320, width_factor=2),
@@ -98,8 +99,7 @@ def batch_norm(params, x, eps: float = 1e-5):
 def max_pool(x, window: int = 3, stride: int = 2):
     pad = ((0, 0), (window // 2, window // 2), (window // 2, window // 2), (0, 0))
     # A Python scalar init makes jax pick its differentiable max-pool primitive.
-    return lax.reduce_window(x, -jnp.inf, lax.max, (1, window, window, 1), (1, stride, stride, 1),
-                             pad)
+    return lax.reduce_window(x, -jnp.inf, lax.max, (1, window, window, 1), (1, stride, stride, 1), pad)
 
 
 def init_block(c_in: int, filters: int, width: int, dtype: str):
@@ -181,15 +181,19 @@ def make_batch(config: WideResNetConfig, rng: jax.Array):
     shape = (config.batch_size, config.image_size, config.image_size, config.in_channels)
     return {
         "images": jax.random.normal(k_img, shape, dtype_of(config.dtype)),
-        "labels": jax.random.randint(k_lbl, (config.batch_size,), 0, config.num_classes,
-                                     jnp.int32),
+        "labels": jax.random.randint(k_lbl, (config.batch_size,), 0, config.num_classes, jnp.int32),
     }
 
 
-def train_step(
-    config: str | WideResNetConfig = "tiny", optimizer: AdamConfig | None = None
-) -> TrainStep:
+def train_step(config: str | WideResNetConfig = "tiny", optimizer: AdamConfig | None = None) -> TrainStep:
     """The Wide-ResNet training step of a named configuration (see `WIDE_RESNET_CONFIGS`)."""
     cfg = resolve_config("wide_resnet", WIDE_RESNET_CONFIGS, WideResNetConfig, config)
-    return train_step_for("wide_resnet", WIDE_RESNET_CONFIGS, cfg, param_specs=param_specs,
-                          loss_fn=loss_fn, make_batch=make_batch, optimizer=optimizer)
+    return train_step_for(
+        "wide_resnet",
+        WIDE_RESNET_CONFIGS,
+        cfg,
+        param_specs=param_specs,
+        loss_fn=loss_fn,
+        make_batch=make_batch,
+        optimizer=optimizer,
+    )

@@ -41,7 +41,7 @@ _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2
 def parse_bytes(text: str) -> float:
     """`16GiB`, `500MB`, `1e9` → bytes."""
     number = text.strip().rstrip("bBiIkKmMgGtT")
-    unit = text.strip()[len(number):].lower()
+    unit = text.strip()[len(number) :].lower()
     if unit not in _UNITS:
         raise ValueError(f"unknown unit '{unit}' (use B, KB, MB, GB, KiB, MiB, GiB)")
     return float(number) * _UNITS[unit]
@@ -71,21 +71,34 @@ class AutoShardingPass(ModulePass):
 
     mesh_shape: tuple[int, ...] = option((1,), "logical mesh shape, e.g. 2x4", check=check_mesh_shape)
     axis_names: tuple[str, ...] = option((), "mesh axis names (default x, y, z, ...)")
-    preset: str = option("cpu", f"cluster preset for bandwidths, FLOP/s and memory ({', '.join(sorted(CLUSTER_PRESETS))})")
-    latency: tuple[float, ...] = option((), "per-axis latency in seconds (overrides the preset)", parse=parse_float_tuple)
-    bandwidth: tuple[float, ...] = option((), "per-axis bandwidth in bytes/s (overrides the preset)", parse=parse_float_tuple)
-    memory_budget: float | None = option(None, "bytes per device, e.g. 16GiB (none: no limit)", parse=parse_bytes,
-                                         check=check_positive)
+    preset: str = option(
+        "cpu", f"cluster preset for bandwidths, FLOP/s and memory ({', '.join(sorted(CLUSTER_PRESETS))})"
+    )
+    latency: tuple[float, ...] = option(
+        (), "per-axis latency in seconds (overrides the preset)", parse=parse_float_tuple
+    )
+    bandwidth: tuple[float, ...] = option(
+        (), "per-axis bandwidth in bytes/s (overrides the preset)", parse=parse_float_tuple
+    )
+    memory_budget: float | None = option(
+        None, "bytes per device, e.g. 16GiB (none: no limit)", parse=parse_bytes, check=check_positive
+    )
     time_limit: float = option(60.0, "solver time limit in seconds (keeps the best plan found)", check=check_seconds)
     prefer_reduce_scatter: bool = option(
-        False, "weight-update sharding (ZeRO-like): keep the training state split over the mesh, "
-               "so gradients are reduce-scattered and parameters all-gathered where used")
+        False,
+        "weight-update sharding (ZeRO-like): keep the training state split over the mesh, "
+        "so gradients are reduce-scattered and parameters all-gathered where used",
+    )
     force_batch_dim: str | None = option(None, "split the batch dimension over this mesh axis")
     merge: bool = option(True, "fold cheap ops into their deepest operand before solving (Alpa §4.2)")
-    tie_outputs: bool = option(True, "give each new value of training state the layout of its old value (training_roles.state_pairs)")
+    tie_outputs: bool = option(
+        True, "give each new value of training state the layout of its old value (training_roles.state_pairs)"
+    )
     reshard_constraints: bool = option(
-        True, "also write the plan as sdy.sharding_constraints (XLA keeps those and drops op shardings): "
-              "on every op's results, and wherever a consumer reads a value in another layout")
+        True,
+        "also write the plan as sdy.sharding_constraints (XLA keeps those and drops op shardings): "
+        "on every op's results, and wherever a consumer reads a value in another layout",
+    )
     report: str | None = report_option("write a JSON report of the plan to this path")
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
@@ -100,8 +113,11 @@ class AutoShardingPass(ModulePass):
         analysable = [f for f in funcs if _analysable(f)]
         for func in funcs:
             if func not in analysable:
-                context.warn(func, f"{self.name}: '{_symbol(func)}' has dynamic shapes or tuple values, which "
-                                   f"Shardy's sharding rules do not cover: it runs replicated")
+                context.warn(
+                    func,
+                    f"{self.name}: '{_symbol(func)}' has dynamic shapes or tuple values, which "
+                    f"Shardy's sharding rules do not cover: it runs replicated",
+                )
         _run_upstream_on(module, analysable, "sdy-populate-op-sharding-rules")
         reports = [self._plan_function(module, func, func in analysable, mesh, mesh_name, context) for func in funcs]
         _run_upstream_on(module, analysable, "sdy-drop-sharding-rules")
@@ -113,13 +129,22 @@ class AutoShardingPass(ModulePass):
         graph = FuncGraph.from_func(func)
         rules = {op.id: rule_of(op.mlir_op) for op in graph.walk()} if analysable else {}
         constraints = self._user_shardings(module, graph, mesh_name, context)
-        tied = ({result: arg for arg, result in state_pairs(graph)}
-                if self.tie_outputs or self.prefer_reduce_scatter else {})
+        tied = (
+            {result: arg for arg, result in state_pairs(graph)}
+            if self.tie_outputs or self.prefer_reduce_scatter
+            else {}
+        )
         problem = build_problem(
-            graph, rules, mesh,
-            arg_shardings=constraints.args, result_shardings=constraints.results,
-            constraint_specs=constraints.constraint_ops, op_result_shardings=constraints.op_results,
-            memory_budget=self.memory_budget, merge=self.merge, strategy_filter=self._batch_filter(graph),
+            graph,
+            rules,
+            mesh,
+            arg_shardings=constraints.args,
+            result_shardings=constraints.results,
+            constraint_specs=constraints.constraint_ops,
+            op_result_shardings=constraints.op_results,
+            memory_budget=self.memory_budget,
+            merge=self.merge,
+            strategy_filter=self._batch_filter(graph),
             tied_results=tied,
             split_args=frozenset(tied.values()) if self.prefer_reduce_scatter else frozenset(),
         )
@@ -130,7 +155,9 @@ class AutoShardingPass(ModulePass):
         if solution.status not in ("OPTIMAL", "FEASIBLE"):
             detail = f": {solution.message}" if solution.message else ""
             self.fail(func, f"no sharding plan fits ({solution.status}){detail}")
-        _write_plan(module, func, graph, problem, solution.choices, mesh, mesh_name, constraints, self.reshard_constraints)
+        _write_plan(
+            module, func, graph, problem, solution.choices, mesh, mesh_name, constraints, self.reshard_constraints
+        )
         return _function_report(graph, problem, solution, build_seconds, mesh)
 
     def _planning_mesh(self, module: ir.Operation, context: PassContext) -> tuple[LogicalMesh, str]:
@@ -142,18 +169,24 @@ class AutoShardingPass(ModulePass):
             if device_mesh.shape == requested.shape and device_mesh.device_ids is None:
                 return self._mesh(device_mesh.axis_names), name
         if len(user) == 1:
-            (name, device_mesh), = user.items()
+            ((name, device_mesh),) = user.items()
             if device_mesh.device_ids is None:
-                context.warn(module, f"{self.name}: the input's shardings are on mesh @{name} = {device_mesh.to_sdy()}; "
-                                     f"planning on it instead of mesh-shape={'x'.join(map(str, self.mesh_shape))}")
+                context.warn(
+                    module,
+                    f"{self.name}: the input's shardings are on mesh @{name} = {device_mesh.to_sdy()}; "
+                    f"planning on it instead of mesh-shape={'x'.join(map(str, self.mesh_shape))}",
+                )
                 return self._mesh(device_mesh.axis_names, device_mesh.shape), name
         return requested, _fresh_mesh_name(module)
 
     def _mesh(self, names=None, shape=None) -> LogicalMesh:
         try:
             return logical_mesh(
-                shape or self.mesh_shape, names or self.axis_names or None, preset=self.preset,
-                latencies=self.latency or None, bandwidths=self.bandwidth or None,
+                shape or self.mesh_shape,
+                names or self.axis_names or None,
+                preset=self.preset,
+                latencies=self.latency or None,
+                bandwidths=self.bandwidth or None,
                 memory_budget=self.memory_budget,
             )
         except ValueError as error:
@@ -180,8 +213,10 @@ class AutoShardingPass(ModulePass):
                 context.warn(where, f"{self.name}: sharding {text} kept as it is, not planned around: {error}")
                 return None
 
-        for key, target, rewritten in (("arg_attrs", found.args, found.rewritten_args),
-                                       ("res_attrs", found.results, found.rewritten_results)):
+        for key, target, rewritten in (
+            ("arg_attrs", found.args, found.rewritten_args),
+            ("res_attrs", found.results, found.rewritten_results),
+        ):
             if key not in func.attributes:
                 continue
             for i, attrs in enumerate(ir.ArrayAttr(func.attributes[key])):
@@ -198,7 +233,8 @@ class AutoShardingPass(ModulePass):
                     found.constraint_ops[op.id] = spec
                     if TensorSharding.parse(str(operation.attributes["sharding"])).mesh_name in trivial:
                         operation.attributes["sharding"] = ir.Attribute.parse(
-                            TensorSharding.from_spec(mesh_name, spec).format())
+                            TensorSharding.from_spec(mesh_name, spec).format()
+                        )
             elif SDY_SHARDING in operation.attributes:
                 found.kept_ops.add(op.id)
                 text = str(operation.attributes[SDY_SHARDING])
@@ -230,8 +266,10 @@ class AutoShardingPass(ModulePass):
         batch, axis = shape[0], self.force_batch_dim
 
         def keep(shapes, strategy) -> bool:
-            return all(spec is None or not shape_ or shape_[0] != batch or axis in spec.dims[0]
-                       for spec, shape_ in zip(strategy.result_specs, shapes))
+            return all(
+                spec is None or not shape_ or shape_[0] != batch or axis in spec.dims[0]
+                for spec, shape_ in zip(strategy.result_specs, shapes)
+            )
 
         return keep
 
@@ -286,8 +324,11 @@ def _run_upstream_on(module: ir.Operation, funcs: list[ir.Operation], pass_name:
 
 def _user_meshes(module: ir.Operation) -> dict[str, DeviceMesh]:
     """The module's meshes with axes (not empty, not maximal)."""
-    return {name: mesh for name, mesh in module_meshes(module).items()
-            if mesh is not None and mesh.axes and not all(size == 1 for _, size in mesh.axes)}
+    return {
+        name: mesh
+        for name, mesh in module_meshes(module).items()
+        if mesh is not None and mesh.axes and not all(size == 1 for _, size in mesh.axes)
+    }
 
 
 def _run_upstream(module: ir.Operation, pipeline: str) -> None:
@@ -307,11 +348,22 @@ def _fresh_mesh_name(module: ir.Operation) -> str:
     return name
 
 
-def _write_plan(module, func, graph: FuncGraph, problem: ShardingProblem, choices, mesh: LogicalMesh, mesh_name: str,
-                constraints: _UserShardings, reshard_constraints: bool = True) -> None:
+def _write_plan(
+    module,
+    func,
+    graph: FuncGraph,
+    problem: ShardingProblem,
+    choices,
+    mesh: LogicalMesh,
+    mesh_name: str,
+    constraints: _UserShardings,
+    reshard_constraints: bool = True,
+) -> None:
     body = module.regions[0].blocks[0]
-    if not any(op.operation.name == "sdy.mesh" and ir.StringAttr(op.operation.attributes["sym_name"]).value == mesh_name
-               for op in body.operations):
+    if not any(
+        op.operation.name == "sdy.mesh" and ir.StringAttr(op.operation.attributes["sym_name"]).value == mesh_name
+        for op in body.operations
+    ):
         with ir.InsertionPoint(body.operations[0]):
             sdy.MeshOp(mesh_name, ir.Attribute.parse(f"#sdy.mesh{mesh.to_device_mesh().to_sdy()}"))
 
@@ -351,8 +403,10 @@ def _write_plan(module, func, graph: FuncGraph, problem: ShardingProblem, choice
     # A result the plan gives a layout of its own (tied to its argument, or the user's)
     # leaves in that layout: XLA converts it at the return, as the plan priced.
     result_nodes = {node.index: i for i, node in enumerate(problem.nodes) if node.kind == "result"}
-    result_specs = [chosen[result_nodes[n]].operand_specs[0] if n in result_nodes else spec_of_value(v)
-                    for n, v in enumerate(graph.results)]
+    result_specs = [
+        chosen[result_nodes[n]].operand_specs[0] if n in result_nodes else spec_of_value(v)
+        for n, v in enumerate(graph.results)
+    ]
     _set_value_attrs(func, "arg_attrs", [value_spec.get(v) for v in graph.args], sharding, constraints.rewritten_args)
     _set_value_attrs(func, "res_attrs", result_specs, sharding, constraints.rewritten_results)
 
@@ -361,11 +415,14 @@ def _read_by_sdy_ops(graph: FuncGraph) -> set[int]:
     """Values read by Shardy's own ops other than sharding constraints (explicit collectives
     such as `sdy.all_slice`, `sdy.manual_computation`): they verify that their operands live
     on their own mesh, so a plan on another mesh must not annotate or constrain these values."""
-    return {v for op in graph.walk() if op.dialect == "sdy" and op.name != "sdy.sharding_constraint" for v in op.operands}
+    return {
+        v for op in graph.walk() if op.dialect == "sdy" and op.name != "sdy.sharding_constraint" for v in op.operands
+    }
 
 
-def _constrain_reshards(graph: FuncGraph, problem: ShardingProblem, chosen, spec_of_value, sharding,
-                        pinned: set[int] = frozenset()) -> None:
+def _constrain_reshards(
+    graph: FuncGraph, problem: ShardingProblem, chosen, spec_of_value, sharding, pinned: set[int] = frozenset()
+) -> None:
     """`sdy.sharding_constraint`s that make XLA execute the plan.
 
     XLA's Shardy import keeps the shardings of arguments, results and sharding constraints,
@@ -430,8 +487,11 @@ def _constrain_reshards(graph: FuncGraph, problem: ShardingProblem, chosen, spec
 
 def _trivial_meshes(module: ir.Operation) -> set[str]:
     """Meshes whose axes all have size 1 (or none): shardings on them mean "replicated"."""
-    return {name for name, mesh in module_meshes(module).items()
-            if mesh is not None and mesh.size == 1 and mesh.device_ids is None}
+    return {
+        name
+        for name, mesh in module_meshes(module).items()
+        if mesh is not None and mesh.size == 1 and mesh.device_ids is None
+    }
 
 
 def _set_value_attrs(func, key: str, specs, sharding, rewritten: set[int]) -> None:
@@ -445,7 +505,9 @@ def _set_value_attrs(func, key: str, specs, sharding, rewritten: set[int]) -> No
     func.attributes[key] = ir.ArrayAttr.get([ir.DictAttr.get(d) for d in dicts])
 
 
-def _function_report(graph: FuncGraph, problem: ShardingProblem, solution, build_seconds: float, mesh: LogicalMesh) -> dict:
+def _function_report(
+    graph: FuncGraph, problem: ShardingProblem, solution, build_seconds: float, mesh: LogicalMesh
+) -> dict:
     ops = []
     for node, choice in zip(problem.nodes, solution.choices):
         strategy = node.strategies[choice]
@@ -464,7 +526,9 @@ def _function_report(graph: FuncGraph, problem: ShardingProblem, solution, build
         }
         if node.kind == "op":
             location = graph.op(node.index).location
-            entry["location"] = f"{location.file}:{location.line}:{location.col}" if location and location.file else None
+            entry["location"] = (
+                f"{location.file}:{location.line}:{location.col}" if location and location.file else None
+            )
         ops.append(entry)
     reshards = []
     converted = set()  # (value, layout, block): one sdy.sharding_constraint serves every consumer
@@ -480,10 +544,18 @@ def _function_report(graph: FuncGraph, problem: ShardingProblem, solution, build
             if consumer.kind == "op":
                 op = graph.op(consumer.index)
                 key = (op.operands[k], dst, op.parent)
-            reshards.append({"from": problem.nodes[edge.src].name, "to": consumer.name, "shape": list(info.shape),
-                             "from_spec": str(src), "to_spec": str(dst), "collectives": [str(c) for c in collectives],
-                             "cost_s": sum(c.cost(mesh) for c in collectives),
-                             "reused": key is not None and key in converted})
+            reshards.append(
+                {
+                    "from": problem.nodes[edge.src].name,
+                    "to": consumer.name,
+                    "shape": list(info.shape),
+                    "from_spec": str(src),
+                    "to_spec": str(dst),
+                    "collectives": [str(c) for c in collectives],
+                    "cost_s": sum(c.cost(mesh) for c in collectives),
+                    "reused": key is not None and key in converted,
+                }
+            )
             converted.add(key)
     return {
         "function": graph.name,
@@ -503,9 +575,12 @@ def _write_report(path: Path, options: AutoShardingPass, mesh: LogicalMesh, func
     first planned function (`@main`); `functions` has every planned function."""
     report = {
         "pass": options.pipeline_text(),
-        "mesh": {"shape": list(mesh.shape), "axes": list(mesh.axis_names),
-                 "bandwidth_bytes_per_s": [a.bandwidth_bytes_per_s for a in mesh.axes],
-                 "latency_s": [a.latency_s for a in mesh.axes]},
+        "mesh": {
+            "shape": list(mesh.shape),
+            "axes": list(mesh.axis_names),
+            "bandwidth_bytes_per_s": [a.bandwidth_bytes_per_s for a in mesh.axes],
+            "latency_s": [a.latency_s for a in mesh.axes],
+        },
         **{k: v for k, v in functions[0].items() if k != "function"},
         "functions": [{k: v for k, v in f.items() if k not in ("ops", "reshards")} for f in functions],
     }

@@ -25,8 +25,13 @@ from hlopar.ir.output import output_problem
 from hlopar.ir.suggestions import did_you_mean
 
 
-def option(default: Any, help: str, *, parse: typing.Callable[[str], Any] | None = None,
-           check: typing.Callable[[Any], None] | None = None) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    parse: typing.Callable[[str], Any] | None = None,
+    check: typing.Callable[[Any], None] | None = None,
+) -> Any:
     """Declares a pass option: a dataclass field with its help text and, if needed, a parser
     and a check. `check(value)` raises `ValueError` saying which bound the value passes and
     why (`analysis.limits`); without one, the value's type sets the bounds (`default_check`).
@@ -76,8 +81,10 @@ class ModulePass:
             try:
                 _check(f, hints[f.name], value)
             except ValueError as error:
-                raise OptionError(f"option '{self.option_name(f)}' of pass '{self.name}': invalid value "
-                                  f"'{_format_value(value)}': {error}") from None
+                raise OptionError(
+                    f"option '{self.option_name(f)}' of pass '{self.name}': invalid value "
+                    f"'{_format_value(value)}': {error}"
+                ) from None
         try:
             self.check_options()
         except ValueError as error:
@@ -116,8 +123,9 @@ class ModulePass:
             key, has_value, raw = word.partition("=")
             if key not in by_name:
                 known = ", ".join(sorted(by_name)) or "none"
-                raise OptionError(f"pass '{cls.name}' has no option '{key}'{did_you_mean(key, by_name)} "
-                                  f"(options: {known})")
+                raise OptionError(
+                    f"pass '{cls.name}' has no option '{key}'{did_you_mean(key, by_name)} (options: {known})"
+                )
             f = by_name[key]
             if not has_value:
                 if hints[f.name] is not bool:
@@ -148,7 +156,9 @@ class ModulePass:
         lines = [f"  {cls.name:<34} {cls.summary}"]
         for f in cls.option_fields():
             default = "" if f.default is None else f" (default: {_format_value(f.default)})"
-            lines.append(f"      {cls.option_name(f)}=<{_type_name(hints[f.name])}>  {f.metadata.get('help', '')}{default}")
+            lines.append(
+                f"      {cls.option_name(f)}=<{_type_name(hints[f.name])}>  {f.metadata.get('help', '')}{default}"
+            )
         return lines
 
 

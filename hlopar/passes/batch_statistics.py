@@ -73,8 +73,12 @@ def reduced_count(graph: FuncGraph, op: int) -> int | None:
     return None
 
 
-def mean_divisions(graph: FuncGraph, kinds: Mapping[int, str | None], per_example: Collection[int],
-                   reductions: Mapping[int, int | None]) -> list[int]:
+def mean_divisions(
+    graph: FuncGraph,
+    kinds: Mapping[int, str | None],
+    per_example: Collection[int],
+    reductions: Mapping[int, int | None],
+) -> list[int]:
     """The top-level divisions that take a mean over the batch used per example (module
     docstring). `kinds`: value -> kind ("sum"/"step": computed from sums over the batch);
     `per_example`: the ops that read or carry per-example values; `reductions`: those of
@@ -119,8 +123,9 @@ def rescale_mean(op: ir.Operation, microbatches: int, inverse: bool) -> None:
     op.operands[position] = constant.result
 
 
-def _counts(graph: FuncGraph, value: int, per_example: Collection[int],
-            reductions: Mapping[int, int | None]) -> set[int | None]:
+def _counts(
+    graph: FuncGraph, value: int, per_example: Collection[int], reductions: Mapping[int, int | None]
+) -> set[int | None]:
     """The element counts of the batch reductions `value` is computed from, through ops that
     read no per-example value."""
     counts: set[int | None] = set()

@@ -85,19 +85,27 @@ class ClusterOperatorsPass(ModulePass):
             values = _forward_values(graph, forward, position)
             forward_flops = [flops[op] for op in forward]
             heavy = [graph.ops[op].name in HEAVY for op in forward]
-            num_layers = self.layers or choose_num_layers(forward_flops, values, max_layers=MAX_AUTO_LAYERS, heavy=heavy)
+            num_layers = self.layers or choose_num_layers(
+                forward_flops, values, max_layers=MAX_AUTO_LAYERS, heavy=heavy
+            )
             num_layers = max(1, min(num_layers, len(forward)))
             clustering = cluster_operators(forward_flops, values, num_layers, self.delta)
             starts = list(clustering.boundaries) + [len(forward)]
-            forward_layer = {forward[k]: layer for layer in range(num_layers) for k in range(starts[layer], starts[layer + 1])}
+            forward_layer = {
+                forward[k]: layer for layer in range(num_layers) for k in range(starts[layer], starts[layer + 1])
+            }
             info = {
                 "method": "Eq. 6 DP",
                 "max_input_bytes": clustering.max_input_bytes,
                 "delta": getattr(clustering, "delta", self.delta),
             }
         layers = layer_of_ops(graph, roles, forward_layer)
-        layering = Layering(tuple(layers), tuple(r.value if hasattr(r, "value") else str(r) for r in roles.roles),
-                            num_layers, roles.loss_result)
+        layering = Layering(
+            tuple(layers),
+            tuple(r.value if hasattr(r, "value") else str(r) for r in roles.roles),
+            num_layers,
+            roles.loss_result,
+        )
         info.update(_summary(graph, layering, flops))
         return layering, info
 
@@ -125,6 +133,7 @@ def read_layering(graph: FuncGraph) -> Layering | None:
 
 def strip_layering(func: ir.Operation) -> None:
     """Removes the attributes (once stages are built they have served)."""
+
     def visit(op: ir.Operation) -> ir.WalkResult:
         for name in (LAYER_ATTR, ROLE_ATTR):
             if name in op.attributes:
@@ -164,11 +173,15 @@ def _summary(graph: FuncGraph, layering: Layering, flops: list[float]) -> dict:
     layers = []
     for layer in range(layering.num_layers):
         ops = [op.index for op in graph.ops if layering.layers[op.index] == layer]
-        by_role = {role: sum(1 for op in ops if layering.roles[op] == role) for role in ("forward", "backward", "update")}
-        layers.append({
-            "layer": layer,
-            "ops": by_role,
-            "forward_flops": sum(flops[op] for op in ops if layering.roles[op] == "forward"),
-            "flops": sum(flops[op] for op in ops),
-        })
+        by_role = {
+            role: sum(1 for op in ops if layering.roles[op] == role) for role in ("forward", "backward", "update")
+        }
+        layers.append(
+            {
+                "layer": layer,
+                "ops": by_role,
+                "forward_flops": sum(flops[op] for op in ops if layering.roles[op] == "forward"),
+                "flops": sum(flops[op] for op in ops),
+            }
+        )
     return {"num_layers": layering.num_layers, "loss_result": layering.loss_result, "layers": layers}

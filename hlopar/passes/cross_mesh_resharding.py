@@ -40,21 +40,33 @@ class CrossMeshReshardingPass(ModulePass):
     summary = "rewrite inter-mesh mpmd.transfer ops as explicit, load-balanced unit ops (one per unit task)"
 
     strategy: Literal["broadcast", "send-recv", "alpa-local-allgather"] = option(
-        "broadcast", "how a unit task is sent: chunked pipelined broadcast, plain send/recv, or Alpa's local all-gather")
+        "broadcast", "how a unit task is sent: chunked pipelined broadcast, plain send/recv, or Alpa's local all-gather"
+    )
     algorithm: Literal["naive", "load-balance", "dfs", "randomized-greedy", "ensemble"] = option(
-        "ensemble", "sender choice and order of unit tasks")
+        "ensemble", "sender choice and order of unit tasks"
+    )
     chunks: int = option(0, "broadcast chunks per unit task; 0 picks them per op from the cluster model")
-    cluster: str = option("paper", "cluster preset: paper (4 GPUs per host over NVLink, 10 Gbps), 8gpu-100g, or a "
-                                   "cost-model preset as stage construction's `preset`")
-    devices_per_host: int | None = option(None, "overrides the preset's devices per host", check=check_cluster_dimension)
-    inter_host_gbps: float | None = option(None, "overrides the preset's NIC bandwidth per host and direction, Gbit/s",
-                                           check=check_positive)
-    intra_host_gbps: float | None = option(None, "overrides the preset's device link bandwidth inside a host, Gbit/s",
-                                           check=check_positive)
+    cluster: str = option(
+        "paper",
+        "cluster preset: paper (4 GPUs per host over NVLink, 10 Gbps), 8gpu-100g, or a "
+        "cost-model preset as stage construction's `preset`",
+    )
+    devices_per_host: int | None = option(
+        None, "overrides the preset's devices per host", check=check_cluster_dimension
+    )
+    inter_host_gbps: float | None = option(
+        None, "overrides the preset's NIC bandwidth per host and direction, Gbit/s", check=check_positive
+    )
+    intra_host_gbps: float | None = option(
+        None, "overrides the preset's device link bandwidth inside a host, Gbit/s", check=check_positive
+    )
     inter_host_latency_us: float | None = option(None, "overrides the preset's cross-host latency, microseconds")
     intra_host_latency_us: float | None = option(None, "overrides the preset's intra-host latency, microseconds")
-    search_seconds: float = option(0.25, "time budget of the depth-first search, per transfer",
-                                   check=lambda s: check_number(s, high=MAX_SECONDS, what="a time budget (a week)"))
+    search_seconds: float = option(
+        0.25,
+        "time budget of the depth-first search, per transfer",
+        check=lambda s: check_number(s, high=MAX_SECONDS, what="a time budget (a week)"),
+    )
     seed: int = option(0, "seed of the randomized greedy search")
     report: str | None = report_option("write a JSON report of every planned transfer to this path")
 
@@ -90,7 +102,8 @@ class CrossMeshReshardingPass(ModulePass):
                     reports.append({"func": ir.StringAttr(func.attributes["sym_name"]).value, **planned})
             if reports and not given:
                 module.attributes[DEVICES_ATTR] = ir.DictAttr.get(
-                    {name: ir.DenseI64ArrayAttr.get(list(ids)) for name, ids in physical.items()})
+                    {name: ir.DenseI64ArrayAttr.get(list(ids)) for name, ids in physical.items()}
+                )
         if self.report:
             try:
                 self._write_report(reports, model)
@@ -151,12 +164,19 @@ class CrossMeshReshardingPass(ModulePass):
             ids = tuple(entry.attr)
             if entry.name not in meshes:
                 known = ", ".join(f"'{n}'" for n in meshes) or "none"
-                self.fail(module, f"'{DEVICES_ATTR}' names mesh '{entry.name}', which is in no topology (meshes: {known})")
+                self.fail(
+                    module, f"'{DEVICES_ATTR}' names mesh '{entry.name}', which is in no topology (meshes: {known})"
+                )
             if len(ids) != meshes[entry.name].size:
-                self.fail(module, f"'{DEVICES_ATTR}' gives {len(ids)} devices to mesh '{entry.name}' "
-                                  f"of {meshes[entry.name].size} devices")
+                self.fail(
+                    module,
+                    f"'{DEVICES_ATTR}' gives {len(ids)} devices to mesh '{entry.name}' "
+                    f"of {meshes[entry.name].size} devices",
+                )
             if len(set(ids)) != len(ids) or min(ids, default=0) < 0:
-                self.fail(module, f"'{DEVICES_ATTR}' entry '{entry.name}' needs distinct non-negative ids, got {list(ids)}")
+                self.fail(
+                    module, f"'{DEVICES_ATTR}' entry '{entry.name}' needs distinct non-negative ids, got {list(ids)}"
+                )
             physical[entry.name] = ids
         return physical, True
 
@@ -172,20 +192,34 @@ class CrossMeshReshardingPass(ModulePass):
                 self.fail(transfer, f"mesh '{side.mesh_name}' has no physical devices in '{DEVICES_ATTR}'")
         shared = sorted(set(physical[src_type.mesh_name]) & set(physical[dst_type.mesh_name]))
         if shared:
-            self.fail(transfer, f"meshes '{src_type.mesh_name}' and '{dst_type.mesh_name}' share physical devices "
-                                f"{shared}; a cross-mesh transfer needs disjoint meshes")
+            self.fail(
+                transfer,
+                f"meshes '{src_type.mesh_name}' and '{dst_type.mesh_name}' share physical devices "
+                f"{shared}; a cross-mesh transfer needs disjoint meshes",
+            )
         tensor = ir.RankedTensorType(ir.Type.parse(src_type.tensor_type))
         width = bit_width(tensor.element_type)
         if width is None:
             self.fail(transfer, f"cannot size elements of {src_type.tensor_type}")
         shape = tuple(tensor.shape)
-        src_sharding = src_type.sharding or argument_sharding(transfer.operands[0]) or ShardingSpec.replicated(len(shape))
+        src_sharding = (
+            src_type.sharding or argument_sharding(transfer.operands[0]) or ShardingSpec.replicated(len(shape))
+        )
         dst_sharding = dst_type.sharding or _op_sharding(transfer) or ShardingSpec.replicated(len(shape))
         try:
             src = MeshLayout(meshes[src_type.mesh_name], src_sharding, physical[src_type.mesh_name])
             dst = MeshLayout(meshes[dst_type.mesh_name], dst_sharding, physical[dst_type.mesh_name])
-            plan = plan_transfer(shape, (width + 7) // 8, src, dst, model, strategy=self.strategy,
-                                 algorithm=self.algorithm, chunks=self.chunks, budget=budget)
+            plan = plan_transfer(
+                shape,
+                (width + 7) // 8,
+                src,
+                dst,
+                model,
+                strategy=self.strategy,
+                algorithm=self.algorithm,
+                chunks=self.chunks,
+                budget=budget,
+            )
         except ValueError as error:
             self.fail(transfer, str(error))
         where = source_location(transfer.location)

@@ -65,9 +65,17 @@ def _refuse_ordered_effects(module: ir.Operation) -> None:
             for reader in (use.owner for use in arg.uses):
                 target = callback_target(reader)
                 if target is not None:
-                    raise DiagnosticError([error_at(reader, (
-                        f"host callback '{target}' takes a token of @main: an ordered effect (ordered=True of "
-                        "jax.debug.print, jax.debug.callback or io_callback), ordered across steps by jax.jit's "
-                        "runtime; hlopar plans none: without ordered=True a callback runs once per step where "
-                        "hlopar runs the plan in the process that lowered it (one mesh and one microbatch on this "
-                        "machine's one host)"))])
+                    raise DiagnosticError(
+                        [
+                            error_at(
+                                reader,
+                                (
+                                    f"host callback '{target}' takes a token of @main: an ordered effect (ordered=True of "
+                                    "jax.debug.print, jax.debug.callback or io_callback), ordered across steps by jax.jit's "
+                                    "runtime; hlopar plans none: without ordered=True a callback runs once per step where "
+                                    "hlopar runs the plan in the process that lowered it (one mesh and one microbatch on this "
+                                    "machine's one host)"
+                                ),
+                            )
+                        ]
+                    )

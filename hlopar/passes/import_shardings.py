@@ -116,8 +116,12 @@ def _gspmd_strings(module: ir.Operation) -> list[str]:
     def visit(op: ir.Operation) -> ir.WalkResult:
         attributes = [op.attributes]
         if op.name == "func.func":
-            attributes += [ir.DictAttr(a) for key in ("arg_attrs", "res_attrs") if key in op.attributes
-                           for a in ir.ArrayAttr(op.attributes[key])]
+            attributes += [
+                ir.DictAttr(a)
+                for key in ("arg_attrs", "res_attrs")
+                if key in op.attributes
+                for a in ir.ArrayAttr(op.attributes[key])
+            ]
         found.extend(ir.StringAttr(attrs[GSPMD_SHARDING]).value for attrs in attributes if GSPMD_SHARDING in attrs)
         return ir.WalkResult.ADVANCE
 
@@ -190,7 +194,9 @@ def _from_gspmd(text: str, rank: int, meshes: _Meshes, where, context: PassConte
     return ir.Attribute.parse(sharding.format())
 
 
-def _import_ops(block: ir.Block, meshes: _Meshes, context: PassContext, result_shardings: dict[int, ir.Attribute]) -> None:
+def _import_ops(
+    block: ir.Block, meshes: _Meshes, context: PassContext, result_shardings: dict[int, ir.Attribute]
+) -> None:
     for op in list(block.operations):
         operation = op.operation
         for region in operation.regions:
@@ -219,7 +225,9 @@ def _import_ops(block: ir.Block, meshes: _Meshes, context: PassContext, result_s
             _set_frontend_attributes(operation, frontend)
 
 
-def _record_result_sharding(call: ir.Operation, per_value: ir.Attribute, result_shardings: dict[int, ir.Attribute]) -> None:
+def _record_result_sharding(
+    call: ir.Operation, per_value: ir.Attribute, result_shardings: dict[int, ir.Attribute]
+) -> None:
     """`@xla.sdy.FuncResultSharding` marks a returned value: move its sharding to the result."""
     sharding = _first_of(per_value)
     for use in list(call.results[0].uses):
@@ -258,8 +266,11 @@ def _dict(attr: ir.Attribute) -> dict[str, ir.Attribute]:
 def _frontend_dict(attrs: dict[str, ir.Attribute]) -> dict[str, str]:
     if FRONTEND_ATTRIBUTES not in attrs:
         return {}
-    return {named.name: ir.StringAttr(named.attr).value for named in ir.DictAttr(attrs[FRONTEND_ATTRIBUTES])
-            if isinstance(named.attr, ir.StringAttr)}
+    return {
+        named.name: ir.StringAttr(named.attr).value
+        for named in ir.DictAttr(attrs[FRONTEND_ATTRIBUTES])
+        if isinstance(named.attr, ir.StringAttr)
+    }
 
 
 def _store_frontend(attrs: dict[str, ir.Attribute], frontend: dict[str, str]) -> None:
@@ -277,6 +288,8 @@ def _frontend_attributes(operation: ir.Operation) -> dict[str, str]:
 
 def _set_frontend_attributes(operation: ir.Operation, frontend: dict[str, str]) -> None:
     if frontend:
-        operation.attributes[FRONTEND_ATTRIBUTES] = ir.DictAttr.get({k: ir.StringAttr.get(v) for k, v in frontend.items()})
+        operation.attributes[FRONTEND_ATTRIBUTES] = ir.DictAttr.get(
+            {k: ir.StringAttr.get(v) for k, v in frontend.items()}
+        )
     elif FRONTEND_ATTRIBUTES in operation.attributes:
         del operation.attributes[FRONTEND_ATTRIBUTES]

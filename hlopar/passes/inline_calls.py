@@ -73,6 +73,7 @@ def inline_calls(module: ir.Operation) -> int:
     for caller, callee, _ in calls:
         graph.setdefault(caller, []).append(callee)
     keep = recursive_functions(graph)
+
     def inlinable(callee: str, call: ir.Operation) -> bool:
         return callee in functions and callee not in keep and not _feeds_call_only_op(call)
 

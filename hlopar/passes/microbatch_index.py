@@ -53,7 +53,8 @@ def index_argument(main: ir.Operation) -> ir.Value:
     number = len(block.arguments) - 1
     function_type = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
     main.attributes["function_type"] = ir.TypeAttr.get(
-        ir.FunctionType.get([a.type for a in block.arguments], list(function_type.results)))
+        ir.FunctionType.get([a.type for a in block.arguments], list(function_type.results))
+    )
     if "arg_attrs" in main.attributes:
         attrs = list(ir.ArrayAttr(main.attributes["arg_attrs"]))
         main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs + [ir.DictAttr.get({})])

@@ -107,8 +107,10 @@ class StageMesh:
         if len(self.axis_names) != len(self.shape):
             raise ValueError(f"mesh '{self.name}': axes {self.axis_names} and shape {self.shape} differ in length")
         if math.prod(self.shape) != len(self.devices):
-            raise ValueError(f"mesh '{self.name}' of shape {self.shape} needs {math.prod(self.shape)} devices, "
-                             f"got {len(self.devices)}")
+            raise ValueError(
+                f"mesh '{self.name}' of shape {self.shape} needs {math.prod(self.shape)} devices, "
+                f"got {len(self.devices)}"
+            )
 
     @property
     def size(self) -> int:
@@ -171,8 +173,9 @@ def form_fragments(reads: Sequence[Iterable[int]], keys: Sequence[Hashable | Non
     return order
 
 
-def misordered_reads(reads: Sequence[Iterable[int]], stage_of_op: Sequence[int], roles: Sequence[str],
-                     left_out: Sequence[bool]) -> list[tuple[int, int]]:
+def misordered_reads(
+    reads: Sequence[Iterable[int]], stage_of_op: Sequence[int], roles: Sequence[str], left_out: Sequence[bool]
+) -> list[tuple[int, int]]:
     """(reader, producer) pairs where the reader runs before the producer in every pipeline
     schedule: per microbatch the forward of stages 0..S-1, then the backward of S-1..0, and
     the updates once per step after all of them (ops of one stage and role run in program
@@ -184,8 +187,13 @@ def misordered_reads(reads: Sequence[Iterable[int]], stage_of_op: Sequence[int],
         role, stage = roles[i], stage_of_op[i]
         return stage if role == "forward" else 2 * num_stages - 1 - stage if role == "backward" else 2 * num_stages
 
-    return [(i, p) for i in range(len(roles)) if not left_out[i]
-            for p in sorted(reads[i]) if not left_out[p] and slot(p) > slot(i)]
+    return [
+        (i, p)
+        for i in range(len(roles))
+        if not left_out[i]
+        for p in sorted(reads[i])
+        if not left_out[p] and slot(p) > slot(i)
+    ]
 
 
 @dataclass(frozen=True)
@@ -212,8 +220,15 @@ class ProgramLayout:
     def stage_outputs(self, stage: int, results: Iterable[int]) -> tuple[int, ...]:
         """Values made on `stage` that leave it: read on another stage, or returned."""
         elsewhere = {v for f in self.fragments if f.stage != stage for v in f.inputs} | set(results)
-        return tuple(dict.fromkeys(v for f in self.fragments if f.stage == stage for v in f.outputs
-                                   if v in elsewhere and self.home.get(v) == stage))
+        return tuple(
+            dict.fromkeys(
+                v
+                for f in self.fragments
+                if f.stage == stage
+                for v in f.outputs
+                if v in elsewhere and self.home.get(v) == stage
+            )
+        )
 
 
 def _reads(graph: FuncGraph) -> tuple[list[set[int]], list[bool]]:
@@ -334,7 +349,15 @@ def write_mpmd_program(
     layout = layout_program(graph, stage_of_op, roles)
     with module.context, ir.Location.unknown():
         stages = [
-            _Stage.build(graph, layout, t, mesh, plan=plan_shardings, preset=preset, options={**(auto_sharding or {}), **dict(mesh.options)})
+            _Stage.build(
+                graph,
+                layout,
+                t,
+                mesh,
+                plan=plan_shardings,
+                preset=preset,
+                options={**(auto_sharding or {}), **dict(mesh.options)},
+            )
             for t, mesh in enumerate(meshes)
         ]
         _add_meshes(module, meshes)
@@ -351,8 +374,9 @@ def _main(module: ir.Operation) -> ir.Operation:
 
 def _check_plan(graph: FuncGraph, stage_of_op, roles, meshes) -> None:
     if len(stage_of_op) != len(graph.ops) or len(roles) != len(graph.ops):
-        raise ValueError(f"@main has {len(graph.ops)} top-level ops; "
-                         f"got {len(stage_of_op)} stages and {len(roles)} roles")
+        raise ValueError(
+            f"@main has {len(graph.ops)} top-level ops; got {len(stage_of_op)} stages and {len(roles)} roles"
+        )
     if not meshes:
         raise ValueError("no stage meshes")
     names = [m.name for m in meshes]
@@ -384,19 +408,35 @@ def _check_order(graph: FuncGraph, stage_of_op: Sequence[int], roles: Sequence[s
         return f"the {roles[i]} op {op.name}{named} of stage {stage_of_op[i]}"
 
     more = len({i for i, _ in misordered}) - 1
-    message = (f"{what(reader)} reads a value made by {what(producer)}, which a pipeline runs after it "
-               "(forward stages in order, then backward stages in reverse, then updates): the stage cut "
-               "separates ops that must run together"
-               + (f" ({more} more op{'s' if more > 1 else ''} like it)" if more else ""))
-    raise DiagnosticError([Diagnostic("error", message, source_location(graph.ops[reader].mlir_op.location), notes=(
-        Diagnostic("note", f"{what(producer)} is here", source_location(graph.ops[producer].mlir_op.location)),))])
+    message = (
+        f"{what(reader)} reads a value made by {what(producer)}, which a pipeline runs after it "
+        "(forward stages in order, then backward stages in reverse, then updates): the stage cut "
+        "separates ops that must run together" + (f" ({more} more op{'s' if more > 1 else ''} like it)" if more else "")
+    )
+    raise DiagnosticError(
+        [
+            Diagnostic(
+                "error",
+                message,
+                source_location(graph.ops[reader].mlir_op.location),
+                notes=(
+                    Diagnostic(
+                        "note", f"{what(producer)} is here", source_location(graph.ops[producer].mlir_op.location)
+                    ),
+                ),
+            )
+        ]
+    )
 
 
 def _add_meshes(module: ir.Operation, meshes: Sequence[StageMesh]) -> None:
     """One `sdy.mesh` per stage mesh, named like it, and `hlopar.devices`."""
     body = module.regions[0].blocks[0]
-    existing = {ir.StringAttr(op.operation.attributes["sym_name"]).value: op.operation for op in body.operations
-                if op.operation.name == "sdy.mesh"}
+    existing = {
+        ir.StringAttr(op.operation.attributes["sym_name"]).value: op.operation
+        for op in body.operations
+        if op.operation.name == "sdy.mesh"
+    }
     first = body.operations[0] if len(body.operations) else None
     for mesh in meshes:
         attr = ir.Attribute.parse(f"#sdy.mesh{mesh.axes_text()}")
@@ -407,7 +447,8 @@ def _add_meshes(module: ir.Operation, meshes: Sequence[StageMesh]) -> None:
         with ir.InsertionPoint(first) if first is not None else ir.InsertionPoint(body):
             sdy.MeshOp(mesh.name, attr)
     module.attributes[DEVICES_ATTR] = ir.DictAttr.get(
-        {mesh.name: ir.DenseI64ArrayAttr.get(list(mesh.devices)) for mesh in meshes})
+        {mesh.name: ir.DenseI64ArrayAttr.get(list(mesh.devices)) for mesh in meshes}
+    )
 
 
 @dataclass
@@ -424,8 +465,17 @@ class _Stage:
     added: dict[ir.Value, ir.Operation] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, graph: FuncGraph, layout: ProgramLayout, stage: int, mesh: StageMesh, *, plan: bool,
-              preset: str, options: Mapping[str, Any]) -> _Stage:
+    def build(
+        cls,
+        graph: FuncGraph,
+        layout: ProgramLayout,
+        stage: int,
+        mesh: StageMesh,
+        *,
+        plan: bool,
+        preset: str,
+        options: Mapping[str, Any],
+    ) -> _Stage:
         ops = layout.stage_ops(stage)
         if not ops:
             return cls(mesh, None, {}, {}, {})
@@ -454,8 +504,9 @@ class _Stage:
                 op.erase()
         with ir.InsertionPoint(body.operations[0]):
             sdy.MeshOp(self.mesh.name, ir.Attribute.parse(f"#sdy.mesh{self.mesh.axes_text()}"))
-        AutoShardingPass(mesh_shape=self.mesh.shape, axis_names=self.mesh.axis_names, preset=preset,
-                         **dict(options)).run(module, PassContext())
+        AutoShardingPass(
+            mesh_shape=self.mesh.shape, axis_names=self.mesh.axis_names, preset=preset, **dict(options)
+        ).run(module, PassContext())
         func = self.extraction.func
         for key, values in (("arg_attrs", self.extraction.inputs), ("res_attrs", self.extraction.outputs)):
             if key in func.attributes:
@@ -489,14 +540,20 @@ class _Stage:
 def _stage_inputs(graph: FuncGraph, layout: ProgramLayout, stage: int) -> tuple[int, ...]:
     """Values the stage's fragments read and no op of the stage makes, in order of first use."""
     ops = set(layout.stage_ops(stage))
-    return tuple(dict.fromkeys(v for f in layout.fragments if f.stage == stage for v in f.inputs
-                               if graph.values[v].producer not in ops))
+    return tuple(
+        dict.fromkeys(
+            v for f in layout.fragments if f.stage == stage for v in f.inputs if graph.values[v].producer not in ops
+        )
+    )
 
 
 def _tied(graph: FuncGraph) -> dict[int, int]:
     """Argument i ↔ result i of equal type: the old and new value of a training state."""
-    return {graph.args[i]: graph.results[i] for i in range(min(len(graph.args), len(graph.results)))
-            if graph.values[graph.args[i]].type == graph.values[graph.results[i]].type}
+    return {
+        graph.args[i]: graph.results[i]
+        for i in range(min(len(graph.args), len(graph.results)))
+        if graph.values[graph.args[i]].type == graph.values[graph.results[i]].type
+    }
 
 
 def _fitting(sharding: TensorSharding | None, mesh: StageMesh, shape: tuple[int, ...]) -> TensorSharding | None:
@@ -526,13 +583,22 @@ def fragment_role(fragment: ir.Operation) -> str:
 
 
 def _origin(stage: int, role: str) -> ir.Attribute:
-    name, transpose = {"forward": (f"stage{stage}", 0), "backward": (f"stage{stage}", 1),
-                       "update": (f"stage{stage}_update", 0)}[role]
+    name, transpose = {
+        "forward": (f"stage{stage}", 0),
+        "backward": (f"stage{stage}", 1),
+        "update": (f"stage{stage}_update", 0),
+    }[role]
     return ir.ArrayAttr.get([mpmd.UserOriginAttr.get(name, transpose)])
 
 
-def _write_main(module, main: ir.Operation, graph: FuncGraph, layout: ProgramLayout, stages: Sequence[_Stage],
-                meshes: Sequence[StageMesh]) -> None:
+def _write_main(
+    module,
+    main: ir.Operation,
+    graph: FuncGraph,
+    layout: ProgramLayout,
+    stages: Sequence[_Stage],
+    meshes: Sequence[StageMesh],
+) -> None:
     types: dict[tuple[int, int], ir.Type] = {}
 
     def type_on(vid: int, stage: int) -> ir.Type:
@@ -561,8 +627,12 @@ def _write_main(module, main: ir.Operation, graph: FuncGraph, layout: ProgramLay
             stage = stages[spec.stage]
             operands = [available(v, spec.stage) for v in spec.inputs]
             fragment = mpmd.FragmentOp(
-                [type_on(v, spec.stage) for v in spec.outputs], operands, _origin(spec.stage, spec.role),
-                stage.mesh.name, stage_id=None if spec.role == "update" else spec.stage)
+                [type_on(v, spec.stage) for v in spec.outputs],
+                operands,
+                _origin(spec.stage, spec.role),
+                stage.mesh.name,
+                stage_id=None if spec.role == "update" else spec.stage,
+            )
             block = fragment.regions[0].blocks.append(*[ir.Type.parse(graph.values[v].type) for v in spec.inputs])
             mapping = {stage.values[v]: arg for v, arg in zip(spec.inputs, block.arguments)}
             with ir.InsertionPoint(block):
@@ -601,7 +671,10 @@ def _copy_func_attrs(old: ir.Operation, new: ir.Operation) -> None:
             continue
         attr = old.attributes[name]
         if name in ("arg_attrs", "res_attrs"):
-            attr = ir.ArrayAttr.get([
-                ir.DictAttr.get({n.name: n.attr for n in ir.DictAttr(d) if n.name != SDY_SHARDING})
-                for d in ir.ArrayAttr(attr)])
+            attr = ir.ArrayAttr.get(
+                [
+                    ir.DictAttr.get({n.name: n.attr for n in ir.DictAttr(d) if n.name != SDY_SHARDING})
+                    for d in ir.ArrayAttr(attr)
+                ]
+            )
         new.attributes[name] = attr

@@ -43,8 +43,12 @@ def concatenated_dim(division: Sequence[int], microbatches: int) -> int | None:
     return cut[0] if len(cut) == 1 and division[cut[0]] == microbatches else None
 
 
-def place_rows(main: ir.Operation, results: Mapping[int, int], batch_attrs: Mapping[str, ir.Attribute],
-               sum_attrs: Mapping[str, ir.Attribute]) -> None:
+def place_rows(
+    main: ir.Operation,
+    results: Mapping[int, int],
+    batch_attrs: Mapping[str, ir.Attribute],
+    sum_attrs: Mapping[str, ir.Attribute],
+) -> None:
     """Rewrites `@main`'s results `results` (result number -> batch dim; their values of the
     microbatch's shape, `@main`'s result types the whole batch's) into their microbatch's
     rows placed in zeros of the whole batch (module docstring). The placements get
@@ -58,8 +62,9 @@ def place_rows(main: ir.Operation, results: Mapping[int, int], batch_attrs: Mapp
     offsets: dict[int, ir.Value] = {}  # rows per microbatch -> microbatch k's first row
     placed: dict[tuple[ir.Value, int], ir.Value] = {}
     with ir.InsertionPoint(returned), returned.location:
-        zero = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(ir.RankedTensorType.get([], i32),
-                                                                   ir.IntegerAttr.get(i32, 0))).result
+        zero = stablehlo.ConstantOp(
+            ir.DenseElementsAttr.get_splat(ir.RankedTensorType.get([], i32), ir.IntegerAttr.get(i32, 0))
+        ).result
         for number, dim in sorted(results.items()):
             value = returned.operands[number]
             part = ir.RankedTensorType(value.type)
@@ -74,8 +79,7 @@ def place_rows(main: ir.Operation, results: Mapping[int, int], batch_attrs: Mapp
                 made += [nothing.operation, zeros.operation]
                 for key, attr in sum_attrs.items():
                     rows.operation.attributes[key] = attr
-                rows.operation.attributes[PER_EXAMPLE_ATTR] = ir.IntegerAttr.get(ir.IntegerType.get_signless(64),
-                                                                                 dim)
+                rows.operation.attributes[PER_EXAMPLE_ATTR] = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), dim)
                 placed[value, dim] = rows.result
             returned.operands[number] = placed[value, dim]
     for op in made:

@@ -173,7 +173,9 @@ class Pipeline:
                 instrumentation.timings.append((step.name, time.perf_counter() - start))
             if instrumentation.print_ir_after_all is not None:
                 printed = (instrumentation.print_ir or str)(module)
-                instrumentation.print_ir_after_all.write(f"// -----// IR Dump After {step.name} //----- //\n{printed}\n\n")
+                instrumentation.print_ir_after_all.write(
+                    f"// -----// IR Dump After {step.name} //----- //\n{printed}\n\n"
+                )
 
 
 def verify(module: ir.Operation, *, after: str | None = None) -> None:

@@ -16,8 +16,18 @@ from hlopar.passes.unstack_layer_scans import UnstackLayerScansPass
 
 HLOPAR_PASSES: dict[str, type[ModulePass]] = {
     cls.name: cls
-    for cls in (ImportPass, AutoShardingPass, ClusterOperatorsPass, StageConstructionPass, CrossMeshReshardingPass,
-                AutoParallelPass, SplitMicrobatchesPass, UnstackLayerScansPass, RematerializePass, RerollStageLoopsPass)
+    for cls in (
+        ImportPass,
+        AutoShardingPass,
+        ClusterOperatorsPass,
+        StageConstructionPass,
+        CrossMeshReshardingPass,
+        AutoParallelPass,
+        SplitMicrobatchesPass,
+        UnstackLayerScansPass,
+        RematerializePass,
+        RerollStageLoopsPass,
+    )
 }
 
 

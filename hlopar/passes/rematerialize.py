@@ -61,18 +61,39 @@ from hlopar.passes.base import ModulePass, PassContext, option
 from hlopar.passes.cluster_operators import LAYER_ATTR
 from hlopar.passes.mpmd_program import fragment_role
 
-__all__ = ["LAYERS", "REMAT_ATTR", "LayerRecompute", "Recompute", "RematerializePass", "fill_layers",
-           "layer_slices", "recompute_slice", "remat_form"]
+__all__ = [
+    "LAYERS",
+    "REMAT_ATTR",
+    "LayerRecompute",
+    "Recompute",
+    "RematerializePass",
+    "fill_layers",
+    "layer_slices",
+    "recompute_slice",
+    "remat_form",
+]
 
 REMAT_ATTR = "hlopar.remat"
 STAGE, LAYERS = "stage", "layers"  # the forms: the unit attribute (or "stage"), and "layers"
 # Ops whose results are not a function of their operands (or that talk to the outside):
 # computing them again would not give the forward's values.
-NOT_RECOMPUTED = frozenset({
-    "stablehlo.rng", "stablehlo.send", "stablehlo.recv", "stablehlo.infeed", "stablehlo.outfeed",
-    "stablehlo.all_gather", "stablehlo.all_reduce", "stablehlo.all_to_all", "stablehlo.collective_broadcast",
-    "stablehlo.collective_permute", "stablehlo.reduce_scatter", "stablehlo.partition_id", "stablehlo.replica_id",
-})
+NOT_RECOMPUTED = frozenset(
+    {
+        "stablehlo.rng",
+        "stablehlo.send",
+        "stablehlo.recv",
+        "stablehlo.infeed",
+        "stablehlo.outfeed",
+        "stablehlo.all_gather",
+        "stablehlo.all_reduce",
+        "stablehlo.all_to_all",
+        "stablehlo.collective_broadcast",
+        "stablehlo.collective_permute",
+        "stablehlo.reduce_scatter",
+        "stablehlo.partition_id",
+        "stablehlo.replica_id",
+    }
+)
 
 
 # --------------------------------------------------------------------------- pure planning
@@ -87,8 +108,9 @@ class Recompute:
     kept: tuple[int, ...]  # needed values made by ops that cannot be cloned (still read as made), ascending
 
 
-def recompute_slice(reads: Sequence[Iterable[int]], defines: Sequence[Iterable[int]],
-                    clonable: Sequence[bool], wanted: Iterable[int]) -> Recompute:
+def recompute_slice(
+    reads: Sequence[Iterable[int]], defines: Sequence[Iterable[int]], clonable: Sequence[bool], wanted: Iterable[int]
+) -> Recompute:
     """The ops (program order, a topological order; `reads[i]`/`defines[i]` the values op i
     reads and defines) that recompute the `wanted` values from values no op defines: every
     op a wanted value depends on, stopping at ops that are not `clonable`, whose needed
@@ -120,8 +142,9 @@ class LayerRecompute:
     stashed: tuple[int, ...]  # wanted values that are layer boundaries: read as made, ascending
 
 
-def fill_layers(reads: Sequence[Iterable[int]], defines: Sequence[Iterable[int]],
-                layers: Sequence[int | None]) -> list[int]:
+def fill_layers(
+    reads: Sequence[Iterable[int]], defines: Sequence[Iterable[int]], layers: Sequence[int | None]
+) -> list[int]:
     """`layers` with the ops that have none (the sharding constraints stage construction adds)
     given one: the latest layer among the ops whose values they read, else the earliest among
     the ops that read theirs, else the lowest layer there is (0 when none)."""
@@ -147,8 +170,13 @@ def fill_layers(reads: Sequence[Iterable[int]], defines: Sequence[Iterable[int]]
     return [lowest if layer is None else layer for layer in filled]
 
 
-def layer_slices(reads: Sequence[Iterable[int]], defines: Sequence[Iterable[int]], clonable: Sequence[bool],
-                 layers: Sequence[int], wanted: Iterable[tuple[int, int | None]]) -> LayerRecompute:
+def layer_slices(
+    reads: Sequence[Iterable[int]],
+    defines: Sequence[Iterable[int]],
+    clonable: Sequence[bool],
+    layers: Sequence[int],
+    wanted: Iterable[tuple[int, int | None]],
+) -> LayerRecompute:
     """Per-layer recompute of the `wanted` values, given as (value, layer of the op reading it,
     None when unknown), over the ops of `recompute_slice` with their `layers`. A value of layer a
     read by an op of a later layer (the forward's, or a wanted one's reader) is a boundary:
@@ -192,7 +220,7 @@ def remat_form(fragment: ir.Operation) -> str | None:
         return STAGE
     if isinstance(attr, ir.StringAttr) and attr.value in (STAGE, LAYERS):
         return attr.value
-    raise ValueError(f"{REMAT_ATTR} must be a unit attribute, \"{STAGE}\" or \"{LAYERS}\", got {attr}")
+    raise ValueError(f'{REMAT_ATTR} must be a unit attribute, "{STAGE}" or "{LAYERS}", got {attr}')
 
 
 # --------------------------------------------------------------------------- the pass
@@ -201,8 +229,10 @@ def remat_form(fragment: ir.Operation) -> str | None:
 @dataclass
 class RematerializePass(ModulePass):
     name = "hlopar-rematerialize"
-    summary = ("backward fragments marked hlopar.remat recompute the forward values they read from the "
-               "stage's inputs, so that pipelines stash only those")
+    summary = (
+        "backward fragments marked hlopar.remat recompute the forward values they read from the "
+        "stage's inputs, so that pipelines stash only those"
+    )
 
     all: bool = option(False, "rematerialize every backward fragment, marked or not")
 
@@ -212,8 +242,11 @@ class RematerializePass(ModulePass):
             self.fail(module, "the module has no function to rewrite")
         main = functions[0]
         with module.context, ir.Location.unknown():
-            backwards = [op for op in _fragments(main) if fragment_role(op) == "backward"
-                         and (self.all or REMAT_ATTR in op.attributes)]
+            backwards = [
+                op
+                for op in _fragments(main)
+                if fragment_role(op) == "backward" and (self.all or REMAT_ATTR in op.attributes)
+            ]
             changed = set()
             for backward in backwards:
                 stage = _stage(backward)
@@ -226,10 +259,11 @@ class RematerializePass(ModulePass):
                 if self._rematerialize(main, backward, form, context):
                     changed.add(stage)
             for stage in changed:
-                forwards = [_prune(op) for op in _fragments(main) if fragment_role(op) == "forward"
-                            and _stage(op) == stage]
+                forwards = [
+                    _prune(op) for op in _fragments(main) if fragment_role(op) == "forward" and _stage(op) == stage
+                ]
                 empty = [op for op in forwards if not len(op.results) and len(_body(op)) == 1]
-                for op in empty[:len(forwards) - 1]:  # nothing to do: it goes, unless it is the stage's only one
+                for op in empty[: len(forwards) - 1]:  # nothing to do: it goes, unless it is the stage's only one
                     op.erase()
         module.verify()
 
@@ -237,17 +271,24 @@ class RematerializePass(ModulePass):
         """Rewrites one backward fragment (module docstring); whether it recomputes anything."""
         stage = _stage(backward)
         while True:
-            forwards = [op for op in _fragments(main) if fragment_role(op) == "forward" and _stage(op) == stage
-                        and op.is_before_in_block(backward)]
+            forwards = [
+                op
+                for op in _fragments(main)
+                if fragment_role(op) == "forward" and _stage(op) == stage and op.is_before_in_block(backward)
+            ]
             view = _StageForward.of(forwards)
             if form == LAYERS:
                 if view.layers and all(layer is None for layer in view.layers):
-                    self.fail(backward, f"stage {stage}'s backward is marked {REMAT_ATTR} = \"{LAYERS}\" but its "
-                                        f"forward ops carry no {LAYER_ATTR} (stage construction keeps it on the "
-                                        "stages it marks so)")
+                    self.fail(
+                        backward,
+                        f'stage {stage}\'s backward is marked {REMAT_ATTR} = "{LAYERS}" but its '
+                        f"forward ops carry no {LAYER_ATTR} (stage construction keeps it on the "
+                        "stages it marks so)",
+                    )
                 layers = fill_layers(view.reads, view.defines, view.layers)
-                wanted = [(view.number[v], reader) for v, reader in _readers(backward)
-                          if view.number.get(v) in view.made]
+                wanted = [
+                    (view.number[v], reader) for v, reader in _readers(backward) if view.number.get(v) in view.made
+                ]
                 plan = layer_slices(view.reads, view.defines, view.clonable, layers, wanted)
                 slices = [s for _, s in plan.slices]
                 read = [*plan.stashed, *(v for s in slices for v in (*s.inputs, *s.kept))]
@@ -270,9 +311,12 @@ class RematerializePass(ModulePass):
             op = view.inner[v].owner.operation
             if _clonable(op):
                 continue
-            context.warn(op.location, f"{self.name}: stage {stage}'s backward reads the result of '{op.name}' "
-                                      "from its forward (stashed): it is not a function of its operands, so it is "
-                                      "not computed again")
+            context.warn(
+                op.location,
+                f"{self.name}: stage {stage}'s backward reads the result of '{op.name}' "
+                "from its forward (stashed): it is not a function of its operands, so it is "
+                "not computed again",
+            )
         if form == LAYERS:
             _recompute_layers_in(backward, view, plan)
         else:
@@ -364,7 +408,7 @@ def _recompute_layers_in(backward: ir.Operation, view: _StageForward, plan: Laye
             if tie:
                 barrier = stablehlo.OptimizationBarrierOp([*tie, *(available[v] for v in read)])
                 _replace_reads(body[first:], dict(zip(tie, barrier.results)))
-                local = dict(zip(read, list(barrier.results)[len(tie):]))
+                local = dict(zip(read, list(barrier.results)[len(tie) :]))
             else:
                 local = {v: available[v] for v in read}
             _clone_slice(view, piece.ops, local)
@@ -385,8 +429,9 @@ def _take_inputs(backward: ir.Operation, view: _StageForward, slices: Sequence[R
     added = list(dict.fromkeys(v for piece in slices for v in (*piece.inputs, *piece.kept) if v not in present))
     new = _rebuilt(backward, operands=[*stay, *(view.outer[v] for v in added)])
     block = new.regions[0].blocks[0]
-    available = {view.number[v]: block.arguments[p] for p, v in enumerate(operands)
-                 if p not in replaced and v in view.number}
+    available = {
+        view.number[v]: block.arguments[p] for p, v in enumerate(operands) if p not in replaced and v in view.number
+    }
     for v in added:
         available[v] = block.add_argument(view.inner[v].type, ir.Location.unknown())
     return new, available, {view.number[operands[p]]: block.arguments[p] for p in replaced}
@@ -428,6 +473,7 @@ def _readers(backward: ir.Operation) -> list[tuple[ir.Value, int | None]]:
 
 def _replace_reads(ops: Sequence[ir.Operation], replacement: dict[ir.Value, ir.Value]) -> None:
     """Makes `ops` (and the ops nested in them) read `replacement[v]` where they read v."""
+
     def visit(inner: ir.Operation) -> ir.WalkResult:
         operands = inner.operands
         for position, operand in enumerate(operands):
@@ -455,8 +501,9 @@ def _prune(fragment: ir.Operation) -> ir.Operation:
     return fragment
 
 
-def _rebuilt(fragment: ir.Operation, *, operands: Sequence[ir.Value] | None = None,
-             returned: Sequence[ir.Value] | None = None) -> ir.Operation:
+def _rebuilt(
+    fragment: ir.Operation, *, operands: Sequence[ir.Value] | None = None, returned: Sequence[ir.Value] | None = None
+) -> ir.Operation:
     """`fragment` with other operands (the body's block arguments are the caller's to match)
     or other returned values (their results' uses follow them; a new one is a replicated mesh
     tensor): a new op with the same attributes, the old body moved into it."""
@@ -472,11 +519,16 @@ def _rebuilt(fragment: ir.Operation, *, operands: Sequence[ir.Value] | None = No
         return ir.Type.parse(f"!mpmd.mesh_tensor<{quote_string(mesh)}, {value.type}>")
 
     new = ir.Operation.create(
-        "mpmd.fragment", results=[result_type(v) for v in returned],
+        "mpmd.fragment",
+        results=[result_type(v) for v in returned],
         operands=list(fragment.operands if operands is None else operands),
-        attributes={named.name: named.attr for named in map(fragment.attributes.__getitem__,
-                                                            range(len(fragment.attributes)))},
-        regions=1, loc=fragment.location, ip=ir.InsertionPoint(fragment))
+        attributes={
+            named.name: named.attr for named in map(fragment.attributes.__getitem__, range(len(fragment.attributes)))
+        },
+        regions=1,
+        loc=fragment.location,
+        ip=ir.InsertionPoint(fragment),
+    )
     block.append_to(new.regions[0])
     if returned is not old_returned:
         with ir.InsertionPoint(terminator):
@@ -533,8 +585,10 @@ def _clonable(op: ir.Operation) -> bool:
     def visit(inner: ir.Operation) -> ir.WalkResult:
         nonlocal ok
         if inner.name in NOT_RECOMPUTED or (
-                inner.name == "stablehlo.custom_call" and "has_side_effect" in inner.attributes
-                and ir.BoolAttr(inner.attributes["has_side_effect"]).value):
+            inner.name == "stablehlo.custom_call"
+            and "has_side_effect" in inner.attributes
+            and ir.BoolAttr(inner.attributes["has_side_effect"]).value
+        ):
             ok = False
             return ir.WalkResult.INTERRUPT
         return ir.WalkResult.ADVANCE

@@ -58,8 +58,15 @@ from hlopar.passes.mpmd_program import fragment_role
 from hlopar.passes.split_microbatches import BATCH, BATCH_ARGS_ATTR, KIND_ATTR, SUM
 from hlopar.passes.unstack_layer_scans import ELEMENTWISE, LAYER_ITERATION_ATTR, LAYER_PIECES_ATTR, LayerPieces
 
-__all__ = ["LAYER_LOOP_ATTR", "LoopRange", "RerollStageLoopsPass", "fragments", "identical_runs", "reroll_block",
-           "stage_loop_lines"]
+__all__ = [
+    "LAYER_LOOP_ATTR",
+    "LoopRange",
+    "RerollStageLoopsPass",
+    "fragments",
+    "identical_runs",
+    "reroll_block",
+    "stage_loop_lines",
+]
 
 LAYER_LOOP_ATTR = "hlopar.layer_loop"
 ALIAS = "tf.aliasing_output"
@@ -93,19 +100,27 @@ def identical_runs(keys: dict[int, object], min_trips: int) -> list[tuple[int, i
 @dataclass
 class RerollStageLoopsPass(ModulePass):
     name = "hlopar-reroll-stage-loops"
-    summary = ("inside each fragment, run the iterations of an unrolled layer scan that the fragment holds as one "
-               "stablehlo.while over their range again")
+    summary = (
+        "inside each fragment, run the iterations of an unrolled layer scan that the fragment holds as one "
+        "stablehlo.while over their range again"
+    )
 
     reroll: Literal["auto", "never"] = option(
-        "auto", "auto: re-roll each run of at least min-trips identical iterations; never: keep every stage unrolled")
-    min_trips: int = option(2, "re-roll runs of at least this many iterations (one iteration is cheaper unrolled)",
-                            check=lambda n: check_count(n, low=1))
+        "auto", "auto: re-roll each run of at least min-trips identical iterations; never: keep every stage unrolled"
+    )
+    min_trips: int = option(
+        2,
+        "re-roll runs of at least this many iterations (one iteration is cheaper unrolled)",
+        check=lambda n: check_count(n, low=1),
+    )
     report: str | None = report_option("write a JSON report of the rolled and unrolled ranges to this path")
 
     hold_ranges: bool = option(
-        True, "hold the pieces of the layers a stage loops over as one range of rows: one @main argument and "
-              "result per stacked parameter or state, one value for the stash and the gradients between its "
-              "fragments, read by the loop's counter (false: the loop packs the pieces each run)")
+        True,
+        "hold the pieces of the layers a stage loops over as one range of rows: one @main argument and "
+        "result per stacked parameter or state, one value for the stash and the gradients between its "
+        "fragments, read by the loop's counter (false: the loop packs the pieces each run)",
+    )
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
         ranges: list[LoopRange] = []
@@ -122,8 +137,11 @@ class RerollStageLoopsPass(ModulePass):
                 made = reroll_block(block, _origin(fragment), min_trips=self.min_trips, rewrite=self.reroll == "auto")
                 for r in made:
                     if not r.rolled and r.trips >= self.min_trips and self.reroll == "auto":
-                        context.warn(fragment, f"{self.name}: layers {r.layers[0]}..{r.layers[-1]} of loop {r.loop} "
-                                               f"stay unrolled in {r.fragment}: {r.reason}")
+                        context.warn(
+                            fragment,
+                            f"{self.name}: layers {r.layers[0]}..{r.layers[-1]} of loop {r.loop} "
+                            f"stay unrolled in {r.fragment}: {r.reason}",
+                        )
                 ranges += made
                 if any(r.rolled for r in made):
                     if self.hold_ranges:
@@ -134,9 +152,18 @@ class RerollStageLoopsPass(ModulePass):
                     if fragment_role(fragment) == "update":
                         widen_joins(fragment)
         if self.report:
-            write_output(self.report, json.dumps({"pass": self.name, "reroll": self.reroll,
-                                                  "ranges": [asdict(r) for r in ranges],
-                                                  "held": [asdict(h) for h in held]}, indent=1))
+            write_output(
+                self.report,
+                json.dumps(
+                    {
+                        "pass": self.name,
+                        "reroll": self.reroll,
+                        "ranges": [asdict(r) for r in ranges],
+                        "held": [asdict(h) for h in held],
+                    },
+                    indent=1,
+                ),
+            )
 
     def _spans(self, module: ir.Operation) -> dict[str, list[tuple[int, int]]]:
         """Per mesh, the disjoint layer ranges `[a, b)` that its fragments have runs of at
@@ -187,8 +214,11 @@ def stage_loop_lines(report: dict | None) -> list[str]:
     lines = []
     if rolled:
         lines.append(f"  run as loops (hlopar-reroll-stage-loops): {'; '.join(rolled)}")
-    held = [f"{h['mesh']} layers {h['first']}..{h['first'] + h['rows'] - 1} ({h['arguments']} argument(s), "
-            f"{h['results']} result(s))" for h in report.get("held", ())]
+    held = [
+        f"{h['mesh']} layers {h['first']}..{h['first'] + h['rows'] - 1} ({h['arguments']} argument(s), "
+        f"{h['results']} result(s))"
+        for h in report.get("held", ())
+    ]
     if held:
         lines.append(f"  held as one range of rows per stacked leaf: {'; '.join(held)}")
     if unrolled:
@@ -259,8 +289,10 @@ def reroll_block(block: ir.Block, fragment: str, *, min_trips: int = 2, rewrite:
         loop, iteration, _, layer = tag
         by_loop.setdefault(loop, {}).setdefault(iteration, []).append(op)
         layer_of[(loop, iteration)] = layer
-    keys = {loop: {i: tuple((tags[op][2], _structure(op)) for op in ops) for i, ops in iterations.items()}
-            for loop, iterations in by_loop.items()}  # before any rewrite
+    keys = {
+        loop: {i: tuple((tags[op][2], _structure(op)) for op in ops) for i, ops in iterations.items()}
+        for loop, iterations in by_loop.items()
+    }  # before any rewrite
     done: list[LoopRange] = []
     for loop, iterations in sorted(by_loop.items()):
         for first, trips in identical_runs(keys[loop], 1):
@@ -314,8 +346,11 @@ class _Reroll:
                 made = [where.get(v) for v in values]
                 if all(m is not None and m[0] == i for i, m in enumerate(made)) and len({m[1:] for m in made}) == 1:
                     self.wiring[(j, o)] = ("body", made[0][1:])
-                elif (made[0] is None and all(m is not None and m[0] == i - 1 for i, m in enumerate(made) if i)
-                      and len({m[1:] for m in made[1:]}) == 1):
+                elif (
+                    made[0] is None
+                    and all(m is not None and m[0] == i - 1 for i, m in enumerate(made) if i)
+                    and len({m[1:] for m in made[1:]}) == 1
+                ):
                     self.wiring[(j, o)] = ("carry", values[0], made[1][1:])  # one slot per (first, next)
                 elif all(m is None for m in made):
                     if all(v == values[0] for v in values):
@@ -323,8 +358,10 @@ class _Reroll:
                     else:
                         self.wiring[(j, o)] = _rows_of_one(values) or ("packed", tuple(values))
                 else:
-                    return (f"operand {o} of '{template.name}' reads values of other iterations than the loop's "
-                            "own or its previous one")
+                    return (
+                        f"operand {o} of '{template.name}' reads values of other iterations than the loop's "
+                        "own or its previous one"
+                    )
         return ""
 
     def _order(self) -> str:
@@ -362,14 +399,23 @@ class _Reroll:
         position = {op.operation: k for k, op in enumerate(self.block.operations)}
         first_op = min((op for ops in groups for op in ops), key=position.__getitem__)
         members = {op for ops in groups for op in ops}
-        outputs = [(j, r) for j, op in enumerate(template) for r in range(len(op.results))
-                   if any(_used_outside(ops[j].results[r], members) for ops in groups)]
+        outputs = [
+            (j, r)
+            for j, op in enumerate(template)
+            for r in range(len(op.results))
+            if any(_used_outside(ops[j].results[r], members) for ops in groups)
+        ]
         carried_out = {how[2] for how in self.wiring.values() if how[0] == "carry"}
         # A carry read outside only after the last iteration (the stage's output): the loop's result.
         kinds = {_kind(op) for op in members}
         loop_kind = next((kind for kind in (BATCH, SUM) if kind in kinds), None)
-        last_only = {(j, r) for j, r in outputs if (j, r) in carried_out and _kind(template[j]) == loop_kind
-                     and not any(_used_outside(ops[j].results[r], members) for ops in groups[:-1])}
+        last_only = {
+            (j, r)
+            for j, r in outputs
+            if (j, r) in carried_out
+            and _kind(template[j]) == loop_kind
+            and not any(_used_outside(ops[j].results[r], members) for ops in groups[:-1])
+        }
         outputs = [o for o in outputs if o not in last_only]
         with ir.InsertionPoint(first_op), first_op.location:
             scalar = ir.RankedTensorType.get([], ir.IntegerType.get_signless(32))
@@ -400,9 +446,12 @@ class _Reroll:
                 loop.attributes[KIND_ATTR] = ir.StringAttr.get(loop_kind)
             cond = loop.regions[0].blocks.append(*[v.type for v in carried])
             with ir.InsertionPoint(cond):
-                more = stablehlo.CompareOp(cond.arguments[0], _constant(scalar, trips),
-                                           stablehlo.ComparisonDirectionAttr.get("LT"),
-                                           compare_type=stablehlo.ComparisonTypeAttr.get("SIGNED")).result
+                more = stablehlo.CompareOp(
+                    cond.arguments[0],
+                    _constant(scalar, trips),
+                    stablehlo.ComparisonDirectionAttr.get("LT"),
+                    compare_type=stablehlo.ComparisonTypeAttr.get("SIGNED"),
+                ).result
                 stablehlo.ReturnOp([more])
             body = loop.regions[1].blocks.append(*[v.type for v in carried])
             args = body.arguments
@@ -422,8 +471,13 @@ class _Reroll:
                         elif kind == "rows":  # one read per row and type, however many ops read it
                             key = (how, str(op.operands[o].type))
                             if key not in rows_read:
-                                rows_read[key] = _row(args[slots[("invariant", how[1])]], counter,
-                                                      op.operands[o].type, first=how[2], step=how[3])
+                                rows_read[key] = _row(
+                                    args[slots[("invariant", how[1])]],
+                                    counter,
+                                    op.operands[o].type,
+                                    first=how[2],
+                                    step=how[3],
+                                )
                             value = rows_read[key]
                         else:
                             value = args[slots[how]]
@@ -523,8 +577,9 @@ def _zeros(t: ir.RankedTensorType) -> ir.Value:
     else:
         zero = ir.FloatAttr.get(element, 0.0)
     scalar = ir.RankedTensorType.get([], element)
-    return stablehlo.BroadcastInDimOp(t, stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(scalar, zero)).result,
-                                      ir.DenseI64ArrayAttr.get([])).result
+    return stablehlo.BroadcastInDimOp(
+        t, stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(scalar, zero)).result, ir.DenseI64ArrayAttr.get([])
+    ).result
 
 
 def _unit(t: ir.Type) -> ir.RankedTensorType:
@@ -551,8 +606,7 @@ def _row(stacked: ir.Value, counter: ir.Value, row_type: ir.Type, first: int = 0
         index = stablehlo.MulOp(index, _constant(index_type, step)).result
     if first:
         index = stablehlo.AddOp(index, _constant(index_type, first)).result
-    row = stablehlo.DynamicSliceOp(stacked, [index] + [zero] * (source.rank - 1),
-                                   [1] + list(source.shape)[1:]).result
+    row = stablehlo.DynamicSliceOp(stacked, [index] + [zero] * (source.rank - 1), [1] + list(source.shape)[1:]).result
     return row if row.type == t else stablehlo.ReshapeOp(t, row).result
 
 
@@ -587,8 +641,12 @@ def _row_of(value: ir.Value) -> tuple[ir.Value, int] | None:
         return None
     source = op.operands[0]
     start, limit = _ints(op, "start_indices"), _ints(op, "limit_indices")
-    if (limit[0] - start[0] != 1 or any(start[1:]) or limit[1:] != _shape(source)[1:]
-            or set(_ints(op, "strides")) != {1}):
+    if (
+        limit[0] - start[0] != 1
+        or any(start[1:])
+        or limit[1:] != _shape(source)[1:]
+        or set(_ints(op, "strides")) != {1}
+    ):
         return None
     return source, start[0]
 
@@ -646,20 +704,26 @@ def _mesh_type(value: ir.Value, tensor: ir.RankedTensorType, lead: bool) -> ir.T
 
 def _stacked(t: ir.Type, rows: int, lead: bool) -> ir.RankedTensorType:
     t = ir.RankedTensorType(t)
-    shape = [rows] + list(t.shape)[0 if lead else 1:]
+    shape = [rows] + list(t.shape)[0 if lead else 1 :]
     return ir.RankedTensorType.get(shape, t.element_type, t.encoding)
 
 
-def _refragment(fragment: ir.Operation, operands: Sequence[ir.Value], returned: Sequence[ir.Value],
-                types: Sequence[ir.Type]) -> ir.Operation:
+def _refragment(
+    fragment: ir.Operation, operands: Sequence[ir.Value], returned: Sequence[ir.Value], types: Sequence[ir.Type]
+) -> ir.Operation:
     """`fragment` with these operands (its block's arguments already matching them) and these
     returned values of these result types: a new op with the old body; the caller moves the
     old results' uses."""
     block = fragment.regions[0].blocks[0]
     new = ir.Operation.create(
-        "mpmd.fragment", results=list(types), operands=list(operands),
+        "mpmd.fragment",
+        results=list(types),
+        operands=list(operands),
         attributes={fragment.attributes[k].name: fragment.attributes[k].attr for k in range(len(fragment.attributes))},
-        regions=1, loc=fragment.location, ip=ir.InsertionPoint(fragment))
+        regions=1,
+        loc=fragment.location,
+        ip=ir.InsertionPoint(fragment),
+    )
     block.append_to(new.regions[0])
     terminator = list(block.operations)[-1].operation
     with ir.InsertionPoint(terminator), terminator.location:
@@ -686,15 +750,20 @@ def _read_as_one(fragment: ir.Operation, groups: Sequence[tuple[Sequence[ir.Valu
                 gone.append(k)
                 old, row = block.arguments[k], parts.index(v)
                 t = ir.RankedTensorType(old.type)
-                sliced = stablehlo.SliceOp(argument, [row] + [0] * (local.rank - 1),
-                                           [row + 1] + list(local.shape)[1:], [1] * local.rank).result
+                sliced = stablehlo.SliceOp(
+                    argument, [row] + [0] * (local.rank - 1), [row + 1] + list(local.shape)[1:], [1] * local.rank
+                ).result
                 if sliced.type != t:
                     sliced = stablehlo.ReshapeOp(t, sliced).result
                 old.replace_all_uses_with(sliced)
     for k in sorted(gone, reverse=True):
         block.erase_argument(k)
-    new = _refragment(fragment, [v for k, v in enumerate(operands) if k not in gone] + [w for _, w in groups],
-                      list(list(block.operations)[-1].operands), [r.type for r in fragment.results])
+    new = _refragment(
+        fragment,
+        [v for k, v in enumerate(operands) if k not in gone] + [w for _, w in groups],
+        list(list(block.operations)[-1].operands),
+        [r.type for r in fragment.results],
+    )
     for old, made in zip(fragment.results, new.results):
         old.replace_all_uses_with(made)
     fragment.erase()
@@ -761,8 +830,12 @@ def return_stacks(fragment: ir.Operation) -> ir.Operation:
     new = _refragment(fragment, list(fragment.operands), values, types)
     for k, p in enumerate(kept):
         fragment.results[p].replace_all_uses_with(new.results[k])
-    _read_everywhere_as_one([([fragment.results[p] for p in positions], new.results[len(kept) + g])
-                             for g, (_, positions) in enumerate(groups)])
+    _read_everywhere_as_one(
+        [
+            ([fragment.results[p] for p in positions], new.results[len(kept) + g])
+            for g, (_, positions) in enumerate(groups)
+        ]
+    )
     fragment.erase()
     return new
 
@@ -778,10 +851,14 @@ def hold_ranges(main: ir.Operation, spans: dict[str, list[tuple[int, int]]]) -> 
         return []
     block = main.regions[0].blocks[0]
     ret = list(block.operations)[-1].operation
-    args_at = {(o, p): k for k, (o, p, r) in enumerate(zip(pieces.arg_origin, pieces.arg_piece, pieces.arg_rows))
-               if r == 1}
-    results_at = {(o, p): k for k, (o, p, r) in enumerate(zip(pieces.result_origin, pieces.result_piece,
-                                                               pieces.result_rows)) if r == 1}
+    args_at = {
+        (o, p): k for k, (o, p, r) in enumerate(zip(pieces.arg_origin, pieces.arg_piece, pieces.arg_rows)) if r == 1
+    }
+    results_at = {
+        (o, p): k
+        for k, (o, p, r) in enumerate(zip(pieces.result_origin, pieces.result_piece, pieces.result_rows))
+        if r == 1
+    }
     arg_rows, result_rows = list(pieces.arg_rows), list(pieces.result_rows)
     dropped_args: set[int] = set()
     dropped_results: set[int] = set()
@@ -811,18 +888,25 @@ def hold_ranges(main: ir.Operation, spans: dict[str, list[tuple[int, int]]]) -> 
                 values = [ret.operands[r] for r in rs]
                 makers = {v.owner.operation if isinstance(v, ir.OpResult) else None for v in values}
                 maker = makers.pop() if len(makers) == 1 else None
-                if (maker is None or maker.name != "mpmd.fragment" or len(set(values)) != len(values)
-                        or MeshTensorType.parse(str(values[0].type)).mesh_name != mesh
-                        or any(len(list(v.uses)) != 1 for v in values)):
+                if (
+                    maker is None
+                    or maker.name != "mpmd.fragment"
+                    or len(set(values)) != len(values)
+                    or MeshTensorType.parse(str(values[0].type)).mesh_name != mesh
+                    or any(len(list(v.uses)) != 1 for v in values)
+                ):
                     continue
                 terminator = list(maker.regions[0].blocks[0].operations)[-1].operation
                 inner = list(terminator.operands)
                 positions = [list(maker.results).index(v) for v in values]
                 with ir.InsertionPoint(terminator), terminator.location:
                     joined = stablehlo.ConcatenateOp([inner[p] for p in positions], 0).result
-                new = _refragment(maker, list(maker.operands), inner + [joined],
-                                  [r.type for r in maker.results]
-                                  + [_mesh_type(values[0], ir.RankedTensorType(joined.type), False)])
+                new = _refragment(
+                    maker,
+                    list(maker.operands),
+                    inner + [joined],
+                    [r.type for r in maker.results] + [_mesh_type(values[0], ir.RankedTensorType(joined.type), False)],
+                )
                 for old, made in zip(maker.results, new.results):
                     old.replace_all_uses_with(made)
                 maker.erase()
@@ -854,15 +938,22 @@ def _drop_unread(fragment: ir.Operation) -> None:
     kept = [k for k, r in enumerate(fragment.results) if list(r.uses)]
     if len(kept) == len(returned):
         return
-    new = _refragment(fragment, list(fragment.operands), [returned[k] for k in kept],
-                      [fragment.results[k].type for k in kept])
+    new = _refragment(
+        fragment, list(fragment.operands), [returned[k] for k in kept], [fragment.results[k].type for k in kept]
+    )
     for n, k in enumerate(kept):
         fragment.results[k].replace_all_uses_with(new.results[n])
     fragment.erase()
 
 
-def _renumber(main: ir.Operation, pieces: LayerPieces, arg_rows: list[int], result_rows: list[int],
-              dropped_args: set[int], dropped_results: set[int]) -> None:
+def _renumber(
+    main: ir.Operation,
+    pieces: LayerPieces,
+    arg_rows: list[int],
+    result_rows: list[int],
+    dropped_args: set[int],
+    dropped_results: set[int],
+) -> None:
     """`@main` without the arguments and results joined into others: its signature, its
     arguments' and results' attributes (a donation kept where the argument and its result
     are still alike), `hlopar.layer_pieces` and the argument numbers it names."""
@@ -879,8 +970,11 @@ def _renumber(main: ir.Operation, pieces: LayerPieces, arg_rows: list[int], resu
     for k in sorted(dropped_args, reverse=True):
         block.erase_argument(k)
     count = len(pieces.arg_origin)
-    arg_attrs = list(ir.ArrayAttr(main.attributes["arg_attrs"])) if "arg_attrs" in main.attributes else (
-        [ir.DictAttr.get({})] * count)
+    arg_attrs = (
+        list(ir.ArrayAttr(main.attributes["arg_attrs"]))
+        if "arg_attrs" in main.attributes
+        else ([ir.DictAttr.get({})] * count)
+    )
     new_attrs = []
     for k in args:
         entries = {a.name: a.attr for a in ir.DictAttr(arg_attrs[k])}
@@ -895,18 +989,25 @@ def _renumber(main: ir.Operation, pieces: LayerPieces, arg_rows: list[int], resu
     if "res_attrs" in main.attributes:
         res_attrs = list(ir.ArrayAttr(main.attributes["res_attrs"]))
         main.attributes["res_attrs"] = ir.ArrayAttr.get([res_attrs[k] for k in results])
-    main.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
-        [a.type for a in block.arguments], [v.type for v in values]))
+    main.attributes["function_type"] = ir.TypeAttr.get(
+        ir.FunctionType.get([a.type for a in block.arguments], [v.type for v in values])
+    )
     main.attributes[LAYER_PIECES_ATTR] = LayerPieces(
-        tuple(pieces.arg_origin[k] for k in args), tuple(pieces.arg_piece[k] for k in args),
-        tuple(pieces.result_origin[k] for k in results), tuple(pieces.result_piece[k] for k in results),
-        tuple(arg_rows[k] for k in args), tuple(result_rows[k] for k in results)).attribute()
+        tuple(pieces.arg_origin[k] for k in args),
+        tuple(pieces.arg_piece[k] for k in args),
+        tuple(pieces.result_origin[k] for k in results),
+        tuple(pieces.result_piece[k] for k in results),
+        tuple(arg_rows[k] for k in args),
+        tuple(result_rows[k] for k in results),
+    ).attribute()
     if BATCH_ARGS_ATTR in main.attributes:
         main.attributes[BATCH_ARGS_ATTR] = ir.DenseI64ArrayAttr.get(
-            [new_arg[k] for k in ir.DenseI64ArrayAttr(main.attributes[BATCH_ARGS_ATTR])])
+            [new_arg[k] for k in ir.DenseI64ArrayAttr(main.attributes[BATCH_ARGS_ATTR])]
+        )
     if INDEX_ARG_ATTR in main.attributes:
         main.attributes[INDEX_ARG_ATTR] = ir.IntegerAttr.get(
-            ir.IntegerType.get_signless(64), new_arg[ir.IntegerAttr(main.attributes[INDEX_ARG_ATTR]).value])
+            ir.IntegerType.get_signless(64), new_arg[ir.IntegerAttr(main.attributes[INDEX_ARG_ATTR]).value]
+        )
 
 
 def widen_joins(fragment: ir.Operation) -> int:
@@ -937,8 +1038,14 @@ def widen_joins(fragment: ir.Operation) -> int:
 
 
 _SHARDING = re.compile(r"sdy\.sharding = #sdy\.sharding_per_value<\[(?:<[^<>]*>(?:, )?)*\]>,? ?")
-_PURE = ELEMENTWISE | {"stablehlo.slice", "stablehlo.reshape", "stablehlo.concatenate", "stablehlo.broadcast_in_dim",
-                       "stablehlo.constant", "stablehlo.reverse"}
+_PURE = ELEMENTWISE | {
+    "stablehlo.slice",
+    "stablehlo.reshape",
+    "stablehlo.concatenate",
+    "stablehlo.broadcast_in_dim",
+    "stablehlo.constant",
+    "stablehlo.reverse",
+}
 
 
 @dataclass
@@ -994,8 +1101,9 @@ class _Widen:
             operand = self(tuple(op.operands[0] for op in ops), lead=False)
             if operand is None:
                 return None
-            return stablehlo.BroadcastInDimOp(wide, operand, ir.DenseI64ArrayAttr.get(
-                [0] + [d if lead else d + 1 for d in dims])).result
+            return stablehlo.BroadcastInDimOp(
+                wide, operand, ir.DenseI64ArrayAttr.get([0] + [d if lead else d + 1 for d in dims])
+            ).result
         if name not in ELEMENTWISE:
             return self._joined(values, wide)
         operands = [self(tuple(op.operands[k] for op in ops), lead) for k in range(len(ops[0].operands))]
@@ -1008,7 +1116,8 @@ class _Widen:
         if name == "sdy.sharding_constraint" and not lead:  # the new rows dim: whole
             sharding = TensorSharding.parse(str(clone.attributes["sharding"]))
             clone.attributes["sharding"] = ir.Attribute.parse(
-                replace(sharding, dims=(DimSharding(),) + sharding.dims).format())
+                replace(sharding, dims=(DimSharding(),) + sharding.dims).format()
+            )
         elif "sdy.sharding" in clone.attributes and (not lead or len(structures) > 1):
             del clone.attributes["sdy.sharding"]  # of the rank before, or differing: left to propagation
         return clone.results[0]
@@ -1021,7 +1130,7 @@ class _Widen:
         start = 0
         while start < len(values):
             end = start + 1
-            while end < len(values) and _rows_of_one(values[start:end + 1]) is not None:
+            while end < len(values) and _rows_of_one(values[start : end + 1]) is not None:
                 end += 1
             segments.append((start, end))
             start = end
@@ -1044,8 +1153,9 @@ def _rows(stack: ir.Value, first: int, step: int, n: int, wide: ir.RankedTensorT
     low = first if step == 1 else first - n + 1
     source = ir.RankedTensorType(stack.type)
     if low != 0 or source.shape[0] != n:
-        stack = stablehlo.SliceOp(stack, [low] + [0] * (source.rank - 1), [low + n] + list(source.shape[1:]),
-                                  [1] * source.rank).result
+        stack = stablehlo.SliceOp(
+            stack, [low] + [0] * (source.rank - 1), [low + n] + list(source.shape[1:]), [1] * source.rank
+        ).result
     if step == -1:
         stack = stablehlo.ReverseOp(stack, ir.DenseI64ArrayAttr.get([0])).result
     return stack if stack.type == wide else stablehlo.ReshapeOp(wide, stack).result

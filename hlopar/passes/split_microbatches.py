@@ -163,7 +163,14 @@ from hlopar.passes.microbatch_index import count_globally, microbatch_index_valu
 from hlopar.passes.per_example_results import concatenated_dim, place_rows
 
 __all__ = [
-    "BATCH", "KIND_ATTR", "STEP", "SUM", "SplitMicrobatchesPass", "SplitStep", "read_split", "split_step",
+    "BATCH",
+    "KIND_ATTR",
+    "STEP",
+    "SUM",
+    "SplitMicrobatchesPass",
+    "SplitStep",
+    "read_split",
+    "split_step",
 ]
 
 MESH = "hlopar_microbatch"
@@ -181,19 +188,27 @@ ZERO = "zero"
 _SDY_SHARDING = "sdy.sharding"
 
 # Ops that only need their result types changed when a dim is divided (besides elementwise ops).
-_TYPE_ONLY_OPS = ELEMENTWISE_OPS | frozenset("stablehlo." + n for n in (
-    "broadcast_in_dim reshape transpose dot_general dot convolution reduce select compare convert bitcast_convert "
-    "concatenate gather scatter dynamic_update_slice while case if reverse sort map optimization_barrier "
-    "rng_bit_generator batch_norm_inference cholesky triangular_solve fft reduce_precision return copy "
-    "exponential_minus_one log_plus_one"
-).split()) | {"stablehlo.return", "func.return"}
+_TYPE_ONLY_OPS = (
+    ELEMENTWISE_OPS
+    | frozenset(
+        "stablehlo." + n
+        for n in (
+            "broadcast_in_dim reshape transpose dot_general dot convolution reduce select compare convert bitcast_convert "
+            "concatenate gather scatter dynamic_update_slice while case if reverse sort map optimization_barrier "
+            "rng_bit_generator batch_norm_inference cholesky triangular_solve fft reduce_precision return copy "
+            "exponential_minus_one log_plus_one"
+        ).split()
+    )
+    | {"stablehlo.return", "func.return"}
+)
 # Ops whose sum over a batch factor is a plain sum of the inputs' examples.
-_SUM_OPS = frozenset({"stablehlo.reduce", "stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution",
-                      "stablehlo.scatter"})
+_SUM_OPS = frozenset(
+    {"stablehlo.reduce", "stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution", "stablehlo.scatter"}
+)
 # Ops linear in a sum operand (with the other operands independent of the batch).
-_STRUCTURAL_OPS = frozenset("stablehlo." + n for n in (
-    "reshape transpose broadcast_in_dim slice reverse copy negate"
-).split())
+_STRUCTURAL_OPS = frozenset(
+    "stablehlo." + n for n in ("reshape transpose broadcast_in_dim slice reverse copy negate").split()
+)
 
 
 class SplitError(Exception):
@@ -209,14 +224,20 @@ class SplitMicrobatchesPass(ModulePass):
     name = "hlopar-split-microbatches"
     summary = "rewrite a training step into the program for one of B microbatches (gradient accumulation)"
 
-    microbatches: int = option(1, "number of microbatches B (divides every batch argument's leading dim)",
-                               check=lambda n: check_count(n, low=1))
+    microbatches: int = option(
+        1,
+        "number of microbatches B (divides every batch argument's leading dim)",
+        check=lambda n: check_count(n, low=1),
+    )
     batch_args: tuple[int, ...] | None = option(
-        None, "arguments cut along dim 0, e.g. 19,20 (default: the arguments that are not training state)")
+        None, "arguments cut along dim 0, e.g. 19,20 (default: the arguments that are not training state)"
+    )
     loss_result: int | None = option(None, "the result that is the loss (default: found)")
     rng: Literal["exact", "per-microbatch"] = option(
-        "exact", "per-microbatch: let whole-shape random generators (stablehlo.rng, rng_bit_generator) draw per "
-                 "microbatch, other numbers than the whole batch's (default: refuse them)")
+        "exact",
+        "per-microbatch: let whole-shape random generators (stablehlo.rng, rng_bit_generator) draw per "
+        "microbatch, other numbers than the whole batch's (default: refuse them)",
+    )
     functions: bool = option(False, "write @microbatch_step, @apply_update and a @main calling them")
     report: str | None = report_option("write a JSON report of the split to this path")
 
@@ -235,8 +256,9 @@ class SplitMicrobatchesPass(ModulePass):
             self.fail(error.op if error.op is not None else main, str(error))
         module.verify()
         if self.report:
-            write_output(self.report, json.dumps({"pass": self.name, "options": self.pipeline_text(), **split},
-                                                 indent=1) + "\n")
+            write_output(
+                self.report, json.dumps({"pass": self.name, "options": self.pipeline_text(), **split}, indent=1) + "\n"
+            )
 
 
 # --------------------------------------------------------------------------- analysis
@@ -284,10 +306,14 @@ class _Splitter:
                 rescale_mean(node.mlir_op, self.b, inverse=node.name == "stablehlo.multiply")
             if means:
                 n = self.graph.values[self.graph.args[self.batch_args[0]]].shape[0]
-                self.context.warn(self.graph.ops[means[0]].mlir_op, (
-                    f"hlopar-split-microbatches: batch statistics are computed per microbatch of {n // self.b} "
-                    f"examples (GPipe), not over the batch of {n}; running statistics are the mean over "
-                    "microbatches"))
+                self.context.warn(
+                    self.graph.ops[means[0]].mlir_op,
+                    (
+                        f"hlopar-split-microbatches: batch statistics are computed per microbatch of {n // self.b} "
+                        f"examples (GPipe), not over the batch of {n}; running statistics are the mean over "
+                        "microbatches"
+                    ),
+                )
             resized = self._resize()
         for op, kind in zip(self.graph.ops, kinds):
             if kind is not None:
@@ -307,9 +333,16 @@ class _Splitter:
         counts = {k: sum(1 for x in kinds if x == k) for k in (BATCH, SUM, STEP)}
         counts[BATCH] += sum(1 for x in kinds if x in (LOCAL, LOCAL_SUM))
         counts["independent"] = sum(1 for x in kinds if x is None)
-        return {"microbatches": self.b, "batch_args": batch_args, "loss_result": loss,
-                "resized_values": resized, "ops": counts, "means_per_microbatch": len(means),
-                "iotas_counting_globally": len(self.iotas), "per_example_results": len(self.per_example_results)}
+        return {
+            "microbatches": self.b,
+            "batch_args": batch_args,
+            "loss_result": loss,
+            "resized_values": resized,
+            "ops": counts,
+            "means_per_microbatch": len(means),
+            "iotas_counting_globally": len(self.iotas),
+            "per_example_results": len(self.per_example_results),
+        }
 
     def _hand_off(self, kinds: list[str | None]) -> None:
         """Per-microbatch values without examples that the ops run once read or `@main`
@@ -327,12 +360,16 @@ class _Splitter:
                 tensor = ir.RankedTensorType(value.type)
                 with ir.InsertionPoint.after(node.mlir_op), node.mlir_op.location:
                     if kind == LOCAL and not isinstance(tensor.element_type, ir.FloatType):
-                        raise SplitError(node.mlir_op, f"'{node.name}' computes a {tensor} from statistics of "
-                                                       "each microbatch for the update or a result: microbatches "
-                                                       "cannot average integers")
+                        raise SplitError(
+                            node.mlir_op,
+                            f"'{node.name}' computes a {tensor} from statistics of "
+                            "each microbatch for the update or a result: microbatches "
+                            "cannot average integers",
+                        )
                     if kind == LOCAL:
-                        share = stablehlo.ConstantOp(ir.DenseElementsAttr.get_splat(
-                            tensor, ir.FloatAttr.get(tensor.element_type, 1.0 / self.b)))
+                        share = stablehlo.ConstantOp(
+                            ir.DenseElementsAttr.get_splat(tensor, ir.FloatAttr.get(tensor.element_type, 1.0 / self.b))
+                        )
                         value = stablehlo.MulOp(value, share.result)
                         value.operation.attributes[KIND_ATTR] = ir.StringAttr.get(BATCH)
                         value = value.result
@@ -368,9 +405,12 @@ class _Splitter:
                 elif value_kind[vid] is None and _invariant(op, number):
                     replacement = op.operands[number]
                 else:
-                    raise SplitError(op, f"result {number} of '{op.name}' does not depend on the batch but is "
-                                         "computed by a loop or branch that runs per microbatch, and is read after "
-                                         "the sums over microbatches: hlopar cannot tell it from a sum")
+                    raise SplitError(
+                        op,
+                        f"result {number} of '{op.name}' does not depend on the batch but is "
+                        "computed by a loop or branch that runs per microbatch, and is read after "
+                        "the sums over microbatches: hlopar cannot tell it from a sum",
+                    )
                 for use in outside:
                     use.owner.operands[use.operand_number] = replacement
 
@@ -383,18 +423,24 @@ class _Splitter:
             except RolesError as error:
                 raise SplitError(self.main, str(error)) from None
             if not given:
-                raise SplitError(self.main, "no argument looks like a batch (every argument is training state, "
-                                            "a random key or a scalar); name them with batch-args=...")
+                raise SplitError(
+                    self.main,
+                    "no argument looks like a batch (every argument is training state, "
+                    "a random key or a scalar); name them with batch-args=...",
+                )
         names = FuncSignature.of(self.main)
         for i in given:
             if not 0 <= i < len(graph.args):
                 raise SplitError(self.main, f"batch argument {i} does not exist: @main has {len(graph.args)} arguments")
             if not shapes[i] or shapes[i][0] is None:
-                raise SplitError(self.main, f"batch {names.arg(i)} ({graph.values[graph.args[i]].type}) has no "
-                                            "static leading dim")
+                raise SplitError(
+                    self.main, f"batch {names.arg(i)} ({graph.values[graph.args[i]].type}) has no static leading dim"
+                )
             if shapes[i][0] % self.b:
-                raise SplitError(self.main, f"batch {names.arg(i)} has leading dim {shapes[i][0]}, not divisible by "
-                                            f"{self.b} microbatches")
+                raise SplitError(
+                    self.main,
+                    f"batch {names.arg(i)} has leading dim {shapes[i][0]}, not divisible by {self.b} microbatches",
+                )
         return tuple(sorted(set(given)))
 
     def _analysis_axis(self) -> int:
@@ -432,8 +478,9 @@ class _Splitter:
             rank = len(ir.RankedTensorType(t).shape) if isinstance(t, ir.RankedTensorType) else None
             entry = {}
             if rank is not None:
-                entry[_SDY_SHARDING] = _sharding(rank, 0 if i in self.batch_args else None,
-                                                 closed=i not in self.batch_args)
+                entry[_SDY_SHARDING] = _sharding(
+                    rank, 0 if i in self.batch_args else None, closed=i not in self.batch_args
+                )
             attrs.append(ir.DictAttr.get(entry))
         clone.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
         if "res_attrs" in clone.attributes:
@@ -443,8 +490,9 @@ class _Splitter:
                 for operand, result in zip(op.operands, op.results):
                     result.replace_all_uses_with(operand)
         try:
-            passmanager.PassManager.parse("builtin.module(sdy-add-data-flow-edges,sdy-aggressive-propagate,"
-                                          "func.func(sdy-sink-data-flow-edges))").run(clone_module)
+            passmanager.PassManager.parse(
+                "builtin.module(sdy-add-data-flow-edges,sdy-aggressive-propagate,func.func(sdy-sink-data-flow-edges))"
+            ).run(clone_module)
             passmanager.PassManager.parse("builtin.module(func.func(sdy-populate-op-sharding-rules))").run(clone_module)
         except ir.MLIRError as error:
             raise DiagnosticError.from_mlir_error(error) from None
@@ -480,8 +528,10 @@ class _Splitter:
     def _division(self, sharding: TensorSharding) -> tuple[int, ...] | None:
         if sharding.mesh_name != MESH:
             return None
-        div = tuple(math.prod(ref.sub[1] if ref.sub else self.axis for ref in axes if ref.name == AXIS)
-                    for axes in sharding.dim_axes)
+        div = tuple(
+            math.prod(ref.sub[1] if ref.sub else self.axis for ref in axes if ref.name == AXIS)
+            for axes in sharding.dim_axes
+        )
         return div if any(d > 1 for d in div) else None
 
     def divided(self, value: ir.Value) -> tuple[int, ...] | None:
@@ -500,10 +550,13 @@ class _Splitter:
             if name == "func.return":  # per-example results: concatenated along their batch dim
                 for number, div in enumerate(operands):
                     if div and (dim := concatenated_dim(div, self.b)) is None:
-                        raise SplitError(op, f"{FuncSignature.of(self.main).result(number)} of @main carries the "
-                                             f"batch spread over several dims {div}: the {self.b} microbatches' "
-                                             "values cannot be concatenated along one (return it with the batch "
-                                             "in one dim, or use microbatches=1)")
+                        raise SplitError(
+                            op,
+                            f"{FuncSignature.of(self.main).result(number)} of @main carries the "
+                            f"batch spread over several dims {div}: the {self.b} microbatches' "
+                            "values cannot be concatenated along one (return it with the batch "
+                            "in one dim, or use microbatches=1)",
+                        )
                     if div:
                         self.per_example_results[number] = dim
                 return
@@ -518,8 +571,9 @@ class _Splitter:
             return
         if name == "stablehlo.while":
             if operands != results:
-                raise SplitError(op, "'stablehlo.while' carries the batch in some values along other dims than its "
-                                     "inputs have it")
+                raise SplitError(
+                    op, "'stablehlo.while' carries the batch in some values along other dims than its inputs have it"
+                )
             return
         if name in ("stablehlo.case", "stablehlo.if") or not op.operands:
             return  # branches: their returns are checked against the results; constants: when resized
@@ -527,8 +581,9 @@ class _Splitter:
             self._per_microbatch_random(op)  # refused, or resized with a warning
             return
         if rule is None or rule.is_custom:
-            raise SplitError(op, f"'{name}' has no sharding rule: hlopar cannot tell whether it mixes the "
-                                 "examples of the batch")
+            raise SplitError(
+                op, f"'{name}' has no sharding rule: hlopar cannot tell whether it mixes the examples of the batch"
+            )
         factors: dict[int, set[int]] = {}
         tensors = [(d, m, "operand", k) for k, (d, m) in enumerate(zip(operands, rule.operands))]
         tensors += [(d, m, "result", k) for k, (d, m) in enumerate(zip(results, rule.results))]
@@ -536,22 +591,33 @@ class _Splitter:
             for dim, dim_factors in enumerate(mapping):
                 shares = _allocate(div[dim] if div else 1, [rule.factor_sizes[f] for f in dim_factors])
                 if shares is None:
-                    raise SplitError(op, f"'{name}' reshapes the batch dim of its {what} {number} in a way "
-                                         "microbatches cannot follow")
+                    raise SplitError(
+                        op,
+                        f"'{name}' reshapes the batch dim of its {what} {number} in a way microbatches cannot follow",
+                    )
                 for f, share in zip(dim_factors, shares):
                     factors.setdefault(f, set()).add(share)
-        moving = [f for f, shares in factors.items()
-                  if shares != {1} and (f in rule.need_replication or f in rule.permutation)]
+        moving = [
+            f
+            for f, shares in factors.items()
+            if shares != {1} and (f in rule.need_replication or f in rule.permutation)
+        ]
         if moving:
-            raise SplitError(op, f"'{name}' moves data along the batch dim (slices, pads, concatenates, sorts or "
-                                 "reverses it): examples of different microbatches would mix")
+            raise SplitError(
+                op,
+                f"'{name}' moves data along the batch dim (slices, pads, concatenates, sorts or "
+                "reverses it): examples of different microbatches would mix",
+            )
         reduced = False
         for f, shares in factors.items():
             if shares == {1}:
                 continue
             if len(shares) > 1:
-                raise SplitError(op, f"'{name}' combines values that carry the batch along a dim with values that "
-                                     "do not (a parameter or constant indexed by example?)")
+                raise SplitError(
+                    op,
+                    f"'{name}' combines values that carry the batch along a dim with values that "
+                    "do not (a parameter or constant indexed by example?)",
+                )
             if f in rule.reduction:
                 reduced = True
         if reduced:
@@ -593,8 +659,9 @@ class _Splitter:
         # A mean the loss is computed from is the loss's (its nonlinearity is the error), not a statistic.
         loss = self.loss_result if self.loss_result is not None else classify(self.graph).loss_result
         if loss is not None and 0 <= loss < len(self.graph.results):
-            before_loss = _ancestors(self.graph, self.graph.values[self.graph.results[loss]].producer,
-                                     first.per_example)
+            before_loss = _ancestors(
+                self.graph, self.graph.values[self.graph.results[loss]].producer, first.per_example
+            )
             means = [i for i in means if i not in before_loss]
         found = self._kind_pass(frozenset(means))
         if found.refusals:
@@ -608,11 +675,14 @@ class _Splitter:
             node = self.graph.ops[index]
             source = self.graph.values[statistic].producer
             where = _where(self.graph.ops[source].mlir_op) if source is not None else "an argument"
-            error = SplitError(node.mlir_op, f"'{node.name}' uses a value computed from the whole batch (at {where}) "
-                                             "per example: a batch statistic that is not a mean over the batch (means "
-                                             "are taken per microbatch, as GPipe does), or the backward of a loss that "
-                                             "is not a sum or mean over the batch, cannot be split into microbatches "
-                                             "(with microbatches=1 the step runs as written)")
+            error = SplitError(
+                node.mlir_op,
+                f"'{node.name}' uses a value computed from the whole batch (at {where}) "
+                "per example: a batch statistic that is not a mean over the batch (means "
+                "are taken per microbatch, as GPipe does), or the backward of a loss that "
+                "is not a sum or mean over the batch, cannot be split into microbatches "
+                "(with microbatches=1 the step runs as written)",
+            )
         return found.op_kinds, found.value_kind, error, means
 
     def _kind_pass(self, means: frozenset[int]) -> _KindPass:
@@ -630,10 +700,12 @@ class _Splitter:
                 for operand, result in zip(node.operands, node.results):
                     kind[result] = kind[operand]
                 if BATCH in read_kinds and STEP in read_kinds:
-                    raise SplitError(op, f"'{node.name}' holds per-example values together with values computed "
-                                         "once per step from the whole batch")
-                found.op_kinds.append(next((k for k in (BATCH, LOCAL, LOCAL_SUM, SUM, STEP) if k in read_kinds),
-                                           None))
+                    raise SplitError(
+                        op,
+                        f"'{node.name}' holds per-example values together with values computed "
+                        "once per step from the whole batch",
+                    )
+                found.op_kinds.append(next((k for k in (BATCH, LOCAL, LOCAL_SUM, SUM, STEP) if k in read_kinds), None))
                 if BATCH in read_kinds:
                     found.per_example.add(index)
                 continue
@@ -658,8 +730,11 @@ class _Splitter:
             summed = [kind[v] in (SUM, LOCAL_SUM) for v in node.operands]
             if index in means:
                 result = LOCAL
-            elif read_kinds & {LOCAL, LOCAL_SUM} and any(summed) and _linear(
-                    node.name, op, [SUM if s else None for s in summed]):
+            elif (
+                read_kinds & {LOCAL, LOCAL_SUM}
+                and any(summed)
+                and _linear(node.name, op, [SUM if s else None for s in summed])
+            ):
                 result = LOCAL_SUM  # e.g. a gradient's sum times a statistic of the microbatch
             elif LOCAL in read_kinds:
                 found.statistics += [(index, v) for v in reads if kind[v] == STEP]
@@ -694,8 +769,9 @@ class _Splitter:
 
     # -- kinds inside loops and branches that read or carry the batch
 
-    def _control_flow_kinds(self, op: ir.Operation, known: dict[ir.Value, str | None],
-                            found: _KindPass) -> list[str | None]:
+    def _control_flow_kinds(
+        self, op: ir.Operation, known: dict[ir.Value, str | None], found: _KindPass
+    ) -> list[str | None]:
         """The kind of each result of a loop or branch run per microbatch, from the ops inside
         (`known`: the kinds of the values defined so far, the values it reads included; it
         gets those of the values inside). Such an op may carry the batch and accumulate sums
@@ -714,25 +790,36 @@ class _Splitter:
                     for arg, k in zip(block.arguments, state):
                         known[arg] = k
                 if self._block_kinds(cond, known, _KindPass())[0] not in (None, ZERO, BATCH):
-                    self._refuse(found, op, f"'{op.name}' runs a number of iterations chosen from sums over the "
-                                            "batch: each microbatch would run its own")
+                    self._refuse(
+                        found,
+                        op,
+                        f"'{op.name}' runs a number of iterations chosen from sums over the "
+                        "batch: each microbatch would run its own",
+                    )
                 joined = [_join(k, r) for k, r in zip(state, self._block_kinds(body, known, found))]
                 if joined == state:
                     break
                 state = joined
         else:  # stablehlo.case / stablehlo.if: the branch index (a scalar) must not depend on the batch
             if self._kind_in(op.operands[0], known) not in (None, ZERO):
-                self._refuse(found, op, f"'{op.name}' chooses its branch from a sum over the batch: each "
-                                        "microbatch would choose its own")
+                self._refuse(
+                    found,
+                    op,
+                    f"'{op.name}' chooses its branch from a sum over the batch: each microbatch would choose its own",
+                )
             branches = [self._block_kinds(region.blocks[0], known, found) for region in op.regions]
             state = [functools.reduce(_join, kinds) for kinds in zip(*branches)]
         kinds = [BATCH if self.divided(r) is not None else k for r, k in zip(op.results, state)]
         for number, k in enumerate(kinds):
             if k == STEP:
-                self._refuse(found, op, f"result {number} of '{op.name}' is a sum over the batch in some "
-                                        "iterations or branches and a value independent of it in others (a sum "
-                                        "written into a buffer that does not start at zeros?): its microbatches' "
-                                        "values would not add up to the whole batch's")
+                self._refuse(
+                    found,
+                    op,
+                    f"result {number} of '{op.name}' is a sum over the batch in some "
+                    "iterations or branches and a value independent of it in others (a sum "
+                    "written into a buffer that does not start at zeros?): its microbatches' "
+                    "values would not add up to the whole batch's",
+                )
         return kinds
 
     def _block_kinds(self, block: ir.Block, known: dict[ir.Value, str | None], found: _KindPass) -> list[str | None]:
@@ -756,23 +843,35 @@ class _Splitter:
         if any(carries) or BATCH in reads:
             summed = [v for v, k in zip(op.operands, reads) if k in (SUM, STEP)]
             if summed:
-                self._refuse(found, op, f"'{op.name}' uses a sum over the batch ({_origin(summed[0])}) per "
-                                        "example inside a loop or branch: a statistic of the batch used inside a "
-                                        "loop cannot be split into microbatches (with microbatches=1 the step runs "
-                                        "as written)")
+                self._refuse(
+                    found,
+                    op,
+                    f"'{op.name}' uses a sum over the batch ({_origin(summed[0])}) per "
+                    "example inside a loop or branch: a statistic of the batch used inside a "
+                    "loop cannot be split into microbatches (with microbatches=1 the step runs "
+                    "as written)",
+                )
             return [BATCH if c else SUM for c in carries]  # a sum over the batch: checked by _check_op
         if all(k in (None, ZERO) for k in reads):  # independent of the batch; zeros may start a sum
             return [ZERO if _is_zero(r) else None for r in op.results]
         if {LOCAL, LOCAL_SUM} & set(reads):
-            self._refuse(found, op, f"'{op.name}' computes a value without examples from statistics of the "
-                                    "microbatch inside a loop or branch: not supported")
+            self._refuse(
+                found,
+                op,
+                f"'{op.name}' computes a value without examples from statistics of the "
+                "microbatch inside a loop or branch: not supported",
+            )
         elif STEP not in reads and _linear(op.name, op, reads):
             return [SUM] * len(op.results)
         elif STEP not in reads:
-            self._refuse(found, op, f"'{op.name}' is not linear in the sums over the batch it reads, inside a loop "
-                                    "or branch that runs once per microbatch: only sums can be accumulated over "
-                                    "microbatches (a sum added to or written into a value that is not zero, or an "
-                                    "update or a statistic computed inside the loop?)")
+            self._refuse(
+                found,
+                op,
+                f"'{op.name}' is not linear in the sums over the batch it reads, inside a loop "
+                "or branch that runs once per microbatch: only sums can be accumulated over "
+                "microbatches (a sum added to or written into a value that is not zero, or an "
+                "update or a statistic computed inside the loop?)",
+            )
         return [STEP] * len(op.results)
 
     def _kind_in(self, value: ir.Value, known: dict[ir.Value, str | None]) -> str | None:
@@ -795,25 +894,33 @@ class _Splitter:
         if self.b == 1:
             return loss
         if loss is None:
-            raise SplitError(self.main, "no loss found: @main does not look like a training step "
-                                        "(give loss-result=N)")
+            raise SplitError(self.main, "no loss found: @main does not look like a training step (give loss-result=N)")
         value = graph.results[loss]
         if kind[value] == LOCAL:
-            raise SplitError(self.main, f"the loss ({FuncSignature.of(self.main).result(loss)}) is computed from a "
-                                        "statistic of the batch other "
-                                        "than through per-example values: with microbatches its microbatches' "
-                                        "values would not add up to it")
+            raise SplitError(
+                self.main,
+                f"the loss ({FuncSignature.of(self.main).result(loss)}) is computed from a "
+                "statistic of the batch other "
+                "than through per-example values: with microbatches its microbatches' "
+                "values would not add up to it",
+            )
         if kind[value] is None:
             names = FuncSignature.of(self.main)
-            raise SplitError(self.main, f"the loss ({names.result(loss)}) does not depend on the batch arguments "
-                                        f"({', '.join(names.arg(i) for i in self.batch_args)}); name them with "
-                                        "batch-args=...")
+            raise SplitError(
+                self.main,
+                f"the loss ({names.result(loss)}) does not depend on the batch arguments "
+                f"({', '.join(names.arg(i) for i in self.batch_args)}); name them with "
+                "batch-args=...",
+            )
         if kind[value] == STEP:
             culprit = self._first_nonlinear(value, kind)
-            raise SplitError(culprit, f"the loss (result {loss}) is not a sum or a mean over the batch: "
-                                      f"'{culprit.name}' is not linear in the sums over the batch it reads; between "
-                                      "the batch reductions and the loss only add, subtract, negate, and multiplying "
-                                      "or dividing by values independent of the batch may appear")
+            raise SplitError(
+                culprit,
+                f"the loss (result {loss}) is not a sum or a mean over the batch: "
+                f"'{culprit.name}' is not linear in the sums over the batch it reads; between "
+                "the batch reductions and the loss only add, subtract, negate, and multiplying "
+                "or dividing by values independent of the batch may appear",
+            )
         return loss
 
     def _first_nonlinear(self, value: int, kind: dict[int, str | None]) -> ir.Operation:
@@ -844,7 +951,8 @@ class _Splitter:
         block = self.main.regions[0].blocks[0]
         function_type = ir.FunctionType(ir.TypeAttr(self.main.attributes["function_type"]).value)
         self.main.attributes["function_type"] = ir.TypeAttr.get(
-            ir.FunctionType.get([a.type for a in block.arguments], list(function_type.results)))
+            ir.FunctionType.get([a.type for a in block.arguments], list(function_type.results))
+        )
         return count
 
     def _fix_attributes(self, op: ir.Operation) -> None:
@@ -856,8 +964,11 @@ class _Splitter:
         if name == "stablehlo.constant":
             attr = ir.DenseElementsAttr(op.attributes["value"])
             if not attr.is_splat:
-                raise SplitError(op, "a constant that is not a splat has the batch's shape: its rows would have "
-                                     "to be cut per microbatch")
+                raise SplitError(
+                    op,
+                    "a constant that is not a splat has the batch's shape: its rows would have "
+                    "to be cut per microbatch",
+                )
             new_type = _divided_type(op.results[0].type, results[0])
             op.attributes["value"] = ir.DenseElementsAttr.get_splat(new_type, attr.get_splat_value())
         elif name == "stablehlo.iota":
@@ -887,8 +998,10 @@ class _Splitter:
         for d, factor in enumerate(div):
             if factor > 1:
                 if (start[d], limit[d], strides[d]) != (0, shape[d], 1):
-                    raise SplitError(op, f"'{op.name}' takes part of the batch dim ([{start[d]}:{limit[d]}:"
-                                         f"{strides[d]}] of {shape[d]})")
+                    raise SplitError(
+                        op,
+                        f"'{op.name}' takes part of the batch dim ([{start[d]}:{limit[d]}:{strides[d]}] of {shape[d]})",
+                    )
                 limit[d] = shape[d] // factor
         op.attributes[keys[1]] = ir.DenseI64ArrayAttr.get(limit)
 
@@ -900,8 +1013,9 @@ class _Splitter:
                 if sizes[d] == shape[d]:
                     sizes[d] = shape[d] // factor
                 elif not (allow_one and sizes[d] == 1):
-                    raise SplitError(op, f"'{op.name}' takes a slice of size {sizes[d]} of the batch dim "
-                                         f"(size {shape[d]})")
+                    raise SplitError(
+                        op, f"'{op.name}' takes a slice of size {sizes[d]} of the batch dim (size {shape[d]})"
+                    )
         op.attributes[key] = ir.DenseI64ArrayAttr.get(sizes)
 
     def _check_window(self, op, div) -> None:
@@ -922,19 +1036,27 @@ class _Splitter:
         new_shape = [s // d for s, d in zip(ir.RankedTensorType(op.results[0].type).shape, div)]
         shape_type = ir.RankedTensorType(shape_value.type)
         with ir.InsertionPoint(op), op.location:
-            constant = stablehlo.ConstantOp(ir.DenseElementsAttr.get(
-                np.array(new_shape, dtype="int64"), type=shape_type.element_type,
-                shape=list(shape_type.shape)))
+            constant = stablehlo.ConstantOp(
+                ir.DenseElementsAttr.get(
+                    np.array(new_shape, dtype="int64"), type=shape_type.element_type, shape=list(shape_type.shape)
+                )
+            )
         op.operands[2] = constant.result
 
     def _per_microbatch_random(self, op) -> None:
         """A generator of the whole shape at once: a microbatch cannot draw the batch's rows of it."""
         if self.rng != "per-microbatch":
-            raise SplitError(op, f"'{op.name}' draws random numbers for the whole batch at once: a microbatch "
-                                 "cannot draw its rows of them; rng=per-microbatch accepts other random numbers "
-                                 "per microbatch (JAX's default threefry generator is split exactly)")
-        self.context.warn(op, f"hlopar-split-microbatches: '{op.name}' draws random numbers per microbatch "
-                              "(rng=per-microbatch): other numbers than the whole batch's")
+            raise SplitError(
+                op,
+                f"'{op.name}' draws random numbers for the whole batch at once: a microbatch "
+                "cannot draw its rows of them; rng=per-microbatch accepts other random numbers "
+                "per microbatch (JAX's default threefry generator is split exactly)",
+            )
+        self.context.warn(
+            op,
+            f"hlopar-split-microbatches: '{op.name}' draws random numbers per microbatch "
+            "(rng=per-microbatch): other numbers than the whole batch's",
+        )
 
 
 # --------------------------------------------------------------------------- the split
@@ -963,14 +1085,18 @@ def read_split(main: ir.Operation) -> tuple[int, tuple[int, ...]]:
     """(B, batch argument numbers) of a `@main` written by the pass."""
     if MICROBATCHES_ATTR not in main.attributes:
         raise ValueError("@main is not split into microbatches (run hlopar-split-microbatches)")
-    return (ir.IntegerAttr(main.attributes[MICROBATCHES_ATTR]).value,
-            tuple(ir.DenseI64ArrayAttr(main.attributes[BATCH_ARGS_ATTR])))
+    return (
+        ir.IntegerAttr(main.attributes[MICROBATCHES_ATTR]).value,
+        tuple(ir.DenseI64ArrayAttr(main.attributes[BATCH_ARGS_ATTR])),
+    )
 
 
 def op_kinds(graph: FuncGraph) -> list[str | None]:
     """`hlopar.microbatch` of every top-level op (None: independent of the batch)."""
-    return [ir.StringAttr(op.mlir_op.attributes[KIND_ATTR]).value if KIND_ATTR in op.mlir_op.attributes else None
-            for op in graph.ops]
+    return [
+        ir.StringAttr(op.mlir_op.attributes[KIND_ATTR]).value if KIND_ATTR in op.mlir_op.attributes else None
+        for op in graph.ops
+    ]
 
 
 def split_step(module: ir.Operation) -> SplitStep:
@@ -980,11 +1106,14 @@ def split_step(module: ir.Operation) -> SplitStep:
     b, batch_args = read_split(main)
     graph = FuncGraph.from_func(main)
     if not any(KIND_ATTR in op.mlir_op.attributes for op in graph.ops):
-        raise ValueError("@main carries no 'hlopar.microbatch' kinds: it is not the one-microbatch program "
-                         "hlopar-split-microbatches writes (a module in the functions form is run as it is)")
+        raise ValueError(
+            "@main carries no 'hlopar.microbatch' kinds: it is not the one-microbatch program "
+            "hlopar-split-microbatches writes (a module in the functions form is run as it is)"
+        )
     kinds = op_kinds(graph)
     preds = [graph.predecessors(i) for i in range(len(graph.ops))]
     per_microbatch: set[int] = set()
+
     def reduces_the_batch(i: int) -> bool:
         return kinds[i] == SUM and any(_kind_of(graph, kinds, v, batch_args) == BATCH for v in graph.reads(i))
 
@@ -1026,15 +1155,22 @@ def split_step(module: ir.Operation) -> SplitStep:
     update_args = tuple(i for i, a in enumerate(graph.args) if a in update_reads and i not in batch_args)
     if any(arg_number.get(v) in batch_args for v in update_reads if v in arg_number):
         raise ValueError("a batch argument is read after the sums")
-    microbatch = extract_function(graph, micro_ops, inputs=[graph.args[i] for i in micro_args], outputs=order,
-                                  name="main")
-    update = extract_function(graph, sorted(needed), inputs=[graph.args[i] for i in update_args] + order,
-                              outputs=list(graph.results), name="main")
+    microbatch = extract_function(
+        graph, micro_ops, inputs=[graph.args[i] for i in micro_args], outputs=order, name="main"
+    )
+    update = extract_function(
+        graph,
+        sorted(needed),
+        inputs=[graph.args[i] for i in update_args] + order,
+        outputs=list(graph.results),
+        name="main",
+    )
     for extraction in (microbatch, update):
         _strip_split_attrs(extraction.func)
     shapes = tuple(tuple(graph.values[a].shape) for a in graph.args)
-    return SplitStep(b, batch_args, microbatch, update, micro_args, update_args, len(graph.args), shapes,
-                     read_index_arg(main))
+    return SplitStep(
+        b, batch_args, microbatch, update, micro_args, update_args, len(graph.args), shapes, read_index_arg(main)
+    )
 
 
 def write_functions(module: ir.Operation) -> None:
@@ -1072,10 +1208,12 @@ def write_functions(module: ir.Operation) -> None:
             driver.operation.attributes[key] = main.attributes[key]
     if split.index_arg is not None and "arg_attrs" in main.attributes:
         driver.operation.attributes["arg_attrs"] = ir.ArrayAttr.get(
-            list(ir.ArrayAttr(main.attributes["arg_attrs"]))[:split.index_arg])
+            list(ir.ArrayAttr(main.attributes["arg_attrs"]))[: split.index_arg]
+        )
     driver.operation.attributes[MICROBATCHES_ATTR] = main.attributes[MICROBATCHES_ATTR]
     driver.operation.attributes[BATCH_ARGS_ATTR] = ir.DenseI64ArrayAttr.get(
-        [i for i in split.batch_args if i != split.index_arg])
+        [i for i in split.batch_args if i != split.index_arg]
+    )
     entry = driver.add_entry_block()
     micro_type = ir.FunctionType(ir.TypeAttr(funcs["microbatch_step"].attributes["function_type"]).value)
     with ir.InsertionPoint(entry):
@@ -1084,21 +1222,26 @@ def write_functions(module: ir.Operation) -> None:
             operands = []
             for i in split.microbatch_args:
                 if i == split.index_arg:
-                    operands.append(stablehlo.ConstantOp(ir.DenseElementsAttr.get(
-                        microbatch_index_values(split.microbatches)[k:k + 1])).result)
+                    operands.append(
+                        stablehlo.ConstantOp(
+                            ir.DenseElementsAttr.get(microbatch_index_values(split.microbatches)[k : k + 1])
+                        ).result
+                    )
                     continue
                 arg = entry.arguments[i]
                 if i in split.batch_args:
                     shape = ir.RankedTensorType(full_types[i]).shape
                     size = shape[0] // split.microbatches
-                    arg = stablehlo.SliceOp(arg, [k * size] + [0] * (len(shape) - 1),
-                                            [(k + 1) * size] + list(shape[1:]), [1] * len(shape)).result
+                    arg = stablehlo.SliceOp(
+                        arg, [k * size] + [0] * (len(shape) - 1), [(k + 1) * size] + list(shape[1:]), [1] * len(shape)
+                    ).result
                 operands.append(arg)
             call = func_dialect.CallOp(list(micro_type.results), "microbatch_step", operands)
             parts = list(call.results)
             totals = parts if totals is None else [stablehlo.AddOp(t, p).result for t, p in zip(totals, parts)]
-        call = func_dialect.CallOp(result_types, "apply_update",
-                                   [entry.arguments[i] for i in split.update_args] + list(totals or []))
+        call = func_dialect.CallOp(
+            result_types, "apply_update", [entry.arguments[i] for i in split.update_args] + list(totals or [])
+        )
         func_dialect.ReturnOp(list(call.results))
     main.erase()
 

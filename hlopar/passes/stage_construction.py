@@ -71,7 +71,9 @@ class PipelinePlan:
     microbatches: int
     total_latency: float
     t_max: float
-    stages: tuple[dict, ...]  # per stage: layers, submesh, logical shape, devices, latency, memory, remat (and its form)
+    stages: tuple[
+        dict, ...
+    ]  # per stage: layers, submesh, logical shape, devices, latency, memory, remat (and its form)
     runner_ups: tuple[dict, ...]
     candidates: tuple[dict, ...]  # per microbatch count tried: its best latency
 
@@ -83,23 +85,31 @@ class StageConstructionPass(ModulePass):
 
     num_hosts: int = option(1, "hosts in the cluster (N)", check=check_cluster_dimension)
     devices_per_host: int = option(8, "devices per host (M)", check=check_cluster_dimension)
-    microbatches: int | None = option(None, "microbatches per step, or auto (searched over divisors of the batch)",
-                                      parse=parse_count_or_auto)
-    schedule: Literal["1f1b", "eager-1f1b", "eager-1f1b-wd", "gpipe"] = option("1f1b", "pipeline schedule (sets the memory check of Eq. 5)")
-    memory_per_device: float | None = option(None, "bytes per device, e.g. 80GiB (default: the preset's)",
-                                             parse=parse_bytes, check=check_positive)
+    microbatches: int | None = option(
+        None, "microbatches per step, or auto (searched over divisors of the batch)", parse=parse_count_or_auto
+    )
+    schedule: Literal["1f1b", "eager-1f1b", "eager-1f1b-wd", "gpipe"] = option(
+        "1f1b", "pipeline schedule (sets the memory check of Eq. 5)"
+    )
+    memory_per_device: float | None = option(
+        None, "bytes per device, e.g. 80GiB (default: the preset's)", parse=parse_bytes, check=check_positive
+    )
     preset: str = option("cpu", f"cluster preset for links, FLOP/s and memory ({', '.join(sorted(CLUSTER_PRESETS))})")
-    layers: int | None = option(None, "layers when the input is not clustered yet (auto: chosen)",
-                                parse=parse_count_or_auto)
+    layers: int | None = option(
+        None, "layers when the input is not clustered yet (auto: chosen)", parse=parse_count_or_auto
+    )
     time_limit: float = option(10.0, "solver time limit per layer ILP, seconds", check=check_seconds)
     workers: int | None = option(None, "processes solving layer ILPs (default: one per CPU core)", check=check_workers)
     epsilon: float = option(1e-6, "t_max step of the DP's enumeration, seconds (Alpa §5.2)")
     plan_shardings: bool = option(True, "plan each stage's intra-op shardings (false: stages replicated)")
-    stages: int | None = option(None, "exactly this many pipeline stages (default: the DP chooses)",
-                                check=lambda n: check_count(n, low=1))
+    stages: int | None = option(
+        None, "exactly this many pipeline stages (default: the DP chooses)", check=lambda n: check_count(n, low=1)
+    )
     remat: Literal["auto", "always", "never", "layers"] = option(
-        "auto", "rematerialize stages: auto (where it pays, per stage or per layer), always (every stage that "
-                "stashes activations, per stage), layers (likewise, per layer), never")
+        "auto",
+        "rematerialize stages: auto (where it pays, per stage or per layer), always (every stage that "
+        "stashes activations, per stage), layers (likewise, per layer), never",
+    )
     report: str | None = report_option("write a JSON report of the plan to this path")
 
     def check_options(self) -> None:
@@ -112,13 +122,18 @@ class StageConstructionPass(ModulePass):
             self.fail(func, f"the module has no @main (its one public function is @{name})")
         signature = FuncSignature.of(func)
         function_type = ir.FunctionType(ir.TypeAttr(func.attributes["function_type"]).value)
-        for kind, types, names in (("argument", function_type.inputs, signature.arg_names),
-                                   ("result", function_type.results, signature.result_names)):
+        for kind, types, names in (
+            ("argument", function_type.inputs, signature.arg_names),
+            ("result", function_type.results, signature.result_names),
+        ):
             for k, t in enumerate(types):
                 if not _is_ranked_tensor(t):
                     called = f" ({names[k]})" if names[k] else ""
-                    self.fail(func, f"{kind} {k}{called} of @main has type {t}, not a ranked tensor: pipeline stages "
-                                    f"pass tensors (jax.jit lowers a Python scalar as tensor<i32>)")
+                    self.fail(
+                        func,
+                        f"{kind} {k}{called} of @main has type {t}, not a ranked tensor: pipeline stages "
+                        f"pass tensors (jax.jit lowers a Python scalar as tensor<i32>)",
+                    )
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
         funcs = planned_functions(module)
@@ -138,20 +153,32 @@ class StageConstructionPass(ModulePass):
             plan, stats = self.plan(module, func, graph, layering)
             timings.update(stats.pop("timings"))
             stage_of_op = _stage_of_ops(layering, plan)
-            meshes = [StageMesh(f"m{k}", AXIS_NAMES, tuple(s["logical_shape"]), tuple(s["devices"]),
-                                options=(("prefer_reduce_scatter", s["intra_op"] == WEIGHT_UPDATE_SHARDING),))
-                      for k, s in enumerate(plan.stages)]
+            meshes = [
+                StageMesh(
+                    f"m{k}",
+                    AXIS_NAMES,
+                    tuple(s["logical_shape"]),
+                    tuple(s["devices"]),
+                    options=(("prefer_reduce_scatter", s["intra_op"] == WEIGHT_UPDATE_SHARDING),),
+                )
+                for k, s in enumerate(plan.stages)
+            ]
             per_layer = {k for k, s in enumerate(plan.stages) if s["remat_form"] == LAYERS}
-            kept = [(op.mlir_op, layer) for op, layer, role, stage in  # constants: copied into every reader's fragment
-                    zip(graph.ops, layering.layers, layering.roles, stage_of_op)
-                    if stage in per_layer and role != "update" and op.operands]
+            kept = [
+                (op.mlir_op, layer)
+                for op, layer, role, stage in zip(  # constants: copied into every reader's fragment
+                    graph.ops, layering.layers, layering.roles, stage_of_op
+                )
+                if stage in per_layer and role != "update" and op.operands
+            ]
             strip_layering(func)
             i64 = ir.IntegerType.get_signless(64)
             for op, layer in kept:  # what hlopar-rematerialize's per-layer form follows
                 op.attributes[LAYER_ATTR] = ir.IntegerAttr.get(i64, layer)
             emit = time.perf_counter()
-            write_mpmd_program(module, stage_of_op, layering.roles, meshes,
-                               plan_shardings=self.plan_shardings, preset=self.preset)
+            write_mpmd_program(
+                module, stage_of_op, layering.roles, meshes, plan_shardings=self.plan_shardings, preset=self.preset
+            )
             mark_rematerialized(module, {k: s["remat_form"] for k, s in enumerate(plan.stages) if s["remat"]})
             timings["mpmd_program"] = time.perf_counter() - emit
         if self.report:
@@ -172,17 +199,28 @@ class StageConstructionPass(ModulePass):
 
         submeshes = submesh_shapes(self.num_hosts, self.devices_per_host)
         meshes, meshes_of_submesh, shapes = self._logical_meshes(submeshes)
-        layers = [graph.subgraph([op.index for op in graph.ops if layering.layers[op.index] == l], name=f"layer{l}")
-                  for l in range(layering.num_layers)]
+        layers = [
+            graph.subgraph([op.index for op in graph.ops if layering.layers[op.index] == l], name=f"layer{l}")
+            for l in range(layering.num_layers)
+        ]
 
         clock = time.perf_counter()
         new_state = {graph.results[r]: graph.args[a] for a, r in state_pairs(graph)}
-        donated = frozenset(graph.results[r] for a, r in FuncSignature.of(func).aliases
-                            if new_state.get(graph.results[r]) == graph.args[a])  # updated in place
-        table = plan_layers(layers, rules, layering.roles,
-                            [(mesh, option == WEIGHT_UPDATE_SHARDING) for mesh, option in meshes],
-                            time_limit=self.time_limit, workers=self.workers or os.cpu_count() or 1,
-                            new_state=new_state, donated=donated)
+        donated = frozenset(
+            graph.results[r]
+            for a, r in FuncSignature.of(func).aliases
+            if new_state.get(graph.results[r]) == graph.args[a]
+        )  # updated in place
+        table = plan_layers(
+            layers,
+            rules,
+            layering.roles,
+            [(mesh, option == WEIGHT_UPDATE_SHARDING) for mesh, option in meshes],
+            time_limit=self.time_limit,
+            workers=self.workers or os.cpu_count() or 1,
+            new_state=new_state,
+            donated=donated,
+        )
         plans, distinct = table.plans, table.solved
         timings["layer_ilps"] = time.perf_counter() - clock
 
@@ -194,13 +232,21 @@ class StageConstructionPass(ModulePass):
         best = None
         split = _split_into(func)
         if split is not None and self.microbatches not in (None, split):
-            self.fail(func, f"the program is already one of {split} microbatches (hlopar-split-microbatches); "
-                            f"microbatches={self.microbatches} contradicts it")
+            self.fail(
+                func,
+                f"the program is already one of {split} microbatches (hlopar-split-microbatches); "
+                f"microbatches={self.microbatches} contradicts it",
+            )
         for microbatches in [split] if split is not None else self._microbatch_candidates(graph):
             table_clock = time.perf_counter()
             table = span_table(
-                arrays, received, meshes_of_submesh, self._transfer_seconds, [s.size for s in submeshes],
-                microbatches=microbatches, per_microbatch=split is not None,
+                arrays,
+                received,
+                meshes_of_submesh,
+                self._transfer_seconds,
+                [s.size for s in submeshes],
+                microbatches=microbatches,
+                per_microbatch=split is not None,
                 in_flight=lambda s, b=microbatches: in_flight_microbatches(self.schedule, s, b),
                 memory_per_device=self._memory_per_device(),
                 max_stages=min(layering.num_layers, self.num_hosts * self.devices_per_host),
@@ -209,15 +255,27 @@ class StageConstructionPass(ModulePass):
             dp_clock = time.perf_counter()
             timings["span_costs"] += dp_clock - table_clock
             try:
-                result = stage_dp(table.latency, [s.size for s in submeshes], self.num_hosts * self.devices_per_host,
-                                  microbatches, epsilon=self.epsilon, num_stages=self.stages)
+                result = stage_dp(
+                    table.latency,
+                    [s.size for s in submeshes],
+                    self.num_hosts * self.devices_per_host,
+                    microbatches,
+                    epsilon=self.epsilon,
+                    num_stages=self.stages,
+                )
             except ValueError as error:
                 candidates.append({"microbatches": microbatches, "total_latency": None, "why": str(error)})
                 timings["stage_dp"] += time.perf_counter() - dp_clock
                 continue
             timings["stage_dp"] += time.perf_counter() - dp_clock
-            candidates.append({"microbatches": microbatches, "total_latency": result.total_latency,
-                               "t_max": result.t_max, "evaluated_t_max": result.evaluated_t_max})
+            candidates.append(
+                {
+                    "microbatches": microbatches,
+                    "total_latency": result.total_latency,
+                    "t_max": result.t_max,
+                    "evaluated_t_max": result.evaluated_t_max,
+                }
+            )
             if best is None or result.total_latency < best[1].total_latency:
                 best = (microbatches, result, table)
         if best is None:
@@ -227,37 +285,55 @@ class StageConstructionPass(ModulePass):
             why = "; ".join(f"{'B=' + ','.join(map(str, counts))}: {reason}" for reason, counts in reasons.items())
             self.fail(func, f"no pipeline fits the cluster: {why}")
         microbatches, result, table = best
-        devices = assign_devices([submeshes[stage.submesh_index] for stage in result.stages],
-                                 self.num_hosts, self.devices_per_host)
+        devices = assign_devices(
+            [submeshes[stage.submesh_index] for stage in result.stages], self.num_hosts, self.devices_per_host
+        )
         stages = []
         num_stages = len(result.stages)
         for k, (stage, ids) in enumerate(zip(result.stages, devices)):
             i, j, m, s = stage.start_layer, stage.end_layer, stage.submesh_index, num_stages - k
             g = int(table.mesh[i, j, m, s - 1])
-            stages.append({
-                "intra_op": meshes[g][1],
-                "stage": k,
-                "layers": [i, j],
-                "submesh": [submeshes[m].hosts, submeshes[m].devices],
-                "logical_shape": list(shapes[g]),
-                "devices": list(ids),
-                "latency": float(table.latency[i, j, m, s - 1]),
-                "memory_bytes": float(table.memory[i, j, m, s - 1]),
-                "update_memory_bytes": float(table.update_memory[i, j, m, s - 1]),
-                "remat": bool(table.remat[i, j, m, s - 1]),
-                "remat_form": (LAYERS if table.per_layer[i, j, m, s - 1] else STAGE) if table.remat[i, j, m, s - 1]
-                else None,
-            })
+            stages.append(
+                {
+                    "intra_op": meshes[g][1],
+                    "stage": k,
+                    "layers": [i, j],
+                    "submesh": [submeshes[m].hosts, submeshes[m].devices],
+                    "logical_shape": list(shapes[g]),
+                    "devices": list(ids),
+                    "latency": float(table.latency[i, j, m, s - 1]),
+                    "memory_bytes": float(table.memory[i, j, m, s - 1]),
+                    "update_memory_bytes": float(table.update_memory[i, j, m, s - 1]),
+                    "remat": bool(table.remat[i, j, m, s - 1]),
+                    "remat_form": (LAYERS if table.per_layer[i, j, m, s - 1] else STAGE)
+                    if table.remat[i, j, m, s - 1]
+                    else None,
+                }
+            )
         runner_ups = tuple(
-            {"total_latency": r.total_latency, "t_max": r.t_max,
-             "stages": [{"layers": [st.start_layer, st.end_layer],
-                         "submesh": [submeshes[st.submesh_index].hosts, submeshes[st.submesh_index].devices]}
-                        for st in r.stages]}
+            {
+                "total_latency": r.total_latency,
+                "t_max": r.t_max,
+                "stages": [
+                    {
+                        "layers": [st.start_layer, st.end_layer],
+                        "submesh": [submeshes[st.submesh_index].hosts, submeshes[st.submesh_index].devices],
+                    }
+                    for st in r.stages
+                ],
+            }
             for r in getattr(result, "runner_ups", ())
         )
-        plan = PipelinePlan(microbatches, result.total_latency, result.t_max, tuple(stages), runner_ups, tuple(candidates))
-        stats = {"timings": timings, "layer_ilps": distinct, "logical_meshes": len(meshes),
-                 "num_layers": layering.num_layers, "submeshes": [[s.hosts, s.devices] for s in submeshes]}
+        plan = PipelinePlan(
+            microbatches, result.total_latency, result.t_max, tuple(stages), runner_ups, tuple(candidates)
+        )
+        stats = {
+            "timings": timings,
+            "layer_ilps": distinct,
+            "logical_meshes": len(meshes),
+            "num_layers": layering.num_layers,
+            "submeshes": [[s.hosts, s.devices] for s in submeshes],
+        }
         return plan, stats
 
     def _logical_meshes(self, submeshes: tuple[Submesh, ...]):
@@ -272,8 +348,13 @@ class StageConstructionPass(ModulePass):
             mine = []
             for shape in logical_mesh_shapes(submesh):
                 try:
-                    mesh = logical_mesh(shape, AXIS_NAMES, preset=self.preset, devices_per_host=self.devices_per_host,
-                                        memory_budget=self.memory_per_device)
+                    mesh = logical_mesh(
+                        shape,
+                        AXIS_NAMES,
+                        preset=self.preset,
+                        devices_per_host=self.devices_per_host,
+                        memory_budget=self.memory_per_device,
+                    )
                 except ValueError as error:
                     self.fail(ir.Location.unknown(), str(error))
                 for option in INTRA_OP_OPTIONS if mesh.size > 1 else INTRA_OP_OPTIONS[:1]:
@@ -313,8 +394,12 @@ class StageConstructionPass(ModulePass):
         return {
             "pass": self.name,
             "options": self.pipeline_text(),
-            "cluster": {"num_hosts": self.num_hosts, "devices_per_host": self.devices_per_host, "preset": self.preset,
-                        "memory_per_device": self._memory_per_device()},
+            "cluster": {
+                "num_hosts": self.num_hosts,
+                "devices_per_host": self.devices_per_host,
+                "preset": self.preset,
+                "memory_per_device": self._memory_per_device(),
+            },
             "schedule": self.schedule,
             "microbatches": plan.microbatches,
             "predicted_step_seconds": plan.total_latency,
@@ -339,11 +424,16 @@ def mark_rematerialized(module: ir.Operation, stages: dict[int, str]) -> None:
     main = planned_functions(module)[0]
     for op in main.regions[0].blocks[0].operations:
         op = op.operation
-        if (op.name == "mpmd.fragment" and "stage_id" in op.attributes and fragment_role(op) == "backward"
-                and ir.IntegerAttr(op.attributes["stage_id"]).value in stages):
+        if (
+            op.name == "mpmd.fragment"
+            and "stage_id" in op.attributes
+            and fragment_role(op) == "backward"
+            and ir.IntegerAttr(op.attributes["stage_id"]).value in stages
+        ):
             form = stages[ir.IntegerAttr(op.attributes["stage_id"]).value]
-            op.attributes[REMAT_ATTR] = (ir.StringAttr.get(LAYERS, module.context) if form == LAYERS
-                                         else ir.UnitAttr.get(module.context))
+            op.attributes[REMAT_ATTR] = (
+                ir.StringAttr.get(LAYERS, module.context) if form == LAYERS else ir.UnitAttr.get(module.context)
+            )
 
 
 def _is_ranked_tensor(t: ir.Type) -> bool:
@@ -384,8 +474,9 @@ def _batch_size(graph: FuncGraph) -> int:
     return math.gcd(*(int(s) for s in sizes if s)) if any(sizes) else 1
 
 
-def _layer_arrays(graph: FuncGraph, layering: Layering, layers: list[FuncGraph], plans, meshes,
-                  preset) -> tuple[LayerArrays, np.ndarray]:
+def _layer_arrays(
+    graph: FuncGraph, layering: Layering, layers: list[FuncGraph], plans, meshes, preset
+) -> tuple[LayerArrays, np.ndarray]:
     """The per-layer arrays of `span_costs` and the bytes each layer reads from each other.
     Each layer's latencies gain the preset's per-kernel overheads (`ClusterPreset.op_seconds`):
     its forward and backward kernels' in the part paid per microbatch, its update kernels'

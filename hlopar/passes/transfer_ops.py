@@ -21,7 +21,11 @@ from hlopar.ir.diagnostics import DiagnosticError, error_at
 __all__ = ["CONTAINER", "OP_NAMES", "DecodedTransfer", "argument_sharding", "build_transfer_op", "read_transfer_op"]
 
 CONTAINER = "hlopar.cross_mesh_transfer"
-OP_NAMES = {"broadcast": "hlopar.broadcast", "send_recv": "hlopar.send_recv", "scatter_allgather": "hlopar.scatter_allgather"}
+OP_NAMES = {
+    "broadcast": "hlopar.broadcast",
+    "send_recv": "hlopar.send_recv",
+    "scatter_allgather": "hlopar.scatter_allgather",
+}
 _KINDS = {name: kind for kind, name in OP_NAMES.items()}
 
 
@@ -90,8 +94,14 @@ def read_transfer_op(container: ir.Operation, dtype_bytes: int) -> DecodedTransf
         predicted = ir.FloatAttr(attrs["predicted_time"]).value
         bound = ir.FloatAttr(attrs["lower_bound"]).value
     except (KeyError, ValueError) as error:
-        raise DiagnosticError([error_at(container, f"'{CONTAINER}' needs strategy, algorithm, predicted_time "
-                                                   f"and lower_bound attributes ({error})")]) from None
+        raise DiagnosticError(
+            [
+                error_at(
+                    container,
+                    f"'{CONTAINER}' needs strategy, algorithm, predicted_time and lower_bound attributes ({error})",
+                )
+            ]
+        ) from None
     ops = []
     blocks = list(container.regions[0].blocks) if len(container.regions) == 1 else []
     for slot, op in enumerate(op.operation for block in blocks for op in block.operations):
@@ -102,8 +112,9 @@ def read_transfer_op(container: ir.Operation, dtype_bytes: int) -> DecodedTransf
 def _read_unit_op(op: ir.Operation, slot: int, dtype_bytes: int) -> UnitOp:
     kind = _KINDS.get(op.name)
     if kind is None:
-        raise DiagnosticError([error_at(op, f"unexpected '{op.name}' in '{CONTAINER}' (expected one of "
-                                            f"{', '.join(sorted(_KINDS))})")])
+        raise DiagnosticError(
+            [error_at(op, f"unexpected '{op.name}' in '{CONTAINER}' (expected one of {', '.join(sorted(_KINDS))})")]
+        )
     attrs = op.attributes
     try:
         start = list(ir.DenseI64ArrayAttr(attrs["start"]))

@@ -61,19 +61,25 @@ __all__ = ["LAYER_ITERATION_ATTR", "LAYER_PIECES_ATTR", "LayerPieces", "UnstackL
 LAYER_PIECES_ATTR = "hlopar.layer_pieces"
 LAYER_ITERATION_ATTR = "hlopar.layer_iteration"
 
-ELEMENTWISE = frozenset(f"stablehlo.{name}" for name in (
-    "abs add and atan2 cbrt ceil clamp compare convert cosine divide exponential exponential_minus_one floor "
-    "imag is_finite log log_plus_one logistic maximum minimum multiply negate not or popcnt power real remainder "
-    "round_nearest_afz round_nearest_even rsqrt select shift_left shift_right_arithmetic shift_right_logical sign "
-    "sine sqrt subtract tan tanh xor").split()) | {"sdy.sharding_constraint"}
+ELEMENTWISE = frozenset(
+    f"stablehlo.{name}"
+    for name in (
+        "abs add and atan2 cbrt ceil clamp compare convert cosine divide exponential exponential_minus_one floor "
+        "imag is_finite log log_plus_one logistic maximum minimum multiply negate not or popcnt power real remainder "
+        "round_nearest_afz round_nearest_even rsqrt select shift_left shift_right_arithmetic shift_right_logical sign "
+        "sine sqrt subtract tan tanh xor"
+    ).split()
+) | {"sdy.sharding_constraint"}
 _COMBINING = frozenset({"stablehlo.add", "stablehlo.maximum", "stablehlo.minimum", "stablehlo.and", "stablehlo.or"})
 
 
 @dataclass
 class UnstackLayerScansPass(ModulePass):
     name = "hlopar-unstack-layer-scans"
-    summary = ("unroll scans over stacked layers and split their stacked parameters, state and results into one "
-               "piece per layer (so that stages can cut between layers)")
+    summary = (
+        "unroll scans over stacked layers and split their stacked parameters, state and results into one "
+        "piece per layer (so that stages can cut between layers)"
+    )
 
     max_layers: int = option(512, "unroll loops over at most this many layers")
     report: str | None = report_option("write a JSON report of the unrolled loops and split values to this path")
@@ -99,15 +105,19 @@ class UnstackLayerScansPass(ModulePass):
                 merge_repeated_reshapes(planned_functions(module)[0])
                 read_where_used(planned_functions(module)[0])
         if self.report:
-            report = {"pass": self.name, "seconds": time.perf_counter() - clock,
-                      "loops": [{"trips": s.trips, "stacked_operands": len(s.stacked)} for s in scans],
-                      "split_arguments": pieces.split_arguments if pieces else 0,
-                      "split_results": pieces.split_results if pieces else 0}
+            report = {
+                "pass": self.name,
+                "seconds": time.perf_counter() - clock,
+                "loops": [{"trips": s.trips, "stacked_operands": len(s.stacked)} for s in scans],
+                "split_arguments": pieces.split_arguments if pieces else 0,
+                "split_results": pieces.split_results if pieces else 0,
+            }
             write_output(self.report, json.dumps(report, indent=1))
 
 
-def unroll(op: ir.Operation, trips: int, masks: dict[tuple[ir.Value, int], ir.Value] | None = None,
-           loop: int = 0) -> None:
+def unroll(
+    op: ir.Operation, trips: int, masks: dict[tuple[ir.Value, int], ir.Value] | None = None, loop: int = 0
+) -> None:
     """Replaces a `while` that runs `trips` times by `trips` copies of its body.
 
     A value the loop carries unchanged and that is computed from constants alone (the causal
@@ -127,8 +137,11 @@ def unroll(op: ir.Operation, trips: int, masks: dict[tuple[ir.Value, int], ir.Va
     carried = list(loop_op.operands)
     ops = list(body.operations)
     returned = list(ops[-1].operands)
-    recomputed = [k for k, (arg, value) in enumerate(zip(body.arguments, carried))
-                  if returned[k] == arg and _from_constants(value) and not _is_constant(value)]
+    recomputed = [
+        k
+        for k, (arg, value) in enumerate(zip(body.arguments, carried))
+        if returned[k] == arg and _from_constants(value) and not _is_constant(value)
+    ]
     layer_read = _layer_read(body, trips)
     with ir.InsertionPoint(loop_op), loop_op.location:
         for iteration in range(trips):
@@ -141,7 +154,8 @@ def unroll(op: ir.Operation, trips: int, masks: dict[tuple[ir.Value, int], ir.Va
             layer = _constant_int(mapping[layer_read]) if layer_read is not None else None
             for number, clone in [(-1, op) for op in recomputes] + list(enumerate(clones)):
                 clone.attributes[LAYER_ITERATION_ATTR] = ir.DenseI64ArrayAttr.get(
-                    [loop, iteration, number, -1 if layer is None else layer])
+                    [loop, iteration, number, -1 if layer is None else layer]
+                )
             for k in recomputed if layer is not None else ():
                 copy, key = mapping[body.arguments[k]], (loop_op.operands[k], layer)
                 if key in masks:
@@ -160,8 +174,12 @@ def _layer_read(body: ir.Block, trips: int) -> ir.Value | None:
     """The index at which the loop body reads its layer's slice of a stacked operand."""
     for op in body.operations:
         op = op.operation
-        if (op.name == "stablehlo.dynamic_slice" and isinstance(op.operands[0].owner, ir.Block)
-                and (_shape(op.operands[0]) or [0])[0] == trips and _dense_ints(op, "slice_sizes")[0] == 1):
+        if (
+            op.name == "stablehlo.dynamic_slice"
+            and isinstance(op.operands[0].owner, ir.Block)
+            and (_shape(op.operands[0]) or [0])[0] == trips
+            and _dense_ints(op, "slice_sizes")[0] == 1
+        ):
             return op.operands[1]
     return None
 
@@ -178,8 +196,18 @@ def _folded(value: ir.Value) -> ir.Value:
 
 
 # Ops cheap to recompute where a layer reads their result, when they read only constants.
-_RECOMPUTABLE = frozenset({"stablehlo.iota", "stablehlo.broadcast_in_dim", "stablehlo.reshape",
-                           "stablehlo.transpose", "stablehlo.convert"}) | ELEMENTWISE
+_RECOMPUTABLE = (
+    frozenset(
+        {
+            "stablehlo.iota",
+            "stablehlo.broadcast_in_dim",
+            "stablehlo.reshape",
+            "stablehlo.transpose",
+            "stablehlo.convert",
+        }
+    )
+    | ELEMENTWISE
+)
 
 
 def _is_constant(value: ir.Value) -> bool:
@@ -323,8 +351,11 @@ def _adds_unit_dims(broadcast: ir.Operation) -> bool:
     """Whether a broadcast_in_dim keeps its operand's elements in order and only inserts dims of size 1."""
     dims = _dense_ints(broadcast, "broadcast_dimensions")
     source, result = _shape(broadcast.operands[0]), _shape(broadcast.results[0])
-    return (dims == sorted(dims) and int(np.prod(source)) == int(np.prod(result))
-            and all(result[d] == n for d, n in zip(dims, source)))
+    return (
+        dims == sorted(dims)
+        and int(np.prod(source)) == int(np.prod(result))
+        and all(result[d] == n for d, n in zip(dims, source))
+    )
 
 
 def _canonicalize(module: ir.Operation) -> None:
@@ -378,8 +409,10 @@ class LayerPieces:
 
     def split(self, arguments: Sequence) -> list:
         """`@main`'s arguments from the step's own."""
-        return [arguments[o] if p < 0 else arguments[o][p:p + r]
-                for o, p, r in zip(self.arg_origin, self.arg_piece, self.arg_rows)]
+        return [
+            arguments[o] if p < 0 else arguments[o][p : p + r]
+            for o, p, r in zip(self.arg_origin, self.arg_piece, self.arg_rows)
+        ]
 
     def join(self, results: Sequence, concatenate: Callable = np.concatenate) -> list:
         """The step's results from `@main`'s: the pieces of each split one concatenated in order."""
@@ -459,15 +492,25 @@ def _constant_int(value: ir.Value) -> int | None:
     if name == "stablehlo.compare":
         a, b = operands
         direction = str(op.attributes["comparison_direction"])
-        for key, result in (("LT", a < b), ("LE", a <= b), ("GT", a > b), ("GE", a >= b), ("EQ", a == b),
-                            ("NE", a != b)):
+        for key, result in (
+            ("LT", a < b),
+            ("LE", a <= b),
+            ("GT", a > b),
+            ("GE", a >= b),
+            ("EQ", a == b),
+            ("NE", a != b),
+        ):
             if key in direction:
                 return int(result)
         return None
     arithmetic = {
-        "stablehlo.add": lambda a, b: a + b, "stablehlo.subtract": lambda a, b: a - b,
-        "stablehlo.multiply": lambda a, b: a * b, "stablehlo.maximum": max, "stablehlo.minimum": min,
-        "stablehlo.negate": lambda a: -a, "stablehlo.select": lambda p, a, b: a if p else b,
+        "stablehlo.add": lambda a, b: a + b,
+        "stablehlo.subtract": lambda a, b: a - b,
+        "stablehlo.multiply": lambda a, b: a * b,
+        "stablehlo.maximum": max,
+        "stablehlo.minimum": min,
+        "stablehlo.negate": lambda a: -a,
+        "stablehlo.select": lambda p, a, b: a if p else b,
         "stablehlo.clamp": lambda lo, x, hi: min(max(x, lo), hi),
     }
     return arithmetic[name](*operands) if name in arithmetic else None
@@ -681,12 +724,14 @@ class _Splitter:
         arg_attrs = []
         for attrs, piece in zip(self._arg_attrs, self._arg_piece):
             arg_attrs.append(_realiased(attrs, piece, new_result))
-        main.attributes["function_type"] = ir.TypeAttr.get(ir.FunctionType.get(
-            [a.type for a in self.block.arguments], [v.type for v in ret.operands]))
+        main.attributes["function_type"] = ir.TypeAttr.get(
+            ir.FunctionType.get([a.type for a in self.block.arguments], [v.type for v in ret.operands])
+        )
         main.attributes["arg_attrs"] = ir.ArrayAttr.get(arg_attrs)
         main.attributes["res_attrs"] = ir.ArrayAttr.get(self._res_attrs)
-        main.attributes[LAYER_PIECES_ATTR] = LayerPieces(tuple(self._arg_origin), tuple(self._arg_piece),
-                                                         tuple(self._res_origin), tuple(self._res_piece)).attribute()
+        main.attributes[LAYER_PIECES_ATTR] = LayerPieces(
+            tuple(self._arg_origin), tuple(self._arg_piece), tuple(self._res_origin), tuple(self._res_piece)
+        ).attribute()
 
     def _attrs(self, key: str, count: int) -> list[ir.Attribute]:
         if key in self.main.attributes:
@@ -732,7 +777,7 @@ class _Splitter:
                 clone.operands[0] = base[layer]
                 clone.operands[2] = _zero_like(op.operands[2])
                 written = clone.results[0]
-            self.pieces[result] = base[:layer] + [written] + base[layer + 1:]
+            self.pieces[result] = base[:layer] + [written] + base[layer + 1 :]
             return
         if name == "stablehlo.constant":
             value = ir.DenseElementsAttr(op.attributes["value"])

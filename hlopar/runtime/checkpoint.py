@@ -49,8 +49,20 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["FORMAT", "VERSION", "CheckpointError", "PendingSave", "PeriodicSaves", "check_target", "load_part",
-           "part_arrays", "peek", "read_manifest", "save", "write_part"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "CheckpointError",
+    "PendingSave",
+    "PeriodicSaves",
+    "check_target",
+    "load_part",
+    "part_arrays",
+    "peek",
+    "read_manifest",
+    "save",
+    "write_part",
+]
 
 FORMAT = "hlopar-save"
 VERSION = 2  # 1: parts and manifest without checksums (before issue 25)
@@ -81,32 +93,48 @@ def check_target(target: Path, plan: str, overwrite: bool = False) -> None:
         return
     if not target.is_dir() or target.is_symlink():
         what = "is a symbolic link" if target.is_symlink() else "is a file"
-        raise CheckpointError(f"cannot save to {target}: it {what}, not a directory of an earlier save; not "
-                              "replaced (save(..., overwrite=True) replaces it)")
+        raise CheckpointError(
+            f"cannot save to {target}: it {what}, not a directory of an earlier save; not "
+            "replaced (save(..., overwrite=True) replaces it)"
+        )
     entries = sorted(p.name for p in target.iterdir())
     if not entries:
         return
     manifest = _json(target / MANIFEST) if MANIFEST in entries else None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         shown = ", ".join(entries[:5]) + (f" and {len(entries) - 5} more" if len(entries) > 5 else "")
-        raise CheckpointError(f"cannot save to {target}: it holds files that are not an hlopar save ({shown}); not "
-                              "replaced (save(..., overwrite=True) replaces the directory and all it holds)")
+        raise CheckpointError(
+            f"cannot save to {target}: it holds files that are not an hlopar save ({shown}); not "
+            "replaced (save(..., overwrite=True) replaces the directory and all it holds)"
+        )
     if manifest.get("plan") != plan:
-        raise CheckpointError(f"cannot save to {target}: it holds a save of another plan ({manifest.get('plan')}), "
-                              f"not this step's ({plan}); not replaced (save(..., overwrite=True) replaces it)")
+        raise CheckpointError(
+            f"cannot save to {target}: it holds a save of another plan ({manifest.get('plan')}), "
+            f"not this step's ({plan}); not replaced (save(..., overwrite=True) replaces it)"
+        )
     parts = {p.get("file") for p in (manifest.get("parts") or {}).values() if isinstance(p, dict)}
     if manifest.get("version") != VERSION:  # an earlier format: its parts by worker name
         parts = {f"{w}.npz" for w in manifest.get("workers") or {}}
     stray = [e for e in entries if e != MANIFEST and e not in parts]
     if stray:
-        raise CheckpointError(f"cannot save to {target}: besides an earlier save of this plan it holds other files "
-                              f"({', '.join(stray[:5])}); not replaced (save(..., overwrite=True) replaces the "
-                              "directory and all it holds)")
+        raise CheckpointError(
+            f"cannot save to {target}: besides an earlier save of this plan it holds other files "
+            f"({', '.join(stray[:5])}); not replaced (save(..., overwrite=True) replaces the "
+            "directory and all it holds)"
+        )
 
 
-def save(target: str | os.PathLike, *, plan: str, shapes: Shapes, step: int,
-         write: Callable[[Path, dict], Mapping], overwrite: bool = False, format: str = "npz",
-         keys: Sequence[str] = ()) -> Path:
+def save(
+    target: str | os.PathLike,
+    *,
+    plan: str,
+    shapes: Shapes,
+    step: int,
+    write: Callable[[Path, dict], Mapping],
+    overwrite: bool = False,
+    format: str = "npz",
+    keys: Sequence[str] = (),
+) -> Path:
     """Writes a save to `target` atomically (module docstring). `write(staging, record)`
     has the runtime write its parts into `staging` (each part's `record` given to
     `write_part`) and returns `{"results": {k: mesh}, "workers": {name: mesh}, "parts":
@@ -128,8 +156,16 @@ class PendingSave:
         self.target, self.staging, self.record = target, staging, record
 
     @classmethod
-    def begin(cls, target: str | os.PathLike, *, plan: str, step: int, overwrite: bool = False,
-              format: str = "npz", keys: Sequence[str] = ()) -> PendingSave:
+    def begin(
+        cls,
+        target: str | os.PathLike,
+        *,
+        plan: str,
+        step: int,
+        overwrite: bool = False,
+        format: str = "npz",
+        keys: Sequence[str] = (),
+    ) -> PendingSave:
         if format not in ("npz", "orbax"):
             raise ValueError(f"format must be 'npz' or 'orbax', got {format!r}")
         target = Path(target)
@@ -156,10 +192,12 @@ class PendingSave:
             self.abandon()
             cause = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
             lost = getattr(error, "workers_lost", False)
-            raise CheckpointError(f"cannot save to {self.target}: {cause}; nothing was written (the partial save is "
-                                  f"removed, {self.target} is as it was)" + (
-                                      "; the workers stopped, and their state with them" if lost else
-                                      ", and the workers keep the state"), workers_lost=lost) from error
+            raise CheckpointError(
+                f"cannot save to {self.target}: {cause}; nothing was written (the partial save is "
+                f"removed, {self.target} is as it was)"
+                + ("; the workers stopped, and their state with them" if lost else ", and the workers keep the state"),
+                workers_lost=lost,
+            ) from error
         except BaseException:
             self.abandon()
             raise
@@ -178,11 +216,16 @@ class PendingSave:
             parts = written["parts"]
             for name, part in parts.items():  # as each writer found it: checked again here
                 _check_part(staging / part["file"], part, recheck)
-            manifest = {"format": FORMAT, "version": VERSION, **self.record,
-                        "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                        "results": {str(k): mesh for k, mesh in written["results"].items()},
-                        "workers": dict(written["workers"]), "shapes": [[list(s), str(d)] for s, d in shapes],
-                        "parts": dict(parts)}
+            manifest = {
+                "format": FORMAT,
+                "version": VERSION,
+                **self.record,
+                "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "results": {str(k): mesh for k, mesh in written["results"].items()},
+                "workers": dict(written["workers"]),
+                "shapes": [[list(s), str(d)] for s, d in shapes],
+                "parts": dict(parts),
+            }
             with open(staging / MANIFEST, "w") as f:
                 f.write(json.dumps(manifest, indent=1) + "\n")
                 f.flush()
@@ -234,8 +277,10 @@ def write_part(directory: str | os.PathLike, name: str, arrays: Mapping[str, np.
         from hlopar.runtime.orbax_format import write_item
 
         if any("@" in k or "." in k for k in arrays):
-            raise CheckpointError("a mesh spanning hosts holds shards, which hlopar does not yet save in Orbax's "
-                                  "format (save(..., format='npz') does)")
+            raise CheckpointError(
+                "a mesh spanning hosts holds shards, which hlopar does not yet save in Orbax's "
+                "format (save(..., format='npz') does)"
+            )
         keys = record["keys"]
         write_item(directory, name, {keys[int(k[1:])]: a for k, a in arrays.items()})
         path = Path(directory) / name
@@ -277,8 +322,7 @@ def part_arrays(path: Path) -> dict[str, list]:
                 continue
             with archive.open(member) as f:
                 version = np.lib.format.read_magic(f)
-                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-                    np.lib.format.read_array_header_2_0
+                read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
                 shape, _, dtype = read(f)
             out[key] = [list(shape), str(dtype)]
     return out
@@ -309,8 +353,10 @@ def _check_part(path: Path, part: Mapping, recheck: bool = True) -> None:
         files = [path] if not path.is_dir() else [p for p in path.rglob("*") if p.is_file()]
         size, digest = sum(f.stat().st_size for f in files), part["sha256"]
     if size != part["size"] or digest != part["sha256"]:
-        raise CheckpointError(f"{path.name} changed after its worker wrote it ({size} bytes, SHA-256 "
-                              f"{digest[:12]}...; its worker wrote {part['size']} bytes, {part['sha256'][:12]}...)")
+        raise CheckpointError(
+            f"{path.name} changed after its worker wrote it ({size} bytes, SHA-256 "
+            f"{digest[:12]}...; its worker wrote {part['size']} bytes, {part['sha256'][:12]}...)"
+        )
 
 
 # --------------------------------------------------------------------------- reading
@@ -322,8 +368,9 @@ def read_manifest(directory: str | os.PathLike, *, plan: str, shapes: Shapes, wo
     directory = Path(directory)
 
     def bad(where: Path | str, what: str):
-        return CheckpointError(f"cannot restore from {directory}: {where}: {what}; nothing was restored (the live "
-                               "state is as it was)")
+        return CheckpointError(
+            f"cannot restore from {directory}: {where}: {what}; nothing was restored (the live state is as it was)"
+        )
 
     if not directory.is_dir():
         raise bad(directory, "no such directory" if not os.path.lexists(directory) else "not a directory")
@@ -337,8 +384,11 @@ def read_manifest(directory: str | os.PathLike, *, plan: str, shapes: Shapes, wo
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT and "plan" not in manifest:
         raise bad(path, "not an hlopar save's manifest")
     if manifest.get("version") != VERSION:
-        raise bad(path, f"written in save format version {manifest.get('version', 1)} (this hlopar reads "
-                        f"{VERSION}, whose parts carry checksums); save it again with this hlopar")
+        raise bad(
+            path,
+            f"written in save format version {manifest.get('version', 1)} (this hlopar reads "
+            f"{VERSION}, whose parts carry checksums); save it again with this hlopar",
+        )
     if manifest.get("plan") != plan:
         raise bad(path, f"saved from another plan ({manifest.get('plan')}), not this step's ({plan})")
     want = [[list(s), str(d)] for s, d in shapes]
@@ -355,14 +405,25 @@ def read_manifest(directory: str | os.PathLike, *, plan: str, shapes: Shapes, wo
         file = directory / str(part["file"])
         item = manifest.get("parts_format") == "orbax"
         if not (file.is_dir() if item else file.is_file()):
-            raise bad(file, "missing" if not os.path.lexists(file) else
-                      f"not {'a directory (an Orbax item)' if item else 'a file'}")
+            raise bad(
+                file,
+                "missing"
+                if not os.path.lexists(file)
+                else f"not {'a directory (an Orbax item)' if item else 'a file'}",
+            )
         size, digest = _digest(file)
         if size != part["size"] or digest != part["sha256"]:
-            raise bad(file, _stray(file, manifest) or (
-                f"empty (the manifest says {part['size']} bytes)" if size == 0 else
-                f"{size} bytes, the manifest says {part['size']} (truncated or overwritten)" if size != part["size"]
-                else "damaged: its SHA-256 is not the one the manifest records"))
+            raise bad(
+                file,
+                _stray(file, manifest)
+                or (
+                    f"empty (the manifest says {part['size']} bytes)"
+                    if size == 0
+                    else f"{size} bytes, the manifest says {part['size']} (truncated or overwritten)"
+                    if size != part["size"]
+                    else "damaged: its SHA-256 is not the one the manifest records"
+                ),
+            )
         try:
             found = part["arrays"] if item else part_arrays(file)  # an item's: as its checksum guards them
         except (OSError, ValueError, zipfile.BadZipFile) as error:
@@ -382,13 +443,11 @@ def _result_problem(found: Mapping[str, list], k: int, shape: list, dtype: str) 
     """What is wrong with result k in a part's arrays (whole, or a spanning mesh's shards), or None."""
     if f"r{k}" in found:
         got = found[f"r{k}"]
-        return None if got == [shape, dtype] else (f"result {k} is {got[1]}{got[0]}, the plan's is "
-                                                    f"{dtype}{shape}")
+        return None if got == [shape, dtype] else (f"result {k} is {got[1]}{got[0]}, the plan's is {dtype}{shape}")
     shards = [v for key, v in found.items() if key.startswith(f"r{k}@")]
     if f"r{k}.shape" not in found or not shards:
         return f"holds no result {k}"
-    wrong = [v for v in shards if v[1] != dtype or len(v[0]) != len(shape) or
-             any(n > m for n, m in zip(v[0], shape))]
+    wrong = [v for v in shards if v[1] != dtype or len(v[0]) != len(shape) or any(n > m for n, m in zip(v[0], shape))]
     return f"result {k}'s shards {wrong} do not fit the plan's {dtype}{shape}" if wrong else None
 
 
@@ -403,8 +462,10 @@ def _stray(file: Path, manifest: Mapping) -> str | None:
         pass
     if isinstance(record, dict) and record.get("save") != manifest.get("save"):
         where = "another plan's save" if record.get("plan") != manifest.get("plan") else "another save of this plan"
-        return (f"a part of {where} (step {record.get('step')}, save {str(record.get('save'))[:8]}), not of this "
-                f"one (step {manifest.get('step')}, save {str(manifest.get('save'))[:8]})")
+        return (
+            f"a part of {where} (step {record.get('step')}, save {str(record.get('save'))[:8]}), not of this "
+            f"one (step {manifest.get('step')}, save {str(manifest.get('save'))[:8]})"
+        )
     return None
 
 

@@ -105,10 +105,16 @@ def _zeros(types: tuple[tuple[tuple[int, ...], object], ...], layouts: tuple[Sha
     return list(_zeros_program(types, layouts)())
 
 
-def run_fragment(program: PipelineProgram, ex: DeviceExecutable, fragment: ProgramFragment, inputs: Sequence,
-                 m: int, sums: MutableMapping[int, jax.Array],
-                 store: MutableMapping[tuple[int, int | None], object],
-                 placements: Placements | None = None) -> list[jax.Array]:
+def run_fragment(
+    program: PipelineProgram,
+    ex: DeviceExecutable,
+    fragment: ProgramFragment,
+    inputs: Sequence,
+    m: int,
+    sums: MutableMapping[int, jax.Array],
+    store: MutableMapping[tuple[int, int | None], object],
+    placements: Placements | None = None,
+) -> list[jax.Array]:
     """Runs `ex` (the executable of `program`'s `fragment`) on `inputs` (its operands, as
     read for microbatch `m`), updating `sums` (value -> running sum) and `store` ((value,
     microbatch or None) -> array). `placements`: the step's (module docstring; default:
@@ -133,15 +139,16 @@ def run_fragment(program: PipelineProgram, ex: DeviceExecutable, fragment: Progr
     return outputs
 
 
-def free_stash(program: PipelineProgram, store: MutableMapping[tuple[int, int | None], object], mesh: str,
-               buffer: str) -> None:
+def free_stash(
+    program: PipelineProgram, store: MutableMapping[tuple[int, int | None], object], mesh: str, buffer: str
+) -> None:
     """Drops what a FREE of `buffer` says is dead on `mesh`: at a stash's FREE (after the
     stage's last task of the microbatch, so what B hands to W too), the microbatch's values
     of this mesh that no update reads; other buffers free nothing here."""
     if not buffer.startswith("stash."):
         return
     m = int(buffer.split(".")[1])
-    for (v, mb) in list(store):
+    for v, mb in list(store):
         value = program.values[v]
         if mb == m and value.mesh == mesh and value.per_microbatch and v not in program.needed_once:
             del store[(v, mb)]

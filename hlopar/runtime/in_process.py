@@ -43,8 +43,9 @@ from hlopar.runtime.step_arguments import check_batch, step_arguments
 __all__ = ["InProcessRuntime", "in_process_devices"]
 
 
-def in_process_devices(program: PipelineProgram, device_kind: str, *, one_host: bool,
-                       pieces: bool) -> tuple[list[jax.Device] | None, str]:
+def in_process_devices(
+    program: PipelineProgram, device_kind: str, *, one_host: bool, pieces: bool
+) -> tuple[list[jax.Device] | None, str]:
     """The devices of this process that would run `program` in it (module docstring), or
     None and why not."""
     from hlopar.codegen.one_program import fuses
@@ -61,8 +62,9 @@ def in_process_devices(program: PipelineProgram, device_kind: str, *, one_host: 
         local = []
     ids = program.devices[program.meshes[0]]
     if max(ids) >= len(local):
-        return None, (f"this process's jax sees {len(local)} {device_kind} device(s), the plan's mesh needs "
-                      f"{max(ids) + 1}")
+        return None, (
+            f"this process's jax sees {len(local)} {device_kind} device(s), the plan's mesh needs {max(ids) + 1}"
+        )
     return [local[d] for d in ids], ""
 
 
@@ -71,8 +73,15 @@ class InProcessRuntime:
     asks of a runtime: `start`, `run`, `save`, `load`, `shutdown`, `alive`, `step_id`,
     `last_stats`."""
 
-    def __init__(self, program: PipelineProgram, devices: Sequence[jax.Device], *, log=None, phase=None,
-                 host_callbacks: Sequence = ()):
+    def __init__(
+        self,
+        program: PipelineProgram,
+        devices: Sequence[jax.Device],
+        *,
+        log=None,
+        phase=None,
+        host_callbacks: Sequence = (),
+    ):
         from hlopar.runtime.mesh_processes import worker_layout
 
         self.program = program
@@ -99,8 +108,10 @@ class InProcessRuntime:
         self.phase("compiling")
         clock = time.perf_counter()
         self.executable = compile_executable(one_program(self.program), self.devices, self.host_callbacks)
-        self.log(f"compiled the plan as one executable for {len(self.devices)} {self.devices[0].platform} "
-                 f"device(s) of this process in {time.perf_counter() - clock:.1f} s (no workers)")
+        self.log(
+            f"compiled the plan as one executable for {len(self.devices)} {self.devices[0].platform} "
+            f"device(s) of this process in {time.perf_counter() - clock:.1f} s (no workers)"
+        )
 
     def shutdown(self) -> None:
         self.executable = None
@@ -141,8 +152,11 @@ class InProcessRuntime:
         if not values or any(x.is_deleted() for x in values):
             raise CheckpointError("the step's results were donated or deleted: nothing whole to save")
         part = write_part(directory, self.name, {f"r{r}": np.asarray(x) for r, x in enumerate(values)}, record)
-        return {"results": {r: self.mesh for r in range(len(self.program.results))}, "workers": self.worker_meshes(),
-                "parts": {self.name: part}}
+        return {
+            "results": {r: self.mesh for r in range(len(self.program.results))},
+            "workers": self.worker_meshes(),
+            "parts": {self.name: part},
+        }
 
     def save_start(self, directory: str | Path, record: Mapping):
         """`save` in a thread (`parallelize(checkpoint_every=...)`): the host copies start
@@ -183,7 +197,8 @@ class InProcessRuntime:
 
         item = Path(directory) / self.name
         data = load_part(item if item.is_dir() else Path(directory) / f"{self.name}.npz", keys)
-        self.last = [jax.device_put(data[f"r{r}"], sharding)
-                     for r, sharding in enumerate(self.executable.output_shardings)]
+        self.last = [
+            jax.device_put(data[f"r{r}"], sharding) for r, sharding in enumerate(self.executable.output_shardings)
+        ]
         self.step_id += 1
         return self.last

@@ -36,7 +36,11 @@ from jaxlib.mlir import ir
 
 from hlopar.codegen.executables import DeviceExecutable, accumulating_module, compile_executable
 from hlopar.codegen.pipeline_program import (
-    UPDATE, PipelineProgram, ProgramFragment, ProgramTransfer, pipeline_program,
+    UPDATE,
+    PipelineProgram,
+    ProgramFragment,
+    ProgramTransfer,
+    pipeline_program,
 )
 from hlopar.codegen.schedules import FREE, RECV, RUN, SEND, PipelineStreams, get_schedule
 from hlopar.passes.base import PassContext
@@ -59,8 +63,7 @@ class MicrobatchedStep:
         self.split = split
         self.devices = list(devices or jax.devices()[:1])
         outputs = range(split.num_sums)
-        self.microbatch = compile_executable(accumulating_module(split.microbatch.module, list(outputs)),
-                                             self.devices)
+        self.microbatch = compile_executable(accumulating_module(split.microbatch.module, list(outputs)), self.devices)
         self.update = compile_executable(split.update.module, self.devices)
 
     @property
@@ -71,10 +74,17 @@ class MicrobatchedStep:
         split = self.split
         arguments = step_arguments(arguments, split.num_args, split.index_arg, split.microbatches)
         slices = _batch_slices(arguments, split.batch_args, split.argument_shapes, split.microbatches)
-        sums = [jax.device_put(np.zeros(shape, dtype), sharding) for (shape, dtype), sharding in
-                zip(self.microbatch.spmd.input_types[:split.num_sums], self.microbatch.input_shardings)]
-        fixed = {i: self.microbatch.place(split.num_sums + n, arguments[i])
-                 for n, i in enumerate(split.microbatch_args) if i not in split.batch_args}
+        sums = [
+            jax.device_put(np.zeros(shape, dtype), sharding)
+            for (shape, dtype), sharding in zip(
+                self.microbatch.spmd.input_types[: split.num_sums], self.microbatch.input_shardings
+            )
+        ]
+        fixed = {
+            i: self.microbatch.place(split.num_sums + n, arguments[i])
+            for n, i in enumerate(split.microbatch_args)
+            if i not in split.batch_args
+        }
         for k in range(split.microbatches):
             inputs = [slices[k][i] if i in split.batch_args else fixed[i] for i in split.microbatch_args]
             sums = self.microbatch.run(sums + inputs)
@@ -82,8 +92,12 @@ class MicrobatchedStep:
         return [np.asarray(r) for r in results]
 
 
-def run_microbatched(module: ir.Operation, arguments: Sequence, microbatches: int | None = None,
-                     devices: Sequence[jax.Device] | None = None) -> list[np.ndarray]:
+def run_microbatched(
+    module: ir.Operation,
+    arguments: Sequence,
+    microbatches: int | None = None,
+    devices: Sequence[jax.Device] | None = None,
+) -> list[np.ndarray]:
     """Runs a training step once over microbatches. `module` is either split already (by
     `hlopar-split-microbatches`) or a plain step, split here into `microbatches`."""
     return MicrobatchedStep(_split(module, microbatches), devices)(arguments)
@@ -109,10 +123,12 @@ def _batch_slices(arguments, batch_args, shapes, microbatches) -> list[dict[int,
         full = np.asarray(arguments[i])
         size = shapes[i][0]
         if full.shape[0] != size * microbatches or tuple(full.shape[1:]) != tuple(shapes[i][1:]):
-            raise ValueError(f"batch argument {i} has shape {full.shape}; {microbatches} microbatches of "
-                             f"{tuple(shapes[i])} make {(size * microbatches, *shapes[i][1:])}")
+            raise ValueError(
+                f"batch argument {i} has shape {full.shape}; {microbatches} microbatches of "
+                f"{tuple(shapes[i])} make {(size * microbatches, *shapes[i][1:])}"
+            )
         for k in range(microbatches):
-            slices[k][i] = full[k * size:(k + 1) * size]
+            slices[k][i] = full[k * size : (k + 1) * size]
     return slices
 
 
@@ -126,8 +142,12 @@ class PipelinedStep:
     (`codegen.pipeline_program.PipelineProgram`), or the module, read here (its backwards
     split into B and W when the schedule delays weight gradients)."""
 
-    def __init__(self, program: PipelineProgram | ir.Operation, schedule: str = "1f1b",
-                 devices: Mapping[int, jax.Device] | None = None):
+    def __init__(
+        self,
+        program: PipelineProgram | ir.Operation,
+        schedule: str = "1f1b",
+        devices: Mapping[int, jax.Device] | None = None,
+    ):
         if not isinstance(program, PipelineProgram):
             program = pipeline_program(program, split_backward=get_schedule(schedule).split_backward)
         self.program = program
@@ -238,8 +258,16 @@ class _Run:
 
     def run_fragment(self, fragment: ProgramFragment, m: int) -> None:
         inputs = [self.read(v, m, once=fragment.role == UPDATE) for v in fragment.operands]
-        run_fragment(self.program, self.step.executables[fragment.name], fragment, inputs, m, self.sums, self.store,
-                     self.placements)
+        run_fragment(
+            self.program,
+            self.step.executables[fragment.name],
+            fragment,
+            inputs,
+            m,
+            self.sums,
+            self.store,
+            self.placements,
+        )
 
     # the streams
 
@@ -285,7 +313,6 @@ class _Run:
         # ACCUMULATE: done inside the executables that make the sums; UPDATE: the update
         # fragments run after every stream (`updates`).
 
-
     def updates(self) -> None:
         last = self.program.microbatches - 1  # values that do not depend on the microbatch: the last one's
         for fragment in self.program.fragments:
@@ -293,8 +320,9 @@ class _Run:
                 self.run_fragment(fragment, last)
 
 
-def run_pipelined(module: ir.Operation, arguments: Sequence, schedule: str = "1f1b",
-                  devices: Mapping[int, jax.Device] | None = None) -> list[np.ndarray]:
+def run_pipelined(
+    module: ir.Operation, arguments: Sequence, schedule: str = "1f1b", devices: Mapping[int, jax.Device] | None = None
+) -> list[np.ndarray]:
     """Compiles and runs a pipelined split step once (see `PipelinedStep`)."""
     return PipelinedStep(module, schedule, devices)(arguments)
 

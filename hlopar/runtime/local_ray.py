@@ -105,9 +105,11 @@ class LocalRay:
                 return
         if self.stopping.is_set():
             return
-        self.lost = (f"the local Ray cluster of this process ended (its `ray start` exited with status "
-                     f"{self.process.returncode}: one of its processes, the raylet or the GCS, died; see "
-                     f"{self.directory / 'ray-start.log'} and {self.directory / 'session_latest' / 'logs'})")
+        self.lost = (
+            f"the local Ray cluster of this process ended (its `ray start` exited with status "
+            f"{self.process.returncode}: one of its processes, the raylet or the GCS, died; see "
+            f"{self.directory / 'ray-start.log'} and {self.directory / 'session_latest' / 'logs'})"
+        )
         if ray.is_initialized():
             ray.shutdown()  # else Ray's C++ code ends this process 60 s later
 
@@ -134,13 +136,32 @@ def start(num_cpus: int, timeout: float = 120.0) -> LocalRay:
     directory = Path(tempfile.mkdtemp(prefix="hlopar-ray-"))
     _authentication(os.environ)
     log = open(directory / "ray-start.log", "wb")
-    command = [sys.executable, "-c", _HEAD, str(os.getpid()), "start", "--head", "--block",
-               f"--temp-dir={directory}", "--port=0",
-               f"--num-cpus={num_cpus}", "--include-dashboard=false", "--disable-usage-stats"]  # GPUs: detected
+    command = [
+        sys.executable,
+        "-c",
+        _HEAD,
+        str(os.getpid()),
+        "start",
+        "--head",
+        "--block",
+        f"--temp-dir={directory}",
+        "--port=0",
+        f"--num-cpus={num_cpus}",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+    ]  # GPUs: detected
     with log:
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0",
-                                        "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0")})
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={
+                **os.environ,
+                "RAY_USAGE_STATS_ENABLED": "0",
+                "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0"),
+            },
+        )
     address_file = directory / "ray_current_cluster"
     deadline = time.monotonic() + timeout
     while not address_file.exists() or not address_file.read_text().strip():
@@ -184,8 +205,7 @@ def connect(address: str | None, num_cpus: int) -> LocalRay | None:
         address = local.address
     _connected[:] = [local] if local is not None else []
     _connections.append(address)
-    ray.init(address=address, log_to_driver=log_to_driver(), logging_level=logging.WARNING,
-             configure_logging=True)
+    ray.init(address=address, log_to_driver=log_to_driver(), logging_level=logging.WARNING, configure_logging=True)
     if local is not None:
         local.watch()
     return local

@@ -27,8 +27,16 @@ from hlopar.analysis.resharding.unit_tasks import Box, MeshLayout, box_contains,
 from hlopar.analysis.sharding import ShardingSpec, TensorSharding
 from hlopar.codegen.transfers import PlannedTransfer
 
-__all__ = ["TransferError", "assemble", "execute_ops", "execute_plan", "gather_shards", "local_devices",
-           "run_planned_transfer", "shard_array"]
+__all__ = [
+    "TransferError",
+    "assemble",
+    "execute_ops",
+    "execute_plan",
+    "gather_shards",
+    "local_devices",
+    "run_planned_transfer",
+    "shard_array",
+]
 
 
 class TransferError(RuntimeError):
@@ -39,7 +47,6 @@ def local_devices() -> dict[int, jax.Device]:
     return dict(enumerate(jax.devices()))
 
 
-
 def shard_array(
     array: np.ndarray, layout: MeshLayout, devices: Mapping[int, jax.Device] | None = None
 ) -> dict[int, jax.Array]:
@@ -47,8 +54,6 @@ def shard_array(
     devices = devices or local_devices()
     boxes = layout.device_boxes(array.shape)
     return {d: jax.device_put(array[box_slices(box)], devices[d]) for d, box in boxes.items()}
-
-
 
 
 def _split(box: Box, dim: int, parts: int) -> list[Box]:
@@ -94,8 +99,9 @@ def execute_ops(
     def read(device: int, box: Box, op: UnitOp) -> jax.Array:
         if device not in src_shards or not box_contains(src_boxes[device], box):
             raise TransferError(f"op of task {op.task}: device {device} does not hold box {list(box)}")
-        return jax.device_put(np.ascontiguousarray(np.asarray(src_shards[device])[box_slices(box, src_boxes[device])]),
-                              devices[device])
+        return jax.device_put(
+            np.ascontiguousarray(np.asarray(src_shards[device])[box_slices(box, src_boxes[device])]), devices[device]
+        )
 
     def move(data: jax.Array, device: int) -> jax.Array:
         return jax.device_put(np.asarray(data), devices[device])
@@ -153,8 +159,9 @@ def run_planned_transfer(
     together on the host, checking that the destination shards cover it and replicas agree."""
     devices = devices or local_devices()
     array = np.asarray(array).reshape(transfer.shape)
-    shards = execute_ops(transfer.ops, transfer.shape, transfer.src, transfer.dst,
-                         shard_array(array, transfer.src, devices), devices)
+    shards = execute_ops(
+        transfer.ops, transfer.shape, transfer.src, transfer.dst, shard_array(array, transfer.src, devices), devices
+    )
     pieces = {}
     for logical, index in all_device_slices(transfer.shape, transfer.dst.sharding, transfer.dst.mesh).items():
         device = transfer.dst.physical(logical)
@@ -162,15 +169,20 @@ def run_planned_transfer(
     return gather_shards(transfer.shape, array.dtype, pieces, TransferError)
 
 
-def gather_shards(shape: Sequence[int], dtype, pieces: Mapping[int, tuple[tuple[slice, ...], np.ndarray]],
-                  error: type[Exception] = TransferError) -> np.ndarray:
+def gather_shards(
+    shape: Sequence[int],
+    dtype,
+    pieces: Mapping[int, tuple[tuple[slice, ...], np.ndarray]],
+    error: type[Exception] = TransferError,
+) -> np.ndarray:
     """The global value from each destination device's (index, shard), raising `error` when
     two replicas of an element differ or an element is in no shard."""
     gathered = np.empty(tuple(shape), dtype)
     seen = np.zeros(tuple(shape), bool)
     for device, (index, shard) in pieces.items():
-        if seen[index].any() and not np.array_equal(gathered[index][seen[index]], shard[seen[index]],
-                                                     equal_nan=np.issubdtype(dtype, np.inexact)):
+        if seen[index].any() and not np.array_equal(
+            gathered[index][seen[index]], shard[seen[index]], equal_nan=np.issubdtype(dtype, np.inexact)
+        ):
             raise error(f"device {device} received a replica that differs from another's")
         gathered[index] = shard
         seen[index] = True
@@ -180,7 +192,9 @@ def gather_shards(shape: Sequence[int], dtype, pieces: Mapping[int, tuple[tuple[
 
 
 def assemble(
-    shards: Mapping[int, jax.Array], shape: Sequence[int], layout: MeshLayout,
+    shards: Mapping[int, jax.Array],
+    shape: Sequence[int],
+    layout: MeshLayout,
     devices: Mapping[int, jax.Device] | None = None,
 ) -> jax.Array:
     """The destination shards as one global `jax.Array` with the layout's `NamedSharding`.

@@ -22,8 +22,19 @@ import numpy as np
 from hlopar.analysis.resharding.unit_tasks import Box, box_of, box_slices
 from hlopar.runtime.local_transfer import gather_shards
 
-__all__ = ["Pieces", "WorkerLayout", "WorkerSlot", "coordinator_address", "gather_pieces", "host_value",
-           "join_mesh", "local_pieces", "mesh_devices", "routes", "worker_layout"]
+__all__ = [
+    "Pieces",
+    "WorkerLayout",
+    "WorkerSlot",
+    "coordinator_address",
+    "gather_pieces",
+    "host_value",
+    "join_mesh",
+    "local_pieces",
+    "mesh_devices",
+    "routes",
+    "worker_layout",
+]
 
 
 @dataclass(frozen=True)
@@ -78,8 +89,10 @@ def routes(plan, layout: WorkerLayout, src_mesh: str, dst_mesh: str) -> dict[tup
     them (or the whole array of an unplanned transfer), between two one-worker meshes."""
     if plan is None:
         if layout.spans(src_mesh) or layout.spans(dst_mesh):
-            raise ValueError(f"an unplanned transfer {src_mesh} -> {dst_mesh} between meshes spanning hosts "
-                             "(hlopar-cross-mesh-resharding plans every inter-mesh transfer)")
+            raise ValueError(
+                f"an unplanned transfer {src_mesh} -> {dst_mesh} between meshes spanning hosts "
+                "(hlopar-cross-mesh-resharding plans every inter-mesh transfer)"
+            )
         return {(src_mesh, dst_mesh): None}
     out: dict[tuple[str, str], list[int]] = {}
     for k, op in enumerate(plan.ops):
@@ -113,8 +126,9 @@ def join_mesh(coordinator: str, slot: WorkerSlot, processes: int, device_kind: s
 
     if device_kind == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator, num_processes=processes, process_id=slot.process,
-                               initialization_timeout=max(1, int(timeout)))
+    jax.distributed.initialize(
+        coordinator, num_processes=processes, process_id=slot.process, initialization_timeout=max(1, int(timeout))
+    )
 
 
 def mesh_devices(layout: WorkerLayout, mesh: str) -> dict[int, object]:
@@ -159,8 +173,11 @@ def local_pieces(value, replicas: bool = True) -> Pieces:
         return Pieces.whole(value)
     shape = tuple(value.shape)
     shards = [s for s in value.addressable_shards if replicas or s.replica_id == 0]
-    return Pieces(shape, tuple(box_of([slice(*i.indices(n)[:2]) for i, n in zip(s.index, shape)]) for s in shards),
-                  tuple(np.asarray(s.data) for s in shards))
+    return Pieces(
+        shape,
+        tuple(box_of([slice(*i.indices(n)[:2]) for i, n in zip(s.index, shape)]) for s in shards),
+        tuple(np.asarray(s.data) for s in shards),
+    )
 
 
 def host_value(value):

@@ -40,8 +40,9 @@ def _ocp():
     try:
         import orbax.checkpoint as ocp
     except ImportError as error:
-        raise ImportError("saves in Orbax's format need orbax-checkpoint: pip install 'hlopar[orbax]' "
-                          f"({error})") from None
+        raise ImportError(
+            f"saves in Orbax's format need orbax-checkpoint: pip install 'hlopar[orbax]' ({error})"
+        ) from None
     return ocp
 
 
@@ -54,8 +55,9 @@ def write_item(directory: str | os.PathLike, name: str, arrays: Mapping[str, np.
     ocp = _ocp()
     checkpointer = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
     try:
-        checkpointer.save(Path(directory) / name, args=ocp.args.PyTreeSave({k: np.asarray(v)
-                                                                           for k, v in arrays.items()}))
+        checkpointer.save(
+            Path(directory) / name, args=ocp.args.PyTreeSave({k: np.asarray(v) for k, v in arrays.items()})
+        )
     finally:
         checkpointer.close()
 
@@ -75,8 +77,14 @@ def is_orbax_checkpoint(path: Path) -> bool:
     return (path / "_CHECKPOINT_METADATA").is_file() or (path / "_METADATA").is_file()
 
 
-def restore_tree(path: Path, keys: Sequence[str], shapes: Sequence[tuple[Sequence[int], str]], *,
-                 target=None, items: Sequence[str] = ()) -> list:
+def restore_tree(
+    path: Path,
+    keys: Sequence[str],
+    shapes: Sequence[tuple[Sequence[int], str]],
+    *,
+    target=None,
+    items: Sequence[str] = (),
+) -> list:
     """The step's output leaves (in `keys` order, each its `keystr` path, of the given shapes
     and dtypes) from a checkpoint plain Orbax wrote of the output pytree (`target`: its
     abstract pytree, leaves restored as it places them) or from an hlopar Orbax save's
@@ -101,13 +109,17 @@ def restore_tree(path: Path, keys: Sequence[str], shapes: Sequence[tuple[Sequenc
         if key in flat:
             value = flat[key]
         else:
-            pieces = sorted((int(k[len(key) + 1:].split(":")[0]), v) for k, v in flat.items()
-                            if k.startswith(key + "[") and ":" in k[len(key):])
+            pieces = sorted(
+                (int(k[len(key) + 1 :].split(":")[0]), v)
+                for k, v in flat.items()
+                if k.startswith(key + "[") and ":" in k[len(key) :]
+            )
             if not pieces:
                 raise ValueError(f"{path} holds no leaf {key}")
             value = np.concatenate([v for _, v in pieces])
         if list(value.shape) != list(shape) or str(value.dtype) != str(dtype):
-            raise ValueError(f"{path}: leaf {key} is {value.dtype}{list(value.shape)}, the step's is "
-                             f"{dtype}{list(shape)}")
+            raise ValueError(
+                f"{path}: leaf {key} is {value.dtype}{list(value.shape)}, the step's is {dtype}{list(shape)}"
+            )
         out.append(value)
     return out

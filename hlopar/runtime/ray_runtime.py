@@ -68,15 +68,34 @@ from hlopar.codegen.pipeline_program import UPDATE, PipelineProgram, ProgramFrag
 from hlopar.codegen.schedules import FREE, RECV, RUN, SEND, PipelineStreams
 from hlopar.codegen.schedules.instructions import MeshStream
 from hlopar.codegen.schedules.timeline import COMPUTE, KINDS, SEND_LANE, Span, Timeline
-from hlopar.runtime.mesh_processes import (Pieces, WorkerLayout, coordinator_address, gather_pieces, host_value,
-                                           join_mesh, local_pieces, mesh_devices, routes, worker_layout)
+from hlopar.runtime.mesh_processes import (
+    Pieces,
+    WorkerLayout,
+    coordinator_address,
+    gather_pieces,
+    host_value,
+    join_mesh,
+    local_pieces,
+    mesh_devices,
+    routes,
+    worker_layout,
+)
 from hlopar.runtime.fragment_calls import Placements, free_stash, run_fragment
 from hlopar.runtime.host_devices import host_device_environment
 from hlopar.runtime.step_arguments import check_batch, step_arguments
 from hlopar.runtime.transports import Mailbox, TransportError, pack, transport_for, unpack, unpack_shards
 
-__all__ = ["WORKER_CPUS", "MeshWorker", "Placement", "RayRuntime", "WorkerError", "WorkerProgram", "placement_of",
-           "unplaceable", "worker_programs"]
+__all__ = [
+    "WORKER_CPUS",
+    "MeshWorker",
+    "Placement",
+    "RayRuntime",
+    "WorkerError",
+    "WorkerProgram",
+    "placement_of",
+    "unplaceable",
+    "worker_programs",
+]
 
 
 class WorkerError(RuntimeError):
@@ -112,8 +131,9 @@ def _argument_origin(program: PipelineProgram, v: int) -> int | None:
     return values[v].argument
 
 
-def worker_programs(program: PipelineProgram, streams: PipelineStreams,
-                    layout: WorkerLayout | None = None) -> dict[str, WorkerProgram]:
+def worker_programs(
+    program: PipelineProgram, streams: PipelineStreams, layout: WorkerLayout | None = None
+) -> dict[str, WorkerProgram]:
     """Per mesh, its `WorkerProgram` (`layout` default: one worker per mesh)."""
     from hlopar.codegen.one_program import one_program
     from hlopar.ir.module import print_module
@@ -129,10 +149,17 @@ def worker_programs(program: PipelineProgram, streams: PipelineStreams,
         reads += [program.results[r] for r in results]
         arguments = sorted({a for a in (_argument_origin(program, v) for v in reads) if a is not None})
         stream = by_mesh.get(mesh, MeshStream(mesh, -1, ()))
-        out[mesh] = WorkerProgram(mesh, tuple(program.devices[mesh]), bare,
-                                  {} if whole else {f.name: f.text for f in program.fragments if f.mesh == mesh},
-                                  stream, tuple(arguments), results, layout,
-                                  print_module(whole) if whole else None)
+        out[mesh] = WorkerProgram(
+            mesh,
+            tuple(program.devices[mesh]),
+            bare,
+            {} if whole else {f.name: f.text for f in program.fragments if f.mesh == mesh},
+            stream,
+            tuple(arguments),
+            results,
+            layout,
+            print_module(whole) if whole else None,
+        )
     stray = [r for r, v in enumerate(program.results) if program.values[v].mesh not in out]
     if stray:
         raise ValueError(f"results {stray} live on no mesh of the program")
@@ -181,11 +208,15 @@ class Placement:
         """The request in the user's terms: per host, its bundle and workers."""
         rows = []
         for host, bundle in zip(self.hosts, self.bundles()):
-            names = [f"{n} ({len(s.devices)} {self.device_kind} devices)" for n, s in self.workers.slots.items()
-                     if s.host == host]
+            names = [
+                f"{n} ({len(s.devices)} {self.device_kind} devices)"
+                for n, s in self.workers.slots.items()
+                if s.host == host
+            ]
             rows.append(f"host {host}: {_resources(bundle)} for {', '.join(names)}")
-        return "; ".join(rows) + (" (PACK: on any nodes)" if self.local else
-                                  f" (STRICT_SPREAD: {len(rows)} distinct nodes, one per host)")
+        return "; ".join(rows) + (
+            " (PACK: on any nodes)" if self.local else f" (STRICT_SPREAD: {len(rows)} distinct nodes, one per host)"
+        )
 
 
 def placement_of(program: PipelineProgram, devices_per_host: int, *, local: bool, device_kind: str) -> Placement:
@@ -197,8 +228,9 @@ def _fits(bundle: Mapping[str, float], node: Mapping[str, float]) -> bool:
     return all(amount <= node.get(resource, 0.0) + 1e-9 for resource, amount in bundle.items())
 
 
-def unplaceable(bundles: Sequence[Mapping[str, float]], strategy: str,
-                nodes: Sequence[Mapping[str, float]]) -> str | None:
+def unplaceable(
+    bundles: Sequence[Mapping[str, float]], strategy: str, nodes: Sequence[Mapping[str, float]]
+) -> str | None:
     """Why no placement of `bundles` on `nodes` (each node's total resources) can ever exist,
     whatever else runs there, or None. PACK: the totals fit and each bundle fits some node
     (necessary, enough for one bundle per host); STRICT_SPREAD: each bundle on its own
@@ -304,8 +336,11 @@ class MeshWorker:
         self.whole = compile_executable(parse_module(wp.whole), self.mesh_devices) if wp.whole else None
         self.landing, self.made = {}, {}  # value -> sharding its first reader reads / its maker writes
         if self.whole is not None:
-            self.landing = {v: self.whole.input_shardings[value.argument] for v, value in enumerate(self.program.values)
-                            if value.argument is not None}
+            self.landing = {
+                v: self.whole.input_shardings[value.argument]
+                for v, value in enumerate(self.program.values)
+                if value.argument is not None
+            }
             self.made = dict(zip(self.program.results, self.whole.output_shardings))
         for fragment in self.program.fragments:
             if fragment.mesh != wp.mesh or fragment.name not in self.executables:
@@ -318,13 +353,22 @@ class MeshWorker:
                 self.made.setdefault(v, ex.output_shardings[position])
         self.fragments = {f.name: f for f in self.program.fragments}
         self.transfers = {t.name: t for t in self.program.transfers}
-        self.routes = {t.name: routes(t.plan, wp.layout, t.src_mesh, t.dst_mesh) for t in self.program.transfers
-                       if wp.mesh in (t.src_mesh, t.dst_mesh)}
-        return {"worker": self.name, "mesh": wp.mesh, "pid": os.getpid(), "host": self.slot.host,
-                "devices": [str(self.devices[d]) for d in self.slot.devices],
-                "platform": self.devices[self.slot.devices[0]].platform,
-                "executables": len(compiled) + (self.whole is not None), "one_program": self.whole is not None,
-                "compile_s": time.perf_counter() - clock}
+        self.routes = {
+            t.name: routes(t.plan, wp.layout, t.src_mesh, t.dst_mesh)
+            for t in self.program.transfers
+            if wp.mesh in (t.src_mesh, t.dst_mesh)
+        }
+        return {
+            "worker": self.name,
+            "mesh": wp.mesh,
+            "pid": os.getpid(),
+            "host": self.slot.host,
+            "devices": [str(self.devices[d]) for d in self.slot.devices],
+            "platform": self.devices[self.slot.devices[0]].platform,
+            "executables": len(compiled) + (self.whole is not None),
+            "one_program": self.whole is not None,
+            "compile_s": time.perf_counter() - clock,
+        }
 
     def senders(self, transfer: str) -> list[str]:
         """The workers that send this worker unit ops of a transfer."""
@@ -336,10 +380,16 @@ class MeshWorker:
 
     # -- a step
 
-    def run_step(self, step: int, arguments: Mapping[int, object], resident: Mapping[int, tuple[int, int]],
-                 pulled: Mapping[int, tuple[int, int, tuple[str, ...]]] | None = None,
-                 release: Sequence[tuple[int, int]] = (), returned: Collection[int] = (),
-                 copied: Collection[int] = ()) -> dict:
+    def run_step(
+        self,
+        step: int,
+        arguments: Mapping[int, object],
+        resident: Mapping[int, tuple[int, int]],
+        pulled: Mapping[int, tuple[int, int, tuple[str, ...]]] | None = None,
+        release: Sequence[tuple[int, int]] = (),
+        returned: Collection[int] = (),
+        copied: Collection[int] = (),
+    ) -> dict:
         """Runs the mesh's stream and updates for one step and keeps its results here; returns
         only those of `returned` (typed keys, which the driver holds as jax's own key arrays)
         and a copy of those of `copied` (scalars, which the driver would read at once:
@@ -358,8 +408,9 @@ class MeshWorker:
             args[i] = ray.get(value, timeout=self.timeout) if isinstance(value, ray.ObjectRef) else value
         for i, key in resident.items():
             if key not in self.kept:
-                raise RuntimeError(f"argument {i}: the worker {self.name} does not hold result {key[1]} of step "
-                                   f"{key[0]}")
+                raise RuntimeError(
+                    f"argument {i}: the worker {self.name} does not hold result {key[1]} of step {key[0]}"
+                )
             args[i] = self.kept[key]
         for i, (s, r, holders) in (pulled or {}).items():
             parts = ray.get([self.peers[h].result.remote(s, r) for h in holders], timeout=self.timeout)
@@ -444,8 +495,9 @@ class MeshWorker:
             for r in self.wp.results:
                 value = self.kept.get((self.last, r)) if values is None else values[r]
                 if value is None:
-                    raise checkpoint.CheckpointError(f"result {r} of the step saved is no longer kept (donated, "
-                                                     "or dropped)")
+                    raise checkpoint.CheckpointError(
+                        f"result {r} of the step saved is no longer kept (donated, or dropped)"
+                    )
                 if getattr(value, "is_fully_addressable", True):
                     arrays[f"r{r}"] = np.asarray(value)
                     continue
@@ -484,8 +536,14 @@ class MeshWorker:
             del saves[save]
         return answer
 
-    def load(self, directory: str, step: int, returned: Collection[int] = (), copied: Collection[int] = (),
-             keys: Sequence[str] = ()) -> dict:
+    def load(
+        self,
+        directory: str,
+        step: int,
+        returned: Collection[int] = (),
+        copied: Collection[int] = (),
+        keys: Sequence[str] = (),
+    ) -> dict:
         """Reads back what `save` wrote (the driver has checked it, `checkpoint.read_manifest`;
         `keys`: an Orbax save's, per result) and keeps it as the results of `step`; returns
         those of `returned` and `copied` (as `run_step`) under "results", or `{"error": ...}`
@@ -509,8 +567,10 @@ class MeshWorker:
                         shard = data[f"r{r}@{self.plan_id[device]}"]
                         want = tuple(len(range(*i.indices(n))) for i, n in zip(index, shape))
                         if shard.shape != want:
-                            raise checkpoint.CheckpointError(f"result {r}'s shard on device {self.plan_id[device]} "
-                                                             f"is {shard.shape}, the plan's is {want}")
+                            raise checkpoint.CheckpointError(
+                                f"result {r}'s shard on device {self.plan_id[device]} "
+                                f"is {shard.shape}, the plan's is {want}"
+                            )
                         shards.append(jax.device_put(shard, device))
                     carry[r] = jax.make_array_from_single_device_arrays(shape, sharding, shards)
             missing = set(self.wp.results) - set(carry)
@@ -544,8 +604,15 @@ class _WorkerRun:
         self.sums: dict[int, object] = {}
         self.stream_done = False
         self.placements = Placements()  # arguments placed as the fragments read them, once
-        self.timing = {"run_s": 0.0, "send_s": 0.0, "recv_wait_s": 0.0, "pull_s": 0.0, "sent_bytes": 0, "runs": 0,
-                       "placed": 0}  # placed: inputs copied from the host or moved to another layout
+        self.timing = {
+            "run_s": 0.0,
+            "send_s": 0.0,
+            "recv_wait_s": 0.0,
+            "pull_s": 0.0,
+            "sent_bytes": 0,
+            "runs": 0,
+            "placed": 0,
+        }  # placed: inputs copied from the host or moved to another layout
         self.spans: list[tuple] = []  # (lane, kind, microbatch, peer, start, end), wall-clock seconds
 
     # values
@@ -556,7 +623,7 @@ class _WorkerRun:
         if i not in self.slices:
             full = np.asarray(self.arguments[i])
             size = self.program.argument_shapes[i][0]
-            self.slices[i] = [full[k * size:(k + 1) * size] for k in range(self.program.microbatches)]
+            self.slices[i] = [full[k * size : (k + 1) * size] for k in range(self.program.microbatches)]
         return self.slices[i][m]
 
     def read(self, v: int, m: int, once: bool = False, wait: bool = False):
@@ -580,8 +647,10 @@ class _WorkerRun:
             array = self.place(transfer.result, self.read(transfer.source, m, once))
         elif transfer is not None and (summed or not transfer.streamed):
             clock = time.perf_counter()
-            payloads = [self.w.transport.pull(self.w.peers[src], self.step, transfer.name, m, once, self.w.timeout,
-                                              self.w.name) for src in self.w.senders(transfer.name)]
+            payloads = [
+                self.w.transport.pull(self.w.peers[src], self.step, transfer.name, m, once, self.w.timeout, self.w.name)
+                for src in self.w.senders(transfer.name)
+            ]
             array = self.receive(transfer, payloads)
             self.timing["pull_s"] += time.perf_counter() - clock
         else:  # made on this mesh by a fragment or a RECV
@@ -631,8 +700,18 @@ class _WorkerRun:
 
         inputs = [self.read(v, m, once=fragment.role == UPDATE) for v in fragment.operands]
         clock = time.perf_counter()
-        jax.block_until_ready(run_fragment(self.program, self.w.executables[fragment.name], fragment, inputs, m,
-                                           self.sums, self.store, self.placements))
+        jax.block_until_ready(
+            run_fragment(
+                self.program,
+                self.w.executables[fragment.name],
+                fragment,
+                inputs,
+                m,
+                self.sums,
+                self.store,
+                self.placements,
+            )
+        )
         self.timing["run_s"] += time.perf_counter() - clock
         self.timing["runs"] += 1
         self._made()
@@ -688,9 +767,14 @@ class _WorkerRun:
             clock = time.perf_counter()
             for name in inst.transfers:
                 t = self.w.transfers[name]
-                payloads = [self.w.mailbox.take((self.step, name, inst.microbatch, src), self.w.timeout,
-                                                f"{inst.id} RECV {name} mb={inst.microbatch} <- {src}")
-                            for src in self.w.senders(name)]
+                payloads = [
+                    self.w.mailbox.take(
+                        (self.step, name, inst.microbatch, src),
+                        self.w.timeout,
+                        f"{inst.id} RECV {name} mb={inst.microbatch} <- {src}",
+                    )
+                    for src in self.w.senders(name)
+                ]
                 self.store[(t.result, inst.microbatch)] = self.receive(t, payloads)
             self.timing["recv_wait_s"] += time.perf_counter() - clock
             self._made()
@@ -698,8 +782,9 @@ class _WorkerRun:
             free_stash(self.program, self.store, self.w.mesh, inst.buffer)
         # ACCUMULATE: inside the executables; UPDATE: `updates` after the stream.
         if inst.op in (RUN, SEND):
-            self.spans.append((COMPUTE if inst.op == RUN else SEND_LANE, inst.kind, inst.microbatch, inst.peer, began,
-                               time.time()))
+            self.spans.append(
+                (COMPUTE if inst.op == RUN else SEND_LANE, inst.kind, inst.microbatch, inst.peer, began, time.time())
+            )
 
     def updates(self) -> None:
         last = self.program.microbatches - 1
@@ -729,9 +814,19 @@ class StepStats:
     def timeline(self) -> Timeline:
         """The step as the workers measured it, one row per worker, times from the driver's
         start of the step (wall clocks: on a real cluster as good as the hosts' clock sync)."""
-        spans = [Span(name, lane, kind if kind in KINDS else "other", start - self.started, end - self.started,
-                      microbatch, peer)
-                 for name, rows in self.spans.items() for lane, kind, microbatch, peer, start, end in rows]
+        spans = [
+            Span(
+                name,
+                lane,
+                kind if kind in KINDS else "other",
+                start - self.started,
+                end - self.started,
+                microbatch,
+                peer,
+            )
+            for name, rows in self.spans.items()
+            for lane, kind, microbatch, peer, start, end in rows
+        ]
         return Timeline(f"measured step: {self.wall_s * 1e3:.3g} ms on the driver", tuple(self.spans), tuple(spans))
 
     @property
@@ -750,9 +845,19 @@ class RayRuntime:
     on the workers, read one at a time (`fetch_start`, `fetch_finish`) and dropped there once
     released (`release`, sent with the next step)."""
 
-    def __init__(self, program: PipelineProgram, schedule: str, placement: Placement, *,
-                 timeout: float = 300.0, worker_timeout: float = 120.0, log=None, phase=None,
-                 returned: Collection[int] = (), copied: Collection[int] = ()):
+    def __init__(
+        self,
+        program: PipelineProgram,
+        schedule: str,
+        placement: Placement,
+        *,
+        timeout: float = 300.0,
+        worker_timeout: float = 120.0,
+        log=None,
+        phase=None,
+        returned: Collection[int] = (),
+        copied: Collection[int] = (),
+    ):
         self.program = program
         self.returned = tuple(returned)  # results that come back with each step (typed keys)
         self.copied = tuple(copied)  # results kept on the workers whose copy comes back too (scalars)
@@ -815,9 +920,14 @@ class RayRuntime:
         threaded = len(slots) > 1
         for name, slot in slots.items():
             need = self.placement.worker_resources(name)
-            options = {"num_cpus": need["CPU"], "max_concurrency": 16 if threaded else 1, "max_restarts": 0,
-                       "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                           self.group, placement_group_bundle_index=bundle_of_host[slot.host])}
+            options = {
+                "num_cpus": need["CPU"],
+                "max_concurrency": 16 if threaded else 1,
+                "max_restarts": 0,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    self.group, placement_group_bundle_index=bundle_of_host[slot.host]
+                ),
+            }
             # CPU devices' buffers are the host's malloc: in a threaded actor's thread (not the
             # main thread, as in a driver or a lone worker) glibc gives the step a per-thread arena, whose large
             # blocks are mapped afresh each step (the GPT of tools/bench_runtime.py, one
@@ -832,21 +942,39 @@ class RayRuntime:
                 options["runtime_env"] = {"env_vars": {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **threads}}
             else:
                 arena = {"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX") or "1"} if threaded else {}
-                options["runtime_env"] = {"env_vars": {
-                    **host_device_environment(len(slot.devices), environ={}), "JAX_PLATFORMS": "cpu", **threads,
-                    **arena}}
-            self.actors[name] = ray.remote(MeshWorker).options(**options).remote(slot.mesh, kind, self.worker_timeout,
-                                                                                 name)
+                options["runtime_env"] = {
+                    "env_vars": {
+                        **host_device_environment(len(slot.devices), environ={}),
+                        "JAX_PLATFORMS": "cpu",
+                        **threads,
+                        **arena,
+                    }
+                }
+            self.actors[name] = (
+                ray.remote(MeshWorker).options(**options).remote(slot.mesh, kind, self.worker_timeout, name)
+            )
         self._gather({n: a.set_peers.remote(self.actors) for n, a in self.actors.items()}, "start")
         firsts = {self.layout.of_mesh(m)[0].name: m for m in self.program.meshes if self.layout.spans(m)}
-        coordinators = {firsts[n]: address for n, address in self._gather(
-            {n: self.actors[n].coordinator.remote() for n in firsts}, "start").items()}
+        coordinators = {
+            firsts[n]: address
+            for n, address in self._gather({n: self.actors[n].coordinator.remote() for n in firsts}, "start").items()
+        }
         self.phase("compiling")
-        self.setup_info = self._gather({n: a.setup.remote(self.programs[slots[n].mesh], coordinators.get(slots[n].mesh))
-                                        for n, a in self.actors.items()}, "compile")
-        self.log(f"started {len(self.actors)} workers in {time.perf_counter() - clock:.1f} s: " + ", ".join(
-            f"{n} ({len(slots[n].devices)} {kind} devices, {i['executables']} executables, "
-            f"compiled in {i['compile_s']:.1f} s)" for n, i in self.setup_info.items()))
+        self.setup_info = self._gather(
+            {
+                n: a.setup.remote(self.programs[slots[n].mesh], coordinators.get(slots[n].mesh))
+                for n, a in self.actors.items()
+            },
+            "compile",
+        )
+        self.log(
+            f"started {len(self.actors)} workers in {time.perf_counter() - clock:.1f} s: "
+            + ", ".join(
+                f"{n} ({len(slots[n].devices)} {kind} devices, {i['executables']} executables, "
+                f"compiled in {i['compile_s']:.1f} s)"
+                for n, i in self.setup_info.items()
+            )
+        )
 
     def _place(self) -> None:
         """The workers' placement group, ready: refused at once if the cluster's nodes could
@@ -859,8 +987,10 @@ class RayRuntime:
         why = unplaceable(bundles, strategy, nodes)
         asked = sorted({r for b in bundles for r in b})
         if why is not None:
-            raise WorkerError(f"Ray can never place the workers: {why}. Asked: {self.placement.describe()}; the "
-                              f"cluster has {len(nodes)} node(s): " + ", ".join(_resources(n, asked) for n in nodes))
+            raise WorkerError(
+                f"Ray can never place the workers: {why}. Asked: {self.placement.describe()}; the "
+                f"cluster has {len(nodes)} node(s): " + ", ".join(_resources(n, asked) for n in nodes)
+            )
         self.group = placement_group(bundles, strategy=strategy)
         try:
             ray.get(self.group.ready(), timeout=self.timeout)
@@ -870,7 +1000,8 @@ class RayRuntime:
                 f"Ray could not place the workers in {self.timeout:g} s: asked {self.placement.describe()}; the "
                 f"cluster has {_resources(ray.cluster_resources(), asked)}, of which "
                 f"{_resources(ray.available_resources(), asked)} is free (other workers hold the rest: close() the "
-                "parallelized functions no longer needed)") from None
+                "parallelized functions no longer needed)"
+            ) from None
 
     def shutdown(self) -> None:
         """Kills the workers (if any) and frees their placement group."""
@@ -899,8 +1030,9 @@ class RayRuntime:
 
     # -- running
 
-    def run(self, arguments: Sequence, resident: Mapping[int, tuple[int, int]] | None = None
-            ) -> tuple[int, dict[int, np.ndarray]]:
+    def run(
+        self, arguments: Sequence, resident: Mapping[int, tuple[int, int]] | None = None
+    ) -> tuple[int, dict[int, np.ndarray]]:
         """One step on the whole batch; returns its number, by which its results are read
         (the workers keep them), and the values of the `returned` and `copied` ones. `arguments`: @main's
         arguments (host arrays; anything for a resident one); `resident`: argument number ->
@@ -912,8 +1044,12 @@ class RayRuntime:
             raise WorkerError("the workers are not running (start them first)")
         program = self.program
         resident = dict(resident or {})
-        arguments = step_arguments([None if i in resident else a for i, a in enumerate(arguments)],
-                                   len(program.argument_shapes), program.index_arg, program.microbatches)
+        arguments = step_arguments(
+            [None if i in resident else a for i, a in enumerate(arguments)],
+            len(program.argument_shapes),
+            program.index_arg,
+            program.microbatches,
+        )
         check_batch(program, arguments, skip=resident)
         self.step_id += 1
         step = self.step_id
@@ -942,13 +1078,21 @@ class RayRuntime:
                     sent[i] = shared[i]
                 else:
                     sent[i] = np.asarray(arguments[i])
-            calls[name] = self.actors[name].run_step.remote(step, sent, kept, pulled, release.get(slot.mesh, ()),
-                                                            self.returned, self.copied)
+            calls[name] = self.actors[name].run_step.remote(
+                step, sent, kept, pulled, release.get(slot.mesh, ()), self.returned, self.copied
+            )
             sent_by_worker[name], kept_by_worker[name], pulled_by_worker[name] = tuple(sent), tuple(kept), tuple(pulled)
         outputs = self._gather(calls, f"step {step}")
-        self.last_stats = StepStats(time.perf_counter() - clock, {n: o["timing"] for n, o in outputs.items()},
-                                    sent_by_worker, kept_by_worker, {n: s.mesh for n, s in slots.items()},
-                                    {n: o["spans"] for n, o in outputs.items()}, started, pulled=pulled_by_worker)
+        self.last_stats = StepStats(
+            time.perf_counter() - clock,
+            {n: o["timing"] for n, o in outputs.items()},
+            sent_by_worker,
+            kept_by_worker,
+            {n: s.mesh for n, s in slots.items()},
+            {n: o["spans"] for n, o in outputs.items()},
+            started,
+            pulled=pulled_by_worker,
+        )
         return step, self._assembled(outputs)
 
     # -- the results, kept on the workers
@@ -969,8 +1113,14 @@ class RayRuntime:
         (which may never come)."""
         released = self._released()
         if released and self.alive:
-            self._gather({w.name: self.actors[w.name].drop.remote(keys) for mesh, keys in released.items()
-                          for w in self.layout.of_mesh(mesh)}, "dropping released results")
+            self._gather(
+                {
+                    w.name: self.actors[w.name].drop.remote(keys)
+                    for mesh, keys in released.items()
+                    for w in self.layout.of_mesh(mesh)
+                },
+                "dropping released results",
+            )
 
     def _released(self) -> dict[str, list[tuple[int, int]]]:
         """Per mesh, the kept results to drop (taken from `released`)."""
@@ -985,11 +1135,15 @@ class RayRuntime:
         """Asks the workers that keep them for results of `step` (not waited for)."""
         if not self.holds(generation):
             hint = getattr(self, "resume_hint", None)
-            raise RuntimeError("its workers were stopped (after a failure, or closed), and what they held with "
-                               "them; a value read before is kept, the state can be restored from a save" +
-                               (f" ({hint})" if hint else ""))
-        return tuple({w.name: self.actors[w.name].result.remote(step, r)
-                      for w in self.layout.of_mesh(self.result_mesh(r))} for r in results)
+            raise RuntimeError(
+                "its workers were stopped (after a failure, or closed), and what they held with "
+                "them; a value read before is kept, the state can be restored from a save"
+                + (f" ({hint})" if hint else "")
+            )
+        return tuple(
+            {w.name: self.actors[w.name].result.remote(step, r) for w in self.layout.of_mesh(self.result_mesh(r))}
+            for r in results
+        )
 
     def fetch_finish(self, pending: tuple, what: str) -> list[np.ndarray]:
         """The results `fetch_start` asked for, as host arrays."""
@@ -1024,8 +1178,9 @@ class RayRuntime:
         done = {}
         while pending:
             try:  # a second at a time: a local cluster that died is noticed within it (`local_ray.lost`)
-                ready, pending = ray.wait(pending, num_returns=1,
-                                          timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                ready, pending = ray.wait(
+                    pending, num_returns=1, timeout=min(1.0, max(0.0, deadline - time.monotonic()))
+                )
             except Exception:
                 self._cluster_lost(what)
                 raise
@@ -1035,8 +1190,10 @@ class RayRuntime:
                     continue
                 late = sorted(self._who(name_of[r]) for r in pending)
                 self.shutdown()
-                raise WorkerError(f"{what}: the workers of {', '.join(late)} did not answer within "
-                                  f"{self.timeout:g} s; the workers were stopped (the next call restarts them)")
+                raise WorkerError(
+                    f"{what}: the workers of {', '.join(late)} did not answer within "
+                    f"{self.timeout:g} s; the workers were stopped (the next call restarts them)"
+                )
             for ref in ready:
                 name = name_of[ref]
                 try:
@@ -1044,14 +1201,18 @@ class RayRuntime:
                 except ray.exceptions.RayActorError as error:
                     self._cluster_lost(what)
                     self.shutdown()
-                    raise WorkerError(f"{what}: the worker of {self._who(name)} died "
-                                      f"({type(error).__name__}); the workers were stopped, the next call "
-                                      "restarts them") from error
+                    raise WorkerError(
+                        f"{what}: the worker of {self._who(name)} died "
+                        f"({type(error).__name__}); the workers were stopped, the next call "
+                        "restarts them"
+                    ) from error
                 except ray.exceptions.RayTaskError as error:
                     self.shutdown()
                     cause = error.cause if getattr(error, "cause", None) is not None else error
-                    raise WorkerError(f"{what}: the worker of {self._who(name)} failed: {type(cause).__name__}: "
-                                      f"{cause}; the workers were stopped, the next call restarts them") from error
+                    raise WorkerError(
+                        f"{what}: the worker of {self._who(name)} failed: {type(cause).__name__}: "
+                        f"{cause}; the workers were stopped, the next call restarts them"
+                    ) from error
         return done
 
     def _cluster_lost(self, what: str) -> None:
@@ -1061,8 +1222,10 @@ class RayRuntime:
         why = local_ray.lost()
         if why is not None:
             self.actors, self.group = {}, None
-            raise WorkerError(f"{what}: {why}; the workers and what they held are lost, the next call starts a "
-                              "new cluster and new workers")
+            raise WorkerError(
+                f"{what}: {why}; the workers and what they held are lost, the next call starts a "
+                "new cluster and new workers"
+            )
 
     # -- saving
 
@@ -1070,8 +1233,7 @@ class RayRuntime:
         """Each worker writes its part into `directory` (a save's staging directory,
         `checkpoint.save`); returns what the manifest says of them. A worker that could not
         write its part raises `CheckpointError`, the workers still running."""
-        answers = self._gather({n: a.save.remote(str(directory), dict(record)) for n, a in self.actors.items()},
-                               "save")
+        answers = self._gather({n: a.save.remote(str(directory), dict(record)) for n, a in self.actors.items()}, "save")
         return self._saved(answers)
 
     def save_start(self, directory: str | Path, record: Mapping):
@@ -1100,8 +1262,10 @@ class RayRuntime:
                         try:
                             answer = ray.get(a.save_poll.remote(record["save"]), timeout=self.timeout)
                         except ray.exceptions.RayError as error:
-                            raise CheckpointError(f"the worker of {self._who(n)} did not answer "
-                                                  f"({type(error).__name__})", workers_lost=True) from None
+                            raise CheckpointError(
+                                f"the worker of {self._who(n)} did not answer ({type(error).__name__})",
+                                workers_lost=True,
+                            ) from None
                         if answer is not None:
                             answers[n] = answer
                 if len(answers) < len(actors):
@@ -1113,12 +1277,18 @@ class RayRuntime:
     def _saved(self, answers: Mapping[str, dict]) -> dict:
         from hlopar.runtime.checkpoint import CheckpointError
 
-        failed = [f"the worker of {self._who(n)} could not write its part: {a['error']}" for n, a in answers.items()
-                  if "error" in a]
+        failed = [
+            f"the worker of {self._who(n)} could not write its part: {a['error']}"
+            for n, a in answers.items()
+            if "error" in a
+        ]
         if failed:
             raise CheckpointError("; ".join(failed))
-        return {"results": {r: self.result_mesh(r) for r in range(len(self.program.results))},
-                "workers": self.worker_meshes(), "parts": {n: a["part"] for n, a in answers.items()}}
+        return {
+            "results": {r: self.result_mesh(r) for r in range(len(self.program.results))},
+            "workers": self.worker_meshes(),
+            "parts": {n: a["part"] for n, a in answers.items()},
+        }
 
     def worker_meshes(self) -> dict[str, str]:
         """Each worker's mesh, by worker name (the parts of a save)."""
@@ -1131,15 +1301,27 @@ class RayRuntime:
         from hlopar.runtime.checkpoint import CheckpointError
 
         step = self.step_id + 1
-        loaded = self._gather({n: a.load.remote(str(directory), step, self.returned, self.copied, tuple(keys))
-                               for n, a in self.actors.items()}, "restore")
-        failed = [f"the worker of {self._who(n)} could not read its part: {a['error']}" for n, a in loaded.items()
-                  if "error" in a]
+        loaded = self._gather(
+            {
+                n: a.load.remote(str(directory), step, self.returned, self.copied, tuple(keys))
+                for n, a in self.actors.items()
+            },
+            "restore",
+        )
+        failed = [
+            f"the worker of {self._who(n)} could not read its part: {a['error']}"
+            for n, a in loaded.items()
+            if "error" in a
+        ]
         if failed:
-            self._gather({n: self.actors[n].unload.remote(step) for n, a in loaded.items() if "error" not in a},
-                         "restore")
-            raise CheckpointError(f"cannot restore from {directory}: " + "; ".join(failed) +
-                                  "; nothing was restored (the live state is as it was)")
+            self._gather(
+                {n: self.actors[n].unload.remote(step) for n, a in loaded.items() if "error" not in a}, "restore"
+            )
+            raise CheckpointError(
+                f"cannot restore from {directory}: "
+                + "; ".join(failed)
+                + "; nothing was restored (the live state is as it was)"
+            )
         self.step_id = step
         return step, self._assembled({n: {"results": a["results"]} for n, a in loaded.items()})
 

@@ -88,13 +88,36 @@ class RemoteArray:
     their first axis when read); `host`: its value, when it came back with the step (a
     scalar). Module docstring."""
 
-    __slots__ = ("shape", "dtype", "_source", "_generation", "_step", "_result", "_parts", "_what", "_pending",
-                 "_value", "_host", "_deleted", "__weakref__")
+    __slots__ = (
+        "shape",
+        "dtype",
+        "_source",
+        "_generation",
+        "_step",
+        "_result",
+        "_parts",
+        "_what",
+        "_pending",
+        "_value",
+        "_host",
+        "_deleted",
+        "__weakref__",
+    )
 
     __array_priority__ = 100  # numpy defers binary operators to ours
 
-    def __init__(self, source: ResultSource, generation: int, step: int, result: int, parts: tuple[int, ...], shape,
-                 dtype, what: str = "a result", host: np.ndarray | None = None):
+    def __init__(
+        self,
+        source: ResultSource,
+        generation: int,
+        step: int,
+        result: int,
+        parts: tuple[int, ...],
+        shape,
+        dtype,
+        what: str = "a result",
+        host: np.ndarray | None = None,
+    ):
         self.shape = tuple(int(n) for n in shape)
         self.dtype = np.dtype(dtype)  # never a key's (module docstring)
         self._source = source
@@ -160,8 +183,9 @@ class RemoteArray:
     def _jax(self) -> jax.Array:
         """The value as a jax array on the driver's default device (fetched once)."""
         if self._deleted:
-            raise RuntimeError(f"{self._what} has been deleted (donated to a later call, or deleted): "
-                               "it can no longer be read")
+            raise RuntimeError(
+                f"{self._what} has been deleted (donated to a later call, or deleted): it can no longer be read"
+            )
         if self._value is None and self._host is not None:
             self._value = jax_value(self._host, self.dtype)
         elif self._value is None:
@@ -243,8 +267,21 @@ def _operator(name: str):
     return method
 
 
-for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor",
-              "lshift", "rshift"):
+for _name in (
+    "add",
+    "sub",
+    "mul",
+    "truediv",
+    "floordiv",
+    "mod",
+    "pow",
+    "matmul",
+    "and",
+    "or",
+    "xor",
+    "lshift",
+    "rshift",
+):
     setattr(RemoteArray, f"__{_name}__", _operator(f"__{_name}__"))
     setattr(RemoteArray, f"__r{_name}__", _operator(f"__r{_name}__"))
 for _name in ("neg", "pos", "abs", "invert", "lt", "le", "gt", "ge", "eq", "ne"):

@@ -48,5 +48,7 @@ def check_batch(program, arguments: Sequence, skip=()) -> None:
         shape, whole = program.argument_shapes[i], np.shape(arguments[i])
         expected = (shape[0] * program.microbatches, *shape[1:])
         if tuple(whole) != expected:
-            raise ValueError(f"batch argument {i} has shape {tuple(whole)}; {program.microbatches} microbatches "
-                             f"of {tuple(shape)} make {expected}")
+            raise ValueError(
+                f"batch argument {i} has shape {tuple(whole)}; {program.microbatches} microbatches "
+                f"of {tuple(shape)} make {expected}"
+            )

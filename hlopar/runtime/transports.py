@@ -60,8 +60,16 @@ from hlopar.codegen.transfers import PlannedTransfer
 from hlopar.runtime.local_transfer import gather_shards
 from hlopar.runtime.mesh_processes import Pieces
 
-__all__ = ["Mailbox", "ObjectStoreTransport", "Payload", "TransportError", "pack", "transport_for", "unpack",
-           "unpack_shards"]
+__all__ = [
+    "Mailbox",
+    "ObjectStoreTransport",
+    "Payload",
+    "TransportError",
+    "pack",
+    "transport_for",
+    "unpack",
+    "unpack_shards",
+]
 
 
 class TransportError(RuntimeError):
@@ -82,9 +90,6 @@ class Payload:
         if self.array is not None:
             return int(self.array.nbytes)
         return int(sum(b.nbytes for b in self.boxes or ()))
-
-
-
 
 
 def pack(plan: PlannedTransfer | None, array, ops: Sequence[int] | None = None) -> Payload:
@@ -110,8 +115,9 @@ def pack(plan: PlannedTransfer | None, array, ops: Sequence[int] | None = None) 
     return Payload(boxes=tuple(boxes), ops=None if ops is None else tuple(ops))
 
 
-def unpack_shards(plan: PlannedTransfer, payloads: Sequence[Payload],
-                  devices: Collection[int] | None = None) -> dict[int, np.ndarray]:
+def unpack_shards(
+    plan: PlannedTransfer, payloads: Sequence[Payload], devices: Collection[int] | None = None
+) -> dict[int, np.ndarray]:
     """The receiver's side: each destination device of `devices` (None: all) gets its shard
     filled from the boxes its ops give it (the payloads of every sender), checked complete."""
     needs = plan.dst.device_boxes(plan.shape)
@@ -119,8 +125,10 @@ def unpack_shards(plan: PlannedTransfer, payloads: Sequence[Payload],
     received: dict[int, np.ndarray] = {}
     for payload in payloads:
         if payload.boxes is None or (payload.ops is None and len(payload.boxes) != len(plan.ops)):
-            raise TransportError(f"expected {len(plan.ops)} unit-op boxes, got "
-                                 f"{'a whole array' if payload.boxes is None else len(payload.boxes)}")
+            raise TransportError(
+                f"expected {len(plan.ops)} unit-op boxes, got "
+                f"{'a whole array' if payload.boxes is None else len(payload.boxes)}"
+            )
         received.update(zip(range(len(plan.ops)) if payload.ops is None else payload.ops, payload.boxes))
     dtype = next(iter(received.values())).dtype if received else np.float32
     shards = {d: np.zeros([hi - lo for lo, hi in needs[d]], dtype) for d in mine}
@@ -139,8 +147,10 @@ def unpack_shards(plan: PlannedTransfer, payloads: Sequence[Payload],
             seen[receiver][where] = True
     for device, mask in seen.items():
         if not mask.all():
-            raise TransportError(f"device {device} is missing {int(mask.size - mask.sum())} of its {mask.size} "
-                                 "elements after the transfer")
+            raise TransportError(
+                f"device {device} is missing {int(mask.size - mask.sum())} of its {mask.size} "
+                "elements after the transfer"
+            )
     return shards
 
 
@@ -155,8 +165,9 @@ def unpack(plan: PlannedTransfer | None, payload: Payload | Sequence[Payload]) -
     needs = plan.dst.device_boxes(plan.shape)
     shards = unpack_shards(plan, payloads)
     dtype = next(iter(shards.values())).dtype
-    return gather_shards(plan.shape, dtype, {d: (box_slices(box), shards[d]) for d, box in needs.items()},
-                         TransportError)
+    return gather_shards(
+        plan.shape, dtype, {d: (box_slices(box), shards[d]) for d, box in needs.items()}, TransportError
+    )
 
 
 class Mailbox:
@@ -200,8 +211,9 @@ class ObjectStoreTransport:
         returns at once (the call's reference, for whoever wants to wait on it)."""
         return peer.deliver.remote(step, dict(items))
 
-    def pull(self, peer, step: int, transfer: str, microbatch: int, once: bool, timeout: float,
-             to: str | None = None) -> Payload:
+    def pull(
+        self, peer, step: int, transfer: str, microbatch: int, once: bool, timeout: float, to: str | None = None
+    ) -> Payload:
         """Asks the peer worker for a transfer's payload (what it sends worker `to`) and waits
         for it."""
         import ray
@@ -209,8 +221,9 @@ class ObjectStoreTransport:
         try:
             return ray.get(peer.fetch.remote(step, transfer, microbatch, once, to), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            raise TransportError(f"{transfer} (microbatch {microbatch}): the sender did not answer in "
-                                 f"{timeout:g} s") from None
+            raise TransportError(
+                f"{transfer} (microbatch {microbatch}): the sender did not answer in {timeout:g} s"
+            ) from None
 
 
 def transport_for(device_kind: str) -> ObjectStoreTransport:

@@ -110,7 +110,12 @@ def assert_trees_close(
 
 
 def assert_updates_close(
-    new: PyTree, reference_new: PyTree, old: PyTree, *, rtol: float, max_rtol: float = 0.0,
+    new: PyTree,
+    reference_new: PyTree,
+    old: PyTree,
+    *,
+    rtol: float,
+    max_rtol: float = 0.0,
     noise_mask: PyTree | None = None,
 ) -> None:
     """Compare the updates ``new - old`` with ``reference_new - old`` (see the module docstring):
@@ -126,7 +131,9 @@ def assert_updates_close(
     """
     leaves = _leaves(new, reference_new)
     olds = _leaves(old, reference_new)
-    masks = [None] * len(leaves) if noise_mask is None else [m for _, m, _ in _leaves(noise_mask, _bools(reference_new))]
+    masks = (
+        [None] * len(leaves) if noise_mask is None else [m for _, m, _ in _leaves(noise_mask, _bools(reference_new))]
+    )
     largest = max((float(np.max(np.abs(r - o))) for (_, _, r), (_, o, _) in zip(leaves, olds) if r.size), default=0.0)
     for (name, a, r), (_, o, _), mask in zip(leaves, olds, masks, strict=True):
         a1, r1, o1 = (np.atleast_1d(x).astype(np.float64) for x in (a, r, o))
@@ -162,8 +169,9 @@ def adam_noise_mask(first_moment: PyTree, *, k: float = NOISE_K) -> PyTree:
     return jax.tree_util.tree_map(mask, first_moment)
 
 
-def assert_step_close(outputs, reference: PyTree, params: PyTree, *, rtol: float,
-                      update_max_rtol: float | None = None) -> None:
+def assert_step_close(
+    outputs, reference: PyTree, params: PyTree, *, rtol: float, update_max_rtol: float | None = None
+) -> None:
     """A compiled training step's flat `outputs` against one device's ``(new_params, adam_state, loss)``.
 
     The outputs must be as many as the reference's leaves; parameters are compared by update
@@ -176,15 +184,20 @@ def assert_step_close(outputs, reference: PyTree, params: PyTree, *, rtol: float
         raise AssertionError(f"{len(outputs)} outputs, expected {len(leaves)}")
     new_params, state, loss = jax.tree_util.tree_unflatten(treedef, [np.asarray(o) for o in outputs])
     want_params, want_state, want_loss = reference
-    assert_updates_close(new_params, want_params, params, rtol=rtol,
-                         max_rtol=rtol if update_max_rtol is None else update_max_rtol,
-                         noise_mask=adam_noise_mask(want_state.mu))
+    assert_updates_close(
+        new_params,
+        want_params,
+        params,
+        rtol=rtol,
+        max_rtol=rtol if update_max_rtol is None else update_max_rtol,
+        noise_mask=adam_noise_mask(want_state.mu),
+    )
     assert_trees_close((state, loss), (want_state, want_loss), rtol=rtol, max_rtol=rtol)
 
 
-
-def assert_adam_step_close(actual: PyTree, expected: PyTree, params_before: PyTree, params_of, *,
-                           rtol: float, max_rtol: float | None = None) -> None:
+def assert_adam_step_close(
+    actual: PyTree, expected: PyTree, params_before: PyTree, params_of, *, rtol: float, max_rtol: float | None = None
+) -> None:
     """A training step's results against the reference's from the same arguments: the same
     pytree; the parameters (``params_of(results)``) by update, Adam's noise masked by the
     reference's first moment (where the step runs Adam); everything else (Adam's moments, whose
@@ -197,11 +210,13 @@ def assert_adam_step_close(actual: PyTree, expected: PyTree, params_before: PyTr
     mask = first_moment_mask(expected, want_params)
     noise = None if mask is None else jax.tree_util.tree_leaves(mask)
     have_params = {id(x) for x in jax.tree_util.tree_leaves(params_of(actual))}
-    assert_trees_close(_comparable(actual, have_params, noise),
-                       _comparable(expected, {id(x) for x in jax.tree_util.tree_leaves(want_params)}, noise),
-                       rtol=rtol, max_rtol=max_rtol)
-    assert_updates_close(params_of(actual), want_params, params_before, rtol=rtol, max_rtol=max_rtol,
-                         noise_mask=mask)
+    assert_trees_close(
+        _comparable(actual, have_params, noise),
+        _comparable(expected, {id(x) for x in jax.tree_util.tree_leaves(want_params)}, noise),
+        rtol=rtol,
+        max_rtol=max_rtol,
+    )
+    assert_updates_close(params_of(actual), want_params, params_before, rtol=rtol, max_rtol=max_rtol, noise_mask=mask)
 
 
 def _is_key(x) -> bool:
@@ -209,7 +224,7 @@ def _is_key(x) -> bool:
 
 
 def _moment(path) -> str | None:
-    """"mu" or "nu" for a leaf of Adam's moments (optax's `ScaleByAdamState`, the zoo's
+    """ "mu" or "nu" for a leaf of Adam's moments (optax's `ScaleByAdamState`, the zoo's
     `AdamState`, NNX's `opt_state[...]['mu']`), else None."""
     name = jax.tree_util.keystr(path)
     return next((m for m in ("mu", "nu") if f".{m}" in name or f"['{m}']" in name), None)
@@ -231,6 +246,7 @@ def _comparable(tree: PyTree, params: set[int], noise: list | None) -> PyTree:
         mask = noise[count[moment]]
         count[moment] += 1
         return np.where(mask, np.zeros((), np.asarray(x).dtype), x)
+
     return jax.tree_util.tree_map_with_path(leaf, tree)
 
 

@@ -67,15 +67,27 @@ def init_gpt(seed: int = 0, layers: int = LAYERS) -> dict:
         return scale * jax.random.normal(next(keys), shape, jnp.float32)
 
     blocks = {
-        "ln1_scale": jnp.ones((layers, WIDTH)), "ln1_bias": jnp.zeros((layers, WIDTH)),
-        "qkv": normal(layers, WIDTH, 3 * WIDTH), "qkv_bias": jnp.zeros((layers, 3 * WIDTH)),
-        "proj": normal(layers, WIDTH, WIDTH), "proj_bias": jnp.zeros((layers, WIDTH)),
-        "ln2_scale": jnp.ones((layers, WIDTH)), "ln2_bias": jnp.zeros((layers, WIDTH)),
-        "fc1": normal(layers, WIDTH, 4 * WIDTH), "fc1_bias": jnp.zeros((layers, 4 * WIDTH)),
-        "fc2": normal(layers, 4 * WIDTH, WIDTH), "fc2_bias": jnp.zeros((layers, WIDTH)),
+        "ln1_scale": jnp.ones((layers, WIDTH)),
+        "ln1_bias": jnp.zeros((layers, WIDTH)),
+        "qkv": normal(layers, WIDTH, 3 * WIDTH),
+        "qkv_bias": jnp.zeros((layers, 3 * WIDTH)),
+        "proj": normal(layers, WIDTH, WIDTH),
+        "proj_bias": jnp.zeros((layers, WIDTH)),
+        "ln2_scale": jnp.ones((layers, WIDTH)),
+        "ln2_bias": jnp.zeros((layers, WIDTH)),
+        "fc1": normal(layers, WIDTH, 4 * WIDTH),
+        "fc1_bias": jnp.zeros((layers, 4 * WIDTH)),
+        "fc2": normal(layers, 4 * WIDTH, WIDTH),
+        "fc2_bias": jnp.zeros((layers, WIDTH)),
     }
-    return {"embed": normal(VOCAB, WIDTH), "pos": normal(SEQ, WIDTH), "blocks": blocks,
-            "ln_f_scale": jnp.ones(WIDTH), "ln_f_bias": jnp.zeros(WIDTH), "head": normal(WIDTH, VOCAB)}
+    return {
+        "embed": normal(VOCAB, WIDTH),
+        "pos": normal(SEQ, WIDTH),
+        "blocks": blocks,
+        "ln_f_scale": jnp.ones(WIDTH),
+        "ln_f_bias": jnp.zeros(WIDTH),
+        "head": normal(WIDTH, VOCAB),
+    }
 
 
 def _layer_norm(x, scale, bias):
@@ -117,6 +129,7 @@ def gpt_scan(*, remat: bool = False, optimizer: str = "adam", layers: int = LAYE
     hand), and its first arguments."""
     params = init_gpt(seed, layers)
     if optimizer == "sgd":
+
         def sgd_step(params, batch):
             loss, grads = jax.value_and_grad(gpt_loss)(params, batch["tokens"], batch["targets"], remat=remat)
             return jax.tree_util.tree_map(lambda p, g: p - LR * g, params, grads), loss
@@ -155,8 +168,9 @@ class ScannedTransformer(nn.Module):
         x = nn.Embed(VOCAB, WIDTH)(tokens)
         x = x + self.param("pos", nn.initializers.normal(0.2), (SEQ, WIDTH))
         block = nn.remat(Block) if self.remat else Block
-        stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                        in_axes=nn.broadcast, length=self.layers)
+        stack = nn.scan(
+            block, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=nn.broadcast, length=self.layers
+        )
         x, _ = stack(name="blocks")(x, nn.make_causal_mask(tokens))
         return nn.Dense(VOCAB)(nn.LayerNorm()(x))
 

@@ -34,7 +34,9 @@ def _one_step():
 def test_updates_catch_missing_flipped_and_stale_steps_but_not_noise():
     old, new, state = _one_step()
     mask = adam_noise_mask(state.mu)
-    fraction = sum(m.sum() for m in jax.tree_util.tree_leaves(mask)) / sum(m.size for m in jax.tree_util.tree_leaves(mask))
+    fraction = sum(m.sum() for m in jax.tree_util.tree_leaves(mask)) / sum(
+        m.size for m in jax.tree_util.tree_leaves(mask)
+    )
     assert 0.0 < fraction < 0.06  # the key bias (exact-zero gradient) and the smallest gradients
     assert_updates_close(new, new, old, rtol=1e-6, noise_mask=mask)
     flipped = jax.tree_util.tree_map(lambda n, o: 2 * o - n, new, old)

@@ -173,8 +173,19 @@ def _gpu_node(
     name: str, nvlink: float, nic_per_gpu: float, nic_latency_s: float, flops: float, memory_gib: int, description: str
 ) -> ClusterPreset:
     """8 GPUs on NVLink (one-way B/s per GPU), each with `nic_per_gpu` B/s to other nodes."""
-    return ClusterPreset(name, 10e-6, nvlink, nic_latency_s, nic_per_gpu, flops, memory_gib * _GIB, 8, description,
-                         kernel_launch_s=_GPU_LAUNCH_S, matmul_half_flops=_GPU_HALF_PEAK_S * flops)
+    return ClusterPreset(
+        name,
+        10e-6,
+        nvlink,
+        nic_latency_s,
+        nic_per_gpu,
+        flops,
+        memory_gib * _GIB,
+        8,
+        description,
+        kernel_launch_s=_GPU_LAUNCH_S,
+        matmul_half_flops=_GPU_HALF_PEAK_S * flops,
+    )
 
 
 CLUSTER_PRESETS: dict[str, ClusterPreset] = {
@@ -209,21 +220,36 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
         # way), 125 TFLOPS fp16 tensor cores. The node's one 25 Gbps NIC is shared by its 8 GPUs
         # when they all communicate: 25/8 Gbit/s per device; TCP, so a larger latency.
         _gpu_node(
-            "v100-p3.16xlarge", 150e9, 25 * _GBIT / 8, 50e-6, 125e12, 16,
+            "v100-p3.16xlarge",
+            150e9,
+            25 * _GBIT / 8,
+            50e-6,
+            125e12,
+            16,
             "AWS p3.16xlarge: 8x V100 16GB, NVLink 2.0, 25 Gbps between nodes (Alpa §8)",
         ),
         # NVIDIA DGX A100 / A100 datasheet: 8x A100-SXM4 80GB behind NVSwitch, NVLink 3.0 600 GB/s
         # total per GPU (300 GB/s each way); 312 TFLOPS dense bf16/fp16; one 200 Gb/s HDR
         # InfiniBand adapter per GPU (25 GB/s per device between nodes).
         _gpu_node(
-            "a100-80g-nvlink", 300e9, 200 * _GBIT, 20e-6, 312e12, 80,
+            "a100-80g-nvlink",
+            300e9,
+            200 * _GBIT,
+            20e-6,
+            312e12,
+            80,
             "8x A100 80GB SXM, NVLink 3.0 + NVSwitch, 8x 200 Gb/s HDR InfiniBand per node",
         ),
         # NVIDIA DGX H100 / H100 datasheet: 8x H100-SXM5 80GB behind NVSwitch, NVLink 4.0 900 GB/s
         # total per GPU (450 GB/s each way); 989 TFLOPS dense bf16; one 400 Gb/s NDR InfiniBand
         # adapter per GPU (50 GB/s per device between nodes).
         _gpu_node(
-            "h100-80g-nvlink", 450e9, 400 * _GBIT, 20e-6, 989e12, 80,
+            "h100-80g-nvlink",
+            450e9,
+            400 * _GBIT,
+            20e-6,
+            989e12,
+            80,
             "8x H100 80GB SXM, NVLink 4.0 + NVSwitch, 8x 400 Gb/s NDR InfiniBand per node",
         ),
     )
@@ -294,6 +320,4 @@ def _axes_crossing_hosts(shape: tuple[int, ...], devices_per_host: int) -> tuple
     if not shape:
         return ()
     hosts = np.arange(math.prod(shape)).reshape(shape) // devices_per_host
-    return tuple(
-        bool((hosts != hosts.take([0], axis=i)).any()) for i in range(len(shape))
-    )
+    return tuple(bool((hosts != hosts.take([0], axis=i)).any()) for i in range(len(shape)))

@@ -176,7 +176,9 @@ def build_problem(
             spec = constraint_specs[op.id]
             strategies = (_pinned(spec, operands, results, mesh),)
         elif op.name in SOURCE_OPS or (not op.operands and all(r.is_tensor for r in results)):
-            strategies = memo.free_layouts(results[0]) if len(results) == 1 else (replicated_strategy(operands, results, mesh),)
+            strategies = (
+                memo.free_layouts(results[0]) if len(results) == 1 else (replicated_strategy(operands, results, mesh),)
+            )
         elif rule is None:
             strategies = (replicated_strategy(operands, results, mesh, _flops(op.name, rule, results)),)
             warnings.append((op, f"no sharding rule for '{op.name}': it runs replicated"))
@@ -184,19 +186,27 @@ def build_problem(
             wanted = op_result_shardings[op.id]
             choices = memo.enumerate(rule, operands, results, _flops(op.name, rule, results))
             strategies = tuple(c for c in choices if c.result_specs == wanted) or (
-                _pinned_results(wanted, operands, results, mesh),)
+                _pinned_results(wanted, operands, results, mesh),
+            )
         else:
             flops = _flops(op.name, rule, results)
-            leader_operand = _leader_operand(op, operand_nodes, depth, operands, results) if merge and op.name not in HEAVY_OPS else None
+            leader_operand = (
+                _leader_operand(op, operand_nodes, depth, operands, results)
+                if merge and op.name not in HEAVY_OPS
+                else None
+            )
             if leader_operand is not None:
                 leader, result_number = operand_nodes[leader_operand]
-                strategies = memo.mirror(rule, leader_operand, nodes[leader].strategies, result_number, operands, results, flops)
+                strategies = memo.mirror(
+                    rule, leader_operand, nodes[leader].strategies, result_number, operands, results, flops
+                )
             else:
                 strategies = filtered(memo.enumerate(rule, operands, results, flops), results)
         # Custom calls are opaque to XLA: some reject a sharding outright. Their neighbours
         # carry the plan; XLA places the call itself.
         planned = op.name not in UNANNOTATED_OPS and (
-            rule is not None or op.name in SOURCE_OPS or op.name == CONSTRAINT_OP or not op.operands)
+            rule is not None or op.name in SOURCE_OPS or op.name == CONSTRAINT_OP or not op.operands
+        )
         if leader is not None and nodes[leader].scale != scale:
             leader = None  # a node inside a loop cannot share a choice with one outside: costs differ
             strategies = filtered(memo.enumerate(rule, operands, results, _flops(op.name, rule, results)), results)
@@ -219,7 +229,9 @@ def build_problem(
         carried = []
         for i, (operand, result) in enumerate(zip(op.operands, op.results)):
             info = tensor_info(graph, result)
-            index = add(PlanNode("loop", op.id, f"{op.name}#{i}", memo.carried(info), planned=False, scale=scale), entry_depth)
+            index = add(
+                PlanNode("loop", op.id, f"{op.name}#{i}", memo.carried(info), planned=False, scale=scale), entry_depth
+            )
             carried.append(index)
             consumers.append((index, (operand,), scale))
             producer[result] = producer[cond.args[i]] = producer[body.args[i]] = (index, 0)
@@ -241,7 +253,9 @@ def build_problem(
         merged = []
         for i, result in enumerate(op.results):
             info = tensor_info(graph, result)
-            index = add(PlanNode("case", op.id, f"{op.name}#{i}", memo.carried(info), planned=False, scale=scale), entry_depth)
+            index = add(
+                PlanNode("case", op.id, f"{op.name}#{i}", memo.carried(info), planned=False, scale=scale), entry_depth
+            )
             merged.append(index)
             producer[result] = (index, 0)
         weight = scale / len(op.regions)
@@ -342,8 +356,14 @@ class StrategyCache:
         key = ("mirror", rule, k, id(leader_strategies), result_number, tuple(operands), tuple(results), flops)
         if key not in self.cache:
             self._keyed_on.append(leader_strategies)
-        return self.once(key, lambda: tuple(_mirror(rule, k, leader_strategies, result_number, operands, results, self.mesh,
-                                                    flops, self.strategy_for)))
+        return self.once(
+            key,
+            lambda: tuple(
+                _mirror(
+                    rule, k, leader_strategies, result_number, operands, results, self.mesh, flops, self.strategy_for
+                )
+            ),
+        )
 
     def strategy_for(self, rule, factor_axes, operands, results, mesh, flops) -> Strategy:
         """`strategies.strategy_for`, once per distinct op and split: the mirrors of different
@@ -374,8 +394,12 @@ class StrategyCache:
         key = ("matrix", info, id(sources), number, id(targets), k)
         if key not in self.cache:
             self._keyed_on.append((sources, targets))
-        return self.once(key, lambda: self._layout_matrix(
-            info, self._layouts(sources, "result_specs", number), self._layouts(targets, "operand_specs", k)))
+        return self.once(
+            key,
+            lambda: self._layout_matrix(
+                info, self._layouts(sources, "result_specs", number), self._layouts(targets, "operand_specs", k)
+            ),
+        )
 
     def _layouts(self, strategies, side: str, number: int) -> tuple:
         """Layout `number` of each strategy's results or operands (`side`), one tuple object per
@@ -391,12 +415,14 @@ class StrategyCache:
         """`_cost_matrix` per distinct (value, layouts) pair: different ops' strategy lists
         often offer one list of layouts, and edges sharing a matrix object convert it once
         (`merging._matrices`). The layout lists are interned (`_layouts`)."""
-        return self.once(("layouts", info, id(sources), id(targets)),
-                         lambda: _cost_matrix(info, sources, targets, self.mesh))
+        return self.once(
+            ("layouts", info, id(sources), id(targets)), lambda: _cost_matrix(info, sources, targets, self.mesh)
+        )
 
 
 def _pinned(spec: ShardingSpec, operands, results, mesh: LogicalMesh) -> Strategy:
     """A single strategy that keeps one layout (a user constraint)."""
+
     def specs(infos) -> tuple[ShardingSpec | None, ...]:
         return tuple(spec if info.is_tensor else None for info in infos)
 
@@ -435,8 +461,9 @@ def _leader_operand(op: OpNode, operand_nodes, depth, operands, results) -> int 
     return best
 
 
-def _mirror(rule, k, leader_strategies, result_number, operands, results, mesh, flops,
-            make=strategy_for) -> list[Strategy]:
+def _mirror(
+    rule, k, leader_strategies, result_number, operands, results, mesh, flops, make=strategy_for
+) -> list[Strategy]:
     """One strategy per leader strategy: the one that takes operand `k` in the layout the
     leader produces it (or, where no strategy can, the replicated one), made by `make`
     (`strategy_for`'s arguments)."""
@@ -495,8 +522,15 @@ def _cost_matrix(info: TensorInfo, sources, targets, mesh) -> tuple[tuple[float,
     source_ids, unique_sources = _intern(sources)
     target_ids, unique_targets = _intern(targets)
     unique = np.array(
-        [[0.0 if src is None or dst is None or src == dst else resharding_cost(info.shape, info.dtype_bytes, src, dst, mesh)
-          for dst in unique_targets] for src in unique_sources],
+        [
+            [
+                0.0
+                if src is None or dst is None or src == dst
+                else resharding_cost(info.shape, info.dtype_bytes, src, dst, mesh)
+                for dst in unique_targets
+            ]
+            for src in unique_sources
+        ],
         dtype=float,
     ).reshape(len(unique_sources), len(unique_targets))
     matrix = unique[np.ix_(source_ids, target_ids)]

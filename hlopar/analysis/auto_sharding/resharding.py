@@ -111,7 +111,11 @@ def _collectives(
             gathered = tuple(a for a in order if a in src.dims[dim] and a not in dst.dims[dim])
             if gathered:
                 current[dim] = tuple(a for a in current[dim] if a not in gathered)
-                steps.append(Collective("all-gather", gathered, per_device_bytes(shape, dtype_bytes, ShardingSpec(tuple(current)), mesh)))
+                steps.append(
+                    Collective(
+                        "all-gather", gathered, per_device_bytes(shape, dtype_bytes, ShardingSpec(tuple(current)), mesh)
+                    )
+                )
         return tuple(steps)
     dst_dim = {a: d for d, axes in enumerate(dst.dims) for a in axes}
     current = []  # the layout as the gathers leave it
@@ -170,7 +174,11 @@ def _gather_all(shape, dtype_bytes: int, src: ShardingSpec, mesh: LogicalMesh) -
         if current[dim]:
             gathered = tuple(a for a in mesh.axis_names if a in current[dim])
             current[dim] = ()
-            steps.append(Collective("all-gather", gathered, per_device_bytes(shape, dtype_bytes, ShardingSpec(tuple(current)), mesh)))
+            steps.append(
+                Collective(
+                    "all-gather", gathered, per_device_bytes(shape, dtype_bytes, ShardingSpec(tuple(current)), mesh)
+                )
+            )
     return tuple(steps)
 
 
@@ -180,8 +188,11 @@ def _arrival_breaks_order(src: ShardingSpec, dst: ShardingSpec, dim: int) -> boo
     (it appends them as the minor-most axes of the dimension)."""
     have, want = src.dims[dim], dst.dims[dim]
     moved_in = set(src.used_axes)
-    natural = (tuple(a for a in have if a in want) + tuple(a for a in want if a not in moved_in)
-               + tuple(a for a in want if a in moved_in and a not in have))
+    natural = (
+        tuple(a for a in have if a in want)
+        + tuple(a for a in want if a not in moved_in)
+        + tuple(a for a in want if a in moved_in and a not in have)
+    )
     return natural != want
 
 

@@ -78,8 +78,9 @@ def rule_of(op: ir.Operation) -> OpRule | None:
     if RULE_ATTRIBUTE in op.attributes:
         return decode_rule(op.attributes[RULE_ATTRIBUTE])
     if op.name in PASS_THROUGH_OPS:
-        return pass_through_rule([list(v.type.shape) if isinstance(v.type, ir.RankedTensorType) else None
-                                  for v in op.operands])
+        return pass_through_rule(
+            [list(v.type.shape) if isinstance(v.type, ir.RankedTensorType) else None for v in op.operands]
+        )
     return None
 
 

@@ -72,7 +72,9 @@ def spec_of(tensor: TensorFactors, factor_axes: Sequence[tuple[str, ...]]) -> Sh
     return ShardingSpec(tuple(tuple(a for f in dim for a in factor_axes[f]) for dim in tensor))
 
 
-def is_expressible(tensor: TensorFactors, factor_axes: Sequence[tuple[str, ...]], sizes: Sequence[int], mesh: LogicalMesh) -> bool:
+def is_expressible(
+    tensor: TensorFactors, factor_axes: Sequence[tuple[str, ...]], sizes: Sequence[int], mesh: LogicalMesh
+) -> bool:
     """Whether each dim's tiles stay contiguous: in a dim made of several factors (a reshape),
     only the major factors may be split, each fully except the last split one."""
     for dim in tensor:
@@ -157,21 +159,26 @@ def reduce_scatter_variants(strategy: Strategy, results: Sequence[TensorInfo], m
         axes = spec.dims[dim] + reduced
         if size % mesh.axes_size(axes):
             continue
-        scattered = ShardingSpec(spec.dims[:dim] + (axes,) + spec.dims[dim + 1:])
+        scattered = ShardingSpec(spec.dims[:dim] + (axes,) + spec.dims[dim + 1 :])
         collective = Collective("reduce-scatter", reduced, all_reduce.nbytes)
-        variants.append(replace(
-            strategy,
-            result_specs=(scattered,),
-            collectives=(collective,),
-            communication_cost=collective.cost(mesh),
-            memory=float(per_device_bytes(info.shape, info.dtype_bytes, scattered, mesh)),
-            scattered_dim=dim,
-        ))
+        variants.append(
+            replace(
+                strategy,
+                result_specs=(scattered,),
+                collectives=(collective,),
+                communication_cost=collective.cost(mesh),
+                memory=float(per_device_bytes(info.shape, info.dtype_bytes, scattered, mesh)),
+                scattered_dim=dim,
+            )
+        )
     return variants
 
 
-def replicated_strategy(operands: Sequence[TensorInfo], results: Sequence[TensorInfo], mesh: LogicalMesh, flops: float = 0.0) -> Strategy:
+def replicated_strategy(
+    operands: Sequence[TensorInfo], results: Sequence[TensorInfo], mesh: LogicalMesh, flops: float = 0.0
+) -> Strategy:
     """The safe strategy for an op nobody knows how to split: everything whole on every device."""
+
     def spec(info: TensorInfo) -> ShardingSpec | None:
         return ShardingSpec.replicated(len(info.shape)) if info.is_tensor else None
 
@@ -183,7 +190,9 @@ def replicated_strategy(operands: Sequence[TensorInfo], results: Sequence[Tensor
         collectives=(),
         communication_cost=0.0,
         compute_cost=flops / mesh.device_flops,
-        memory=float(sum(per_device_bytes(r.shape, r.dtype_bytes, s, mesh) for r, s in zip(results, result_specs) if s)),
+        memory=float(
+            sum(per_device_bytes(r.shape, r.dtype_bytes, s, mesh) for r, s in zip(results, result_specs) if s)
+        ),
     )
 
 
@@ -196,12 +205,17 @@ def strategy_for(
     flops: float = 0.0,
 ) -> Strategy:
     """The strategy that splits each factor over the given axes (assumed valid)."""
-    operand_specs = tuple(spec_of(t, factor_axes) if info.is_tensor else None for t, info in zip(rule.operands, operands))
+    operand_specs = tuple(
+        spec_of(t, factor_axes) if info.is_tensor else None for t, info in zip(rule.operands, operands)
+    )
     result_specs = tuple(spec_of(t, factor_axes) if info.is_tensor else None for t, info in zip(rule.results, results))
     # One all-reduce per split reduction factor, as XLA's partitioner does (a reduce over two
     # dims split over x and y is an all-reduce over x and another over y, not one over both).
-    reductions = [tuple(a.name for a in mesh.axes if a.name in factor_axes[f])  # mesh order
-                  for f in sorted(rule.reduction) if factor_axes[f]]
+    reductions = [
+        tuple(a.name for a in mesh.axes if a.name in factor_axes[f])  # mesh order
+        for f in sorted(rule.reduction)
+        if factor_axes[f]
+    ]
     result_bytes = [
         per_device_bytes(info.shape, info.dtype_bytes, spec, mesh)
         for info, spec in zip(results, result_specs)

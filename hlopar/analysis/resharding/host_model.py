@@ -59,15 +59,25 @@ class HostModel:
 
 def paper_cluster() -> HostModel:
     """The paper's testbed (§5): p3.8xlarge nodes, 4 V100 over NVLink, 10 Gbps between nodes."""
-    return HostModel(devices_per_host=4, inter_host_bandwidth=10 * GBPS, intra_host_bandwidth=25e9,
-                     inter_host_latency=50e-6, intra_host_latency=5e-6)
+    return HostModel(
+        devices_per_host=4,
+        inter_host_bandwidth=10 * GBPS,
+        intra_host_bandwidth=25e9,
+        inter_host_latency=50e-6,
+        intra_host_latency=5e-6,
+    )
 
 
 PRESETS = {
     "paper": paper_cluster(),
     # A common modern node: 8 GPUs over NVLink, 100 Gbps per node.
-    "8gpu-100g": HostModel(devices_per_host=8, inter_host_bandwidth=100 * GBPS, intra_host_bandwidth=150e9,
-                           inter_host_latency=10e-6, intra_host_latency=3e-6),
+    "8gpu-100g": HostModel(
+        devices_per_host=8,
+        inter_host_bandwidth=100 * GBPS,
+        intra_host_bandwidth=150e9,
+        inter_host_latency=10e-6,
+        intra_host_latency=3e-6,
+    ),
 }
 
 
@@ -85,11 +95,13 @@ def host_model_for(name: str) -> HostModel:
     if preset is None:
         known = ", ".join([*PRESETS, *CLUSTER_PRESETS])
         raise ValueError(f"unknown cluster preset {name!r}; known presets: {known}")
-    return HostModel(devices_per_host=preset.devices_per_host,
-                     inter_host_bandwidth=preset.inter_host_bandwidth * preset.devices_per_host,
-                     intra_host_bandwidth=preset.intra_host_bandwidth,
-                     inter_host_latency=preset.inter_host_latency_s,
-                     intra_host_latency=preset.intra_host_latency_s)
+    return HostModel(
+        devices_per_host=preset.devices_per_host,
+        inter_host_bandwidth=preset.inter_host_bandwidth * preset.devices_per_host,
+        intra_host_bandwidth=preset.intra_host_bandwidth,
+        inter_host_latency=preset.inter_host_latency_s,
+        intra_host_latency=preset.intra_host_latency_s,
+    )
 
 
 def place_meshes(model: HostModel, shapes: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:

@@ -120,8 +120,18 @@ def plan_transfer(
         for slot, (op, start, end) in enumerate(zip(ops, timeline.starts, timeline.ends))
     )
     return TransferPlan(
-        shape, dtype_bytes, src, dst, tasks, planned, strategy, algorithm, chosen,
-        timeline.makespan, lower_bound(tasks, model), time.perf_counter() - began,
+        shape,
+        dtype_bytes,
+        src,
+        dst,
+        tasks,
+        planned,
+        strategy,
+        algorithm,
+        chosen,
+        timeline.makespan,
+        lower_bound(tasks, model),
+        time.perf_counter() - began,
     )
 
 

@@ -56,15 +56,21 @@ class UnitOp:
         if self.chunks < 1:
             raise ValueError(f"chunks must be positive, got {self.chunks}")
         if self.sender in self.receivers or len(set(self.receivers)) != len(self.receivers):
-            raise ValueError(f"unit op of task {self.task}: sender {self.sender} and receivers "
-                             f"{list(self.receivers)} must be distinct devices")
+            raise ValueError(
+                f"unit op of task {self.task}: sender {self.sender} and receivers "
+                f"{list(self.receivers)} must be distinct devices"
+            )
         if self.kind == "scatter_allgather":
             if self.split_dim is None or not 0 <= self.split_dim < len(self.box):
-                raise ValueError(f"unit op of task {self.task}: split_dim {self.split_dim} is not a dimension of the box")
+                raise ValueError(
+                    f"unit op of task {self.task}: split_dim {self.split_dim} is not a dimension of the box"
+                )
             lo, hi = self.box[self.split_dim]
             if (hi - lo) % len(self.receivers):
-                raise ValueError(f"unit op of task {self.task}: {len(self.receivers)} receivers do not divide "
-                                 f"dimension {self.split_dim} of the box ({hi - lo} elements)")
+                raise ValueError(
+                    f"unit op of task {self.task}: {len(self.receivers)} receivers do not divide "
+                    f"dimension {self.split_dim} of the box ({hi - lo} elements)"
+                )
 
 
 @dataclass(frozen=True)

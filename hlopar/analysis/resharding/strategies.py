@@ -71,7 +71,9 @@ class OpBuilder:
         if self.strategy == "alpa-local-allgather" and len(receivers) > 1:
             split = next((i for i, (lo, hi) in enumerate(task.box) if (hi - lo) % len(receivers) == 0), None)
             if split is not None:
-                return UnitOp(task.index, "scatter_allgather", sender, receivers, task.box, task.nbytes, split_dim=split)
+                return UnitOp(
+                    task.index, "scatter_allgather", sender, receivers, task.box, task.nbytes, split_dim=split
+                )
         return UnitOp(task.index, "send_recv", sender, receivers, task.box, task.nbytes)
 
     def _with_chunks(self, op: UnitOp, elements: int) -> UnitOp:

@@ -71,7 +71,9 @@ class MeshLayout:
         if self.devices is not None:
             devices = tuple(int(d) for d in self.devices)
             if len(devices) != self.mesh.size:
-                raise ValueError(f"mesh {self.mesh} has {self.mesh.size} devices but {len(devices)} physical ids were given")
+                raise ValueError(
+                    f"mesh {self.mesh} has {self.mesh.size} devices but {len(devices)} physical ids were given"
+                )
             if len(set(devices)) != len(devices):
                 raise ValueError(f"physical device ids must be distinct, got {list(devices)}")
             object.__setattr__(self, "devices", devices)
@@ -85,8 +87,10 @@ class MeshLayout:
 
     def device_boxes(self, shape: Sequence[int]) -> dict[int, Box]:
         """Physical device id -> the box of the global array it holds."""
-        return {self.physical(d): box_of(index)
-                for d, index in all_device_slices(tuple(shape), self.sharding, self.mesh).items()}
+        return {
+            self.physical(d): box_of(index)
+            for d, index in all_device_slices(tuple(shape), self.sharding, self.mesh).items()
+        }
 
     def held_boxes(self, shape: Sequence[int]) -> list[tuple[Box, tuple[int, ...]]]:
         """Distinct non-empty boxes with the physical devices holding each (mesh order)."""

@@ -93,8 +93,10 @@ def _graph(flops: Sequence[float], values: Sequence[Value]) -> _Graph:
         previous = producer
         for reader in sorted(set(readers)):
             if not producer < reader < num_ops:
-                raise ValueError(f"value {index}: consumer {reader} must come after its producer {producer} "
-                                 f"and before {num_ops} (operators are in topological order)")
+                raise ValueError(
+                    f"value {index}: consumer {reader} must come after its producer {producer} "
+                    f"and before {num_ops} (operators are in topological order)"
+                )
             consumer.append(reader)
             start.append(previous + 1)
             size.append(nbytes)
@@ -145,8 +147,9 @@ def _relaxed(graph: _Graph, num_layers: int, delta: float) -> tuple[float, float
     if delta < 0:
         raise ValueError(f"delta must be non-negative, got {delta}")
     if not 1 <= num_layers <= graph.num_ops:
-        raise ValueError(f"cannot cluster {graph.num_ops} operators into {num_layers} layers "
-                         f"(need 1 <= layers <= operators)")
+        raise ValueError(
+            f"cannot cluster {graph.num_ops} operators into {num_layers} layers (need 1 <= layers <= operators)"
+        )
     total = graph.prefix[-1]
     while True:
         cap = _flop_cap(graph, num_layers, delta)
@@ -168,8 +171,8 @@ def _input_windows(graph: _Graph, lo: np.ndarray) -> Iterator[tuple[int, int, np
     for k in range(graph.num_ops):
         low = int(lo[k])
         for e in range(offsets[k], offsets[k + 1]):
-            inputs[max(int(starts[e]), low):k + 1] += sizes[e]
-        yield k, low, inputs[low:k + 1]
+            inputs[max(int(starts[e]), low) : k + 1] += sizes[e]
+        yield k, low, inputs[low : k + 1]
 
 
 def _layer_band(graph: _Graph, cap: float, num_layers: int) -> tuple[np.ndarray, np.ndarray]:
@@ -196,12 +199,13 @@ def _min_max_input(graph: _Graph, lo: np.ndarray, band: tuple[np.ndarray, np.nda
     for k, low, inputs in _input_windows(graph, lo):
         a, b = low_r[k + 1], high_r[k + 1]
         if a <= b:
-            best[a:b + 1, k + 1] = np.maximum(best[a - 1:b, low:k + 1], inputs).min(axis=1)
+            best[a : b + 1, k + 1] = np.maximum(best[a - 1 : b, low : k + 1], inputs).min(axis=1)
     return float(best[num_layers, graph.num_ops])
 
 
-def _min_sum_squares(graph: _Graph, lo: np.ndarray, band: tuple[np.ndarray, np.ndarray], num_layers: int,
-                     max_input: float) -> list[int]:
+def _min_sum_squares(
+    graph: _Graph, lo: np.ndarray, band: tuple[np.ndarray, np.ndarray], num_layers: int, max_input: float
+) -> list[int]:
     """The tie-break: least Σ FLOP(layer)^2 over clusterings whose every layer receives at most
     `max_input` (= G(K, L), so exactly the optimal ones); returns the layer starts.
 
@@ -217,12 +221,12 @@ def _min_sum_squares(graph: _Graph, lo: np.ndarray, band: tuple[np.ndarray, np.n
         a, b = low_r[k + 1], high_r[k + 1]
         if a > b:
             continue
-        squares = (prefix[k + 1] - prefix[low:k + 1]) ** 2
+        squares = (prefix[k + 1] - prefix[low : k + 1]) ** 2
         squares[inputs > max_input] = np.inf
-        candidates = best[a - 1:b, low:k + 1] + squares
+        candidates = best[a - 1 : b, low : k + 1] + squares
         pick = candidates.argmin(axis=1)
-        best[a:b + 1, k + 1] = candidates[np.arange(b - a + 1), pick]
-        choice[a:b + 1, k + 1] = low + pick
+        best[a : b + 1, k + 1] = candidates[np.arange(b - a + 1), pick]
+        choice[a : b + 1, k + 1] = low + pick
     starts, end = [], graph.num_ops
     for layers in range(num_layers, 0, -1):
         end = int(choice[layers, end])
@@ -247,8 +251,13 @@ def _layer_inputs_by_definition(graph: _Graph, values: Sequence[Value], starts: 
     ends = list(starts[1:]) + [graph.num_ops]
     out = []
     for start, end in zip(starts, ends):
-        out.append(sum(int(nbytes) for producer, readers, nbytes in values
-                       if producer < start and any(start <= r < end for r in readers)))
+        out.append(
+            sum(
+                int(nbytes)
+                for producer, readers, nbytes in values
+                if producer < start and any(start <= r < end for r in readers)
+            )
+        )
     return out
 
 
@@ -266,8 +275,9 @@ def _result(graph: _Graph, starts: Sequence[int], inputs: Sequence[int], delta: 
     )
 
 
-def cluster_operators(flops: Sequence[float], values: Sequence[Value], num_layers: int,
-                      delta: float = 0.5) -> Clustering:
+def cluster_operators(
+    flops: Sequence[float], values: Sequence[Value], num_layers: int, delta: float = 0.5
+) -> Clustering:
     """The Eq. 6 clustering of ops 0..K-1 into `num_layers` layers (see the module docstring).
 
     Two O(K·W·L) sweeps, W the widest FLOP window: the min-max DP for G(K, L), then the
@@ -281,8 +291,9 @@ def cluster_operators(flops: Sequence[float], values: Sequence[Value], num_layer
     return _result(graph, starts, _layer_inputs(graph, starts), delta)
 
 
-def brute_force_clustering(flops: Sequence[float], values: Sequence[Value], num_layers: int,
-                           delta: float = 0.5) -> Clustering:
+def brute_force_clustering(
+    flops: Sequence[float], values: Sequence[Value], num_layers: int, delta: float = 0.5
+) -> Clustering:
     """Every cut, scored from the definitions (for tests on small K): least (max input,
     Σ FLOP^2, starts of the last layers first), with δ relaxed as `cluster_operators` does."""
     graph = _graph(flops, values)
@@ -302,8 +313,15 @@ def brute_force_clustering(flops: Sequence[float], values: Sequence[Value], num_
     return _result(graph, best[0], best[1], delta)
 
 
-def choose_num_layers(flops: Sequence[float], values: Sequence[Value], *, max_layers: int,
-                      heavy: Sequence[bool], tolerance: float = 0.5, delta: float = 0.5) -> int:
+def choose_num_layers(
+    flops: Sequence[float],
+    values: Sequence[Value],
+    *,
+    max_layers: int,
+    heavy: Sequence[bool],
+    tolerance: float = 0.5,
+    delta: float = 0.5,
+) -> int:
     """L for `layers=auto`: as many layers as the program can be cut into cheaply.
 
     Alpa picks a small L "based on the number of devices and the number of heavy operators"
@@ -341,7 +359,7 @@ def _live_bytes(graph: _Graph) -> np.ndarray:
     consumers = np.repeat(np.arange(graph.num_ops), np.diff(graph.event_offsets))
     np.add.at(change, graph.event_start, graph.event_bytes)
     np.add.at(change, consumers + 1, -graph.event_bytes)
-    return np.cumsum(change)[:graph.num_ops]
+    return np.cumsum(change)[: graph.num_ops]
 
 
 def _best_cut_score(graph: _Graph, live: np.ndarray, num_layers: int, delta: float) -> float:

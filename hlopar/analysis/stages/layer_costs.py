@@ -66,7 +66,9 @@ class LayerPlan:
     state_bytes: float  # function arguments the layer reads (parameters, optimizer state, batch)
     gradient_bytes: float  # backward values its update ops read (summed over microbatches)
     activation_bytes: float  # forward values its backward reads: stashed per microbatch in flight
-    updated_state_bytes: float  # the new buffers its update ops hand back (new state not written into donated old state)
+    updated_state_bytes: (
+        float  # the new buffers its update ops hand back (new state not written into donated old state)
+    )
     temporary_bytes: float  # the most its forward or its backward holds at once besides operands and results
     forward_latency: float  # the forward ops' share of `latency` (their nodes, the edges into them)
     forward_fixed_latency: float  # the forward ops' share of `fixed_latency`
@@ -76,8 +78,9 @@ class LayerPlan:
     solve_seconds: float
 
 
-def layer_signature(graph: FuncGraph, rules: Mapping[int, OpRule | None], roles: Sequence[str],
-                    donated: frozenset[int] = frozenset()) -> tuple:
+def layer_signature(
+    graph: FuncGraph, rules: Mapping[int, OpRule | None], roles: Sequence[str], donated: frozenset[int] = frozenset()
+) -> tuple:
     """What a layer's plan depends on, independent of where it sits in the program: per op
     (nested ones included) its name, role, operands numbered locally, result types, decoded
     attributes and sharding rule; per argument its type; which results are donated."""
@@ -94,8 +97,16 @@ def layer_signature(graph: FuncGraph, rules: Mapping[int, OpRule | None], roles:
             operands = tuple(local.get(v, -1) for v in op.operands)
             for v in op.results:
                 local[v] = len(local)
-            items.append((op.name, role, operands, tuple(graph.values[v].type for v in op.results),
-                          repr(op.attrs), repr(rules.get(op.id))))
+            items.append(
+                (
+                    op.name,
+                    role,
+                    operands,
+                    tuple(graph.values[v].type for v in op.results),
+                    repr(op.attrs),
+                    repr(rules.get(op.id)),
+                )
+            )
     items.append(tuple(local[v] for v in graph.results))
     items.append(tuple(local[v] for v in graph.results if v in donated))
     return tuple(items)
@@ -123,8 +134,17 @@ def plan_layer(
     the new state is held at its argument's layout, which it takes for the next step.
     `donated`: the results of `new_state` whose argument the user donates (`tf.aliasing_output`
     pairs them): an update that reads the argument writes the new value into its buffers."""
-    return plan_layer_options(layer, rules, roles, mesh, (split_state,), time_limit=time_limit, cache=cache,
-                              new_state=new_state, donated=donated)[0]
+    return plan_layer_options(
+        layer,
+        rules,
+        roles,
+        mesh,
+        (split_state,),
+        time_limit=time_limit,
+        cache=cache,
+        new_state=new_state,
+        donated=donated,
+    )[0]
 
 
 def plan_layer_options(
@@ -155,14 +175,24 @@ def plan_layer_options(
         if solution.status not in ("OPTIMAL", "FEASIBLE"):
             raise RuntimeError(f"the intra-op ILP of a layer found no plan on mesh {mesh}: {solution.message}")
         choices = tuple(allowed[v][c] if v in allowed else c for v, c in enumerate(solution.choices))
-        plans.append(_layer_plan(layer, roles, mesh, problem, choices, solution, time.perf_counter() - start,
-                                 new_state, donated))
+        plans.append(
+            _layer_plan(layer, roles, mesh, problem, choices, solution, time.perf_counter() - start, new_state, donated)
+        )
         start = time.perf_counter()
     return plans
 
 
-def _layer_plan(layer, roles, mesh, problem, choices, solution, seconds: float, new_state: Mapping[int, int],
-                donated: frozenset[int]) -> LayerPlan:
+def _layer_plan(
+    layer,
+    roles,
+    mesh,
+    problem,
+    choices,
+    solution,
+    seconds: float,
+    new_state: Mapping[int, int],
+    donated: frozenset[int],
+) -> LayerPlan:
     nodes = problem.nodes
 
     def layout(value_id: int) -> ShardingSpec | None:
@@ -190,19 +220,34 @@ def _layer_plan(layer, roles, mesh, problem, choices, solution, seconds: float, 
             elif role == BACKWARD and UPDATE in readers:
                 gradient += nbytes(v)
     # Gradients other layers' backward ops make for this layer's update (a weight used twice).
-    gradient += sum(nbytes(v) for v in layer.args if not values[v].is_arg and roles[values[v].producer] == BACKWARD
-                    and any(roles[u] == UPDATE for u in values[v].users if u in inside))
+    gradient += sum(
+        nbytes(v)
+        for v in layer.args
+        if not values[v].is_arg
+        and roles[values[v].producer] == BACKWARD
+        and any(roles[u] == UPDATE for u in values[v].users if u in inside)
+    )
     state = sum(nbytes(v) for v in layer.args if values[v].is_arg)
     results = set(layer.results)
     # At the layout of the state it replaces (the layer's plan does not tie the two; the
     # stage's does), with XLA's table of result pointers as `fragment_memory` counts outputs.
     # A donated argument that the update reads holds its new value (aliased: the pointer only).
-    in_place = {v for v in donated & results
-                if v in new_state and any(roles[u] == UPDATE for u in values[new_state[v]].users if u in inside)}
-    updated = sum((0.0 if v in in_place else nbytes(new_state.get(v, v))) + TUPLE_POINTER_BYTES
-                  for op in layer.ops if roles[op.index] == UPDATE for v in op.results if v in results)
-    temporaries = max(peak_temporaries(layer.subgraph([op.index for op in layer.ops if roles[op.index] == role]), nbytes)
-                      for role in (FORWARD, BACKWARD))
+    in_place = {
+        v
+        for v in donated & results
+        if v in new_state and any(roles[u] == UPDATE for u in values[new_state[v]].users if u in inside)
+    }
+    updated = sum(
+        (0.0 if v in in_place else nbytes(new_state.get(v, v))) + TUPLE_POINTER_BYTES
+        for op in layer.ops
+        if roles[op.index] == UPDATE
+        for v in op.results
+        if v in results
+    )
+    temporaries = max(
+        peak_temporaries(layer.subgraph([op.index for op in layer.ops if roles[op.index] == role]), nbytes)
+        for role in (FORWARD, BACKWARD)
+    )
     role_of = {op.id: roles[top.index] for top in layer.ops for op in top.walk()}
     forward = [node.kind in ("op", "loop", "case") and role_of.get(node.index) == FORWARD for node in nodes]
     return LayerPlan(
@@ -256,10 +301,19 @@ def _restricted(problem: ilp.Problem, allowed: Mapping[int, Sequence[int]]) -> i
     def pick(v: int, seq):
         return tuple(seq[k] for k in allowed[v]) if v in allowed and seq else tuple(seq)
 
-    nodes = tuple(replace(node, costs=pick(v, node.costs), memory=pick(v, node.memory),
-                          fixed=None if node.fixed is None else allowed.get(v, range(len(node.costs))).index(node.fixed)
-                          if v not in allowed or node.fixed in allowed[v] else None)
-                  for v, node in enumerate(problem.nodes))
+    nodes = tuple(
+        replace(
+            node,
+            costs=pick(v, node.costs),
+            memory=pick(v, node.memory),
+            fixed=None
+            if node.fixed is None
+            else allowed.get(v, range(len(node.costs))).index(node.fixed)
+            if v not in allowed or node.fixed in allowed[v]
+            else None,
+        )
+        for v, node in enumerate(problem.nodes)
+    )
     picked: dict = {}
 
     def matrix(edge: ilp.Edge):
@@ -269,8 +323,9 @@ def _restricted(problem: ilp.Problem, allowed: Mapping[int, Sequence[int]]) -> i
         key = (id(edge.costs), id(rows), id(cols))
         if key not in picked:
             whole = np.asarray(edge.costs, dtype=np.float64)
-            kept = whole[np.ix_(range(whole.shape[0]) if rows is None else rows,
-                                range(whole.shape[1]) if cols is None else cols)]
+            kept = whole[
+                np.ix_(range(whole.shape[0]) if rows is None else rows, range(whole.shape[1]) if cols is None else cols)
+            ]
             picked[key] = tuple(map(tuple, kept.tolist()))
         return picked[key]
 
@@ -282,7 +337,9 @@ def _start_up_latency(problem, choices: Sequence[int], mesh: LogicalMesh, only: 
     """Alpha terms of the chosen plan: each collective of a chosen strategy at its axes'
     latency, each resharding edge that costs anything at the mesh's largest latency. With
     `only`, of the nodes it marks and the edges into them."""
-    fast = LogicalMesh(tuple(replace(a, bandwidth_bytes_per_s=1e30) for a in mesh.axes), mesh.device_flops, mesh.device_memory_bytes)
+    fast = LogicalMesh(
+        tuple(replace(a, bandwidth_bytes_per_s=1e30) for a in mesh.axes), mesh.device_flops, mesh.device_memory_bytes
+    )
     total = 0.0
     for v, (node, choice) in enumerate(zip(problem.nodes, choices)):
         if only is None or only[v]:
@@ -366,11 +423,17 @@ def layer_dims(layer: FuncGraph) -> frozenset[int]:
 
 def renamed(plan: LayerPlan, names: Mapping[str, str]) -> LayerPlan:
     """The same plan with mesh axes renamed (for another mesh of the same `plan_key`)."""
+
     def spec(layout: ShardingSpec | None) -> ShardingSpec | None:
-        return None if layout is None else ShardingSpec(tuple(tuple(names.get(a, a) for a in axes) for axes in layout.dims))
+        return (
+            None
+            if layout is None
+            else ShardingSpec(tuple(tuple(names.get(a, a) for a in axes) for axes in layout.dims))
+        )
 
-    return replace(plan, arg_layouts=tuple(map(spec, plan.arg_layouts)), result_layouts=tuple(map(spec, plan.result_layouts)))
-
+    return replace(
+        plan, arg_layouts=tuple(map(spec, plan.arg_layouts)), result_layouts=tuple(map(spec, plan.result_layouts))
+    )
 
 
 @dataclass(frozen=True)
@@ -417,8 +480,9 @@ def plan_layers(
     groups: dict[int, list] = {}
     for key, (l, m) in first.items():
         groups.setdefault(m, []).append((l, tuple(sorted(splits[key]))))
-    work = _LayerWork(tuple(layers), rules, tuple(roles), tuple(distinct), time_limit, dict(new_state or {}),
-                      frozenset(donated))
+    work = _LayerWork(
+        tuple(layers), rules, tuple(roles), tuple(distinct), time_limit, dict(new_state or {}), frozenset(donated)
+    )
     tasks = sorted(groups.items())
     results = _solve_in_workers(work, tasks, workers) if workers > 1 and len(tasks) > 1 else None
     if results is None:
@@ -435,7 +499,9 @@ def plan_layers(
             source_l, source_m = first[(signatures[l], plan_key(mesh, dims[signatures[l]]))]
             plan = solved[(source_l, source_m, split)]
             if source_m != mesh_id[g]:
-                names = dict(zip(useful_axes(distinct[source_m], dims[signatures[l]]), useful_axes(mesh, dims[signatures[l]])))
+                names = dict(
+                    zip(useful_axes(distinct[source_m], dims[signatures[l]]), useful_axes(mesh, dims[signatures[l]]))
+                )
                 plan = renamed(plan, names)
             row.append(plan)
         table.append(tuple(row))
@@ -457,9 +523,20 @@ class _LayerWork:
         """Plans of each (layer, split_state options) of a task on its mesh, one build each."""
         mesh, items = self.meshes[task[0]], task[1]
         cache = StrategyCache(mesh)
-        return [plan_layer_options(self.layers[l], self.rules, self.roles, mesh, splits, time_limit=self.time_limit,
-                                   cache=cache, new_state=self.new_state, donated=self.donated)
-                for l, splits in items]
+        return [
+            plan_layer_options(
+                self.layers[l],
+                self.rules,
+                self.roles,
+                mesh,
+                splits,
+                time_limit=self.time_limit,
+                cache=cache,
+                new_state=self.new_state,
+                donated=self.donated,
+            )
+            for l, splits in items
+        ]
 
 
 _ADOPTED: list[_LayerWork] = []  # in a forked worker: the work it inherited
@@ -483,8 +560,12 @@ def _solve_in_workers(work: _LayerWork, tasks: list, workers: int) -> list | Non
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
-            with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("fork"),
-                                     initializer=_adopt, initargs=(work, os.getpid())) as pool:
+            with ProcessPoolExecutor(
+                min(workers, len(tasks)),
+                mp_context=multiprocessing.get_context("fork"),
+                initializer=_adopt,
+                initargs=(work, os.getpid()),
+            ) as pool:
                 return list(pool.map(_solve_group, tasks))
     except BrokenProcessPool:
         return None

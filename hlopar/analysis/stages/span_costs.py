@@ -128,8 +128,9 @@ def span_table(
     them all."""
     if remat not in REMAT_MODES:
         raise ValueError(f"remat must be one of {', '.join(REMAT_MODES)}, got {remat!r}")
-    if remat != "never" and (layers.forward_latency is None or layers.forward_fixed_latency is None
-                             or layers.input_bytes is None):
+    if remat != "never" and (
+        layers.forward_latency is None or layers.forward_fixed_latency is None or layers.input_bytes is None
+    ):
         raise ValueError(f"remat={remat} needs the layers' forward latencies and input bytes")
     num_meshes, num_layers = layers.latency.shape
     B = 1.0 if per_microbatch else float(microbatches)
@@ -159,14 +160,19 @@ def span_table(
     memory = np.full(shape, np.inf)
     updating = np.full(shape, np.inf)
     option_of = np.full(shape, KEEP, dtype=np.int8)
-    options = {"never": (KEEP,), "auto": (KEEP, STAGE, LAYERS), "always": (KEEP, STAGE), "layers": (KEEP, LAYERS)}[remat]
+    options = {"never": (KEEP,), "auto": (KEEP, STAGE, LAYERS), "always": (KEEP, STAGE), "layers": (KEEP, LAYERS)}[
+        remat
+    ]
     forced = remat in ("always", "layers")
     rows, cols = np.ogrid[:num_layers, :num_layers]
     rows, cols = rows[:, :, None], cols[:, :, None]
     for m, meshes in enumerate(meshes_of_submesh):
         if not meshes:
             continue
-        transfer = np.vectorize(lambda b: transfer_seconds(b, submesh_sizes[m]) if b > 0 else 0.0, otypes=[float])(received) / B
+        transfer = (
+            np.vectorize(lambda b: transfer_seconds(b, submesh_sizes[m]) if b > 0 else 0.0, otypes=[float])(received)
+            / B
+        )
         # Every candidate (option, logical mesh), keeping first: the first fastest one wins ties.
         candidates = [(option, g) for option in options for g in meshes]
         base = np.empty((len(candidates), num_layers, num_layers))  # need = base + slope x in flight
@@ -193,8 +199,9 @@ def span_table(
         peak = update_peak[g_of, rows, cols]
         latency[:, :, m, :] = fastest
         chosen[:, :, m, :] = np.where(found, g_of, -1)
-        memory[:, :, m, :] = np.where(found, np.maximum(base[best, rows, cols] + slope[best, rows, cols] * flight, peak),
-                                      np.inf)
+        memory[:, :, m, :] = np.where(
+            found, np.maximum(base[best, rows, cols] + slope[best, rows, cols] * flight, peak), np.inf
+        )
         updating[:, :, m, :] = np.where(found, peak, np.inf)
         option_of[:, :, m, :] = np.where(found, np.array([option for option, _ in candidates])[best], KEEP)
     return SpanTable(latency, chosen, memory, option_of != KEEP, updating, option_of == LAYERS)

@@ -93,8 +93,9 @@ def _as_4d(latency: np.ndarray, num_devices: int) -> np.ndarray:
     return table
 
 
-def _problem(latency: np.ndarray, submesh_sizes: Sequence[int], num_devices: int,
-             num_stages: int | None = None) -> _Problem:
+def _problem(
+    latency: np.ndarray, submesh_sizes: Sequence[int], num_devices: int, num_stages: int | None = None
+) -> _Problem:
     table = _as_4d(latency, num_devices)
     if table.ndim != 4 or table.shape[0] != table.shape[1] or table.shape[0] == 0:
         raise ValueError(f"latency must have shape (L, L, M, S) or (L, L, M), got {np.shape(latency)}")
@@ -107,8 +108,10 @@ def _problem(latency: np.ndarray, submesh_sizes: Sequence[int], num_devices: int
     if num_devices < 1:
         raise ValueError(f"num_devices must be positive, got {num_devices}")
     if num_stages is not None and not 1 <= num_stages <= min(depth, num_layers, num_devices):
-        raise ValueError(f"{num_stages} stages: between 1 and {min(depth, num_layers, num_devices)} here "
-                         f"({num_layers} layers, {num_devices} devices)")
+        raise ValueError(
+            f"{num_stages} stages: between 1 and {min(depth, num_layers, num_devices)} here "
+            f"({num_layers} layers, {num_devices} devices)"
+        )
     if np.any(np.isnan(table)) or np.any(table < 0):
         raise ValueError("latencies must be non-negative (inf where infeasible), not NaN")
     ks, is_, ms, values = [], [], [], []
@@ -146,7 +149,7 @@ def _min_sum(problem: _Problem, t_max: float) -> tuple[float, tuple[Stage, ...]]
         shifted = np.full((len(sizes), L + 1, D + 1), np.inf)
         for index, size in enumerate(sizes):
             if size <= D:
-                shifted[index, :, size:] = previous[:, :D + 1 - size]
+                shifted[index, :, size:] = previous[:, : D + 1 - size]
         k, i, m, value = k[use], i[use], m[use], value[use]
         candidates = shifted[m, i + 1] + value[:, None]
         firsts = np.flatnonzero(np.concatenate([[True], k[1:] != k[:-1]]))
@@ -196,8 +199,15 @@ def _candidate_groups(problem: _Problem, epsilon: float) -> tuple[np.ndarray, np
     return np.array(lows), np.array(highs)
 
 
-def stage_dp(latency: np.ndarray, submesh_sizes: Sequence[int], num_devices: int, num_microbatches: int,
-             epsilon: float = 1e-6, num_runner_ups: int = 3, num_stages: int | None = None) -> StagePlan:
+def stage_dp(
+    latency: np.ndarray,
+    submesh_sizes: Sequence[int],
+    num_devices: int,
+    num_microbatches: int,
+    epsilon: float = 1e-6,
+    num_runner_ups: int = 3,
+    num_stages: int | None = None,
+) -> StagePlan:
     """The plan of least Eq. 2 latency (module docstring): table `latency[i, j, m, s-1]`
     (a 3-D table means no dependence on s), `submesh_sizes[m]` devices per submesh choice,
     all `num_devices` used, B = `num_microbatches`; with `num_stages`, the best plan of exactly
@@ -216,7 +226,8 @@ def stage_dp(latency: np.ndarray, submesh_sizes: Sequence[int], num_devices: int
             f"no pipeline plan: no slicing of {problem.num_layers} layers into "
             f"{f'{num_stages} ' if num_stages else ''}stages on submeshes "
             f"of sizes {sorted(set(int(s) for s in problem.sizes))} uses exactly {num_devices} devices "
-            "with every stage feasible (out of memory or no such submesh)")
+            "with every stage feasible (out of memory or no such submesh)"
+        )
     search.run()
     return search.result(num_runner_ups)
 
@@ -286,14 +297,21 @@ class _Search:
 
     def result(self, count: int) -> StagePlan:
         best = self.best
-        others = sorted((p for p in self.plans.values() if p.stages != best.stages),
-                        key=lambda p: (p.total_latency, p.t_max))
-        return StagePlan(best.stages, best.total_latency, best.t_max, best.sum_latency, self.evaluations,
-                         tuple(others[:count]))
+        others = sorted(
+            (p for p in self.plans.values() if p.stages != best.stages), key=lambda p: (p.total_latency, p.t_max)
+        )
+        return StagePlan(
+            best.stages, best.total_latency, best.t_max, best.sum_latency, self.evaluations, tuple(others[:count])
+        )
 
 
-def brute_force_stages(latency: np.ndarray, submesh_sizes: Sequence[int], num_devices: int,
-                       num_microbatches: int, num_stages: int | None = None) -> StagePlan:
+def brute_force_stages(
+    latency: np.ndarray,
+    submesh_sizes: Sequence[int],
+    num_devices: int,
+    num_microbatches: int,
+    num_stages: int | None = None,
+) -> StagePlan:
     """Every slicing × submesh assignment using exactly all devices, scored by Eq. 2 (for tests
     on small L and D); least (T, t_max). Same inputs and errors as `stage_dp`."""
     table = _as_4d(latency, num_devices)
@@ -307,14 +325,20 @@ def brute_force_stages(latency: np.ndarray, submesh_sizes: Sequence[int], num_de
             for choice in itertools.product(range(num_submeshes), repeat=num_stages):
                 if sum(sizes[m] for m in choice) != num_devices:
                     continue
-                times = [float(table[a, b - 1, m, num_stages - n - 1])
-                         for n, (a, b, m) in enumerate(zip(starts, ends, choice))]
+                times = [
+                    float(table[a, b - 1, m, num_stages - n - 1])
+                    for n, (a, b, m) in enumerate(zip(starts, ends, choice))
+                ]
                 if not all(np.isfinite(times)):
                     continue
                 evaluated += 1
                 t_max, total = max(times), sum(times)
-                plan = Slicing(tuple(Stage(a, b - 1, m, t) for a, b, m, t in zip(starts, ends, choice, times)),
-                               total + (num_microbatches - 1) * t_max, t_max, total)
+                plan = Slicing(
+                    tuple(Stage(a, b - 1, m, t) for a, b, m, t in zip(starts, ends, choice, times)),
+                    total + (num_microbatches - 1) * t_max,
+                    t_max,
+                    total,
+                )
                 if best is None or (plan.total_latency, plan.t_max) < (best.total_latency, best.t_max):
                     best = plan
     if best is None:

@@ -77,8 +77,9 @@ def in_flight_microbatches(schedule: str, stages_after: int, microbatches: int) 
     raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
 
 
-def assign_devices(stage_submeshes: Sequence[Submesh], num_hosts: int,
-                   devices_per_host: int) -> tuple[tuple[int, ...], ...]:
+def assign_devices(
+    stage_submeshes: Sequence[Submesh], num_hosts: int, devices_per_host: int
+) -> tuple[tuple[int, ...], ...]:
     """Physical device ids per stage (device d sits on host d // devices_per_host), ascending
     and contiguous, tiling the cluster exactly (Appendix A).
 
@@ -91,14 +92,20 @@ def assign_devices(stage_submeshes: Sequence[Submesh], num_hosts: int,
     for index, submesh in enumerate(stage_submeshes):
         whole_hosts = submesh.devices == devices_per_host and submesh.hosts >= 1
         if not (whole_hosts or (submesh.hosts == 1 and 1 <= submesh.devices < devices_per_host)):
-            raise ValueError(f"stage {index}: submesh {submesh.hosts}x{submesh.devices} is neither (1, m <= "
-                             f"{devices_per_host}) nor (n, {devices_per_host})")
+            raise ValueError(
+                f"stage {index}: submesh {submesh.hosts}x{submesh.devices} is neither (1, m <= "
+                f"{devices_per_host}) nor (n, {devices_per_host})"
+            )
     total = sum(submesh.size for submesh in stage_submeshes)
     if total != num_hosts * devices_per_host:
-        raise ValueError(f"submeshes hold {total} devices, the cluster {num_hosts}x{devices_per_host} has "
-                         f"{num_hosts * devices_per_host}: they must tile it exactly")
-    order = sorted(range(len(stage_submeshes)),
-                   key=lambda n: (stage_submeshes[n].devices != devices_per_host, -stage_submeshes[n].size, n))
+        raise ValueError(
+            f"submeshes hold {total} devices, the cluster {num_hosts}x{devices_per_host} has "
+            f"{num_hosts * devices_per_host}: they must tile it exactly"
+        )
+    order = sorted(
+        range(len(stage_submeshes)),
+        key=lambda n: (stage_submeshes[n].devices != devices_per_host, -stage_submeshes[n].size, n),
+    )
     devices: dict[int, tuple[int, ...]] = {}
     offset = 0
     for n in order:
@@ -106,9 +113,11 @@ def assign_devices(stage_submeshes: Sequence[Submesh], num_hosts: int,
         first, last = offset, offset + submesh.size - 1
         if submesh.hosts == 1 and submesh.devices < devices_per_host:
             if first // devices_per_host != last // devices_per_host:
-                raise ValueError(f"stage {n}: a 1x{submesh.devices} submesh cannot be placed at device {first} "
-                                 f"without straddling hosts of {devices_per_host}; 1-D sizes must be powers of two "
-                                 f"dividing {devices_per_host} (see submesh_shapes)")
+                raise ValueError(
+                    f"stage {n}: a 1x{submesh.devices} submesh cannot be placed at device {first} "
+                    f"without straddling hosts of {devices_per_host}; 1-D sizes must be powers of two "
+                    f"dividing {devices_per_host} (see submesh_shapes)"
+                )
         devices[n] = tuple(range(first, last + 1))
         offset = last + 1
     return tuple(devices[n] for n in range(len(stage_submeshes)))

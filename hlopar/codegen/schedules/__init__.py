@@ -9,7 +9,16 @@ for Perfetto.
 
 from hlopar.codegen.schedules.costs import ZERO_COST, AlphaBeta, HostComm, StageCost, signal
 from hlopar.codegen.schedules.instructions import (
-    ACCUMULATE, FREE, RECV, RUN, SEND, UPDATE, Instruction, MeshStream, PipelineStreams, build_streams,
+    ACCUMULATE,
+    FREE,
+    RECV,
+    RUN,
+    SEND,
+    UPDATE,
+    Instruction,
+    MeshStream,
+    PipelineStreams,
+    build_streams,
 )
 from hlopar.codegen.schedules.registry import SCHEDULES, UnknownScheduleError, get_schedule
 from hlopar.codegen.schedules.simulator import DeadlockError, Event, SimResult, simulate
@@ -18,9 +27,35 @@ from hlopar.codegen.schedules.timeline import Timeline, chrome_trace, draw_timel
 from hlopar.codegen.schedules.topology import Edge, PipelineTopology
 
 __all__ = [
-    "ACCUMULATE", "FREE", "RECV", "RUN", "SEND", "UPDATE",
-    "ZERO_COST", "AlphaBeta", "DeadlockError", "Edge", "Event", "HostComm", "Instruction", "MeshStream",
-    "PipelineStreams", "PipelineTopology", "SCHEDULES", "Schedule", "SimResult", "StageCost", "Task", "Timeline",
-    "UnknownScheduleError", "build_streams", "chrome_trace", "draw_timeline", "get_schedule", "max_in_flight",
-    "signal", "simulate", "write_chrome_trace",
+    "ACCUMULATE",
+    "FREE",
+    "RECV",
+    "RUN",
+    "SEND",
+    "UPDATE",
+    "ZERO_COST",
+    "AlphaBeta",
+    "DeadlockError",
+    "Edge",
+    "Event",
+    "HostComm",
+    "Instruction",
+    "MeshStream",
+    "PipelineStreams",
+    "PipelineTopology",
+    "SCHEDULES",
+    "Schedule",
+    "SimResult",
+    "StageCost",
+    "Task",
+    "Timeline",
+    "UnknownScheduleError",
+    "build_streams",
+    "chrome_trace",
+    "draw_timeline",
+    "get_schedule",
+    "max_in_flight",
+    "signal",
+    "simulate",
+    "write_chrome_trace",
 ]

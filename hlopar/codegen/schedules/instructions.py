@@ -25,8 +25,16 @@ from hlopar.codegen.schedules.topology import PipelineTopology
 from hlopar.units import format_bytes
 
 __all__ = [
-    "RUN", "SEND", "RECV", "ACCUMULATE", "FREE", "UPDATE",
-    "Instruction", "MeshStream", "PipelineStreams", "build_streams",
+    "RUN",
+    "SEND",
+    "RECV",
+    "ACCUMULATE",
+    "FREE",
+    "UPDATE",
+    "Instruction",
+    "MeshStream",
+    "PipelineStreams",
+    "build_streams",
 ]
 
 RUN, SEND, RECV, ACCUMULATE, FREE, UPDATE = "RUN", "SEND", "RECV", "ACCUMULATE", "FREE", "UPDATE"
@@ -102,10 +110,16 @@ class Instruction:
     @classmethod
     def from_dict(cls, data: dict) -> Instruction:
         return cls(
-            id=data["id"], op=data["op"], kind=data.get("kind", ""), microbatch=data.get("microbatch"),
-            peer=data.get("peer", ""), nbytes=int(data.get("nbytes", 0)), buffer=data.get("buffer", ""),
+            id=data["id"],
+            op=data["op"],
+            kind=data.get("kind", ""),
+            microbatch=data.get("microbatch"),
+            peer=data.get("peer", ""),
+            nbytes=int(data.get("nbytes", 0)),
+            buffer=data.get("buffer", ""),
             allocates=tuple((str(n), int(b)) for n, b in data.get("allocates", ())),
-            deps=tuple(data.get("deps", ())), executables=tuple(data.get("executables", ())),
+            deps=tuple(data.get("deps", ())),
+            executables=tuple(data.get("executables", ())),
             transfers=tuple(data.get("transfers", ())),
         )
 
@@ -178,22 +192,26 @@ class PipelineStreams:
             for inst in stream.instructions:
                 if inst.op == FREE and inst.buffer not in allocated:
                     raise ValueError(
-                        f"{inst.id} frees {inst.buffer!r}, which no instruction on {stream.mesh} allocates")
+                        f"{inst.id} frees {inst.buffer!r}, which no instruction on {stream.mesh} allocates"
+                    )
         for inst in self.instructions():
             unknown = [d for d in inst.deps if d not in ids]
             if unknown:
                 raise ValueError(f"{inst.id} waits for unknown instructions {unknown}")
 
     def to_json(self, indent: int | None = 1) -> str:
-        return json.dumps({
-            "schedule": self.schedule,
-            "num_microbatches": self.num_microbatches,
-            "split_backward": self.split_backward,
-            "meshes": [
-                {"mesh": s.mesh, "stage": s.stage, "instructions": [i.to_dict() for i in s.instructions]}
-                for s in self.streams
-            ],
-        }, indent=indent)
+        return json.dumps(
+            {
+                "schedule": self.schedule,
+                "num_microbatches": self.num_microbatches,
+                "split_backward": self.split_backward,
+                "meshes": [
+                    {"mesh": s.mesh, "stage": s.stage, "instructions": [i.to_dict() for i in s.instructions]}
+                    for s in self.streams
+                ],
+            },
+            indent=indent,
+        )
 
     @classmethod
     def from_json(cls, text: str) -> PipelineStreams:
@@ -246,8 +264,7 @@ class _StageBuilder:
             recvs = [self._recv(ACT, m, e.src, k, e.nbytes) for e in self.ins]
             allocs = [(f"stash.{m}", self.topology.activation_bytes[k])]
             allocs += [(f"act.{m}->{self._mesh(e.dst)}", e.nbytes) for e in self.outs]
-            run = self._emit(("run", k, FORWARD, m), recvs, op=RUN, kind=FORWARD, microbatch=m,
-                             allocates=tuple(allocs))
+            run = self._emit(("run", k, FORWARD, m), recvs, op=RUN, kind=FORWARD, microbatch=m, allocates=tuple(allocs))
             for e in self.outs:
                 self._send(ACT, m, k, e.dst, e.nbytes, run)
         elif kind == BACKWARD:
@@ -255,8 +272,14 @@ class _StageBuilder:
             allocs = tuple((f"grad.{m}->{self._mesh(e.src)}", e.backward_bytes) for e in self.ins)
             if self.split:
                 allocs += ((f"carry.{m}", self.topology.carry_bytes[k]),)
-            run = self._emit(("run", k, BACKWARD, m), [("run", k, FORWARD, m)] + recvs, op=RUN, kind=BACKWARD,
-                             microbatch=m, allocates=allocs)
+            run = self._emit(
+                ("run", k, BACKWARD, m),
+                [("run", k, FORWARD, m)] + recvs,
+                op=RUN,
+                kind=BACKWARD,
+                microbatch=m,
+                allocates=allocs,
+            )
             for e in self.ins:
                 self._send(GRAD, m, k, e.src, e.backward_bytes, run)
             if not self.split:
@@ -270,12 +293,21 @@ class _StageBuilder:
     # Transfer keys name (sending stage, receiving stage), gradients going backwards.
     def _recv(self, what: str, m: int, src: int, dst: int, nbytes: int) -> tuple:
         buffer = f"{what}.{m}<-{self._mesh(src)}"
-        return self._emit(("recv", what, m, src, dst), [("send", what, m, src, dst)], op=RECV, kind=what,
-                          microbatch=m, peer=self._mesh(src), nbytes=nbytes, allocates=((buffer, nbytes),))
+        return self._emit(
+            ("recv", what, m, src, dst),
+            [("send", what, m, src, dst)],
+            op=RECV,
+            kind=what,
+            microbatch=m,
+            peer=self._mesh(src),
+            nbytes=nbytes,
+            allocates=((buffer, nbytes),),
+        )
 
     def _send(self, what: str, m: int, src: int, dst: int, nbytes: int, run: tuple) -> None:
-        send = self._emit(("send", what, m, src, dst), [run], op=SEND, kind=what, microbatch=m,
-                          peer=self._mesh(dst), nbytes=nbytes)
+        send = self._emit(
+            ("send", what, m, src, dst), [run], op=SEND, kind=what, microbatch=m, peer=self._mesh(dst), nbytes=nbytes
+        )
         self._free(f"{what}.{m}->{self._mesh(dst)}", nbytes, send)
 
     def _free(self, buffer: str, nbytes: int, after: tuple) -> None:

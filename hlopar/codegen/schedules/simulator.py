@@ -18,7 +18,14 @@ from dataclasses import dataclass
 
 from hlopar.codegen.schedules.costs import CommModel, StageCost, as_comm_model
 from hlopar.codegen.schedules.instructions import (
-    ACCUMULATE, FREE, RECV, RUN, SEND, UPDATE, Instruction, PipelineStreams,
+    ACCUMULATE,
+    FREE,
+    RECV,
+    RUN,
+    SEND,
+    UPDATE,
+    Instruction,
+    PipelineStreams,
 )
 
 __all__ = ["COMPUTE", "SEND_STREAM", "RECV_STREAM", "Event", "SimResult", "DeadlockError", "simulate"]
@@ -165,12 +172,22 @@ def simulate(
                 i = q[head[key]]
                 stuck[insts[i].id] = [insts[d].id for d in deps[i] if finish[d] is None]
         lines = [f"{s} ({insts[index[s]].describe()}) waits for {', '.join(w) or 'nothing'}" for s, w in stuck.items()]
-        raise DeadlockError(f"deadlock: {n - done} of {n} instructions never run; stream heads:\n  "
-                            + "\n  ".join(lines), stuck)
+        raise DeadlockError(
+            f"deadlock: {n - done} of {n} instructions never run; stream heads:\n  " + "\n  ".join(lines), stuck
+        )
 
     events = tuple(
-        Event(inst.id, inst.mesh, key[1] if key else "", inst.op, inst.kind, inst.microbatch, inst.peer,
-              start[i], finish[i])
+        Event(
+            inst.id,
+            inst.mesh,
+            key[1] if key else "",
+            inst.op,
+            inst.kind,
+            inst.microbatch,
+            inst.peer,
+            start[i],
+            finish[i],
+        )
         for i, (inst, key) in enumerate(zip(insts, stream_key))
     )
     total = max((e.end for e in events), default=0.0)

@@ -71,10 +71,13 @@ class Timeline:
                 kind = e.kind if e.op == RUN and e.kind in KINDS else "other"
                 spans.append(Span(e.mesh, COMPUTE, kind, e.start, e.end, e.microbatch))
             elif e.stream == SEND_STREAM and e.op == SEND:
-                spans.append(Span(e.mesh, SEND_LANE, e.kind if e.kind in KINDS else "act", e.start, e.end,
-                                  e.microbatch, e.peer))
-        title = (f"{result.schedule}: step {_with_unit(result.iteration_time)} (simulated), "
-                 f"bubble {100 * result.bubble_fraction:.1f}%")
+                spans.append(
+                    Span(e.mesh, SEND_LANE, e.kind if e.kind in KINDS else "act", e.start, e.end, e.microbatch, e.peer)
+                )
+        title = (
+            f"{result.schedule}: step {_with_unit(result.iteration_time)} (simulated), "
+            f"bubble {100 * result.bubble_fraction:.1f}%"
+        )
         return cls(title, tuple(result.meshes), tuple(spans))
 
 
@@ -109,21 +112,35 @@ def draw_timeline(timeline: Timeline, path: str | Path, width_inches: float = 12
         y = row_of[span.mesh]
         low, height = (y - 0.35, 0.5) if span.lane == COMPUTE else (y + 0.2, 0.15)
         left, width = span.start / scale, (span.end - span.start) / scale
-        axes.broken_barh([(left, width)], (low, height), facecolors=KINDS[span.kind][1], edgecolors="white",
-                         linewidth=0.5)
+        axes.broken_barh(
+            [(left, width)], (low, height), facecolors=KINDS[span.kind][1], edgecolors="white", linewidth=0.5
+        )
         drawn.add(span.kind)
         label_fits = width * pixels_per_unit >= 7 * len(str(span.microbatch)) + 4
         if span.lane == COMPUTE and span.microbatch is not None and label_fits:
-            axes.text(left + width / 2, low + height / 2, str(span.microbatch), ha="center", va="center",
-                      fontsize=7, color="white", clip_on=True)
+            axes.text(
+                left + width / 2,
+                low + height / 2,
+                str(span.microbatch),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white",
+                clip_on=True,
+            )
     axes.set_yticks(range(rows), [f"mesh {m}" for m in timeline.meshes])
     axes.set_ylim(rows - 0.5, -0.5)
     axes.set_xlim(0, (timeline.end or scale) / scale)
     axes.set_xlabel(f"time ({unit})")
     axes.set_title(timeline.title, loc="left", fontsize=10)
     axes.grid(axis="x", alpha=0.3)
-    axes.legend(handles=[Patch(color=color, label=label) for kind, (label, color) in KINDS.items() if kind in drawn],
-                loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    axes.legend(
+        handles=[Patch(color=color, label=label) for kind, (label, color) in KINDS.items() if kind in drawn],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=8,
+        frameon=False,
+    )
     path = Path(path)
     figure.savefig(path)
     return path
@@ -142,9 +159,18 @@ def chrome_trace(timeline: Timeline) -> dict:
     for span in timeline.spans:
         name = KINDS[span.kind][0] if span.lane == COMPUTE else f"{KINDS[span.kind][0]} to {span.peer}"
         args = {"microbatch": span.microbatch} if span.microbatch is not None else {}
-        events.append({"name": name if span.microbatch is None else f"{name} {span.microbatch}",
-                       "cat": span.kind, "ph": "X", "pid": pid_of[span.mesh], "tid": lanes.index(span.lane),
-                       "ts": span.start * 1e6, "dur": (span.end - span.start) * 1e6, "args": args})
+        events.append(
+            {
+                "name": name if span.microbatch is None else f"{name} {span.microbatch}",
+                "cat": span.kind,
+                "ph": "X",
+                "pid": pid_of[span.mesh],
+                "tid": lanes.index(span.lane),
+                "ts": span.start * 1e6,
+                "dur": (span.end - span.start) * 1e6,
+                "args": args,
+            }
+        )
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"title": timeline.title}}
 
 
@@ -152,4 +178,3 @@ def write_chrome_trace(timeline: Timeline, path: str | Path) -> Path:
     path = Path(path)
     path.write_text(json.dumps(chrome_trace(timeline)) + "\n")
     return path
-

@@ -66,8 +66,14 @@ class PipelineTopology:
             seen.add((e.src, e.dst))
 
     @classmethod
-    def chain(cls, num_stages: int, nbytes: int | Sequence[int], activation_bytes: int | Sequence[int] = 0,
-              skips: Sequence[Edge] = (), meshes: Sequence[str] = ()) -> PipelineTopology:
+    def chain(
+        cls,
+        num_stages: int,
+        nbytes: int | Sequence[int],
+        activation_bytes: int | Sequence[int] = 0,
+        skips: Sequence[Edge] = (),
+        meshes: Sequence[str] = (),
+    ) -> PipelineTopology:
         """Stage k -> k+1 with `nbytes` (one value, or one per boundary), plus `skips`."""
         per_edge = [nbytes] * (num_stages - 1) if isinstance(nbytes, int) else list(nbytes)
         if len(per_edge) != num_stages - 1:
@@ -75,8 +81,10 @@ class PipelineTopology:
         stash = [activation_bytes] * num_stages if isinstance(activation_bytes, int) else list(activation_bytes)
         chain = [Edge(k, k + 1, b) for k, b in enumerate(per_edge)]
         extra = {(e.src, e.dst): e for e in skips}
-        merged = [Edge(e.src, e.dst, e.nbytes + extra.pop((e.src, e.dst)).nbytes)
-                  if (e.src, e.dst) in extra else e for e in chain]
+        merged = [
+            Edge(e.src, e.dst, e.nbytes + extra.pop((e.src, e.dst)).nbytes) if (e.src, e.dst) in extra else e
+            for e in chain
+        ]
         return cls(num_stages, tuple(merged) + tuple(extra.values()), tuple(stash), tuple(meshes))
 
     def inputs(self, stage: int) -> list[Edge]:

@@ -69,7 +69,8 @@ def test_maximal_and_replicated():
     everywhere = all_device_slices((4, 2), ShardingSpec.replicated(2), MESH)
     assert everywhere == {d: (slice(0, 4), slice(0, 2)) for d in range(8)}
     assert devices_holding((4, 2), ShardingSpec.replicated(2), MESH) == (
-        HeldSlice((slice(0, 4), slice(0, 2)), tuple(range(8))),)
+        HeldSlice((slice(0, 4), slice(0, 2)), tuple(range(8))),
+    )
     assert all_device_slices((), ShardingSpec(()), MESH)[5] == ()
 
 
@@ -136,8 +137,10 @@ def test_devices_holding_groups_replicas():
     held = devices_holding((4, 8), ShardingSpec.of(None, "x"), TRANSPOSED)
     assert held == tuple(HeldSlice((slice(0, 4), slice(2 * i, 2 * i + 2)), (i, i + 4)) for i in range(4))
     held = devices_holding((4, 8), ShardingSpec.of("y", None), TRANSPOSED)
-    assert held == (HeldSlice((slice(0, 2), slice(0, 8)), (0, 1, 2, 3)),
-                    HeldSlice((slice(2, 4), slice(0, 8)), (4, 5, 6, 7)))
+    assert held == (
+        HeldSlice((slice(0, 2), slice(0, 8)), (0, 1, 2, 3)),
+        HeldSlice((slice(2, 4), slice(0, 8)), (4, 5, 6, 7)),
+    )
     # Uneven: 3 rows over 4 shards; the devices of the empty last shard hold nothing.
     held = devices_holding((3,), ShardingSpec.of("y"), MESH)
     assert held == tuple(HeldSlice((slice(i, i + 1),), (i, i + 4)) for i in range(3))
@@ -161,11 +164,16 @@ def test_sub_axes_and_unreduced():
 def test_gspmd_device_slices():
     gs = parse_gspmd("{devices=[2,1,2]<=[2,2]T(1,0) last_tile_dim_replicate}")
     assert gspmd_device_slices((5, 3), gs) == {
-        0: (slice(0, 3), slice(0, 3)), 2: (slice(0, 3), slice(0, 3)),
-        1: (slice(3, 5), slice(0, 3)), 3: (slice(3, 5), slice(0, 3)),
+        0: (slice(0, 3), slice(0, 3)),
+        2: (slice(0, 3), slice(0, 3)),
+        1: (slice(3, 5), slice(0, 3)),
+        3: (slice(3, 5), slice(0, 3)),
     }
     assert gspmd_device_slices((2,), parse_gspmd("{maximal device=4}")) == {4: (slice(0, 2),)}
-    assert gspmd_device_slices((2,), parse_gspmd("{replicated}"), devices=[0, 1]) == {0: (slice(0, 2),), 1: (slice(0, 2),)}
+    assert gspmd_device_slices((2,), parse_gspmd("{replicated}"), devices=[0, 1]) == {
+        0: (slice(0, 2),),
+        1: (slice(0, 2),),
+    }
     with pytest.raises(ValueError, match="pass them"):
         gspmd_device_slices((2,), parse_gspmd("{replicated}"))
     with pytest.raises(ValueError, match="rank"):
@@ -199,8 +207,16 @@ def test_slices_match_jax_placement(cpu_devices):
         Mesh(d.reshape(2, 2, 2).transpose(1, 2, 0), ("x", "y", "z")),
         Mesh(d[[3, 1, 7, 5, 0, 2, 6, 4]].reshape(2, 4), ("x", "y")),
     ]
-    specs = [P(), P("x"), P(None, "y"), P("y", "x"), P(("x", "y")), P(("y", "x"), None), P("z", ("x", "y")),
-             P(None, ("z", "x"))]
+    specs = [
+        P(),
+        P("x"),
+        P(None, "y"),
+        P("y", "x"),
+        P(("x", "y")),
+        P(("y", "x"), None),
+        P("z", ("x", "y")),
+        P(None, ("z", "x")),
+    ]
     shape = (8, 16)
     checked = 0
     for jmesh in meshes:
@@ -209,8 +225,9 @@ def test_slices_match_jax_placement(cpu_devices):
             used = {a for e in p if e is not None for a in ((e,) if isinstance(e, str) else e)}
             if not used <= set(jmesh.axis_names):
                 continue
-            spec = ShardingSpec(tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in p)
-                                + ((),) * (2 - len(p)))
+            spec = ShardingSpec(
+                tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in p) + ((),) * (2 - len(p))
+            )
             array = jax.device_put(np.arange(np.prod(shape)).reshape(shape), NamedSharding(jmesh, p))
             expected = {s.device.id: _normalized(s.index, shape) for s in array.addressable_shards}
             assert all_device_slices(shape, spec, mesh) == expected, (jmesh, p)

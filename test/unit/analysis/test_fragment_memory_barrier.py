@@ -21,9 +21,15 @@ func.func @main(%x: tensor<64x64xf32>) -> tensor<64x64xf32> {{
 
 def test_a_barrier_changes_no_buffer_life():
     plain = fragment_memory(parse_module(BODY.format(barrier="", a="%a", b="%b")))
-    barred = fragment_memory(parse_module(BODY.format(
-        barrier="%r:2 = stablehlo.optimization_barrier %a, %b : tensor<64x64xf32>, tensor<64x64xf32>",
-        a="%r#0", b="%r#1")))
+    barred = fragment_memory(
+        parse_module(
+            BODY.format(
+                barrier="%r:2 = stablehlo.optimization_barrier %a, %b : tensor<64x64xf32>, tensor<64x64xf32>",
+                a="%r#0",
+                b="%r#1",
+            )
+        )
+    )
     # a, b and c live at once (b is read last): 3 x 16 KiB.
     assert plain.temporaries == 3 * 64 * 64 * 4
     assert barred == plain

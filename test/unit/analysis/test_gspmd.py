@@ -84,10 +84,14 @@ def test_canonical_strings_round_trip(text):
         ("{devices=[4,2]<=[2,1,2,2]T(1,0,3,2)}", "{devices=[4,2]<=[2,2,2]T(0,2,1)}"),
         ("{devices=[2,2,2]<=[2,2,2]T(1,2,0)}", "{devices=[2,2,2]<=[2,4]T(1,0)}"),
         ("{devices=[2,2]<=[4] last_tile_dims={replicated}}", "{devices=[2,2]<=[4] last_tile_dim_replicate}"),
-        ("{devices=[2,2,2]<=[8] last_tile_dims={replicated, manual}}",
-         "{devices=[2,2,2]<=[2,2,2]T(0,2,1) last_tile_dims={manual, replicated}}"),
-        ("{devices=[2,2,2]<=[8] last_tile_dims={replicated, replicated}}",
-         "{devices=[2,4]<=[8] last_tile_dim_replicate}"),
+        (
+            "{devices=[2,2,2]<=[8] last_tile_dims={replicated, manual}}",
+            "{devices=[2,2,2]<=[2,2,2]T(0,2,1) last_tile_dims={manual, replicated}}",
+        ),
+        (
+            "{devices=[2,2,2]<=[8] last_tile_dims={replicated, replicated}}",
+            "{devices=[2,4]<=[8] last_tile_dim_replicate}",
+        ),
         ("{devices=[2,1]<=[2] last_tile_dim_replicate}", "{devices=[2]<=[2]}"),
         ("{devices=[1,1,2]<=[2] last_tile_dim_replicate}", "{replicated}"),
         ("{devices=[1,1]<=[1] last_tile_dim_replicate}", "{replicated}"),
@@ -95,27 +99,36 @@ def test_canonical_strings_round_trip(text):
         ("{devices=[1,1,4]<=[4] last_tile_dims={unreduced}}", "{unreduced}"),
         ("{devices=[1,2,1]<=[2] last_tile_dims={manual, replicated}}", "{manual}"),
         ("{devices=[1,1,1]<=[1] last_tile_dims={manual, replicated}}", "{devices=[1]<=[1]}"),
-        ("{devices=[1,1,3]<=[3] last_tile_dims={replicated, unreduced}}", "{devices=[1,3]<=[3] last_tile_dims={unreduced}}"),
+        (
+            "{devices=[1,1,3]<=[3] last_tile_dims={replicated, unreduced}}",
+            "{devices=[1,3]<=[3] last_tile_dims={unreduced}}",
+        ),
         ("{devices=[1,3,3]<=[9] last_tile_dims={unreduced, unreduced}}", "{unreduced}"),
         ("{devices=[2]<=[2] last_tile_dims={}}", "{devices=[2]<=[2]}"),
         # Metadata is dropped; spacing and the tuple index comment are free.
         ('{replicated metadata={op_name="a"}}', "{replicated}"),
         ('{devices=[2]<=[2] metadata={op_name="a}" source_file="x.py" source_line=3}}', "{devices=[2]<=[2]}"),
         ('{maximal device=3 shard_as 1 metadata={{op_name="a"}, {op_name="b"}}}', "{maximal device=3 shard_as 1}"),
-        ("{ devices=[2, 2]<=[4]  last_tile_dims={ manual , replicated } }",
-         "{devices=[2,2]<=[4] last_tile_dims={manual, replicated}}"),
+        (
+            "{ devices=[2, 2]<=[4]  last_tile_dims={ manual , replicated } }",
+            "{devices=[2,2]<=[4] last_tile_dims={manual, replicated}}",
+        ),
         ("{{replicated},{manual}, /*index=2*/ {maximal device=0}}", "{{replicated}, {manual}, {maximal device=0}}"),
         # Explicit device lists print in iota form whenever they are one.
         ("{devices=[2,1,4]0,1,2,3,4,5,6,7}", "{devices=[2,1,4]<=[8]}"),
         ("{devices=[2,2]0,2,1,3}", "{devices=[2,2]<=[2,2]T(1,0)}"),
         ("{devices=[2,2]0,1,2,3 last_tile_dim_replicate}", "{devices=[2,2]<=[4] last_tile_dim_replicate}"),
-        ("{devices=[2,2,2]0,1,2,3,4,5,6,7 last_tile_dims={replicated, manual}}",
-         "{devices=[2,2,2]<=[2,2,2]T(0,2,1) last_tile_dims={manual, replicated}}"),
+        (
+            "{devices=[2,2,2]0,1,2,3,4,5,6,7 last_tile_dims={replicated, manual}}",
+            "{devices=[2,2,2]<=[2,2,2]T(0,2,1) last_tile_dims={manual, replicated}}",
+        ),
         # Replicas within a group are sorted, as XLA does.
         ("{devices=[2,2]1,0,3,2 last_tile_dim_replicate}", "{devices=[2,2]<=[4] last_tile_dim_replicate}"),
         ("{devices=[2,4]<=[2,2,2]T(0,2,1) last_tile_dim_replicate}", "{devices=[2,4]<=[8] last_tile_dim_replicate}"),
-        ("{devices=[1,3,3,2]<=[9,2]T(1,0) last_tile_dims={replicated, replicated}}",
-         "{devices=[1,3,6]0,2,4,6,8,10,1,3,5,12,14,16,7,9,11,13,15,17 last_tile_dim_replicate}"),
+        (
+            "{devices=[1,3,3,2]<=[9,2]T(1,0) last_tile_dims={replicated, replicated}}",
+            "{devices=[1,3,6]0,2,4,6,8,10,1,3,5,12,14,16,7,9,11,13,15,17 last_tile_dim_replicate}",
+        ),
         ("{devices=[2,2]1,0,2,3 last_tile_dims={manual}}", "{devices=[2,2]1,0,2,3 last_tile_dims={manual}}"),
     ],
 )
@@ -422,8 +435,18 @@ def _jax_meshes(devices) -> list[Mesh]:
 
 
 SPECS = [
-    P(), P("x"), P(None, "x"), P("y"), P("y", "x"), P(("x", "y")), P(("y", "x")), P(None, ("y", "x")),
-    P("z"), P(("z", "x"), "y"), P("x", None, "z"), P(None, None, ("y", "z", "x")),
+    P(),
+    P("x"),
+    P(None, "x"),
+    P("y"),
+    P("y", "x"),
+    P(("x", "y")),
+    P(("y", "x")),
+    P(None, ("y", "x")),
+    P("z"),
+    P(("z", "x"), "y"),
+    P("x", None, "z"),
+    P(None, None, ("y", "z", "x")),
 ]
 
 
@@ -450,8 +473,9 @@ def test_sdy_to_gspmd_matches_jax(cpu_devices):
                 gs = to_gspmd_sharding(physical, spec)
                 if jax_hlo.is_tiled():
                     jax_gs = parse_gspmd(str(jax_hlo))
-                    placed = GspmdSharding("tiled", jax_gs.tile_shape, [ids[i] for i in jax_gs.devices],
-                                           jax_gs.last_tile_dims)
+                    placed = GspmdSharding(
+                        "tiled", jax_gs.tile_shape, [ids[i] for i in jax_gs.devices], jax_gs.last_tile_dims
+                    )
                     assert gs == placed.canonical(), (jmesh, p)
                 checked += 1
     assert checked > 60

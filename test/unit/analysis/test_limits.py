@@ -25,17 +25,24 @@ def test_clusters_the_planner_handles(hosts, devices):
     check_cluster(hosts, devices)
 
 
-@pytest.mark.parametrize("hosts, devices, message", [
-    (0, 4, "expected a positive integer, got 0"),
-    (10**6, 8, "1000000 is more than 1,024, the most hlopar takes for a cluster's hosts or devices per host"),
-    (2, 10**20, "is more than 1,024"),
-    (2, 1024, "a cluster of 2 x 1,024 = 2,048 devices is more than 1,024"),
-    (64, 8, "has 769 logical meshes (every 2-D shape of every submesh) for stage construction to plan each "
-            "layer on, more than 400, the most it plans within about 10 minutes"),
-    (1024, 1, "has 7,262 logical meshes"),
-    (True, 4, "expected an integer, got True"),
-    (2.0, 4, "expected an integer, got 2.0"),
-])
+@pytest.mark.parametrize(
+    "hosts, devices, message",
+    [
+        (0, 4, "expected a positive integer, got 0"),
+        (10**6, 8, "1000000 is more than 1,024, the most hlopar takes for a cluster's hosts or devices per host"),
+        (2, 10**20, "is more than 1,024"),
+        (2, 1024, "a cluster of 2 x 1,024 = 2,048 devices is more than 1,024"),
+        (
+            64,
+            8,
+            "has 769 logical meshes (every 2-D shape of every submesh) for stage construction to plan each "
+            "layer on, more than 400, the most it plans within about 10 minutes",
+        ),
+        (1024, 1, "has 7,262 logical meshes"),
+        (True, 4, "expected an integer, got True"),
+        (2.0, 4, "expected an integer, got 2.0"),
+    ],
+)
 def test_clusters_refused_with_the_limit_and_why(hosts, devices, message):
     clock = time.perf_counter()
     with pytest.raises(ValueError) as error:
@@ -49,11 +56,14 @@ def test_logical_mesh_count_is_what_stage_construction_enumerates():
     assert logical_mesh_count(32, 8) <= MAX_LOGICAL_MESHES < logical_mesh_count(64, 8)
 
 
-@pytest.mark.parametrize("shape, message", [
-    ((100000, 100000), "a mesh of 100000x100000 = 10,000,000,000 devices is more than 1,024"),
-    ((2, 0), "mesh sizes are positive integers, got 2x0"),
-    ((), "a mesh has at least one axis"),
-])
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        ((100000, 100000), "a mesh of 100000x100000 = 10,000,000,000 devices is more than 1,024"),
+        ((2, 0), "mesh sizes are positive integers, got 2x0"),
+        ((), "a mesh has at least one axis"),
+    ],
+)
 def test_mesh_shapes_refused(shape, message):
     with pytest.raises(ValueError, match=message):
         check_mesh_shape(shape)

@@ -105,9 +105,16 @@ def test_unused_axes():
     assert unused_axes(mesh, []) == (AxisRef("x"), AxisRef("y"), AxisRef("z"))
     assert unused_axes(mesh, [AxisRef("y")]) == (AxisRef("x"), AxisRef("z"))
     assert unused_axes(mesh, [AxisRef("y", (2, 2))]) == (
-        AxisRef("x"), AxisRef("y", (1, 2)), AxisRef("y", (4, 2)), AxisRef("z"))
+        AxisRef("x"),
+        AxisRef("y", (1, 2)),
+        AxisRef("y", (4, 2)),
+        AxisRef("z"),
+    )
     assert unused_axes(mesh, [AxisRef("y", (4, 2)), AxisRef("y", (1, 2))]) == (
-        AxisRef("x"), AxisRef("y", (2, 2)), AxisRef("z"))
+        AxisRef("x"),
+        AxisRef("y", (2, 2)),
+        AxisRef("z"),
+    )
     with pytest.raises(ValueError, match="used twice"):
         unused_axes(mesh, [AxisRef("y"), AxisRef("y", (1, 2))])
     with pytest.raises(ValueError, match="no axis"):
@@ -141,7 +148,9 @@ def test_canonical_text_round_trips(text):
 
 
 def test_parsed_structure():
-    s = TensorSharding.parse('#sdy.sharding<@mesh1, [{"a", "b":(2)2}p0, {"c", ?}p3, {}], replicated={"d"}, unreduced={"e"}>')
+    s = TensorSharding.parse(
+        '#sdy.sharding<@mesh1, [{"a", "b":(2)2}p0, {"c", ?}p3, {}], replicated={"d"}, unreduced={"e"}>'
+    )
     assert s.mesh == "mesh1" and s.mesh_name == "mesh1" and s.rank == 3
     assert s.dims[0] == DimSharding((AxisRef("a"), AxisRef("b", (2, 2))), True, 0)
     assert s.dims[1] == DimSharding((AxisRef("c"),), False, 3)
@@ -158,7 +167,10 @@ def test_parsed_structure():
         ('#sdy.sharding<@mesh, [{"c", "a",?}p1, {"b", ?}]>', '#sdy.sharding<@mesh, [{"c", "a", ?}p1, {"b", ?}]>'),
         ('#sdy.sharding<@mesh, [{?}, {?}], replicated = {"x"}>', '#sdy.sharding<@mesh, [{?}, {?}], replicated={"x"}>'),
         ('#sdy.sharding<@mesh7, [{"y"}, {"x": (2)4}]>', '#sdy.sharding<@mesh7, [{"y"}, {"x":(2)4}]>'),
-        ('<@mesh, [{"x"}], unreduced={"z"}, replicated={"y"}>', '#sdy.sharding<@mesh, [{"x"}], replicated={"y"}, unreduced={"z"}>'),
+        (
+            '<@mesh, [{"x"}], unreduced={"z"}, replicated={"y"}>',
+            '#sdy.sharding<@mesh, [{"x"}], replicated={"y"}, unreduced={"z"}>',
+        ),
         ('#sdy.sharding<@mesh, [{"a\\"b\\n"}]>', '#sdy.sharding<@mesh, [{"a\\22b\\0A"}]>'),
         ('#sdy.sharding<@"mesh", [{"é"}]>', '#sdy.sharding<@mesh, [{"\\C3\\A9"}]>'),
     ],
@@ -178,10 +190,10 @@ def test_noncanonical_text_prints_like_jaxlib(text, canonical):
         '#sdy.sharding<@foo, [{}, {}], replicated={"a", b}>',
         '#sdy.sharding<@foo, [{}, {}], replicated={"a"}, >',
         '#sdy.sharding<@foo, [{}, {}], replicated={"a"}, replicated={"b"}>',
-        '#sdy.sharding<@foo, [{}, {}], replicated={}>',
+        "#sdy.sharding<@foo, [{}, {}], replicated={}>",
         '#sdy.sharding<@foo, [{}, {}], unknown={"a"}>',
         '#sdy.sharding<@foo, [{}, {}], unreduced=["a", "b"]>',
-        '#sdy.sharding<@foo, [{}, {}],>',
+        "#sdy.sharding<@foo, [{}, {}],>",
         '#sdy.sharding<@foo, [{?, "a"}]>',
         '#sdy.sharding<@foo, [{"a"}]',
         '#sdy.sharding<foo, [{"a"}]>',

@@ -39,8 +39,13 @@ FAST = {("jax_resnet_50", "2x4"), ("searchless_chess_9m", "4x2")}
 # Measured with these inputs: ResNet-50 2x4 bit-exact, Searchless Chess 9M 4x2 5e-5; of the heavy
 # ones only 2x4 was re-run (BERT 1e-4, Searchless Chess 270M 5e-5), so they keep 1e-3 until their
 # other meshes are measured; AlphaFold 1e-6 (above).
-RTOL = {"jax_resnet_50": 1e-6, "searchless_chess_9m": 1e-4, "pt_bert": 1e-3, "searchless_chess_270m": 1e-3,
-        "alphafold": 1e-6}
+RTOL = {
+    "jax_resnet_50": 1e-6,
+    "searchless_chess_9m": 1e-4,
+    "pt_bert": 1e-3,
+    "searchless_chess_270m": 1e-3,
+    "alphafold": 1e-6,
+}
 
 
 FLOATS = {"f32": np.float32, "f64": np.float64, "f16": np.float16}
@@ -112,7 +117,9 @@ def test_planned_model_matches_one_device(name, mesh):
     zeros = ",".join("0" for _ in mesh.split("x"))
     pipeline = f"builtin.module(hlopar-import,hlopar-auto-sharding{{mesh-shape={mesh} latency={zeros}}})"
     Pipeline.parse(pipeline, planned_module.context).run(planned_module, PassContext())
-    assert re.search(r'sdy.sharding_per_value<\[<@mesh, \[[^\]]*\{"[xy]"', print_module(planned_module)), "nothing is split"
+    assert re.search(r'sdy.sharding_per_value<\[<@mesh, \[[^\]]*\{"[xy]"', print_module(planned_module)), (
+        "nothing is split"
+    )
     planned = compile_spmd(planned_module, jax.devices()[:8])
     args = arguments(name, reference, seed=0)
     assert_trees_close(list(planned(*args)), list(reference(*args)), rtol=RTOL[name], max_rtol=RTOL[name])

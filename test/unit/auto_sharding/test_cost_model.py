@@ -215,7 +215,11 @@ def test_nd_conversions(src, dst, expected):
     "src, dst, expected",
     [
         # each dimension gathered on its own, the last one first
-        (S("x", "y", R), S(R, R, R), (Collective("all-gather", ("y",), M24 // 2), Collective("all-gather", ("x",), M24))),
+        (
+            S("x", "y", R),
+            S(R, R, R),
+            (Collective("all-gather", ("y",), M24 // 2), Collective("all-gather", ("x",), M24)),
+        ),
         # finer tiles elsewhere: sliced where they lie, then sent where they belong
         (S("x", R, R), S("y", R, R), (_permute(M24 // 4),)),
         (S(R, "x", R), S(R, "y", "x"), (_permute(M24 // 8),)),
@@ -224,13 +228,19 @@ def test_nd_conversions(src, dst, expected):
         (S("x", "y", R), S(R, ("y", "x"), R), (Collective("all-to-all", ("x",), M24 // 8),)),
         (S("x", "y", R), S(R, ("x", "y"), R), (Collective("all-to-all", ("x",), M24 // 8), _permute(M24 // 8))),
         # two dimensions moving: one all-to-all each
-        (S(R, "x", "y"), S("y", R, "x"), (Collective("all-to-all", ("x",), M24 // 8),
-                                          Collective("all-to-all", ("y",), M24 // 8))),
+        (
+            S(R, "x", "y"),
+            S("y", R, "x"),
+            (Collective("all-to-all", ("x",), M24 // 8), Collective("all-to-all", ("y",), M24 // 8)),
+        ),
         # two dimensions swapping their splits: the smaller one's all-to-all, then a reorder
         (S("x", "y", R), S("y", "x", R), (Collective("all-to-all", ("x",), M24 // 8), _permute(M24 // 8))),
         # two dimensions' axes merging into one: XLA gathers everything, then slices
-        (S(R, "x", "y"), S(("x", "y"), R, R), (Collective("all-gather", ("y",), M24 // 2),
-                                               Collective("all-gather", ("x",), M24))),
+        (
+            S(R, "x", "y"),
+            S(("x", "y"), R, R),
+            (Collective("all-gather", ("y",), M24 // 2), Collective("all-gather", ("x",), M24)),
+        ),
         # an axis goes while another is sliced out elsewhere: gathered first
         (S(R, "x", R), S(R, R, "y"), (Collective("all-gather", ("x",), M24),)),
     ],

@@ -66,19 +66,21 @@ def test_replica_groups_of_every_syntax(groups, axes):
 
 
 def test_compiled_collectives_read_tuples_roots_and_permutes():
-    hlo = "\n".join([
-        # XLA's combiner: one tuple all-reduce stands for two
-        "  %ar = (f32[16]{0}, f32[4,4]{1,0}) all-reduce(%a, %b), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add",
-        # the tuple form of an all-to-all: one operand per peer
-        "  %a2a = (f32[1,8]{1,0}, f32[1,8]{1,0}) all-to-all(%c, %d), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0)",
-        # a collective at the root of the entry computation
-        "  ROOT %ag = f32[8,16]{1,0} all-gather(%e), channel_id=3, replica_groups=[2,4]<=[8], dimensions={0}",
-        # a reduce-scatter is named after its input
-        "  %rs = f32[4]{0} reduce-scatter(%f), channel_id=4, replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add",
-        # a collective-permute, named after the axes along which data moves
-        "  %cp = f32[2,3]{1,0} collective-permute(%g), channel_id=5, source_target_pairs={{0,4},{4,0},{1,5},{5,1}}",
-        "  %cp2 = f32[2,3]{1,0} collective-permute(%g), channel_id=6, source_target_pairs={{0,0}}",
-    ])
+    hlo = "\n".join(
+        [
+            # XLA's combiner: one tuple all-reduce stands for two
+            "  %ar = (f32[16]{0}, f32[4,4]{1,0}) all-reduce(%a, %b), channel_id=1, replica_groups={{0,4},{1,5},{2,6},{3,7}}, to_apply=%add",
+            # the tuple form of an all-to-all: one operand per peer
+            "  %a2a = (f32[1,8]{1,0}, f32[1,8]{1,0}) all-to-all(%c, %d), channel_id=2, replica_groups=[4,2]<=[2,4]T(1,0)",
+            # a collective at the root of the entry computation
+            "  ROOT %ag = f32[8,16]{1,0} all-gather(%e), channel_id=3, replica_groups=[2,4]<=[8], dimensions={0}",
+            # a reduce-scatter is named after its input
+            "  %rs = f32[4]{0} reduce-scatter(%f), channel_id=4, replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add",
+            # a collective-permute, named after the axes along which data moves
+            "  %cp = f32[2,3]{1,0} collective-permute(%g), channel_id=5, source_target_pairs={{0,4},{4,0},{1,5},{5,1}}",
+            "  %cp2 = f32[2,3]{1,0} collective-permute(%g), channel_id=6, source_target_pairs={{0,0}}",
+        ]
+    )
     assert tool.compiled_collectives(hlo, MESH, AXES) == [
         ("all-reduce", ("x",), 64),
         ("all-reduce", ("x",), 64),
@@ -99,9 +101,13 @@ def test_compare_pairs_cpu_reduce_scatters_with_all_reduces():
 
 
 def test_reused_conversions_are_predicted_once():
-    report = {"ops": [{"collectives": ["all-reduce(4.0 KiB, x)"]}],
-              "reshards": [{"collectives": ["all-gather(1.0 KiB, {x,y})"], "reused": False},
-                           {"collectives": ["all-gather(1.0 KiB, {x,y})"], "reused": True}]}
+    report = {
+        "ops": [{"collectives": ["all-reduce(4.0 KiB, x)"]}],
+        "reshards": [
+            {"collectives": ["all-gather(1.0 KiB, {x,y})"], "reused": False},
+            {"collectives": ["all-gather(1.0 KiB, {x,y})"], "reused": True},
+        ],
+    }
     assert tool.predicted_collectives(report) == [("all-reduce", ("x",), 4096), ("all-gather", ("x", "y"), 1024)]
 
 
@@ -134,17 +140,25 @@ def _xla_reshards(shape, pairs, mesh_shape, axes):
     from jaxlib import _jax
 
     tensor = f"tensor<{'x'.join(map(str, shape))}xf32>"
-    args = ", ".join(f"%arg{i}: {tensor} {{sdy.sharding = {TensorSharding.from_spec('mesh', a).format()}}}"
-                     for i, (a, _) in enumerate(pairs))
+    args = ", ".join(
+        f"%arg{i}: {tensor} {{sdy.sharding = {TensorSharding.from_spec('mesh', a).format()}}}"
+        for i, (a, _) in enumerate(pairs)
+    )
     results = ", ".join(f"{tensor} {{sdy.sharding = {TensorSharding.from_spec('mesh', b).format()}}}" for _, b in pairs)
-    body = "\n".join(f"    %c{i} = sdy.sharding_constraint %arg{i} <{TensorSharding.from_spec('mesh', b).format_body()}>"
-                     f' : {tensor} loc("P{i}")' for i, (_, b) in enumerate(pairs))
+    body = "\n".join(
+        f"    %c{i} = sdy.sharding_constraint %arg{i} <{TensorSharding.from_spec('mesh', b).format_body()}>"
+        f' : {tensor} loc("P{i}")'
+        for i, (_, b) in enumerate(pairs)
+    )
     mesh_text = ", ".join(f'"{a}"={n}' for a, n in zip(axes, mesh_shape))
-    text = (f"module @m {{\n  sdy.mesh @mesh = <[{mesh_text}]>\n  func.func public @main({args}) -> ({results}) {{\n"
-            f"{body}\n    return {', '.join(f'%c{i}' for i in range(len(pairs)))} : {', '.join([tensor] * len(pairs))}\n  }}\n}}")
+    text = (
+        f"module @m {{\n  sdy.mesh @mesh = <[{mesh_text}]>\n  func.func public @main({args}) -> ({results}) {{\n"
+        f"{body}\n    return {', '.join(f'%c{i}' for i in range(len(pairs)))} : {', '.join([tensor] * len(pairs))}\n  }}\n}}"
+    )
     devices = jax.devices()[: math.prod(mesh_shape)]
-    options = backend.get_compile_options(num_replicas=1, num_partitions=len(devices),
-                                          device_assignment=np.array([[d.id for d in devices]]))
+    options = backend.get_compile_options(
+        num_replicas=1, num_partitions=len(devices), device_assignment=np.array([[d.id for d in devices]])
+    )
     options.executable_build_options.use_shardy_partitioner = True
     options.executable_build_options.use_spmd_partitioning = True
     executable = backend.get_backend().compile_and_load(text, _jax.DeviceList(tuple(devices)), options)
@@ -166,15 +180,27 @@ def test_resharding_model_matches_xla():
     specs = _all_specs(len(shape), axes, shape, dict(zip(axes, mesh_shape)))
     pairs = [(a, b) for a in specs for b in specs if a != b]
     xla = _xla_reshards(shape, pairs, mesh_shape, axes)
-    agree = {pair: sorted((c.kind, c.axes, c.nbytes) for c in resharding_collectives(shape, 4, *pair, mesh)) == got
-             for pair, got in zip(pairs, xla)}
+    agree = {
+        pair: sorted((c.kind, c.axes, c.nbytes) for c in resharding_collectives(shape, 4, *pair, mesh)) == got
+        for pair, got in zip(pairs, xla)
+    }
     assert len(pairs) == 342 and sum(agree.values()) >= 275
     S, R = ShardingSpec.of, None
     common = [
-        (S("x", "y", R), S(R, R, R)), (S(("x", "y"), R, R), S("x", R, R)), (S(("x", "y"), R, R), S("y", R, R)),
-        (S(R, ("x", "y"), R), S(R, ("y", "x"), R)), (S("x", R, R), S("y", R, R)), (S(R, R, "x"), S(R, "x", R)),
-        (S(R, "x", "y"), S("y", R, "x")), (S("x", "y", R), S(R, ("x", "y"), R)), (S("x", "y", R), S(R, ("y", "x"), R)),
-        (S(R, "x", "y"), S(("x", "y"), R, R)), (S("x", R, R), S("x", "y", R)), (S(R, "x", R), S(R, R, "y")),
-        (S("x", "y", R), S("y", "x", R)), (S("y", R, R), S(R, R, "y")), (S("x", "y", R), S(("x", "y"), R, R)),
+        (S("x", "y", R), S(R, R, R)),
+        (S(("x", "y"), R, R), S("x", R, R)),
+        (S(("x", "y"), R, R), S("y", R, R)),
+        (S(R, ("x", "y"), R), S(R, ("y", "x"), R)),
+        (S("x", R, R), S("y", R, R)),
+        (S(R, R, "x"), S(R, "x", R)),
+        (S(R, "x", "y"), S("y", R, "x")),
+        (S("x", "y", R), S(R, ("x", "y"), R)),
+        (S("x", "y", R), S(R, ("y", "x"), R)),
+        (S(R, "x", "y"), S(("x", "y"), R, R)),
+        (S("x", R, R), S("x", "y", R)),
+        (S(R, "x", R), S(R, R, "y")),
+        (S("x", "y", R), S("y", "x", R)),
+        (S("y", R, R), S(R, R, "y")),
+        (S("x", "y", R), S(("x", "y"), R, R)),
     ]
     assert [pair for pair in common if not agree[pair]] == []

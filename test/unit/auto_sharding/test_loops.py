@@ -110,7 +110,7 @@ def test_a_conversion_shared_by_a_loop_and_a_later_op_comes_before_the_loop():
     assert "sdy.sharding_constraint" in names[:loop], names
 
     x = np.random.default_rng(0).uniform(0.5, 1.5, size=(16, 16)).astype(np.float32)
-    looped = x ** 8
+    looped = x**8
     actual = compile_spmd(module, jax.devices()[:8])(x)
     np.testing.assert_allclose(actual[0], x + looped, rtol=1e-6)
     np.testing.assert_allclose(actual[1], looped, rtol=1e-6)

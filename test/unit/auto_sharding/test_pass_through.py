@@ -40,8 +40,9 @@ def _args():
 def _planned(checkpointed: bool):
     module = parse_module(jax.jit(_step(checkpointed)).lower(*_args()).as_text())
     context = PassContext()
-    Pipeline.parse("builtin.module(hlopar-import,hlopar-auto-sharding{mesh-shape=2x4 latency=0,0})",
-                   module.context).run(module, context)
+    Pipeline.parse(
+        "builtin.module(hlopar-import,hlopar-auto-sharding{mesh-shape=2x4 latency=0,0})", module.context
+    ).run(module, context)
     return module, context
 
 
@@ -61,8 +62,8 @@ def test_checkpointed_model_is_planned_as_its_unchecked_twin():
     assert len(layouts) == len(twin_layouts) == 2 * LAYERS + 3  # weights, x, y; new weights, loss
     # Weights and new weights as in the twin, every one sharded. (The batch's layout may differ:
     # the recomputed forward changes what the activations cost.)
-    weights = layouts[:LAYERS] + layouts[LAYERS + 2:-1]
-    assert weights == twin_layouts[:LAYERS] + twin_layouts[LAYERS + 2:-1]
+    weights = layouts[:LAYERS] + layouts[LAYERS + 2 : -1]
+    assert weights == twin_layouts[:LAYERS] + twin_layouts[LAYERS + 2 : -1]
     assert all('"' in layout for layout in weights)
 
 
@@ -72,8 +73,12 @@ def test_checkpointed_model_computes_what_one_device_computes():
     reference = jax.jit(_step(True))(*args)
     outputs = compile_spmd(module, jax.devices()[:8])(*jax.tree_util.tree_leaves(args))
     # Sums of 64-term products regrouped across devices: float32 rounding, a few ulps.
-    assert_trees_close(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(reference), list(outputs)),
-                       reference, rtol=1e-6, atol=1e-7)
+    assert_trees_close(
+        jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(reference), list(outputs)),
+        reference,
+        rtol=1e-6,
+        atol=1e-7,
+    )
 
 
 def test_checkpointed_model_splits_into_microbatches():
@@ -84,14 +89,21 @@ def test_checkpointed_model_splits_into_microbatches():
     module = parse_module(jax.jit(_step(True)).lower(*args).as_text())
     outputs = run_microbatched(module, jax.tree_util.tree_leaves(args), 4)
     # The loss and gradients summed over 4 microbatches instead of in one reduction: rounding.
-    assert_trees_close(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(reference), list(outputs)),
-                       reference, rtol=1e-6, atol=1e-7)
+    assert_trees_close(
+        jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(reference), list(outputs)),
+        reference,
+        rtol=1e-6,
+        atol=1e-7,
+    )
 
 
-@pytest.mark.parametrize("shapes, expected", [
-    ([[4, 8], [3]], OpRule((4, 8, 3), (((0,), (1,)), ((2,),)), (((0,), (1,)), ((2,),)))),
-    ([[]], OpRule((), ((),), ((),))),
-    ([[2], None], None),  # a token: no rule can describe it
-])
+@pytest.mark.parametrize(
+    "shapes, expected",
+    [
+        ([[4, 8], [3]], OpRule((4, 8, 3), (((0,), (1,)), ((2,),)), (((0,), (1,)), ((2,),)))),
+        ([[]], OpRule((), ((),), ((),))),
+        ([[2], None], None),  # a token: no rule can describe it
+    ],
+)
 def test_pass_through_rule_ties_each_result_to_its_operand(shapes, expected):
     assert pass_through_rule(shapes) == expected

@@ -27,8 +27,9 @@ def _state_layouts(name: str, remat: bool, unstack: bool) -> tuple[list[tuple[in
     step, args = STEPS[name](remat=remat)
     module = parse_module(jax.jit(step).lower(*args).as_text())
     passes = "hlopar-import," + ("hlopar-unstack-layer-scans," if unstack else "")
-    Pipeline.parse(f"builtin.module({passes}hlopar-auto-sharding{{mesh-shape=2x4 latency=0,0}})",
-                   module.context).run(module, PassContext())
+    Pipeline.parse(f"builtin.module({passes}hlopar-auto-sharding{{mesh-shape=2x4 latency=0,0}})", module.context).run(
+        module, PassContext()
+    )
     text = print_module(module)
     signature = re.search(r"func\.func public @main\((.*?)\) -> \(", text, re.S).group(1)
     arguments = re.split(r", (?=%arg\d+:)", signature)

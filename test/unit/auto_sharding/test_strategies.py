@@ -44,7 +44,9 @@ def test_table_3_rows_are_all_there_with_their_costs():
         strategy = found[(operand_specs, (result_spec,))]
         assert strategy.collectives == collectives
         # Every row splits the work over all 4 devices: equal compute cost.
-        assert strategy.compute_cost == found[((spec("", "x", ""), spec("", "", "y")), (spec("", "x", "y"),))].compute_cost
+        assert (
+            strategy.compute_cost == found[((spec("", "x", ""), spec("", "", "y")), (spec("", "x", "y"),))].compute_cost
+        )
 
 
 def test_replicated_is_first_and_costs_the_full_compute():

@@ -44,8 +44,11 @@ def stage_report(tmp_path: Path, donate: tuple[int, ...]) -> dict:
     abstract = (jax.ShapeDtypeStruct((N, K), jnp.float32),) * 2 + (jax.ShapeDtypeStruct((ROWS, N), jnp.float32),)
     module = parse_module(jax.jit(momentum_step, donate_argnums=donate).lower(*abstract).as_text())
     report = tmp_path / f"stages{len(donate)}.json"
-    Pipeline.parse("builtin.module(hlopar-import,hlopar-stage-construction{num-hosts=1 devices-per-host=1 layers=1 "
-                   f"microbatches=1 report={report}}})", module.context).run(module, PassContext())
+    Pipeline.parse(
+        "builtin.module(hlopar-import,hlopar-stage-construction{num-hosts=1 devices-per-host=1 layers=1 "
+        f"microbatches=1 report={report}}})",
+        module.context,
+    ).run(module, PassContext())
     return json.loads(report.read_text())
 
 
@@ -65,18 +68,23 @@ def test_update_phase_counts_donated_state_once(tmp_path):
 @pytest.fixture(scope="module")
 def mlp_plans():
     cluster = Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu").resolved()
-    return {donate: plan_step(get_train_step("mlp", "tiny").lower(donate=donate), cluster, cache=False)
-            for donate in (False, True)}
+    return {
+        donate: plan_step(get_train_step("mlp", "tiny").lower(donate=donate), cluster, cache=False)
+        for donate in (False, True)
+    }
 
 
 def test_update_fragments_take_the_donated_state_and_the_memory_check_agrees(mlp_plans):
     kept, donated = mlp_plans[False], mlp_plans[True]
+
     def layout(planned):
         return [(s["layers"], s["submesh"], s["logical_shape"], s["devices"]) for s in planned.plan["stages"]["stages"]]
 
     assert layout(kept) == layout(donated)
-    memory = {donate: {f["fragment"]: f for f in json.loads((p.bundle / "memory.json").read_text())["fragments"]}
-              for donate, p in mlp_plans.items()}
+    memory = {
+        donate: {f["fragment"]: f for f in json.loads((p.bundle / "memory.json").read_text())["fragments"]}
+        for donate, p in mlp_plans.items()
+    }
     program = donated.program
     assert [f.name for f in program.fragments] == [f.name for f in kept.program.fragments]
     updates = [f for f in program.fragments if f.role == "update"]
@@ -125,8 +133,10 @@ def test_a_donated_argument_returned_unchanged_is_not_consumed():
     want = jax.jit(scaled_step)(*arrays)
     executable = step.executables[update.name]
     # Buffers of their own (a device_put may share the source's, which XLA cannot take over).
-    w, scale = (jax.jit(jnp.copy, out_shardings=executable.input_shardings[p])(arrays[update.operands[p]])
-                for p in (update.operands.index(0), update.operands.index(1)))
+    w, scale = (
+        jax.jit(jnp.copy, out_shardings=executable.input_shardings[p])(arrays[update.operands[p]])
+        for p in (update.operands.index(0), update.operands.index(1))
+    )
     before = np.asarray(arrays[0])
     results = step.run([w, scale, np.asarray(arrays[2])])
     assert w.is_deleted() and not scale.is_deleted()

@@ -88,12 +88,16 @@ def test_resident_bytes_are_state_sums_and_other_stashes(planned):
     resident = {f["fragment"]: f["resident"] for f in memory["fragments"]}
     forward, backward, update = (program.fragment(f"stage0_{role}") for role in ("forward", "backward", "update"))
     update_tiles = dict(zip(update.operands, io_tiles(update.module)[0]))
-    optimizer_state = sum(n for v, n in update_tiles.items()
-                          if program.values[v].argument is not None and v not in forward.operands)
+    optimizer_state = sum(
+        n for v, n in update_tiles.items() if program.values[v].argument is not None and v not in forward.operands
+    )
     backward_tiles = io_tiles(backward.module)[0]
-    accumulators = sum(backward_tiles[:len(backward.accumulate)])
-    stash = sum(n for v, n in zip(backward.operands, backward_tiles[len(backward.accumulate):])
-                if v in forward.results or program.values[v].per_microbatch and program.values[v].argument is not None)
+    accumulators = sum(backward_tiles[: len(backward.accumulate)])
+    stash = sum(
+        n
+        for v, n in zip(backward.operands, backward_tiles[len(backward.accumulate) :])
+        if v in forward.results or program.values[v].per_microbatch and program.values[v].argument is not None
+    )
     assert optimizer_state > 0 and accumulators > 0 and stash > 0
     in_flight = 3  # eager-1f1b, stage 0 of 2, 4 microbatches: at most 3 stashes at once on its stream
     assert resident["stage0_forward"] == optimizer_state + accumulators + stash * (in_flight - 1)
@@ -121,14 +125,33 @@ def test_hlopar_compile_refuses_what_stage_construction_let_through(tmp_path):
     source = tmp_path / "mlp.mlir"
     source.write_text(get_train_step("mlp", "tiny").lower())
     out = tmp_path / "bundle"
-    done = subprocess.run([str(Path(sys.executable).parent / "hlopar-compile"), str(source), "--num-hosts", "2",
-                           "--devices-per-host", "4", "--microbatches", "4", "--schedule", "1f1b",
-                           "--memory-per-device", "10000", "-o", str(out)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "HLOPAR_DEBUG": ""})
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "hlopar-compile"),
+            str(source),
+            "--num-hosts",
+            "2",
+            "--devices-per-host",
+            "4",
+            "--microbatches",
+            "4",
+            "--schedule",
+            "1f1b",
+            "--memory-per-device",
+            "10000",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HLOPAR_DEBUG": ""},
+    )
     error = done.stderr
     assert done.returncode == 1 and not out.exists(), error
-    assert (f"{source}: error: the plan does not fit the devices' memory: fragment stage0_update on mesh m0 needs "
-            in error), error
+    assert (
+        f"{source}: error: the plan does not fit the devices' memory: fragment stage0_update on mesh m0 needs " in error
+    ), error
     assert "a device has 10000 B (9.8 KiB)" in error and "Traceback" not in error
 
 
@@ -169,7 +192,10 @@ def test_prediction_of_a_small_module_and_its_compiled_memory():
 
     compiled = compiled_memory(compile_executable(module, jax.devices()[:4]).spmd.executable)
     assert (compiled.arguments, compiled.outputs, compiled.aliased) == (
-        predicted.arguments, predicted.outputs, predicted.aliased)
+        predicted.arguments,
+        predicted.outputs,
+        predicted.aliased,
+    )
     assert 0.8 <= predicted.total / compiled.total <= 1.2, (predicted, compiled)
 
 
@@ -187,7 +213,10 @@ def test_parallelize_refuses_a_plan_the_devices_cannot_hold(monkeypatch):
     params = step.init(jax.random.PRNGKey(0))
     arguments = (params, step.init_opt_state(params), step.make_batch(jax.random.PRNGKey(1)))
     function = hlopar.parallelize(step.step, cluster=CLUSTER, cache=False, verbose=False)
-    with pytest.raises(hlopar.api.PlanningError, match=r"fragment stage0_update on mesh m0 needs \d+ B .* a device "
-                                                       r"has 10000 B"):
+    with pytest.raises(
+        hlopar.api.PlanningError,
+        match=r"fragment stage0_update on mesh m0 needs \d+ B .* a device "
+        r"has 10000 B",
+    ):
         function.plan(*arguments)
     assert function.runtime is None

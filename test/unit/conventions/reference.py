@@ -41,9 +41,13 @@ RTOL = 1e-5
 
 def split_batch(args: tuple, batch_argnums, microbatches: int) -> list[tuple]:
     """The arguments of each microbatch: every leaf of a batch argument cut along dim 0."""
+
     def part(k):
-        return tuple(jax.tree_util.tree_map(lambda x: jnp.split(x, microbatches)[k], a)
-                     if i in batch_argnums else a for i, a in enumerate(args))
+        return tuple(
+            jax.tree_util.tree_map(lambda x: jnp.split(x, microbatches)[k], a) if i in batch_argnums else a
+            for i, a in enumerate(args)
+        )
+
     return [part(k) for k in range(microbatches)]
 
 
@@ -70,7 +74,6 @@ def trajectory(case: Case, steps: int, microbatches: int = 1) -> list:
         results.append(reference_step(case, args, microbatches))
         args = case.advance(args, results[-1])
     return results
-
 
 
 def compare(case: Case, args: tuple, actual, expected) -> None:

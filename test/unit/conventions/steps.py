@@ -61,8 +61,12 @@ def data(seed: int = 1, size: int = BATCH):
 
 def init_mlp(seed: int = 0) -> dict:
     k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    return {"w1": jax.random.normal(k1, (FEATURES, HIDDEN)) / 2, "b1": jnp.zeros(HIDDEN),
-            "w2": jax.random.normal(k2, (HIDDEN, CLASSES)) / 3, "b2": jnp.zeros(CLASSES)}
+    return {
+        "w1": jax.random.normal(k1, (FEATURES, HIDDEN)) / 2,
+        "b1": jnp.zeros(HIDDEN),
+        "w2": jax.random.normal(k2, (HIDDEN, CLASSES)) / 3,
+        "b2": jnp.zeros(CLASSES),
+    }
 
 
 def mlp(params: dict, x: jax.Array) -> jax.Array:
@@ -83,15 +87,23 @@ def mlp_loss(params, x, y):
 
 def case_jnp_loss_first() -> Case:
     """SGD by hand, `return loss, new_params` (the loss first)."""
+
     def train_step(params, x, y):
         loss, grads = jax.value_and_grad(mlp_loss)(params, x, y)
         params = jax.tree_util.tree_map(lambda p, g: p - LR * g, params, grads)
         return loss, params
 
     x, y = data()
-    return Case("jnp_loss_first", train_step, (init_mlp(), x, y), (1, 2),
-                advance=lambda a, r: (r[1], a[1], a[2]), loss=lambda r: r[0],
-                params=lambda a: a[0], params_of=lambda r: r[1])
+    return Case(
+        "jnp_loss_first",
+        train_step,
+        (init_mlp(), x, y),
+        (1, 2),
+        advance=lambda a, r: (r[1], a[1], a[2]),
+        loss=lambda r: r[0],
+        params=lambda a: a[0],
+        params_of=lambda r: r[1],
+    )
 
 
 def case_jnp_adam() -> Case:
@@ -106,9 +118,16 @@ def case_jnp_adam() -> Case:
         return params, opt_state, loss
 
     params = init_mlp()
-    return Case("jnp_adam", train_step, (params, optimizer.init(params), data()), (2,),
-                advance=lambda a, r: (r[0], r[1], a[2]), loss=lambda r: r[2],
-                params=lambda a: a[0], params_of=lambda r: r[0])
+    return Case(
+        "jnp_adam",
+        train_step,
+        (params, optimizer.init(params), data()),
+        (2,),
+        advance=lambda a, r: (r[0], r[1], a[2]),
+        loss=lambda r: r[2],
+        params=lambda a: a[0],
+        params_of=lambda r: r[0],
+    )
 
 
 def case_jnp_metrics() -> Case:
@@ -128,10 +147,16 @@ def case_jnp_metrics() -> Case:
 
     params = init_mlp()
     x, y = data()
-    return Case("jnp_metrics", train_step,
-                ({"params": params, "opt_state": optimizer.init(params)}, {"x": x, "y": y}), (1,),
-                advance=lambda a, r: (r[0], a[1]), loss=lambda r: r[1]["loss"],
-                params=lambda a: a[0]["params"], params_of=lambda r: r[0]["params"])
+    return Case(
+        "jnp_metrics",
+        train_step,
+        ({"params": params, "opt_state": optimizer.init(params)}, {"x": x, "y": y}),
+        (1,),
+        advance=lambda a, r: (r[0], a[1]),
+        loss=lambda r: r[1]["loss"],
+        params=lambda a: a[0]["params"],
+        params_of=lambda r: r[0]["params"],
+    )
 
 
 # ----------------------------------------------------------------- Flax linen
@@ -153,8 +178,7 @@ def case_linen_train_state() -> Case:
     """`TrainState.create` + `apply_gradients` with `optax.adamw`, as the Flax quick start."""
     model = LinenMLP()
     params = model.init(jax.random.PRNGKey(0), jnp.ones((1, FEATURES)))["params"]
-    state = train_state.TrainState.create(apply_fn=model.apply, params=params,
-                                          tx=optax.adamw(LR, weight_decay=1e-2))
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(LR, weight_decay=1e-2))
 
     def train_step(state, batch):
         def loss_fn(params):
@@ -166,9 +190,16 @@ def case_linen_train_state() -> Case:
         state = state.apply_gradients(grads=grads)
         return state, loss
 
-    return Case("linen_train_state", train_step, (state, linen_batch()), (1,),
-                advance=lambda a, r: (r[0], a[1]), loss=lambda r: r[1],
-                params=lambda a: a[0].params, params_of=lambda r: r[0].params)
+    return Case(
+        "linen_train_state",
+        train_step,
+        (state, linen_batch()),
+        (1,),
+        advance=lambda a, r: (r[0], a[1]),
+        loss=lambda r: r[1],
+        params=lambda a: a[0].params,
+        params_of=lambda r: r[0].params,
+    )
 
 
 class LinenBatchNormMLP(nn.Module):
@@ -186,9 +217,11 @@ class BatchNormTrainState(train_state.TrainState):
 
 def batch_norm_grads(state, batch):
     """The Flax BatchNorm guide's loss and gradients: (loss, accuracy, grads, batch_stats)."""
+
     def loss_fn(params):
-        logits, updates = state.apply_fn({"params": params, "batch_stats": state.batch_stats},
-                                         x=batch["image"], train=True, mutable=["batch_stats"])
+        logits, updates = state.apply_fn(
+            {"params": params, "batch_stats": state.batch_stats}, x=batch["image"], train=True, mutable=["batch_stats"]
+        )
         loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
         return loss, (logits, updates)
 
@@ -210,16 +243,26 @@ def case_linen_batch_norm() -> Case:
     gradients that only the epsilon of the variance makes (all rounding)."""
     model = LinenBatchNormMLP()
     variables = model.init(jax.random.PRNGKey(0), jnp.ones((1, FEATURES)), train=False)
-    state = BatchNormTrainState.create(apply_fn=model.apply, params=variables["params"],
-                                       batch_stats=variables["batch_stats"], tx=optax.adam(LR))
+    state = BatchNormTrainState.create(
+        apply_fn=model.apply, params=variables["params"], batch_stats=variables["batch_stats"], tx=optax.adam(LR)
+    )
 
     def train_step(state, batch):
         return batch_norm_apply(state, *batch_norm_grads(state, batch))
 
-    return Case("linen_batch_norm", train_step, (state, linen_batch(size=4 * BATCH)), (1,),
-                advance=lambda a, r: (r[0], a[1]), loss=lambda r: r[1]["loss"],
-                params=lambda a: a[0].params, params_of=lambda r: r[0].params,
-                grads=batch_norm_grads, apply=batch_norm_apply, microbatch_semantics=True)
+    return Case(
+        "linen_batch_norm",
+        train_step,
+        (state, linen_batch(size=4 * BATCH)),
+        (1,),
+        advance=lambda a, r: (r[0], a[1]),
+        loss=lambda r: r[1]["loss"],
+        params=lambda a: a[0].params,
+        params_of=lambda r: r[0].params,
+        grads=batch_norm_grads,
+        apply=batch_norm_apply,
+        microbatch_semantics=True,
+    )
 
 
 class LinenDropoutMLP(nn.Module):
@@ -247,8 +290,9 @@ def case_linen_dropout() -> Case:
         dropout_train_key = jax.random.fold_in(key=dropout_key, data=state.step)
 
         def loss_fn(params):
-            logits = state.apply_fn({"params": params}, x=batch["image"], training=True,
-                                    rngs={"dropout": dropout_train_key})
+            logits = state.apply_fn(
+                {"params": params}, x=batch["image"], training=True, rngs={"dropout": dropout_train_key}
+            )
             return optax.softmax_cross_entropy_with_integer_labels(logits=logits, labels=batch["label"]).mean()
 
         grad_fn = jax.value_and_grad(loss_fn)
@@ -256,9 +300,16 @@ def case_linen_dropout() -> Case:
         state = state.apply_gradients(grads=grads)
         return state, loss
 
-    return Case("linen_dropout", train_step, (state, linen_batch(), state.key), (1,),
-                advance=lambda a, r: (r[0], a[1], a[2]), loss=lambda r: r[1],
-                params=lambda a: a[0].params, params_of=lambda r: r[0].params)
+    return Case(
+        "linen_dropout",
+        train_step,
+        (state, linen_batch(), state.key),
+        (1,),
+        advance=lambda a, r: (r[0], a[1], a[2]),
+        loss=lambda r: r[1],
+        params=lambda a: a[0].params,
+        params_of=lambda r: r[0].params,
+    )
 
 
 # ----------------------------------------------------------------- Flax NNX
@@ -299,9 +350,16 @@ def nnx_case(name: str, dropout: float) -> Case:
     def params(state):
         return nnx.state(nnx.merge(graphdef, state)[0], nnx.Param)
 
-    return Case(name, functools.partial(train_step, graphdef), (state, linen_batch()), (1,),
-                advance=lambda a, r: (r[1], a[1]), loss=lambda r: r[0],
-                params=lambda a: params(a[0]), params_of=lambda r: params(r[1]))
+    return Case(
+        name,
+        functools.partial(train_step, graphdef),
+        (state, linen_batch()),
+        (1,),
+        advance=lambda a, r: (r[1], a[1]),
+        loss=lambda r: r[0],
+        params=lambda a: params(a[0]),
+        params_of=lambda r: params(r[1]),
+    )
 
 
 def case_nnx_optimizer() -> Case:
@@ -326,9 +384,16 @@ def optax_case(name: str, optimizer: optax.GradientTransformation) -> Case:
 
     params = init_mlp()
     x, y = data()
-    return Case(name, train_step, (params, optimizer.init(params), x, y), (2, 3),
-                advance=lambda a, r: (r[0], r[1], a[2], a[3]), loss=lambda r: r[2],
-                params=lambda a: a[0], params_of=lambda r: r[0])
+    return Case(
+        name,
+        train_step,
+        (params, optimizer.init(params), x, y),
+        (2, 3),
+        advance=lambda a, r: (r[0], r[1], a[2], a[3]),
+        loss=lambda r: r[2],
+        params=lambda a: a[0],
+        params_of=lambda r: r[0],
+    )
 
 
 def case_optax_clip_adam() -> Case:
@@ -342,8 +407,9 @@ def case_optax_sgd_momentum() -> Case:
 
 def case_optax_schedule() -> Case:
     """Adam with a warmup-cosine learning-rate schedule: the rate reads an integer count."""
-    schedule = optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=LR, warmup_steps=2,
-                                                  decay_steps=10, end_value=LR / 10)
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=LR, warmup_steps=2, decay_steps=10, end_value=LR / 10
+    )
     return optax_case("optax_schedule", optax.adam(learning_rate=schedule))
 
 
@@ -380,9 +446,16 @@ def case_equinox() -> Case:
         return loss, model, opt_state
 
     x, y = data()
-    return Case("equinox", make_step, (model, optim.init(eqx.filter(model, eqx.is_array)), x, y), (2, 3),
-                advance=lambda a, r: (r[1], r[2], a[2], a[3]), loss=lambda r: r[0],
-                params=lambda a: a[0], params_of=lambda r: r[1])
+    return Case(
+        "equinox",
+        make_step,
+        (model, optim.init(eqx.filter(model, eqx.is_array)), x, y),
+        (2, 3),
+        advance=lambda a, r: (r[1], r[2], a[2], a[3]),
+        loss=lambda r: r[0],
+        params=lambda a: a[0],
+        params_of=lambda r: r[1],
+    )
 
 
 # ----------------------------------------------------------------- has_aux, typed keys
@@ -403,9 +476,16 @@ def case_has_aux() -> Case:
         return optax.apply_updates(params, updates), opt_state, {"loss": loss, **aux}
 
     params = init_mlp()
-    return Case("has_aux", train_step, (data(), params, optimizer.init(params)), (0,),
-                advance=lambda a, r: (a[0], r[0], r[1]), loss=lambda r: r[2]["loss"],
-                params=lambda a: a[1], params_of=lambda r: r[0])
+    return Case(
+        "has_aux",
+        train_step,
+        (data(), params, optimizer.init(params)),
+        (0,),
+        advance=lambda a, r: (a[0], r[0], r[1]),
+        loss=lambda r: r[2]["loss"],
+        params=lambda a: a[1],
+        params_of=lambda r: r[0],
+    )
 
 
 def case_typed_key() -> Case:
@@ -427,9 +507,16 @@ def case_typed_key() -> Case:
 
     params = init_mlp()
     x, y = data()
-    return Case("typed_key", train_step, (params, optimizer.init(params), jax.random.key(0), x, y), (3, 4),
-                advance=lambda a, r: (r[0], r[1], r[2], a[3], a[4]), loss=lambda r: r[3],
-                params=lambda a: a[0], params_of=lambda r: r[0])
+    return Case(
+        "typed_key",
+        train_step,
+        (params, optimizer.init(params), jax.random.key(0), x, y),
+        (3, 4),
+        advance=lambda a, r: (r[0], r[1], r[2], a[3], a[4]),
+        loss=lambda r: r[3],
+        params=lambda a: a[0],
+        params_of=lambda r: r[0],
+    )
 
 
 CASES: dict[str, Callable[[], Case]] = {

@@ -20,8 +20,21 @@ def test_exported_step_compiles(tmp_path, capfd, monkeypatch, name):
     source = tmp_path / f"{name}.mlir"
     source.write_text(jax.jit(case.step).lower(*case.args).as_text())
     bundle = tmp_path / "bundle"
-    status = main([str(source), "--num-hosts", "2", "--devices-per-host", "4", "--microbatches", "2",
-                   "--schedule", "1f1b", "-o", str(bundle)])
+    status = main(
+        [
+            str(source),
+            "--num-hosts",
+            "2",
+            "--devices-per-host",
+            "4",
+            "--microbatches",
+            "2",
+            "--schedule",
+            "1f1b",
+            "-o",
+            str(bundle),
+        ]
+    )
     err = capfd.readouterr().err
     assert status == 0, err
     if case.microbatch_semantics:  # said once, as a warning diagnostic at the user's line

@@ -35,8 +35,11 @@ STEPS = 3
 def _key_data(tree):
     """Typed keys as their key data (numpy reads no key arrays)."""
     return jax.tree_util.tree_map(
-        lambda x: jax.random.key_data(x) if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-        else x, tree)
+        lambda x: (
+            jax.random.key_data(x) if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+        ),
+        tree,
+    )
 
 
 def train(name: str, method: str, schedule: str = "eager-1f1b") -> None:
@@ -45,8 +48,14 @@ def train(name: str, method: str, schedule: str = "eager-1f1b") -> None:
     case = CASES[name]()
     # Four microbatches asked for where the method splits: hlopar's own count would be one for
     # these one-stage plans, and the cases are here to check the microbatch semantics.
-    parallel = hlopar.parallelize(case.step, cluster=CLUSTER, method=method, schedule=schedule, verbose=False,
-                                  num_microbatches=1 if method == "shard" else 4)
+    parallel = hlopar.parallelize(
+        case.step,
+        cluster=CLUSTER,
+        method=method,
+        schedule=schedule,
+        verbose=False,
+        num_microbatches=1 if method == "shard" else 4,
+    )
     args = case.args
     try:
         with warnings.catch_warnings(record=True) as caught:
@@ -82,9 +91,12 @@ def on_every_schedule(name: str, *marks):
     return [pytest.param(name, s, id=f"{name}-{s}", marks=marks) for s in ("gpipe", "1f1b", "eager-1f1b-wd")]
 
 
-@pytest.mark.parametrize(("name", "schedule"), on_every_schedule("optax_clip_adam")
-                         + on_every_schedule("linen_train_state", pytest.mark.heavy)
-                         + on_every_schedule("linen_dropout", pytest.mark.heavy))
+@pytest.mark.parametrize(
+    ("name", "schedule"),
+    on_every_schedule("optax_clip_adam")
+    + on_every_schedule("linen_train_state", pytest.mark.heavy)
+    + on_every_schedule("linen_dropout", pytest.mark.heavy),
+)
 def test_every_schedule(ray_cluster, name, schedule):
     """The default schedule (eager-1f1b) is test_step_equals_one_device's. The Flax steps are
     heavy here (about 15 s each on 2 busy cores, 6 cases): the default suite keeps one step
@@ -125,22 +137,30 @@ def whole_shape_dropout_step(params, key, x, y):
     return jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads), loss
 
 
-@pytest.mark.parametrize(("step", "impl", "why"), [
-    (log_of_mean_step, "threefry2x32", "not a sum or a mean"),
-    (whole_shape_dropout_step, "rbg", r"rng_bit_generator.*rng=\"per-microbatch\""),
-], ids=["log_of_mean", "rbg_dropout"])
+@pytest.mark.parametrize(
+    ("step", "impl", "why"),
+    [
+        (log_of_mean_step, "threefry2x32", "not a sum or a mean"),
+        (whole_shape_dropout_step, "rbg", r"rng_bit_generator.*rng=\"per-microbatch\""),
+    ],
+    ids=["log_of_mean", "rbg_dropout"],
+)
 def test_refusals_name_the_users_line(step, impl, why):
     """What docs/training_step.md says is refused with microbatches, raised as PlanningError at
     the line of the user's code that does it, before any worker starts, when the user asks
     for microbatches; with hlopar's own default, planned with one microbatch and said as a
     warning at the same line."""
-    line = next(n for n, text in enumerate(inspect.getsourcelines(step)[0], inspect.getsourcelines(step)[1])
-                if "# refused" in text)
+    line = next(
+        n
+        for n, text in enumerate(inspect.getsourcelines(step)[0], inspect.getsourcelines(step)[1])
+        if "# refused" in text
+    )
     parallel = hlopar.parallelize(step, cluster=CLUSTER, num_microbatches=4, verbose=False)
     with pytest.raises(hlopar.api.PlanningError, match=rf"{__file__}:{line}:\d+: error: .*{why}"):
         parallel(init_mlp(), jax.random.key(0, impl=impl), *data())
     assert parallel.runtime is None
     with pytest.warns(hlopar.HloparWarning, match=rf"{__file__}:{line}:\d+: warning: .*{why}.*one microbatch"):
         planned, _ = hlopar.parallelize(step, cluster=CLUSTER, verbose=False).plan(
-            init_mlp(), jax.random.key(0, impl=impl), *data())
+            init_mlp(), jax.random.key(0, impl=impl), *data()
+        )
     assert planned.program.microbatches == 1

@@ -109,7 +109,9 @@ def check_consistency(graph: FuncGraph) -> None:
 def test_values_shapes_dtypes_and_sizes(lower):
     graph = lower(
         lambda a, b, c, d: (a.astype(jnp.float32), b, c, d),
-        spec(2, 3, dtype=jnp.bfloat16), spec(4, dtype=jnp.bool_), spec(5, dtype=jnp.complex64),
+        spec(2, 3, dtype=jnp.bfloat16),
+        spec(4, dtype=jnp.bool_),
+        spec(5, dtype=jnp.complex64),
         spec(6, dtype=jnp.uint8),
     )
     a, b, c, d = (graph.values[v] for v in graph.args)
@@ -189,18 +191,35 @@ def test_matrix_vector(lower):
 def test_convolution_nhwc_grouped(lower):
     graph = lower(
         lambda x, k: lax.conv_general_dilated(
-            x, k, window_strides=(2, 1), padding=((1, 1), (0, 2)), rhs_dilation=(1, 2),
-            dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=2,
+            x,
+            k,
+            window_strides=(2, 1),
+            padding=((1, 1), (0, 2)),
+            rhs_dilation=(1, 2),
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            feature_group_count=2,
         ),
-        spec(2, 9, 9, 4), spec(3, 3, 2, 6),
+        spec(2, 9, 9, 4),
+        spec(3, 3, 2, 6),
     )
     conv = only(graph, "stablehlo.convolution")
     assert conv.attrs == A.ConvDims(
-        input_batch=0, input_feature=3, input_spatial=(1, 2),
-        kernel_in=2, kernel_out=3, kernel_spatial=(0, 1),
-        output_batch=0, output_feature=3, output_spatial=(1, 2),
-        window_strides=(2, 1), padding=((1, 1), (0, 2)), lhs_dilation=(1, 1), rhs_dilation=(1, 2),
-        window_reversal=(False, False), feature_group_count=2, batch_group_count=1,
+        input_batch=0,
+        input_feature=3,
+        input_spatial=(1, 2),
+        kernel_in=2,
+        kernel_out=3,
+        kernel_spatial=(0, 1),
+        output_batch=0,
+        output_feature=3,
+        output_spatial=(1, 2),
+        window_strides=(2, 1),
+        padding=((1, 1), (0, 2)),
+        lhs_dilation=(1, 1),
+        rhs_dilation=(1, 2),
+        window_reversal=(False, False),
+        feature_group_count=2,
+        batch_group_count=1,
     )
 
 
@@ -232,8 +251,12 @@ def test_reduce_window_max_pool(lower):
     graph = lower(pool, spec(1, 5, 5, 3))
     pool = only(graph, "stablehlo.reduce_window")
     assert pool.attrs == A.ReduceWindowAttrs(
-        window_dimensions=(1, 2, 2, 1), window_strides=(1, 2, 2, 1), base_dilations=(1, 1, 1, 1),
-        window_dilations=(1, 1, 1, 1), padding=((0, 0), (0, 1), (0, 1), (0, 0)), kind="max",
+        window_dimensions=(1, 2, 2, 1),
+        window_strides=(1, 2, 2, 1),
+        base_dilations=(1, 1, 1, 1),
+        window_dilations=(1, 1, 1, 1),
+        padding=((0, 0), (0, 1), (0, 1), (0, 0)),
+        kind="max",
     )
 
 
@@ -242,14 +265,19 @@ def test_select_and_scatter_of_max_pool_gradient(lower):
     graph = lower(jax.grad(pool), spec(1, 4, 4, 3))
     op = only(graph, "stablehlo.select_and_scatter")
     assert op.attrs == A.SelectAndScatterAttrs(
-        window_dimensions=(1, 2, 2, 1), window_strides=(1, 2, 2, 1), padding=((0, 0),) * 4, select="GE", kind="add",
+        window_dimensions=(1, 2, 2, 1),
+        window_strides=(1, 2, 2, 1),
+        padding=((0, 0),) * 4,
+        select="GE",
+        kind="add",
     )
 
 
 def test_broadcast_transpose_reshape(lower):
     graph = lower(lambda x: jnp.broadcast_to(x[:, None], (3, 4, 5)).transpose(2, 0, 1).reshape(5, 12), spec(3, 5))
     assert [op.attrs for op in ops_named(graph, "stablehlo.broadcast_in_dim")] == [
-        A.BroadcastInDimAttrs((0, 2)), A.BroadcastInDimAttrs((0, 1, 2)),
+        A.BroadcastInDimAttrs((0, 2)),
+        A.BroadcastInDimAttrs((0, 1, 2)),
     ]
     assert only(graph, "stablehlo.transpose").attrs == A.TransposeAttrs((2, 0, 1))
     assert only(graph, "stablehlo.reshape").attrs == A.ReshapeAttrs((5, 3, 4), (5, 12))
@@ -258,7 +286,8 @@ def test_broadcast_transpose_reshape(lower):
 def test_slice_pad_concatenate(lower):
     graph = lower(
         lambda x, y: jnp.concatenate([lax.pad(x[1:5:2, ::3], 0.0, ((1, 2, 1), (0, 0, 0))), y], axis=1),
-        spec(6, 7), spec(6, 5),
+        spec(6, 7),
+        spec(6, 5),
     )
     assert only(graph, "stablehlo.slice").attrs == A.SliceAttrs(start=(1, 0), limit=(5, 7), strides=(2, 3))
     assert only(graph, "stablehlo.pad").attrs == A.PadAttrs(low=(1, 0), high=(2, 0), interior=(1, 0))
@@ -269,8 +298,14 @@ def test_gather_indexing(lower):
     graph = lower(lambda x, i: x[i], spec(5, 4), i32(3))
     gather = only(graph, "stablehlo.gather")
     assert gather.attrs == A.GatherAttrs(
-        offset_dims=(1,), collapsed_slice_dims=(0,), operand_batching_dims=(), start_indices_batching_dims=(),
-        start_index_map=(0,), index_vector_dim=1, slice_sizes=(1, 4), indices_are_sorted=False,
+        offset_dims=(1,),
+        collapsed_slice_dims=(0,),
+        operand_batching_dims=(),
+        start_indices_batching_dims=(),
+        start_index_map=(0,),
+        index_vector_dim=1,
+        slice_sizes=(1, 4),
+        indices_are_sorted=False,
     )
 
 
@@ -278,15 +313,27 @@ def test_gather_take_along_axis(lower):
     graph = lower(lambda x, i: jnp.take_along_axis(x, i, axis=1), spec(5, 4), i32(5, 2), func="take_along_axis")
     gather = only(graph, "stablehlo.gather")
     assert gather.attrs == A.GatherAttrs(
-        offset_dims=(), collapsed_slice_dims=(1,), operand_batching_dims=(0,), start_indices_batching_dims=(0,),
-        start_index_map=(1,), index_vector_dim=2, slice_sizes=(1, 1), indices_are_sorted=False,
+        offset_dims=(),
+        collapsed_slice_dims=(1,),
+        operand_batching_dims=(0,),
+        start_indices_batching_dims=(0,),
+        start_index_map=(1,),
+        index_vector_dim=2,
+        slice_sizes=(1, 1),
+        indices_are_sorted=False,
     )
 
 
 def test_scatter_add_and_set(lower):
     dims = dict(
-        update_window_dims=(1,), inserted_window_dims=(0,), input_batching_dims=(), scatter_indices_batching_dims=(),
-        scatter_dims_to_operand_dims=(0,), index_vector_dim=1, indices_are_sorted=False, unique_indices=False,
+        update_window_dims=(1,),
+        inserted_window_dims=(0,),
+        input_batching_dims=(),
+        scatter_indices_batching_dims=(),
+        scatter_dims_to_operand_dims=(0,),
+        index_vector_dim=1,
+        indices_are_sorted=False,
+        unique_indices=False,
     )
     graph = lower(lambda x, i, u: x.at[i].add(u), spec(5, 4), i32(3), spec(3, 4))
     assert only(graph, "stablehlo.scatter").attrs == A.ScatterAttrs(**dims, kind="add")

@@ -63,8 +63,9 @@ def test_pipe_through_proc_fd_is_written_into():
         os.close(read_end)
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
-                    reason="making a character device (a copy of /dev/null) needs root")
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="making a character device (a copy of /dev/null) needs root"
+)
 def test_character_device_is_written_into(tmp_path):
     node = tmp_path / "null"
     os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))

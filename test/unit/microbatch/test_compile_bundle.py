@@ -44,12 +44,30 @@ def bundles(tmp_path_factory):
                 source.write_text(get_train_step(model, "tiny").lower())
             out = root / "bundle"
             done = subprocess.run(
-                [str(COMPILE), str(source), "--num-hosts", "2", "--devices-per-host", "4",
-                 "--microbatches", str(microbatches), "--schedule", schedule, "-o", str(out)],
-                capture_output=True, text=True, timeout=600, env={**os.environ, "HLOPAR_DEBUG": ""})
+                [
+                    str(COMPILE),
+                    str(source),
+                    "--num-hosts",
+                    "2",
+                    "--devices-per-host",
+                    "4",
+                    "--microbatches",
+                    str(microbatches),
+                    "--schedule",
+                    schedule,
+                    "-o",
+                    str(out),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                env={**os.environ, "HLOPAR_DEBUG": ""},
+            )
             assert done.returncode == 0, done.stderr
             assert "Traceback" not in done.stderr
-            assert sorted(p.name for p in root.iterdir()) == sorted(["bundle"] + ([source.name] if model != "mlp" else []))
+            assert sorted(p.name for p in root.iterdir()) == sorted(
+                ["bundle"] + ([source.name] if model != "mlp" else [])
+            )
             made[case] = out
         return made[case]
 
@@ -73,7 +91,9 @@ def test_bundle_files(case, bundles):
         assert (out / fragment["file"]).is_file(), fragment
         assert fragment["file"] == f"meshes/{fragment['mesh']}/{fragment['name']}.mlir"
     assert pipeline["split_backward"] == split
-    assert {f["role"] for f in pipeline["fragments"]} == {"forward", "backward", "update"} | ({"weight"} if split else set())
+    assert {f["role"] for f in pipeline["fragments"]} == {"forward", "backward", "update"} | (
+        {"weight"} if split else set()
+    )
     assert pipeline["transfers"] and all(t["planned"] and t["predicted_time"] > 0 for t in pipeline["transfers"])
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -83,7 +103,9 @@ def test_bundle_files(case, bundles):
     assert streams == program.streams(schedule)
     for stream in streams.streams:
         text = (out / "meshes" / stream.mesh / "stream.txt").read_text()
-        assert text.startswith(f"# schedule {schedule}, {microbatches} microbatches\nmesh {stream.mesh} (stage {stream.stage})")
+        assert text.startswith(
+            f"# schedule {schedule}, {microbatches} microbatches\nmesh {stream.mesh} (stage {stream.stage})"
+        )
         assert f"RUN F mb=0 [stage{stream.stage}_forward]" in text
         if split:
             assert f"RUN W mb=0 [stage{stream.stage}_weight]" in text and "FREE carry.0" in text
@@ -105,7 +127,8 @@ def test_bundle_files(case, bundles):
         if split:  # W's share of the backward is its share of the FLOPs
             assert 0 < stage["weight_flops"] <= stage["backward_flops"]
             assert stage["weight_s"] / stage["backward_s"] == pytest.approx(
-                stage["weight_flops"] / stage["backward_flops"])
+                stage["weight_flops"] / stage["backward_flops"]
+            )
         else:
             assert stage["weight_s"] is None and stage["weight_flops"] == 0
     assert simulation["sends"] and all(s["seconds"] > 0 for s in simulation["sends"])
@@ -133,5 +156,6 @@ def test_bundle_program_matches_one_device(case, bundles):
     compare(model, step(step_data(model)[1]))
     # The activations and gradients went through their planned unit ops.
     sent = [line for line in step.last_log if " SEND " in line and "[t" in line]
-    assert sent and all(step.program.transfer(line.rsplit("[", 1)[1].rstrip("]").split(", ")[0]).plan is not None
-                        for line in sent)
+    assert sent and all(
+        step.program.transfer(line.rsplit("[", 1)[1].rstrip("]").split(", ")[0]).plan is not None for line in sent
+    )

@@ -8,7 +8,11 @@ import pytest
 from microbatch_steps import run_pipeline, step_data
 
 from hlopar.codegen.executables import (
-    ALIASING_OUTPUT, BUFFER_DONOR, accumulating_module, compile_executable, set_donation,
+    ALIASING_OUTPUT,
+    BUFFER_DONOR,
+    accumulating_module,
+    compile_executable,
+    set_donation,
 )
 from hlopar.codegen.fragments import fragment_modules
 from hlopar.ir.module import parse_module, print_module
@@ -71,8 +75,11 @@ def test_set_donation_writes_what_jax_writes():
 def test_fragments_compile_with_accumulation():
     """A backward fragment of a planned pipeline, compiled to sum its outputs in place."""
     text = step_data("mlp")[0]
-    module = run_pipeline(text, "hlopar-split-microbatches{microbatches=2},hlopar-cluster-operators,"
-                                "hlopar-stage-construction{num-hosts=2 devices-per-host=4 workers=1}")
+    module = run_pipeline(
+        text,
+        "hlopar-split-microbatches{microbatches=2},hlopar-cluster-operators,"
+        "hlopar-stage-construction{num-hosts=2 devices-per-host=4 workers=1}",
+    )
     main = next(op.operation for op in module.regions[0].blocks[0].operations if op.operation.name == "func.func")
     backward = [f for f in fragment_modules(main) if '"(1)' in str(f.fragment.attributes["origin"])][0]
     count = len(backward.fragment.results)

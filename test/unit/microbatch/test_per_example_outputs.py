@@ -38,8 +38,10 @@ CONFIG = MODEL.config
 RTOL = 1e-5
 CLUSTER = hlopar.Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu")
 # Memory per device so small that one stage does not fit: the tiny MLP pipelines.
-TWO_STAGES = ("hlopar-cluster-operators{layers=2},hlopar-stage-construction{num-hosts=2 devices-per-host=4 "
-              "workers=1 memory-per-device=4KiB}")
+TWO_STAGES = (
+    "hlopar-cluster-operators{layers=2},hlopar-stage-construction{num-hosts=2 devices-per-host=4 "
+    "workers=1 memory-per-device=4KiB}"
+)
 
 
 def _adam(grads, state, params):
@@ -49,6 +51,7 @@ def _adam(grads, state, params):
 
 def aux_step(params, state, batch):
     """(loss, logits) by has_aux: the logits [batch, out] come back beside the update."""
+
     def loss_fn(p):
         logits = mlp.forward(CONFIG, p, batch["x"])
         return jnp.mean(jnp.square(logits - batch["y"])), logits
@@ -60,6 +63,7 @@ def aux_step(params, state, batch):
 def per_example_step(params, state, batch):
     """The mean of per-example losses trains; it comes back with the per-example losses
     [batch], the predictions transposed [out, batch] and each example's best output (int32)."""
+
     def loss_fn(p):
         pred = mlp.forward(CONFIG, p, batch["x"])
         return jnp.mean(jnp.square(pred - batch["y"]), axis=1), pred
@@ -69,8 +73,11 @@ def per_example_step(params, state, batch):
         return jnp.mean(losses), (losses, pred)
 
     (loss, (losses, pred)), grads = jax.value_and_grad(mean_loss, has_aux=True)(params)
-    return *_adam(grads, state, params), loss, {"losses": losses, "pred_t": pred.T,
-                                                "best": jnp.argmax(pred, axis=1).astype(jnp.int32)}
+    return (
+        *_adam(grads, state, params),
+        loss,
+        {"losses": losses, "pred_t": pred.T, "best": jnp.argmax(pred, axis=1).astype(jnp.int32)},
+    )
 
 
 def folded_step(params, state, batch):
@@ -115,16 +122,23 @@ def test_the_split_places_the_rows_in_the_whole_batch():
     zeros along their batch dim (dim 1 for the transposed predictions), made per microbatch."""
     module, _ = _split(per_example_step, 4)
     graph = FuncGraph.from_module(module)
-    placed = [(tuple(op.mlir_op.results[0].type.shape), ir.IntegerAttr(op.mlir_op.attributes[PER_EXAMPLE_ATTR]).value)
-              for op in graph.ops if PER_EXAMPLE_ATTR in op.mlir_op.attributes]
+    placed = [
+        (tuple(op.mlir_op.results[0].type.shape), ir.IntegerAttr(op.mlir_op.attributes[PER_EXAMPLE_ATTR]).value)
+        for op in graph.ops
+        if PER_EXAMPLE_ATTR in op.mlir_op.attributes
+    ]
     assert sorted(placed) == [((4, 8), 1), ((8,), 0), ((8,), 0)]  # losses, best [batch]; predictions
-    assert all(str(op.mlir_op.attributes[KIND_ATTR]) == f'"{SUM}"' for op in graph.ops
-               if PER_EXAMPLE_ATTR in op.mlir_op.attributes)
+    assert all(
+        str(op.mlir_op.attributes[KIND_ATTR]) == f'"{SUM}"'
+        for op in graph.ops
+        if PER_EXAMPLE_ATTR in op.mlir_op.attributes
+    )
     returned = {graph.values[v].producer for v in graph.results[-3:]}
     assert {graph.ops[i].name for i in returned} == {"stablehlo.dynamic_update_slice"}
     split = split_step(module)  # the contract's cut: the placements are among the sums
     assert set(range(len(graph.results) - 3, len(graph.results))) <= {
-        graph.results.index(v) for v in split.microbatch.outputs if v in graph.results}
+        graph.results.index(v) for v in split.microbatch.outputs if v in graph.results
+    }
 
 
 def test_accumulation_writes_the_rows_in_place():
@@ -147,8 +161,12 @@ def test_accumulation_writes_the_rows_in_place():
     expected = np.asarray(jax.jit(aux_step)(*args)[-1])
     whole = np.zeros_like(expected)
     for k in range(4):
-        inputs = [leaves[i][k * split.argument_shapes[i][0]:(k + 1) * split.argument_shapes[i][0]]
-                  if i in split.batch_args else leaves[i] for i in split.microbatch_args]
+        inputs = [
+            leaves[i][k * split.argument_shapes[i][0] : (k + 1) * split.argument_shapes[i][0]]
+            if i in split.batch_args
+            else leaves[i]
+            for i in split.microbatch_args
+        ]
         ones = np.ones_like(expected)
         placed = np.asarray(executable.run([ones] + inputs)[position])
         mine = slice(k * rows, (k + 1) * rows)
@@ -190,8 +208,9 @@ def test_pipelined_step_under_every_schedule(name):
 
 def _parallelize(name: str, method: str, schedule: str = "eager-1f1b", pipelined: bool = False) -> None:
     step, args = STEPS[name], _args()
-    parallel = hlopar.parallelize(step, cluster=CLUSTER, num_microbatches=4, method=method, schedule=schedule,
-                                  verbose=False)
+    parallel = hlopar.parallelize(
+        step, cluster=CLUSTER, num_microbatches=4, method=method, schedule=schedule, verbose=False
+    )
     try:
         outputs = parallel(*args)
         program = parallel.runtime.program
@@ -208,7 +227,8 @@ def test_parallelize_shard(ray_cluster, name):
     _parallelize(name, "shard")
 
 
-@pytest.mark.parametrize(("name", "schedule"), [("aux", "gpipe"), ("aux", "1f1b"), ("per_example", "eager-1f1b"),
-                                                ("aux", "eager-1f1b-wd")])
+@pytest.mark.parametrize(
+    ("name", "schedule"), [("aux", "gpipe"), ("aux", "1f1b"), ("per_example", "eager-1f1b"), ("aux", "eager-1f1b-wd")]
+)
 def test_parallelize_auto_pipelined(ray_cluster, name, schedule):
     _parallelize(name, "auto", schedule, pipelined=True)

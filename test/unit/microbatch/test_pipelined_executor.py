@@ -76,8 +76,10 @@ def test_weight_delaying_streams_run_b_then_w(model):
     assert program.split_backward and any(program.topology.carry_bytes)
     for stream in streams.streams:
         stage = stream.stage
-        names = {role: tuple(f.name for f in program.fragments if f.stage == stage and f.role == role)
-                 for role in (BACKWARD, WEIGHT)}
+        names = {
+            role: tuple(f.name for f in program.fragments if f.stage == stage and f.role == role)
+            for role in (BACKWARD, WEIGHT)
+        }
         assert names[WEIGHT], "every stage has weight gradients"
         position = {inst.id: k for k, inst in enumerate(stream)}
         runs = {(i.kind, i.microbatch): i for i in stream if i.op == RUN}
@@ -96,8 +98,12 @@ def test_weight_delaying_streams_run_b_then_w(model):
     handed_bytes = 0
     for f in program.fragments:
         if f.role == WEIGHT:
-            handed = [v for v in f.operands if program.values[v].producer is not None
-                      and program.fragments[program.values[v].producer].role == BACKWARD]
+            handed = [
+                v
+                for v in f.operands
+                if program.values[v].producer is not None
+                and program.fragments[program.values[v].producer].role == BACKWARD
+            ]
             assert all(program.values[v].mesh == f.mesh for v in handed)
             assert sum(program.values[v].nbytes for v in handed) == program.topology.carry_bytes[f.stage]
             handed_bytes += sum(program.values[v].nbytes for v in handed)
@@ -108,8 +114,9 @@ def test_planned_transfers_run_their_unit_ops():
     """After hlopar-cross-mesh-resharding, each SEND carries out the unit ops of the
     hlopar.cross_mesh_transfer ops it names (the sequential runner's transfer execution)."""
     text = step_data("mlp")[0]
-    module = run_pipeline(text, f"hlopar-split-microbatches{{microbatches=2}},{PLAN},"
-                                "hlopar-cross-mesh-resharding{devices-per-host=4}")
+    module = run_pipeline(
+        text, f"hlopar-split-microbatches{{microbatches=2}},{PLAN},hlopar-cross-mesh-resharding{{devices-per-host=4}}"
+    )
     step = PipelinedStep(module)
     transfers = step.program.transfers
     assert transfers and all(t.plan is not None and t.plan.ops for t in transfers)
@@ -120,6 +127,10 @@ def test_planned_transfers_run_their_unit_ops():
             step = PipelinedStep(module, schedule)  # read with its backwards split
             assert step.program.split_backward
         compare("mlp", step(step_data("mlp")[1], schedule))
-        carried = {name.strip() for line in step.last_log if " SEND " in line
-                   for name in line.rsplit("[", 1)[1].rstrip("]").split(",")}
+        carried = {
+            name.strip()
+            for line in step.last_log
+            if " SEND " in line
+            for name in line.rsplit("[", 1)[1].rstrip("]").split(",")
+        }
         assert carried == streamed

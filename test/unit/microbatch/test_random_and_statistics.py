@@ -54,8 +54,11 @@ def _assert_close(actual, expected, rtol=RTOL) -> None:
 
 
 def _main(module):
-    return next(op.operation for op in module.regions[0].blocks[0].operations
-                if op.operation.name == "func.func" and "main" in str(op.operation.attributes["sym_name"]))
+    return next(
+        op.operation
+        for op in module.regions[0].blocks[0].operations
+        if op.operation.name == "func.func" and "main" in str(op.operation.attributes["sym_name"])
+    )
 
 
 def _split(step, args, microbatches: int, *, diagnostics: list | None = None, **options):
@@ -119,8 +122,9 @@ def test_dropout_draws_the_whole_batch_bits(typed):
     assert step.split.index_arg == 5
     _assert_close(step(_host(args)), expected)
     # The dropout changes the result: a step without the global counters would not match.
-    assert not np.allclose(expected[1], _leaves(jax.jit(_dropout_step)(args[0], args[1], args[2],
-                                                                      jax.random.PRNGKey(4)))[1])
+    assert not np.allclose(
+        expected[1], _leaves(jax.jit(_dropout_step)(args[0], args[1], args[2], jax.random.PRNGKey(4)))[1]
+    )
 
 
 def test_dropout_split_step_and_functions_form():
@@ -136,8 +140,12 @@ def test_dropout_split_step_and_functions_form():
     micro = compile_spmd(split.microbatch.module, jax.devices()[:1])
     sums = None
     for k in range(4):
-        inputs = [np.asarray(full[i])[k * split.argument_shapes[i][0]:(k + 1) * split.argument_shapes[i][0]]
-                  if i in split.batch_args else full[i] for i in split.microbatch_args]
+        inputs = [
+            np.asarray(full[i])[k * split.argument_shapes[i][0] : (k + 1) * split.argument_shapes[i][0]]
+            if i in split.batch_args
+            else full[i]
+            for i in split.microbatch_args
+        ]
         parts = [np.asarray(p) for p in micro(*inputs)]
         sums = parts if sums is None else [s + p for s, p in zip(sums, parts)]
     update = compile_spmd(split.update.module, jax.devices()[:1])
@@ -193,8 +201,9 @@ _MODEL = _CNN()
 
 
 def _bn_loss(params, batch_stats, x, y, divisor):
-    logits, updates = _MODEL.apply({"params": params, "batch_stats": batch_stats}, x, train=True,
-                                   mutable=["batch_stats"])
+    logits, updates = _MODEL.apply(
+        {"params": params, "batch_stats": batch_stats}, x, train=True, mutable=["batch_stats"]
+    )
     return optax.softmax_cross_entropy(logits, y).sum() / divisor, updates["batch_stats"]
 
 
@@ -244,8 +253,10 @@ def test_batchnorm_statistics_per_microbatch():
     module, warnings = _split(_bn_step, args, 4, diagnostics=diagnostics)
     # Located at the user's line that calls the layer, not inside Flax.
     assert diagnostics[0].location.file == __file__ and diagnostics[0].severity == "warning"
-    assert warnings == ["hlopar-split-microbatches: batch statistics are computed per microbatch of 4 examples "
-                        "(GPipe), not over the batch of 16; running statistics are the mean over microbatches"]
+    assert warnings == [
+        "hlopar-split-microbatches: batch statistics are computed per microbatch of 4 examples "
+        "(GPipe), not over the batch of 16; running statistics are the mean over microbatches"
+    ]
     actual = MicrobatchedStep(module)(_host(args))
     expected = _leaves(jax.jit(_per_microbatch_reference, static_argnums=4)(*args, 4))
     # Summation order only (the statistics' sums over 4 examples are the same sums).
@@ -266,18 +277,29 @@ PLAN = "hlopar-cluster-operators,hlopar-stage-construction{num-hosts=2 devices-p
 # go 0-1 | 2 (stage construction's report checks it): activations kept (remat=never); stage 0
 # marked rematerialized where only that fits (remat=auto, 12 KiB), run as written (marked, no
 # hlopar-rematerialize) and rematerialized; both stages rematerialized (remat=always).
-_BN_PLAN = ("hlopar-cluster-operators,hlopar-stage-construction{num-hosts=2 devices-per-host=4 workers=1 "
-            "stages=2 remat={remat} report={report}}")
+_BN_PLAN = (
+    "hlopar-cluster-operators,hlopar-stage-construction{num-hosts=2 devices-per-host=4 workers=1 "
+    "stages=2 remat={remat} report={report}}"
+)
 TWO_STAGES = {
-    "dropout": ("hlopar-cluster-operators{layers=2},hlopar-stage-construction{num-hosts=2 devices-per-host=4 "
-                "workers=1 stages=2}", None),
+    "dropout": (
+        "hlopar-cluster-operators{layers=2},hlopar-stage-construction{num-hosts=2 devices-per-host=4 "
+        "workers=1 stages=2}",
+        None,
+    ),
     "batchnorm-keep": (_BN_PLAN.replace("{remat}", "never"), [([0, 1], False), ([2, 2], False)]),
-    "batchnorm-marked": (_BN_PLAN.replace("{remat}", "auto memory-per-device=12KiB"),
-                         [([0, 1], True), ([2, 2], False)]),
-    "batchnorm-remat": (_BN_PLAN.replace("{remat}", "auto memory-per-device=12KiB") + ",hlopar-rematerialize",
-                        [([0, 1], True), ([2, 2], False)]),
-    "batchnorm-remat-all": (_BN_PLAN.replace("{remat}", "always") + ",hlopar-rematerialize",
-                            [([0, 1], True), ([2, 2], True)]),
+    "batchnorm-marked": (
+        _BN_PLAN.replace("{remat}", "auto memory-per-device=12KiB"),
+        [([0, 1], True), ([2, 2], False)],
+    ),
+    "batchnorm-remat": (
+        _BN_PLAN.replace("{remat}", "auto memory-per-device=12KiB") + ",hlopar-rematerialize",
+        [([0, 1], True), ([2, 2], False)],
+    ),
+    "batchnorm-remat-all": (
+        _BN_PLAN.replace("{remat}", "always") + ",hlopar-rematerialize",
+        [([0, 1], True), ([2, 2], True)],
+    ),
 }
 
 
@@ -306,9 +328,18 @@ def _assert_step_close(actual, expected, params, rtol: float) -> None:
     assert_trees_close(actual[1:], expected[1:], rtol=rtol, max_rtol=rtol)
 
 
-@pytest.mark.parametrize("which, names", [("dropout", False), ("batchnorm-keep", False),
-                                          ("batchnorm-marked", False), ("batchnorm-remat", False),
-                                          ("batchnorm-remat-all", False), ("dropout", True), ("batchnorm", True)])
+@pytest.mark.parametrize(
+    "which, names",
+    [
+        ("dropout", False),
+        ("batchnorm-keep", False),
+        ("batchnorm-marked", False),
+        ("batchnorm-remat", False),
+        ("batchnorm-remat-all", False),
+        ("dropout", True),
+        ("batchnorm", True),
+    ],
+)
 def test_pipelined_runs_the_same(which, names, tmp_path):
     """Planned into a pipeline on 2 x 4 CPU devices and run by `PipelinedStep`: the index
     argument reaches the stages that read it; the results are the microbatched step's.
@@ -318,8 +349,10 @@ def test_pipelined_runs_the_same(which, names, tmp_path):
     dropout = which == "dropout"
     step, args = (_dropout_step, _dropout_args(True)) if dropout else (_bn_step, _bn_args())
     module, _ = _split(step, args, 4)
-    expected = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(jax.eval_shape(step, *args)),
-                                            _leaves(MicrobatchedStep(module.clone())(_host(args))))
+    expected = jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(jax.eval_shape(step, *args)),
+        _leaves(MicrobatchedStep(module.clone())(_host(args))),
+    )
     # With name stacks the clustering differs and no memory limit makes these tiny steps two
     # stages: one stage, where the roles of the running statistics are what is checked.
     plan, stages = (PLAN, None) if names else TWO_STAGES[which]
@@ -374,8 +407,11 @@ def _odd_step(w, x, y):
 
 def _odd_args():
     keys = jax.random.split(jax.random.PRNGKey(5), 3)
-    return (jax.random.normal(keys[0], (D_IN, OUT)), jax.random.normal(keys[1], (N, D_IN)),
-            jax.random.normal(keys[2], (N, OUT)))
+    return (
+        jax.random.normal(keys[0], (D_IN, OUT)),
+        jax.random.normal(keys[1], (N, D_IN)),
+        jax.random.normal(keys[2], (N, OUT)),
+    )
 
 
 def test_one_microbatch_refuses_nothing():

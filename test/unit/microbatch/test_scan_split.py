@@ -68,10 +68,17 @@ def train(step, args, run_step) -> None:
         state = scan_steps.next_args(state, expected[-1])
     for k in range(STEPS):
         results = run_step(args)
-        assert_adam_step_close(results, reference(*args), scan_steps.params_of(args), scan_steps.params_of,
-                               rtol=RTOL, max_rtol=RTOL if k == 0 else LATER_MAX_RTOL)
-        np.testing.assert_allclose(float(scan_steps.loss_of(results)), float(scan_steps.loss_of(expected[k])),
-                                   rtol=1e-5)
+        assert_adam_step_close(
+            results,
+            reference(*args),
+            scan_steps.params_of(args),
+            scan_steps.params_of,
+            rtol=RTOL,
+            max_rtol=RTOL if k == 0 else LATER_MAX_RTOL,
+        )
+        np.testing.assert_allclose(
+            float(scan_steps.loss_of(results)), float(scan_steps.loss_of(expected[k])), rtol=1e-5
+        )
         args = scan_steps.next_args(args, results)
 
 
@@ -85,8 +92,11 @@ def stacked_sums(module) -> tuple[int, int]:
     graph = FuncGraph.from_module(module)
     kinds = op_kinds(graph)
     loops = {i for i, op in enumerate(graph.ops) if op.name == "stablehlo.while" and kinds[i] == BATCH}
-    leaving = [i for i, op in enumerate(graph.ops) if op.name == "stablehlo.reshape" and kinds[i] == SUM
-               and graph.values[op.operands[0]].producer in loops]
+    leaving = [
+        i
+        for i, op in enumerate(graph.ops)
+        if op.name == "stablehlo.reshape" and kinds[i] == SUM and graph.values[op.operands[0]].producer in loops
+    ]
     return len(loops), len(leaving)
 
 
@@ -112,6 +122,7 @@ def test_split_step_equals_one_device(name):
 def branching_scan_step(w, flag, x, y):
     """Layers under scan whose activation is chosen by `lax.cond`: the backward's branches
     (`stablehlo.case`) sum the weight gradients over the batch."""
+
     def loss_fn(w):
         def layer(h, wi):
             return jax.lax.cond(flag, lambda h: jnp.tanh(h @ wi), lambda h: jax.nn.relu(h @ wi), h), None
@@ -126,8 +137,12 @@ def branching_scan_step(w, flag, x, y):
 @pytest.mark.parametrize("flag", [True, False])
 def test_branch_inside_the_scan_equals_one_device(flag):
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
-    args = (jax.random.normal(keys[0], (3, 4, 4)) / 2, jnp.array(flag), jax.random.normal(keys[1], (8, 4)),
-            jax.random.normal(keys[2], (8, 4)))
+    args = (
+        jax.random.normal(keys[0], (3, 4, 4)) / 2,
+        jnp.array(flag),
+        jax.random.normal(keys[1], (8, 4)),
+        jax.random.normal(keys[2], (8, 4)),
+    )
     text = jax.jit(branching_scan_step).lower(*args).as_text()
     module = run_pipeline(imported(text), f"hlopar-split-microbatches{{microbatches={MICROBATCHES} batch-args=2,3}}")
     new_w, loss = MicrobatchedStep(module)([np.asarray(a) for a in args])
@@ -139,6 +154,7 @@ def test_branch_inside_the_scan_equals_one_device(flag):
 def centred_scan_step(params, x, y):
     """A layer stack that centres its activations on the batch's mean in every layer: a batch
     statistic inside the loop."""
+
     def loss_fn(params):
         def layer(h, w):
             h = jnp.tanh(h @ w)
@@ -160,25 +176,31 @@ def test_statistic_inside_the_loop_is_refused_at_the_users_line():
     lines, first = inspect.getsourcelines(centred_scan_step)
     line = first + next(n for n, text in enumerate(lines) if "# refused" in text)
     why = "uses a sum over the batch .* per example inside a loop or branch"
-    parallel = hlopar.parallelize(centred_scan_step, cluster=CLUSTER, method="shard",
-                                  num_microbatches=MICROBATCHES, verbose=False)
+    parallel = hlopar.parallelize(
+        centred_scan_step, cluster=CLUSTER, method="shard", num_microbatches=MICROBATCHES, verbose=False
+    )
     with pytest.raises(hlopar.api.PlanningError, match=rf"{__file__}:{line}:\d+: error: .*{why}"):
         parallel.plan(*args)
     planned, _ = hlopar.parallelize(centred_scan_step, cluster=CLUSTER, method="shard", verbose=False).plan(*args)
     assert planned.program.microbatches == 1
 
 
-@pytest.mark.parametrize(("name", "method"), [
-    ("gpt", "shard"), ("gpt", "auto"), pytest.param("flax_remat", "shard", marks=pytest.mark.heavy),
-    pytest.param("gpt_remat", "shard", marks=pytest.mark.heavy), pytest.param("flax", "shard", marks=pytest.mark.heavy),
-])
+@pytest.mark.parametrize(
+    ("name", "method"),
+    [
+        ("gpt", "shard"),
+        ("gpt", "auto"),
+        pytest.param("flax_remat", "shard", marks=pytest.mark.heavy),
+        pytest.param("gpt_remat", "shard", marks=pytest.mark.heavy),
+        pytest.param("flax", "shard", marks=pytest.mark.heavy),
+    ],
+)
 def test_parallelize_equals_one_device(ray_cluster, name, method):
     """`hlopar.parallelize` with 4 microbatches, 3 steps equal to one device: method="shard"
     keeps the loops (one stage on the 8 devices); method="auto" unrolls the stack first
     (`hlopar-unstack-layer-scans`) and may pipeline it (GPT: a batch of 8 and a sequence of 8)."""
     step, args = model(name)
-    parallel = hlopar.parallelize(step, cluster=CLUSTER, method=method, num_microbatches=MICROBATCHES,
-                                  verbose=False)
+    parallel = hlopar.parallelize(step, cluster=CLUSTER, method=method, num_microbatches=MICROBATCHES, verbose=False)
     try:
         train(step, args, lambda arguments: parallel(*arguments))
         assert parallel.planned.program.microbatches == MICROBATCHES

@@ -54,7 +54,8 @@ def test_split_keeps_the_contract(model, tmp_path):
     assert kind[main.results[found["loss_result"]]] == SUM
     assert all(kind[v] != BATCH for v in main.results)
     assert sum(1 for op in main.ops if KIND_ATTR in op.mlir_op.attributes) == sum(
-        found["ops"][k] for k in (BATCH, SUM, STEP))
+        found["ops"][k] for k in (BATCH, SUM, STEP)
+    )
 
 
 def custom_mlp_step(loss) -> TrainStep:
@@ -65,8 +66,9 @@ def custom_mlp_step(loss) -> TrainStep:
         pred = mlp.forward(config, params, batch["x"])
         return loss(pred, batch["y"])
 
-    return TrainStep("mlp-custom", config, mlp.param_specs(config), loss_fn,
-                     jax.jit(lambda rng: mlp.make_batch(config, rng)))
+    return TrainStep(
+        "mlp-custom", config, mlp.param_specs(config), loss_fn, jax.jit(lambda rng: mlp.make_batch(config, rng))
+    )
 
 
 def split_error(step: TrainStep, microbatches: int = 2) -> str:
@@ -75,21 +77,27 @@ def split_error(step: TrainStep, microbatches: int = 2) -> str:
     return str(error.value)
 
 
-@pytest.mark.parametrize("loss, culprit", [
-    (lambda p, y: jnp.log(jnp.mean(jnp.square(p - y))), "stablehlo.log"),
-    (lambda p, y: jnp.mean(jnp.square(p - y)) ** 2, "stablehlo.multiply"),
-    (lambda p, y: jnp.sqrt(jnp.sum(jnp.square(p - y))), "stablehlo.sqrt"),
-])
+@pytest.mark.parametrize(
+    "loss, culprit",
+    [
+        (lambda p, y: jnp.log(jnp.mean(jnp.square(p - y))), "stablehlo.log"),
+        (lambda p, y: jnp.mean(jnp.square(p - y)) ** 2, "stablehlo.multiply"),
+        (lambda p, y: jnp.sqrt(jnp.sum(jnp.square(p - y))), "stablehlo.sqrt"),
+    ],
+)
 def test_losses_that_are_not_sums_are_refused(loss, culprit):
     message = split_error(custom_mlp_step(loss))
     assert "the loss (result 19) is not a sum or a mean over the batch" in message
     assert f"'{culprit}' is not linear in the sums over the batch" in message
 
 
-@pytest.mark.parametrize("loss", [
-    lambda p, y: jnp.sum(jnp.square(p - y)),  # a sum
-    lambda p, y: 3.0 * jnp.mean(jnp.abs(p - y)) - jnp.mean(p),  # linear in means
-])
+@pytest.mark.parametrize(
+    "loss",
+    [
+        lambda p, y: jnp.sum(jnp.square(p - y)),  # a sum
+        lambda p, y: 3.0 * jnp.mean(jnp.abs(p - y)) - jnp.mean(p),  # linear in means
+    ],
+)
 def test_sums_and_means_are_accepted(loss):
     """Accepted, and the step split into 4 microbatches computes what the whole step computes."""
     step = custom_mlp_step(loss)

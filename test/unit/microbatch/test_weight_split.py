@@ -23,8 +23,9 @@ DEFINES = [(3,), (4,), (5,), (6,), (7,)]
 def test_input_gradient_and_what_it_needs_go_to_b():
     split = split_ops(READS, DEFINES, input_results=[5], weight_results=[6, 7])
     # g is needed by both: B computes it and hands it over; the constant is computed again.
-    assert split == OpSplit(input_ops=(0, 1, 2), weight_ops=(0, 3, 4), input_args=(0, 1), weight_args=(2,),
-                            carried=(4,))
+    assert split == OpSplit(
+        input_ops=(0, 1, 2), weight_ops=(0, 3, 4), input_args=(0, 1), weight_args=(2,), carried=(4,)
+    )
 
 
 def test_values_b_makes_that_w_returns_are_carried():
@@ -83,8 +84,9 @@ def test_split_module_cuts_a_backward_into_two_modules_that_compute_it():
     assert "stablehlo.constant" in w  # the constant is computed again, not handed over
     carried = '{sdy.sharding = #sdy.sharding<@m, [{"x"}, {}]>}'
     # B returns dx, then g; W takes x, then g: both laid out as the multiply states.
-    assert _signature(halves.input).endswith(f"-> (tensor<4x16xf32> {{sdy.sharding = #sdy.sharding<@m, "
-                                             f"[{{\"x\"}}, {{}}]>}}, tensor<4x8xf32> {carried}) {{")
+    assert _signature(halves.input).endswith(
+        f'-> (tensor<4x16xf32> {{sdy.sharding = #sdy.sharding<@m, [{{"x"}}, {{}}]>}}, tensor<4x8xf32> {carried}) {{'
+    )
     assert f"%arg1: tensor<4x8xf32> {carried})" in _signature(halves.weight)
 
     devices = jax.devices()[:2]

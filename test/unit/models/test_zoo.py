@@ -46,9 +46,9 @@ DEFAULT_LOWERING = {
     "u_transformer": ["tiny", "2.1B"],
 }
 LOWERING_CASES = [
-    pytest.param(m, c, marks=() if c in DEFAULT_LOWERING[m] else pytest.mark.heavy,
-                 id=f"{m}-{c}")
-    for m in sorted(MODELS) for c in list_configs(m)
+    pytest.param(m, c, marks=() if c in DEFAULT_LOWERING[m] else pytest.mark.heavy, id=f"{m}-{c}")
+    for m in sorted(MODELS)
+    for c in list_configs(m)
 ]
 
 
@@ -78,7 +78,8 @@ def test_registry_lists_every_family_with_a_tiny_config():
     gpt += [f"{name}-fp16" for name in gpt[1:]]
     assert list_configs("gpt") == gpt + [f"{name}-scan" for name in gpt]
     assert MODELS["gpt"].configs["39B-fp16-scan"] == dataclasses.replace(
-        MODELS["gpt"].configs["39B"], dtype="float16", master_dtype="float32", scan_layers=True)
+        MODELS["gpt"].configs["39B"], dtype="float16", master_dtype="float32", scan_layers=True
+    )
     assert list_configs("moe") == ["tiny", "380M", "1.3B", "2.4B", "10B", "27B", "70B"]
     assert list_configs("wide_resnet") == ["tiny", "250M", "1B", "2B", "4B", "6.8B", "13B"]
     assert list_configs("u_transformer") == ["tiny", "2.1B"]
@@ -95,14 +96,11 @@ def test_unknown_names_raise_a_clear_error():
 
 def test_paper_configurations_are_the_papers_numbers():
     g = MODELS["gpt"].configs["39B"]
-    assert (g.hidden_size, g.num_layers, g.num_heads, g.seq_len, g.vocab_size) == (
-        8192, 48, 64, 1024, 51200)
+    assert (g.hidden_size, g.num_layers, g.num_heads, g.seq_len, g.vocab_size) == (8192, 48, 64, 1024, 51200)
     m = MODELS["moe"].configs["70B"]
-    assert (m.hidden_size, m.num_layers, m.num_heads, m.num_experts, m.vocab_size) == (
-        2048, 32, 32, 64, 32000)
+    assert (m.hidden_size, m.num_layers, m.num_heads, m.num_experts, m.vocab_size) == (2048, 32, 32, 64, 32000)
     w = MODELS["wide_resnet"].configs["13B"]
-    assert (w.num_layers, w.base_channels, w.width_factor, w.image_size, w.num_classes) == (
-        101, 320, 16, 224, 1024)
+    assert (w.num_layers, w.base_channels, w.width_factor, w.image_size, w.num_classes) == (101, 320, 16, 224, 1024)
     assert MODELS["wide_resnet"].configs["250M"].num_layers == 50
     u = MODELS["u_transformer"].configs["2.1B"]
     assert (u.batch_size, u.dtype) == (2048, "float32")
@@ -154,8 +152,7 @@ def test_loss_is_a_mean_over_the_batch():
 
 def test_mlp_gradient_matches_finite_differences():
     with jax.enable_x64(True):
-        cfg = mlp.MLPConfig(in_dim=8, hidden_dims=(16, 16), out_dim=4, batch_size=8,
-                            dtype="float64")
+        cfg = mlp.MLPConfig(in_dim=8, hidden_dims=(16, 16), out_dim=4, batch_size=8, dtype="float64")
         ts = mlp.train_step(cfg)
         params = ts.init(jax.random.key(0))
         batch = ts.make_batch(jax.random.key(1))
@@ -255,15 +252,18 @@ def test_mixed_precision_step_is_adam_on_the_master_weights():
     opt_state = ts.init_opt_state(params)
     batch = ts.make_batch(jax.random.key(1))
     assert _dtypes(params) == {"float16"} and _dtypes(opt_state.master) == {"float32"}
-    assert jax.tree_util.tree_all(jax.tree_util.tree_map(
-        lambda m, p: bool(jnp.all(m == p.astype(jnp.float32))), opt_state.master, params))
+    assert jax.tree_util.tree_all(
+        jax.tree_util.tree_map(lambda m, p: bool(jnp.all(m == p.astype(jnp.float32))), opt_state.master, params)
+    )
 
     grads = jax.jit(jax.grad(ts.loss_fn))(params, batch)
     grads32 = jax.tree_util.tree_map(lambda g: g.astype(jnp.float32), grads)
     reference = jax.jit(adam_update)(grads32, init_adam(opt_state.master), opt_state.master)
     new_params, new_state, _ = ts.jitted_step(params, opt_state, batch)
-    for got, want in zip(jax.tree_util.tree_leaves((new_state.master, new_state.mu, new_state.nu)),
-                         jax.tree_util.tree_leaves((reference[0], reference[1].mu, reference[1].nu))):
+    for got, want in zip(
+        jax.tree_util.tree_leaves((new_state.master, new_state.mu, new_state.nu)),
+        jax.tree_util.tree_leaves((reference[0], reference[1].mu, reference[1].nu)),
+    ):
         np.testing.assert_array_equal(got, want)
     for p, m in zip(jax.tree_util.tree_leaves(new_params), jax.tree_util.tree_leaves(new_state.master)):
         assert p.dtype == jnp.float16
@@ -390,13 +390,9 @@ def test_export_tool_rejects_unknown_names(capsys):
 
 
 def test_export_tool_runs_as_a_script():
-    proc = subprocess.run(
-        [sys.executable, str(TOOL), "--list"], capture_output=True, text=True, timeout=120
-    )
+    proc = subprocess.run([sys.executable, str(TOOL), "--list"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "gpt: tiny 350M 1.3B 2.6B 6.7B 15B 39B" in proc.stdout
-    proc = subprocess.run(
-        [sys.executable, str(TOOL), "nope", "tiny"], capture_output=True, text=True, timeout=120
-    )
+    proc = subprocess.run([sys.executable, str(TOOL), "nope", "tiny"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "unknown model 'nope'" in proc.stderr

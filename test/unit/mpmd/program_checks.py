@@ -25,8 +25,11 @@ class Fragment:
 
 
 def main_func(module: ir.Operation) -> ir.Operation:
-    return next(op.operation for op in module.regions[0].blocks[0].operations
-                if op.operation.name == "func.func" and ir.StringAttr(op.operation.attributes["sym_name"]).value == "main")
+    return next(
+        op.operation
+        for op in module.regions[0].blocks[0].operations
+        if op.operation.name == "func.func" and ir.StringAttr(op.operation.attributes["sym_name"]).value == "main"
+    )
 
 
 def top_level_ops(module: ir.Operation) -> list[ir.Operation]:
@@ -39,8 +42,14 @@ def fragments(module: ir.Operation) -> list[Fragment]:
         if op.name == "mpmd.fragment":
             stage = int(ir.IntegerAttr(op.attributes["stage_id"]).value) if "stage_id" in op.attributes else None
             origin = str(op.attributes["origin"])
-            found.append(Fragment(ir.StringAttr(op.attributes["mesh_name"]).value, origin, stage,
-                                  len(list(op.regions[0].blocks[0].operations)) - 1))
+            found.append(
+                Fragment(
+                    ir.StringAttr(op.attributes["mesh_name"]).value,
+                    origin,
+                    stage,
+                    len(list(op.regions[0].blocks[0].operations)) - 1,
+                )
+            )
     return found
 
 

@@ -70,8 +70,7 @@ def test_pieces_compute_what_the_function_computes():
         tail_inputs, _ = boundary(g, [3, 4])
         tail = extract_function(g, [3, 4], inputs=tail_inputs)
         # The head returns what the tail reads, in the tail's order; arguments pass through.
-        head = extract_function(g, [0, 1, 2], inputs=g.args,
-                                outputs=[v for v in tail_inputs if v not in g.args])
+        head = extract_function(g, [0, 1, 2], inputs=g.args, outputs=[v for v in tail_inputs if v not in g.args])
         values = dict(zip(g.args, arguments(k)))
         values.update(zip(head.outputs, compile_spmd(head.module, jax.devices()[:2])(*arguments(k))))
         actual = compile_spmd(tail.module, jax.devices()[:2])(*(values[v] for v in tail.inputs))

@@ -23,8 +23,12 @@ def check(reads, keys, fragments) -> None:
 
 
 def quotient_is_acyclic(reads, keys) -> bool:
-    edges = {(keys[s], keys[op]) for op in range(len(keys)) for s in reads[op]
-             if keys[op] is not None and keys[s] is not None and keys[s] != keys[op]}
+    edges = {
+        (keys[s], keys[op])
+        for op in range(len(keys))
+        for s in reads[op]
+        if keys[op] is not None and keys[s] is not None and keys[s] != keys[op]
+    }
     nodes = {k for k in keys if k is not None}
     indegree = {n: 0 for n in nodes}
     for _, b in edges:
@@ -69,8 +73,9 @@ def test_random_graphs(seed):
     rng = random.Random(seed)
     count = rng.randint(1, 25)
     groups = rng.randint(1, 5)
-    keys = [rng.choice([None] + list(range(groups))) if rng.random() < 0.1 else rng.randrange(groups)
-            for _ in range(count)]
+    keys = [
+        rng.choice([None] + list(range(groups))) if rng.random() < 0.1 else rng.randrange(groups) for _ in range(count)
+    ]
     reads = [{s for s in range(i) if rng.random() < 0.15} for i in range(count)]
     fragments = form_fragments(reads, keys)
     check(reads, keys, fragments)

@@ -54,8 +54,12 @@ MESHES = [StageMesh("m0", ("x",), (4,), (0, 1, 2, 3)), StageMesh("m1", ("x", "y"
 
 def arguments(k: int) -> list[np.ndarray]:
     rng = np.random.default_rng(0)
-    return [rng.standard_normal((8, 16), np.float32), rng.standard_normal((16, 16), np.float32),
-            rng.standard_normal((16, 16), np.float32), np.int32(k)]
+    return [
+        rng.standard_normal((8, 16), np.float32),
+        rng.standard_normal((16, 16), np.float32),
+        rng.standard_normal((16, 16), np.float32),
+        np.int32(k),
+    ]
 
 
 def written(plan: bool):
@@ -70,7 +74,13 @@ def test_layout_splits_a_cyclic_group_and_copies_constants():
     graph = FuncGraph.from_func(main_func(module))
     layout = layout_program(graph, STAGES, ROLES)
     assert [(f.stage, f.role, f.ops) for f in layout.fragments] == [
-        (0, F, (1,)), (1, F, (2, 3)), (0, F, (0, 4, 5)), (1, B, (0, 6, 7, 8, 9)), (0, B, (10,)), (0, U, (11,))]
+        (0, F, (1,)),
+        (1, F, (2, 3)),
+        (0, F, (0, 4, 5)),
+        (1, B, (0, 6, 7, 8, 9)),
+        (0, B, (10,)),
+        (0, U, (11,)),
+    ]
     assert layout.home[graph.args[0]] == 0 and layout.home[graph.args[3]] == 1
 
 
@@ -78,7 +88,9 @@ def test_layout_splits_a_cyclic_group_and_copies_constants():
 def test_structure(plan, tmp_path):
     module = written(plan)
     text = check_program(module, tmp_path)
-    assert text.startswith("module attributes {hlopar.devices = {m0 = array<i64: 0, 1, 2, 3>, m1 = array<i64: 4, 5, 6, 7>}}")
+    assert text.startswith(
+        "module attributes {hlopar.devices = {m0 = array<i64: 0, 1, 2, 3>, m1 = array<i64: 4, 5, 6, 7>}}"
+    )
     assert 'topology = #mpmd.topology<<"m0" : <["x"=4]>>, <"m1" : <["x"=2, "y"=2]>>>' in text
     assert 'sdy.mesh @m0 = <["x"=4]>' in text and 'sdy.mesh @m1 = <["x"=2, "y"=2]>' in text
     assert [(f.mesh, f.origin, f.stage) for f in fragments(module)] == [

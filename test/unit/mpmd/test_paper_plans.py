@@ -27,23 +27,33 @@ ROOT = Path(__file__).resolve().parents[3]
 
 def plan(tmp_path: Path, model: str, config: str, clustering: str, stages: str) -> tuple[dict, list]:
     source = tmp_path / f"{model}-{config}.mlir"
-    subprocess.run([sys.executable, str(ROOT / "tools" / "export_model.py"), model, config, "-o", str(source)],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "export_model.py"), model, config, "-o", str(source)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     report = tmp_path / "stages.json"
     program = tmp_path / "program.mlir"
-    pipeline = (f"builtin.module(hlopar-import,hlopar-cluster-operators{{{clustering}}},"
-                f"hlopar-stage-construction{{{stages} report={report}}})")
-    proc = subprocess.run([str(HLOPAR_OPT), str(source), "-p", pipeline, "-o", str(program)],
-                          capture_output=True, text=True, timeout=900)
+    pipeline = (
+        f"builtin.module(hlopar-import,hlopar-cluster-operators{{{clustering}}},"
+        f"hlopar-stage-construction{{{stages} report={report}}})"
+    )
+    proc = subprocess.run(
+        [str(HLOPAR_OPT), str(source), "-p", pipeline, "-o", str(program)], capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(report.read_text()), fragments(parse_module(program.read_text()))
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("config, clustering, stages", [
-    pytest.param("4B", "layers=16", "num-hosts=2 devices-per-host=8 preset=v100-p3.16xlarge", id="4B-2x8-v100"),
-    pytest.param("250M", "layers=16", "num-hosts=2 devices-per-host=4", id="250M-2x4-cpu"),
-])
+@pytest.mark.parametrize(
+    "config, clustering, stages",
+    [
+        pytest.param("4B", "layers=16", "num-hosts=2 devices-per-host=8 preset=v100-p3.16xlarge", id="4B-2x8-v100"),
+        pytest.param("250M", "layers=16", "num-hosts=2 devices-per-host=4", id="250M-2x4-cpu"),
+    ],
+)
 def test_wide_resnet_gets_uneven_stages(tmp_path, config, clustering, stages):
     report, found = plan(tmp_path, "wide_resnet", config, clustering, stages)
     plan_text = [(s["layers"], s["submesh"], s["logical_shape"], s["intra_op"]) for s in report["stages"]]

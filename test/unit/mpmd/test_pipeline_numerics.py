@@ -53,8 +53,10 @@ def planned(model: str, whole: bool, tmp_dir: str) -> tuple[str, dict]:
     if whole:
         pipeline = f"builtin.module(hlopar-auto-parallel{{{CLUSTER} {layers} report={report}}})"
     else:
-        pipeline = (f"builtin.module(hlopar-import,hlopar-cluster-operators{{{layers}}},"
-                    f"hlopar-stage-construction{{{CLUSTER} report={report}}})")
+        pipeline = (
+            f"builtin.module(hlopar-import,hlopar-cluster-operators{{{layers}}},"
+            f"hlopar-stage-construction{{{CLUSTER} report={report}}})"
+        )
     module = parse_module(text)
     Pipeline.parse(pipeline, module.context).run(module, PassContext())
     found = json.loads(Path(report).read_text())
@@ -125,8 +127,10 @@ def test_runner_checks_the_unit_ops(report_dir):
     """A planned transfer missing one of its unit ops leaves a destination shard incomplete."""
     text, _ = planned("mlp", True, report_dir)
     # The last unit op of a transfer that has several (the slots of the others stay in order).
-    last = re.search(r'\n *"hlopar\.(broadcast|send_recv|scatter_allgather)"\(\)[^\n]*slot = [1-9][^\n]*(?=\n *\}\))', text)
+    last = re.search(
+        r'\n *"hlopar\.(broadcast|send_recv|scatter_allgather)"\(\)[^\n]*slot = [1-9][^\n]*(?=\n *\}\))', text
+    )
     assert last is not None
-    module = parse_module(text[:last.start()] + text[last.end():])
+    module = parse_module(text[: last.start()] + text[last.end() :])
     with pytest.raises(TransferError, match="missing"):
         run_mpmd(module, step_data("mlp")[1])

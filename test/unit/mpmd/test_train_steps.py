@@ -74,8 +74,11 @@ def test_two_stage_program_matches_one_device(model, plan, tmp_path):
     found = fragments(module)
     for stage, mesh in enumerate(("m0", "m1")):
         origins = {f.origin for f in found if f.mesh == mesh}
-        assert origins == {f'[#mpmd.user_origin<"stage{stage}">]', f'[#mpmd.user_origin<"stage{stage}"(1)>]',
-                           f'[#mpmd.user_origin<"stage{stage}_update">]'}
+        assert origins == {
+            f'[#mpmd.user_origin<"stage{stage}">]',
+            f'[#mpmd.user_origin<"stage{stage}"(1)>]',
+            f'[#mpmd.user_origin<"stage{stage}_update">]',
+        }
     assert len(found) == 6, "the split is acyclic: one fragment per (stage, role)"
     if plan:
         assert '{"x"' in program or '{"y"' in program, "the plan shards nothing: the test would prove nothing"

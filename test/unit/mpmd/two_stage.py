@@ -16,8 +16,25 @@ from hlopar.ir.graph import FuncGraph
 ELEMENTWISE = {
     "stablehlo." + name
     for name in (
-        "add", "subtract", "multiply", "divide", "sqrt", "rsqrt", "power", "convert", "broadcast_in_dim",
-        "maximum", "minimum", "select", "compare", "negate", "exponential", "log", "abs", "sign", "constant",
+        "add",
+        "subtract",
+        "multiply",
+        "divide",
+        "sqrt",
+        "rsqrt",
+        "power",
+        "convert",
+        "broadcast_in_dim",
+        "maximum",
+        "minimum",
+        "select",
+        "compare",
+        "negate",
+        "exponential",
+        "log",
+        "abs",
+        "sign",
+        "constant",
     )
 }
 
@@ -59,9 +76,13 @@ def stages_of(graph: FuncGraph, roles: list[str]) -> list[int]:
     for index, op in enumerate(graph.ops):
         if roles[index] == "forward":
             continue
-        operands = [v for node in op.walk() for v in node.operands
-                    if graph.values[v].producer not in (None, index)
-                    and graph.ops[graph.values[v].producer].name != "stablehlo.constant"]
+        operands = [
+            v
+            for node in op.walk()
+            for v in node.operands
+            if graph.values[v].producer not in (None, index)
+            and graph.ops[graph.values[v].producer].name != "stablehlo.constant"
+        ]
         forward = [used_on[v] for v in operands if v in used_on]
         later = [stage[graph.values[v].producer] for v in operands if v not in used_on]
         known = [s for s in later if s is not None]

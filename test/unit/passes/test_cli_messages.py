@@ -29,33 +29,72 @@ MLP = ROOT / "examples" / "mlp_train_step.mlir"
 def test_did_you_mean():
     assert did_you_mean("mesh-shap", ["mesh-shape", "preset", "report"]) == "; did you mean 'mesh-shape'?"
     assert did_you_mean("xyz", ["mesh-shape", "preset"]) == ""
-    assert did_you_mean("hlopar-auto-sharing", ["hlopar-auto-sharding", "hlopar-auto-parallel", "hlopar-import"]) \
+    assert (
+        did_you_mean("hlopar-auto-sharing", ["hlopar-auto-sharding", "hlopar-auto-parallel", "hlopar-import"])
         == "; did you mean 'hlopar-auto-sharding' or 'hlopar-auto-parallel'?"
+    )
     # compared without the prefix every name has, shown with it
-    assert did_you_mean("--loss-reslt", ["--loss-result", "--preset", "-o"], prefix="--") \
+    assert (
+        did_you_mean("--loss-reslt", ["--loss-result", "--preset", "-o"], prefix="--")
         == "; did you mean '--loss-result'?"
+    )
 
 
-@pytest.mark.parametrize("pipeline, message", [
-    ("builtin.module(hlopar-auto-sharing)", "unknown pass or pipeline 'hlopar-auto-sharing'; did you mean "
-                                            "'hlopar-auto-sharding' or 'hlopar-auto-parallel'? (hlopar passes: "),
-    ("builtin.module(hlopar-auto-sharding{mesh-shap=2x4})",
-     "pass 'hlopar-auto-sharding' has no option 'mesh-shap'; did you mean 'mesh-shape'? (options: "),
-    ("builtin.module(hlopar-auto-parallel{split=true batch-arg=1})",
-     "has no option 'batch-arg'; did you mean 'batch-args'?"),
-])
+@pytest.mark.parametrize(
+    "pipeline, message",
+    [
+        (
+            "builtin.module(hlopar-auto-sharing)",
+            "unknown pass or pipeline 'hlopar-auto-sharing'; did you mean "
+            "'hlopar-auto-sharding' or 'hlopar-auto-parallel'? (hlopar passes: ",
+        ),
+        (
+            "builtin.module(hlopar-auto-sharding{mesh-shap=2x4})",
+            "pass 'hlopar-auto-sharding' has no option 'mesh-shap'; did you mean 'mesh-shape'? (options: ",
+        ),
+        (
+            "builtin.module(hlopar-auto-parallel{split=true batch-arg=1})",
+            "has no option 'batch-arg'; did you mean 'batch-args'?",
+        ),
+    ],
+)
 def test_pipeline_suggests_names(pipeline, message):
     with pytest.raises(PipelineError) as error:
         Pipeline.parse(pipeline, make_context())
     assert message in str(error.value)
 
 
-@pytest.mark.parametrize("cli, argv, line", [
-    (compile_cli, [str(MLP), "-o", "x", "--num-hosts", "2", "--devices-per-host", "4", "--microbatches", "4",
-                   "--schedule", "1f1b", "--micro-batches", "4", "--loss-reslt=1", "--zzz"],
-     "  '--micro-batches'; did you mean '--microbatches'?\n  '--loss-reslt'; did you mean '--loss-result'?\n"),
-    (opt_cli, [str(MLP), "--pass-pipline=builtin.module()"], "  '--pass-pipline'; did you mean '--pass-pipeline'?\n"),
-])
+@pytest.mark.parametrize(
+    "cli, argv, line",
+    [
+        (
+            compile_cli,
+            [
+                str(MLP),
+                "-o",
+                "x",
+                "--num-hosts",
+                "2",
+                "--devices-per-host",
+                "4",
+                "--microbatches",
+                "4",
+                "--schedule",
+                "1f1b",
+                "--micro-batches",
+                "4",
+                "--loss-reslt=1",
+                "--zzz",
+            ],
+            "  '--micro-batches'; did you mean '--microbatches'?\n  '--loss-reslt'; did you mean '--loss-result'?\n",
+        ),
+        (
+            opt_cli,
+            [str(MLP), "--pass-pipline=builtin.module()"],
+            "  '--pass-pipline'; did you mean '--pass-pipeline'?\n",
+        ),
+    ],
+)
 def test_command_lines_suggest_options(cli, argv, line, capsys):
     with pytest.raises(SystemExit) as exit:
         cli.main(argv)
@@ -66,9 +105,25 @@ def test_command_lines_suggest_options(cli, argv, line, capsys):
 def test_compile_prints_summary_and_takes_batch_args_and_loss_result(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HLOPAR_NO_FORK", "1")  # capsys sees this process only
     out = tmp_path / "bundle"
-    status = compile_cli.main([str(MLP), "-o", str(out), "--num-hosts", "2", "--devices-per-host", "4",
-                               "--microbatches", "4", "--schedule", "eager-1f1b", "--batch-args", "19,20",
-                               "--loss-result", "19"])
+    status = compile_cli.main(
+        [
+            str(MLP),
+            "-o",
+            str(out),
+            "--num-hosts",
+            "2",
+            "--devices-per-host",
+            "4",
+            "--microbatches",
+            "4",
+            "--schedule",
+            "eager-1f1b",
+            "--batch-args",
+            "19,20",
+            "--loss-result",
+            "19",
+        ]
+    )
     assert status == 0
     plan = json.loads((out / "plan.json").read_text())
     assert plan["split"]["batch_args"] == [19, 20] and plan["split"]["loss_result"] == 19
@@ -76,17 +131,39 @@ def test_compile_prints_summary_and_takes_batch_args_and_loss_result(tmp_path, c
     simulation = json.loads((out / "simulation.json").read_text())
     stages = plan["stages"]["stages"]
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == f"hlopar-compile: {len(stages)} stages on {len(stages)} meshes, 4 microbatches, schedule eager-1f1b"
+    assert (
+        lines[0] == f"hlopar-compile: {len(stages)} stages on {len(stages)} meshes, 4 microbatches, schedule eager-1f1b"
+    )
     assert [line.split(",")[0] for line in lines[1:-3]] == [f"  stage {k}: mesh m{k}" for k in range(len(stages))]
-    assert lines[-3] == (f"  step {compile_cli._seconds(simulation['iteration_time_s'])} (simulated), "
-                         f"bubble {100 * simulation['bubble_fraction']:.1f}%")
+    assert lines[-3] == (
+        f"  step {compile_cli._seconds(simulation['iteration_time_s'])} (simulated), "
+        f"bubble {100 * simulation['bubble_fraction']:.1f}%"
+    )
     assert lines[-2].startswith("  memory: at most ") and lines[-2].endswith("; every fragment in memory.json")
     assert lines[-1] == f"  bundle: {out} (timeline.png, timeline.json for Perfetto)"
     assert json.loads((out / "timeline.json").read_text())["traceEvents"]
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The options reach hlopar-split-microbatches: a result that does not exist is refused there.
-    assert compile_cli.main([str(MLP), "-o", str(out), "--num-hosts", "2", "--devices-per-host", "4",
-                             "--microbatches", "4", "--schedule", "1f1b", "--loss-result", "20"]) == 1
+    assert (
+        compile_cli.main(
+            [
+                str(MLP),
+                "-o",
+                str(out),
+                "--num-hosts",
+                "2",
+                "--devices-per-host",
+                "4",
+                "--microbatches",
+                "4",
+                "--schedule",
+                "1f1b",
+                "--loss-result",
+                "20",
+            ]
+        )
+        == 1
+    )
     assert "hlopar-split-microbatches: loss result 20 out of range: @main has 20 results" in capsys.readouterr().err
 
 
@@ -99,16 +176,29 @@ def test_device_ranges():
     assert compile_cli._ranges([0, 1, 2, 3, 6, 8, 9]) == "0-3,6,8-9"
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--num-hosts", "1000000", "--devices-per-host", "8"],
-     "argument --num-hosts: 1000000 is more than 1,024, the most hlopar takes for a cluster's hosts"),
-    (["--num-hosts", "2", "--devices-per-host", str(10**20)], "argument --devices-per-host: 100000000000000000000 is more"),
-    (["--num-hosts", "64", "--devices-per-host", "8"],
-     "--num-hosts 64 --devices-per-host 8: a cluster of 64 x 8 devices has 769 logical meshes"),
-    (["--num-hosts", "0", "--devices-per-host", "8"], "argument --num-hosts: expected a positive integer, got 0"),
-    (["--num-hosts", "2", "--devices-per-host", "4", "--layers", str(2**31)], "argument --layers: 2147483648 is more"),
-    (["--num-hosts", "2", "--devices-per-host", "4", "--batch-args", "1,99999999999"], "argument --batch-args: "),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--num-hosts", "1000000", "--devices-per-host", "8"],
+            "argument --num-hosts: 1000000 is more than 1,024, the most hlopar takes for a cluster's hosts",
+        ),
+        (
+            ["--num-hosts", "2", "--devices-per-host", str(10**20)],
+            "argument --devices-per-host: 100000000000000000000 is more",
+        ),
+        (
+            ["--num-hosts", "64", "--devices-per-host", "8"],
+            "--num-hosts 64 --devices-per-host 8: a cluster of 64 x 8 devices has 769 logical meshes",
+        ),
+        (["--num-hosts", "0", "--devices-per-host", "8"], "argument --num-hosts: expected a positive integer, got 0"),
+        (
+            ["--num-hosts", "2", "--devices-per-host", "4", "--layers", str(2**31)],
+            "argument --layers: 2147483648 is more",
+        ),
+        (["--num-hosts", "2", "--devices-per-host", "4", "--batch-args", "1,99999999999"], "argument --batch-args: "),
+    ],
+)
 def test_compile_refuses_out_of_bounds_flags_at_once(flags, message, capsys, tmp_path):
     """Before any work (no jaxlib, no fork): the limit and why, exit status 2 (a bad command line)."""
     clock = time.perf_counter()
@@ -136,8 +226,9 @@ def test_opt_writes_into_a_fifo_and_leaves_it_a_fifo(tmp_path, monkeypatch):
     assert stat.S_ISFIFO(fifo.lstat().st_mode) and os.listdir(tmp_path) == ["pipe"]
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
-                    reason="making a character device (a copy of /dev/null) needs root")
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="making a character device (a copy of /dev/null) needs root"
+)
 def test_opt_writes_into_a_character_device_and_leaves_it_one(tmp_path, monkeypatch):
     node = tmp_path / "null"
     os.mknod(node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
@@ -161,7 +252,7 @@ def _children(pid: int) -> set[int]:
                 stat_line = Path(f"/proc/{entry}/stat").read_text()
             except OSError:
                 continue
-            fields = stat_line[stat_line.rindex(")") + 2:].split()
+            fields = stat_line[stat_line.rindex(")") + 2 :].split()
             if int(fields[1]) == pid and fields[0] != "Z":
                 found.add(int(entry))
     return found
@@ -183,8 +274,16 @@ def test_a_killed_hlopar_opt_leaves_no_process(signal_number, status, tmp_path):
     ends its child and exits 143; SIGKILL: the kernel ends them (`processes.die_with_parent`)."""
     step = tmp_path / "gpt.mlir"
     step.write_text(_tiny_gpt_step())
-    command = [sys.executable, "-m", "hlopar.cli.opt", str(step), "-o", str(tmp_path / "out.mlir"), "-p",
-               "builtin.module(hlopar-import,hlopar-stage-construction{num-hosts=8 devices-per-host=8 workers=2})"]
+    command = [
+        sys.executable,
+        "-m",
+        "hlopar.cli.opt",
+        str(step),
+        "-o",
+        str(tmp_path / "out.mlir"),
+        "-p",
+        "builtin.module(hlopar-import,hlopar-stage-construction{num-hosts=8 devices-per-host=8 workers=2})",
+    ]
     process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
     seen: set[int] = set()
     workers: set[int] = set()

@@ -56,13 +56,15 @@ def test_sharded_jax_program_keeps_its_shardings_and_numbers():
         return jax.nn.gelu(h).sum(axis=1)
 
     x = jax.device_put(np.random.default_rng(0).normal(size=(16, 32)).astype(np.float32), x_sharding)
-    w = jax.device_put(np.random.default_rng(1).normal(size=(32, 8)).astype(np.float32), NamedSharding(mesh, P("y", None)))
+    w = jax.device_put(
+        np.random.default_rng(1).normal(size=(32, 8)).astype(np.float32), NamedSharding(mesh, P("y", None))
+    )
     expected = np.asarray(step(x, w))
     module = imported(step.lower(x, w).as_text())
     text = print_module(module)
     assert "chlo." not in text and "func.call" not in text and " call @" not in text
     assert 'sdy.sharding = #sdy.sharding<@mesh, [{"x"}, {"y"}]>' in text
-    assert 'sdy.sharding_constraint' in text
+    assert "sdy.sharding_constraint" in text
     outputs = run_module(text, [x, w], devices)
     # The result is sharded over "x" (2 shards of 8 rows), replicated over "y".
     shards = outputs[0]
@@ -136,9 +138,16 @@ def test_portable_artifact_and_bytecode_load():
 @pytest.mark.parametrize("name", ["add_qi8.mlir", "abs_shape_float32_20_20_qi8.mlir"])
 def test_quantized_programs_fail_naming_the_dialect(name):
     result = subprocess.run(
-        [sys.executable, "-m", "hlopar.cli.opt", str(CORPUS / "stablehlo-testdata" / "quantized" / name),
-         "--split-input-file", "--pass-pipeline=builtin.module(hlopar-import)"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "hlopar.cli.opt",
+            str(CORPUS / "stablehlo-testdata" / "quantized" / name),
+            "--split-input-file",
+            "--pass-pipeline=builtin.module(hlopar-import)",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 1
     assert "dialect 'quant' is not available in jaxlib's MLIR" in result.stderr
@@ -158,7 +167,9 @@ def test_fixed_corpus_sample_imports():
     """The CI sample of the corpus: everything imports or is cleanly rejected (tools/run_corpus.py)."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "run_corpus.py"), "--sample", "120"],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "pass rate: 100.00% of 120 files" in result.stdout

@@ -42,9 +42,14 @@ def _at_least_two(n: int) -> None:
 
 
 def test_options_parse_by_type():
-    parsed = ExamplePass.from_options("mesh-shape=2x4 axis-names=x,y time-limit=2.5 schedule=gpipe report='a b.json' verbose")
+    parsed = ExamplePass.from_options(
+        "mesh-shape=2x4 axis-names=x,y time-limit=2.5 schedule=gpipe report='a b.json' verbose"
+    )
     assert parsed == ExamplePass((2, 4), ("x", "y"), 2.5, "gpipe", "a b.json", True)
-    assert parsed.pipeline_text() == "example{mesh-shape=2x4 axis-names=x,y time-limit=2.5 schedule=gpipe report=a b.json verbose=true}"
+    assert (
+        parsed.pipeline_text()
+        == "example{mesh-shape=2x4 axis-names=x,y time-limit=2.5 schedule=gpipe report=a b.json verbose=true}"
+    )
     assert ExamplePass.from_options("") == ExamplePass()
 
 
@@ -81,10 +86,15 @@ def test_bounds_hold_when_a_pass_is_built_in_code():
 
 
 def test_pipeline_elements_nest_and_keep_their_text():
-    (anchor,) = parse_elements("builtin.module(hlopar-import{inline=false}, canonicalize,func.func(cse,canonicalize{max-iterations=2}))")
+    (anchor,) = parse_elements(
+        "builtin.module(hlopar-import{inline=false}, canonicalize,func.func(cse,canonicalize{max-iterations=2}))"
+    )
     assert anchor.name == "builtin.module"
     assert [e.text for e in anchor.nested] == [
-        "hlopar-import{inline=false}", "canonicalize", "func.func(cse,canonicalize{max-iterations=2})"]
+        "hlopar-import{inline=false}",
+        "canonicalize",
+        "func.func(cse,canonicalize{max-iterations=2})",
+    ]
     assert anchor.nested[2].nested[1].options == "max-iterations=2"
 
 
@@ -116,7 +126,9 @@ def test_mixed_pipeline_runs_with_ir_printing_and_timing():
         "  %2 = stablehlo.multiply %0, %1 : tensor<2xf32>\n  return %2 : tensor<2xf32>\n}\n"
     )
     printed, timings = io.StringIO(), []
-    pipeline = Pipeline.parse("builtin.module(hlopar-import{canonicalize=false},func.func(cse),symbol-dce)", module.context)
+    pipeline = Pipeline.parse(
+        "builtin.module(hlopar-import{canonicalize=false},func.func(cse),symbol-dce)", module.context
+    )
     pipeline.run(module, PassContext(), Instrumentation(print_ir_after_all=printed, timings=timings))
     text = print_module(module)
     assert text.count("stablehlo.add") == 1  # inlined twice, then CSE'd into one

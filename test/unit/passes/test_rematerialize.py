@@ -25,8 +25,14 @@ from hlopar.ir.module import parse_module, print_module
 from hlopar.models import get_train_step
 from hlopar.passes.base import PassContext
 from hlopar.passes.pipeline import Pipeline
-from hlopar.passes.rematerialize import (LayerRecompute, Recompute, RematerializePass, fill_layers,
-                                         layer_slices, recompute_slice)
+from hlopar.passes.rematerialize import (
+    LayerRecompute,
+    Recompute,
+    RematerializePass,
+    fill_layers,
+    layer_slices,
+    recompute_slice,
+)
 from hlopar.runtime.local_executor import PipelinedStep
 
 # Values 0 (x) and 1 (w) are inputs; op0: 2 = f(x); op1: 3 = g(2, w); op2: 4 = h(3); op3: 5 = k(x);
@@ -106,8 +112,10 @@ def _mlp():
     batch = step.make_batch(jax.random.PRNGKey(1))
     arguments = [np.asarray(a) for a in jax.tree_util.tree_leaves((params, state, batch))]
     module = parse_module(step.lower())
-    Pipeline.parse("builtin.module(hlopar-auto-parallel{num-hosts=2 devices-per-host=4 split=true microbatches=2 "
-                   "remat=never})", module.context).run(module, PassContext())
+    Pipeline.parse(
+        "builtin.module(hlopar-auto-parallel{num-hosts=2 devices-per-host=4 split=true microbatches=2 remat=never})",
+        module.context,
+    ).run(module, PassContext())
     return print_module(module), arguments, params, step.jitted_step(params, state, batch), batch
 
 
@@ -190,11 +198,18 @@ def test_dropout_is_drawn_again_in_the_backward():
     operands) and the microbatch index, and gets the forward's bits: the step equals one
     device's, which it would not with other bits."""
     init = jax.random.split(jax.random.PRNGKey(7), 3)
-    args = ({"w1": jax.random.normal(init[0], (5, 8)), "w2": jax.random.normal(init[1], (8, 2))},
-            jax.random.normal(init[2], (16, 5)), jnp.ones((16, 2)), jax.random.PRNGKey(3))
+    args = (
+        {"w1": jax.random.normal(init[0], (5, 8)), "w2": jax.random.normal(init[1], (8, 2))},
+        jax.random.normal(init[2], (16, 5)),
+        jnp.ones((16, 2)),
+        jax.random.PRNGKey(3),
+    )
     module = parse_module(jax.jit(_dropout_step).lower(*args).as_text())
-    Pipeline.parse("builtin.module(hlopar-auto-parallel{num-hosts=1 devices-per-host=2 split=true microbatches=2 "
-                   "batch-args=2,3 remat=never})", module.context).run(module, PassContext())
+    Pipeline.parse(
+        "builtin.module(hlopar-auto-parallel{num-hosts=1 devices-per-host=2 split=true microbatches=2 "
+        "batch-args=2,3 remat=never})",
+        module.context,
+    ).run(module, PassContext())
     before = pipeline_program(module)
     RematerializePass(all=True).run(module, PassContext())
     after = pipeline_program(module)

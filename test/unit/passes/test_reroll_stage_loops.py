@@ -27,15 +27,26 @@ def test_identical_runs_are_maximal_runs_of_consecutive_equal_iterations():
 
 
 def test_the_plan_summary_names_looping_and_unrolled_ranges():
-    report = {"ranges": [
-        {"fragment": "stage0", "loop": 0, "first": 0, "trips": 2, "layers": [0, 1], "rolled": True, "reason": ""},
-        {"fragment": "stage1", "loop": 0, "first": 2, "trips": 1, "layers": [2], "rolled": False,
-         "reason": "1 iteration(s): cheaper unrolled (min-trips=2)"}],
-        "held": [{"mesh": "m0", "first": 0, "rows": 2, "arguments": 3, "results": 3}]}
+    report = {
+        "ranges": [
+            {"fragment": "stage0", "loop": 0, "first": 0, "trips": 2, "layers": [0, 1], "rolled": True, "reason": ""},
+            {
+                "fragment": "stage1",
+                "loop": 0,
+                "first": 2,
+                "trips": 1,
+                "layers": [2],
+                "rolled": False,
+                "reason": "1 iteration(s): cheaper unrolled (min-trips=2)",
+            },
+        ],
+        "held": [{"mesh": "m0", "first": 0, "rows": 2, "arguments": 3, "results": 3}],
+    }
     assert stage_loop_lines(report) == [
         "  run as loops (hlopar-reroll-stage-loops): stage0 loop 0 over layers 0..1",
         "  held as one range of rows per stacked leaf: m0 layers 0..1 (3 argument(s), 3 result(s))",
-        "  left unrolled: stage1 loop 0 layer 2 (1 iteration(s): cheaper unrolled (min-trips=2))"]
+        "  left unrolled: stage1 loop 0 layer 2 (1 iteration(s): cheaper unrolled (min-trips=2))",
+    ]
     assert stage_loop_lines(None) == []
 
 
@@ -46,7 +57,8 @@ def test_a_rolled_fragment_computes_what_the_unrolled_one_did(tmp_path):
     assert "stablehlo.while" in str(rolled) and "stablehlo.while" not in str(parse_module(text))
     rng = np.random.default_rng(0)
     arguments = [rng.standard_normal((8, 4)).astype(np.float32)] + [
-        rng.standard_normal((1, 4, 4)).astype(np.float32) for _ in range(3)]
+        rng.standard_normal((1, 4, 4)).astype(np.float32) for _ in range(3)
+    ]
     want = run_mpmd(parse_module(text), arguments)
     got = run_mpmd(rolled, arguments)
     assert len(got) == len(want) == 4
@@ -79,8 +91,14 @@ def test_layer_pieces_hold_ranges_and_read_old_plans():
     """A piece of rows r: split slices them, join concatenates whatever the rows, resident
     pairs an argument with the result cut into the same rows; a plan without rows (before
     ranges) reads as rows 1."""
-    pieces = LayerPieces(arg_origin=(0, 1, 1), arg_piece=(-1, 0, 3), result_origin=(0, 0, 1),
-                         result_piece=(0, 3, -1), arg_rows=(1, 3, 1), result_rows=(3, 1, 1))
+    pieces = LayerPieces(
+        arg_origin=(0, 1, 1),
+        arg_piece=(-1, 0, 3),
+        result_origin=(0, 0, 1),
+        result_piece=(0, 3, -1),
+        arg_rows=(1, 3, 1),
+        result_rows=(3, 1, 1),
+    )
     stack = np.arange(8.0).reshape(4, 2)
     split = pieces.split([np.zeros(2), stack])
     np.testing.assert_array_equal(split[1], stack[0:3])

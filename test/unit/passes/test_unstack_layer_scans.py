@@ -97,16 +97,24 @@ def test_the_zoo_gpt_unstacked_is_bit_exact_and_holds_no_stack():
     module = _unstacked(text)
     main = _main(module)
     pieces = LayerPieces.of(main)
-    assert_trees_equal(_run(module, jax.tree_util.tree_leaves(args), pieces),
-                       _run(_imported(text), jax.tree_util.tree_leaves(args), None))
+    assert_trees_equal(
+        _run(module, jax.tree_util.tree_leaves(args), pieces),
+        _run(_imported(text), jax.tree_util.tree_leaves(args), None),
+    )
     ir_text = print_module(module)
-    for gone in ("stablehlo.while", "stablehlo.dynamic_slice", "stablehlo.dynamic_update_slice",
-                 "stablehlo.concatenate"):
+    for gone in (
+        "stablehlo.while",
+        "stablehlo.dynamic_slice",
+        "stablehlo.dynamic_update_slice",
+        "stablehlo.concatenate",
+    ):
         assert gone not in ir_text
     stacked_leaves = 12 * 3  # block parameters, mu, nu
-    assert sorted(set(o for o, p in zip(pieces.arg_origin, pieces.arg_piece) if p >= 0)) == \
-        [i for i, x in enumerate(jax.tree_util.tree_leaves(args)) if np.ndim(x) > 0 and np.shape(x)[0] == 2
-         and i not in (49, 50)]  # the batch (4 x 16 tokens) is not a layer stack
+    assert sorted(set(o for o, p in zip(pieces.arg_origin, pieces.arg_piece) if p >= 0)) == [
+        i
+        for i, x in enumerate(jax.tree_util.tree_leaves(args))
+        if np.ndim(x) > 0 and np.shape(x)[0] == 2 and i not in (49, 50)
+    ]  # the batch (4 x 16 tokens) is not a layer stack
     assert len(pieces.arg_origin) == len(jax.tree_util.tree_leaves(args)) + stacked_leaves
     assert len(pieces.result_origin) == 50 + stacked_leaves
     assert [p for p in pieces.arg_piece if p >= 0] == [0, 1] * stacked_leaves
@@ -156,6 +164,7 @@ def test_the_unstacked_scan_clusters_as_its_unrolled_twin():
 
 def test_a_loop_over_time_is_not_a_layer_scan():
     """A fori_loop whose operands are not stacked per iteration stays a loop, and nothing is split."""
+
     def step(w, x):
         return jax.lax.fori_loop(0, 4, lambda i, h: jnp.tanh(h @ w), x).sum()
 
@@ -167,8 +176,7 @@ def test_a_loop_over_time_is_not_a_layer_scan():
 
 
 def test_layer_pieces_split_and_join():
-    pieces = LayerPieces(arg_origin=(0, 1, 1), arg_piece=(-1, 0, 1), result_origin=(0, 0, 1),
-                         result_piece=(0, 1, -1))
+    pieces = LayerPieces(arg_origin=(0, 1, 1), arg_piece=(-1, 0, 1), result_origin=(0, 0, 1), result_piece=(0, 1, -1))
     stack = np.arange(6.0).reshape(2, 3)
     a, p0, p1 = pieces.split([np.float32(7), stack])
     assert a == 7 and p0.shape == p1.shape == (1, 3)

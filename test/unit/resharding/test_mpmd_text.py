@@ -15,10 +15,13 @@ def test_topology():
     assert list(meshes) == ["m1", "m 2"]
 
 
-@pytest.mark.parametrize("text, message", [
-    ('#mpmd.topology<<"m1" : <["x"=2]>>, <"m1" : <["x"=2]>>>', "mesh 'm1' appears twice"),
-    ('#mpmd.topology<<"m1" <["x"=2]>>>', "expected ':'"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('#mpmd.topology<<"m1" : <["x"=2]>>, <"m1" : <["x"=2]>>>', "mesh 'm1' appears twice"),
+        ('#mpmd.topology<<"m1" <["x"=2]>>>', "expected ':'"),
+    ],
+)
 def test_bad_topologies(text, message):
     with pytest.raises(ValueError, match=message):
         parse_topology(text)
@@ -30,7 +33,9 @@ def test_mesh_tensor_types():
     sharded = MeshTensorType.parse('!mpmd.mesh_tensor<"m>2", tensor<4x8xbf16>, sharding=<@mesh, [{"x"}, {?}]>>')
     assert sharded.mesh_name == "m>2" and sharded.tensor_type == "tensor<4x8xbf16>"
     assert sharded.sharding == TensorSharding.parse('#sdy.sharding<@mesh, [{"x"}, {?}]>')
-    kinds = MeshTensorType.parse('!mpmd.mesh_tensor<"m", tensor<4xf32>, sharding=<@mesh, [{}]>, memory_kind="pinned_host">')
+    kinds = MeshTensorType.parse(
+        '!mpmd.mesh_tensor<"m", tensor<4xf32>, sharding=<@mesh, [{}]>, memory_kind="pinned_host">'
+    )
     assert kinds.memory_kind == "pinned_host" and kinds.sharding is not None
 
 

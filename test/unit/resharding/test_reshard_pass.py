@@ -34,13 +34,16 @@ module attributes {{hlopar.devices = {{m1 = array<i64: 0, 1, 2, 3>, m2 = array<i
 }}
 """
 SRC = MeshLayout(DeviceMesh.of((2, 2), ("a", "b")), TensorSharding.parse(SRC_SHARDING), (0, 1, 2, 3))
-DST = MeshLayout(DeviceMesh.of((2, 2), ("x", "y"), device_ids=(3, 1, 2, 0)), TensorSharding.parse(DST_SHARDING),
-                 (7, 6, 5, 4))
+DST = MeshLayout(
+    DeviceMesh.of((2, 2), ("x", "y"), device_ids=(3, 1, 2, 0)), TensorSharding.parse(DST_SHARDING), (7, 6, 5, 4)
+)
 
 
 def run_pass(text: str, options: str = "devices-per-host=2") -> ir.Operation:
     module = parse_module(text)
-    Pipeline.parse(f"builtin.module(hlopar-cross-mesh-resharding{{{options}}})", module.context).run(module, PassContext())
+    Pipeline.parse(f"builtin.module(hlopar-cross-mesh-resharding{{{options}}})", module.context).run(
+        module, PassContext()
+    )
     return module
 
 
@@ -85,8 +88,11 @@ def test_report(tmp_path):
 
 
 def test_an_unwritable_report_is_an_error(tmp_path):
-    with pytest.raises(DiagnosticError, match="option 'report' of pass 'hlopar-cross-mesh-resharding': invalid value "
-                                              "'.*plan.json': cannot write output: the directory '.*missing' does not exist"):
+    with pytest.raises(
+        DiagnosticError,
+        match="option 'report' of pass 'hlopar-cross-mesh-resharding': invalid value "
+        "'.*plan.json': cannot write output: the directory '.*missing' does not exist",
+    ):
         run_pass(MODULE, f"devices-per-host=2 report={tmp_path / 'missing' / 'plan.json'}")
 
 
@@ -99,15 +105,17 @@ def test_cluster_options_change_the_prediction():
     fast = predicted("devices-per-host=2 inter-host-latency-us=0 intra-host-latency-us=0 inter-host-gbps=100")
     assert fast == pytest.approx(slow / 10, rel=0.05)
 
-
     # A cost-model preset (as stage construction plans with): its NIC is 8 A100s x 200 Gbit/s.
     a100 = predicted("devices-per-host=2 inter-host-latency-us=0 intra-host-latency-us=0 cluster=a100-80g-nvlink")
     assert a100 == pytest.approx(slow / 160, rel=0.05)
 
 
 def test_bad_cluster_options_are_errors():
-    with pytest.raises(DiagnosticError, match="option 'devices-per-host' of pass 'hlopar-cross-mesh-resharding': "
-                                              "invalid value '0': expected a positive integer, got 0"):
+    with pytest.raises(
+        DiagnosticError,
+        match="option 'devices-per-host' of pass 'hlopar-cross-mesh-resharding': "
+        "invalid value '0': expected a positive integer, got 0",
+    ):
         run_pass(MODULE, "devices-per-host=0")
     with pytest.raises(DiagnosticError, match="unknown cluster preset 'tpu'; known presets: paper, 8gpu-100g, cpu"):
         run_pass(MODULE, "cluster=tpu")

@@ -68,8 +68,18 @@ def test_report_is_json():
     data = json.loads(json.dumps(report))
     assert data["unit_tasks"] == 4 and len(data["ops"]) == 4
     assert data["ratio_to_lower_bound"] == pytest.approx(data["predicted_time_s"] / data["lower_bound_s"])
-    assert set(data["ops"][0]) == {"slot", "kind", "start", "limit", "sender", "receivers", "chunks", "bytes",
-                                   "start_s", "end_s"}
+    assert set(data["ops"][0]) == {
+        "slot",
+        "kind",
+        "start",
+        "limit",
+        "sender",
+        "receivers",
+        "chunks",
+        "bytes",
+        "start_s",
+        "end_s",
+    }
 
 
 def test_unknown_names_are_rejected():
@@ -80,14 +90,35 @@ def test_unknown_names_are_rejected():
 
 
 def test_benchmark_json_rows():
-    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_cross_mesh.py"), "--json", "--cases", "case3,1to1x3"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_cross_mesh.py"), "--json", "--cases", "case3,1to1x3"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     rows = json.loads(out)
     assert len(rows) == 10
-    assert {tuple(row) for row in rows} == {("case", "method", "src_mesh", "dst_mesh", "src_spec", "dst_spec", "shape",
-                                             "dtype_bytes", "time_s", "lower_bound_s")}
-    assert {row["method"] for row in rows} == {"send-recv", "alpa-local-allgather", "broadcast-naive",
-                                               "broadcast-load-balance", "hlopar"}
+    assert {tuple(row) for row in rows} == {
+        (
+            "case",
+            "method",
+            "src_mesh",
+            "dst_mesh",
+            "src_spec",
+            "dst_spec",
+            "shape",
+            "dtype_bytes",
+            "time_s",
+            "lower_bound_s",
+        )
+    }
+    assert {row["method"] for row in rows} == {
+        "send-recv",
+        "alpa-local-allgather",
+        "broadcast-naive",
+        "broadcast-load-balance",
+        "hlopar",
+    }
     case3 = {row["method"]: row for row in rows if row["case"] == "case3"}
     assert case3["hlopar"]["src_spec"] == "RS0R" and case3["hlopar"]["dst_mesh"] == [2, 4]
     assert case3["hlopar"]["time_s"] < case3["alpa-local-allgather"]["time_s"]

@@ -50,7 +50,8 @@ def brute_force(problem) -> float:
 
 def is_schedule(problem, schedule) -> bool:
     return sorted(t for t, _ in schedule) == list(range(len(problem))) and all(
-        0 <= k < len(problem[t]) for t, k in schedule)
+        0 <= k < len(problem[t]) for t, k in schedule
+    )
 
 
 # Case 3 of the paper at host level: 4 equal tasks, source hosts 0 and 1, destination 2 and 3,
@@ -108,8 +109,9 @@ def test_randomized_greedy_is_deterministic_per_seed():
 
 def test_dfs_stops_at_its_budget_with_a_valid_schedule():
     rng = random.Random(11)
-    problem = [task(float(rng.randint(1, 9)), sorted(rng.sample(range(4), 2)), rng.sample(range(4, 10), 3))
-               for _ in range(60)]
+    problem = [
+        task(float(rng.randint(1, 9)), sorted(rng.sample(range(4), 2)), rng.sample(range(4, 10), 3)) for _ in range(60)
+    ]
     start = time.perf_counter()
     schedule = dfs(problem, SearchBudget(dfs_seconds=0.05))
     assert time.perf_counter() - start < 1.0

@@ -12,14 +12,21 @@ from hlopar.analysis.resharding import HostModel, UnitOp, lower_bound, op_cost, 
 from hlopar.analysis.resharding.simulator import list_schedule
 from hlopar.analysis.resharding.unit_tasks import UnitTask
 
-MODEL = HostModel(devices_per_host=2, inter_host_bandwidth=1e9, intra_host_bandwidth=1e10,
-                  inter_host_latency=0.0, intra_host_latency=0.0)
+MODEL = HostModel(
+    devices_per_host=2,
+    inter_host_bandwidth=1e9,
+    intra_host_bandwidth=1e10,
+    inter_host_latency=0.0,
+    intra_host_latency=0.0,
+)
 GB = 10**9
 BOX = ((0, 1),)
 
 
 def op(kind, sender, receivers, nbytes=GB, chunks=1, split_dim=None, task=0):
-    return UnitOp(task, kind, sender, tuple(receivers), BOX if split_dim is None else ((0, 4),), nbytes, chunks, split_dim)
+    return UnitOp(
+        task, kind, sender, tuple(receivers), BOX if split_dim is None else ((0, 4),), nbytes, chunks, split_dim
+    )
 
 
 def test_broadcast_into_one_host():
@@ -69,8 +76,13 @@ def test_an_op_that_stays_on_its_host_holds_the_host():
 
 
 def test_latency_counts_per_hop_and_per_chunk():
-    model = HostModel(devices_per_host=2, inter_host_bandwidth=1e9, intra_host_bandwidth=1e10,
-                      inter_host_latency=1e-3, intra_host_latency=0.0)
+    model = HostModel(
+        devices_per_host=2,
+        inter_host_bandwidth=1e9,
+        intra_host_bandwidth=1e10,
+        inter_host_latency=1e-3,
+        intra_host_latency=0.0,
+    )
     assert op_cost(op("broadcast", 0, (2,), chunks=4), model).duration == pytest.approx(1.0 + 4e-3)
 
 
@@ -120,8 +132,13 @@ def test_lower_bound_for_a_box_the_receiving_host_already_has():
 
 
 def test_lower_bound_adds_one_latency():
-    model = HostModel(devices_per_host=2, inter_host_bandwidth=1e9, intra_host_bandwidth=1e10,
-                      inter_host_latency=1e-3, intra_host_latency=1e-5)
+    model = HostModel(
+        devices_per_host=2,
+        inter_host_bandwidth=1e9,
+        intra_host_bandwidth=1e10,
+        inter_host_latency=1e-3,
+        intra_host_latency=1e-5,
+    )
     assert lower_bound([task(0, (0,), (2,), GB)], model) == pytest.approx(1.001)
     assert lower_bound([], model) == 0.0
 

@@ -133,7 +133,8 @@ def test_worker_programs_and_placement(cache):
     # One worker per (mesh, host): a mesh inside a host is one worker, named as the mesh...
     placement = placement_of(program, 4, local=False, device_kind="cpu")
     assert {n: (s.mesh, s.host) for n, s in placement.workers.slots.items()} == {
-        m: (m, program.devices[m][0] // 4) for m in program.meshes}
+        m: (m, program.devices[m][0] // 4) for m in program.meshes
+    }
     # ...a mesh over two hosts (2 devices each) is two, each owning its host's devices.
     workers = placement_of(program, 2, local=False, device_kind="cpu").workers
     for mesh in program.meshes:
@@ -189,15 +190,15 @@ def test_planning_errors_point_at_the_users_code_and_arguments():
     args = (jnp.ones((4, 4)), jnp.ones((8, 4)), jnp.ones((6, 4)))
     sort_line = inspect.getsourcelines(_sorts_the_batch)[1] + 1
     with pytest.raises(hlopar.PlanningError) as refused:
-        hlopar.parallelize(_sorts_the_batch, cluster=cluster, num_microbatches=2, cache=False,
-                           verbose=False).compile(*args)
+        hlopar.parallelize(_sorts_the_batch, cluster=cluster, num_microbatches=2, cache=False, verbose=False).compile(
+            *args
+        )
     message = str(refused.value)
     assert message.startswith(f"hlopar cannot parallelize _sorts_the_batch ({__file__}:{sort_line - 1}):\n")
     assert f"\n{__file__}:{sort_line}:" in message and "'stablehlo.sort' moves data along the batch" in message
 
     with pytest.raises(hlopar.PlanningError) as ambiguous:
-        hlopar.parallelize(_two_batches, cluster=cluster, num_microbatches=2, cache=False,
-                           verbose=False).compile(*args)
+        hlopar.parallelize(_two_batches, cluster=cluster, num_microbatches=2, cache=False, verbose=False).compile(*args)
     message = str(ambiguous.value)
     assert "leading dim 6: argument 2 (z); leading dim 8: argument 1 (x)" in message
     assert "batch_argnums=..." in message and "batch-args" not in message and "\n-:" not in message
@@ -216,15 +217,24 @@ def test_the_plan_does_not_depend_on_the_order_of_arguments_and_results(cache):
     """The property test of `test_training_roles` (same roles whatever the order), carried to
     the plan: the step with its arguments and results reordered plans to the same stages,
     meshes, devices, predicted latency and split."""
+
     def summary(planned):
         stages = [{k: v for k, v in stage.items() if k != "latency"} for stage in planned.plan["stages"]["stages"]]
         latency = [stage["latency"] for stage in planned.plan["stages"]["stages"]]
         return stages, latency, planned.plan["split"]["ops"], planned.program.microbatches, planned.plan["warnings"]
 
-    plans = [summary(plan_step(reordered_step_text(list(order), list(result_order)), CLUSTER, num_microbatches=2, schedule="1f1b",
-                               cache=False))
-             for order, result_order in ((range(10), range(10)),
-                                         (range(9, -1, -1), (3, 7, 1, 9, 0, 2, 4, 5, 6, 8)))]
+    plans = [
+        summary(
+            plan_step(
+                reordered_step_text(list(order), list(result_order)),
+                CLUSTER,
+                num_microbatches=2,
+                schedule="1f1b",
+                cache=False,
+            )
+        )
+        for order, result_order in ((range(10), range(10)), (range(9, -1, -1), (3, 7, 1, 9, 0, 2, 4, 5, 6, 8)))
+    ]
     (stages, latency, ops, microbatches, warned), (stages2, latency2, ops2, microbatches2, warned2) = plans
     assert stages == stages2 and ops == ops2 and microbatches == microbatches2 == 2 and warned == warned2 == []
     assert ops["step"] > 0 and ops["batch"] > 0  # the optimizer runs once, the model per microbatch
@@ -247,8 +257,9 @@ def test_whole_shape_generators_need_the_users_consent(cache):
     with pytest.raises(hlopar.PlanningError, match=r'random[\s\S]*rng="per-microbatch"'):
         hlopar.parallelize(_rbg_dropout, cluster=cluster, num_microbatches=2, verbose=False).plan(*args)
     with pytest.warns(hlopar.HloparWarning) as warned:
-        planned, _ = hlopar.parallelize(_rbg_dropout, cluster=cluster, num_microbatches=2, rng="per-microbatch",
-                                        verbose=False).plan(*args)
+        planned, _ = hlopar.parallelize(
+            _rbg_dropout, cluster=cluster, num_microbatches=2, rng="per-microbatch", verbose=False
+        ).plan(*args)
     assert planned.program.microbatches == 2
     messages = [str(w.message) for w in warned]
     assert len(messages) == 1 and messages[0].startswith(f"{__file__}:{line}:") and "per microbatch" in messages[0]

@@ -25,16 +25,24 @@ CLUSTER = hlopar.Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu
 
 # 1F1B by default; the others (the update of one stage runs while the other stage still
 # computes, with weight-gradient fragments in the stream for eager-1f1b-wd) are heavy.
-SCHEDULES = [pytest.param("1f1b"), pytest.param("gpipe", marks=pytest.mark.heavy),
-             pytest.param("eager-1f1b-wd", marks=pytest.mark.heavy)]
+SCHEDULES = [
+    pytest.param("1f1b"),
+    pytest.param("gpipe", marks=pytest.mark.heavy),
+    pytest.param("eager-1f1b-wd", marks=pytest.mark.heavy),
+]
 
 
 def deleted_on_workers(parallel, step: int) -> dict[int, bool]:
     """Per result position of `step` the workers still keep: whether its array is deleted."""
     found = {}
     for actor in parallel.runtime.actors.values():
-        found.update(ray.get(actor.__ray_call__.remote(
-            lambda worker: {r: value.is_deleted() for (s, r), value in worker.kept.items() if s == step})))
+        found.update(
+            ray.get(
+                actor.__ray_call__.remote(
+                    lambda worker: {r: value.is_deleted() for (s, r), value in worker.kept.items() if s == step}
+                )
+            )
+        )
     return found
 
 
@@ -48,8 +56,15 @@ def test_donated_state_is_updated_in_place_and_equals_one_device(ray_cluster, sc
     want_first = reference(params, opt_state, batch)
     before = jax.tree_util.tree_map(np.asarray, params)
     num_state = len(jax.tree_util.tree_leaves((params, opt_state)))
-    parallel = hlopar.parallelize(ts.step, cluster=CLUSTER, method="pipeline", num_microbatches=2,
-                                  schedule=schedule, donate_argnums=(0, 1), verbose=False)
+    parallel = hlopar.parallelize(
+        ts.step,
+        cluster=CLUSTER,
+        method="pipeline",
+        num_microbatches=2,
+        schedule=schedule,
+        donate_argnums=(0, 1),
+        verbose=False,
+    )
     try:
         first = parallel(params, opt_state, batch)
         program = parallel.planned.program
@@ -76,7 +91,6 @@ def test_donated_state_is_updated_in_place_and_equals_one_device(ray_cluster, sc
         # From nonzero moments an entry whose gradients changed sign has a first moment that
         # cancels, which two microbatches' sums round differently from one device's: 3e-5 of
         # the leaf's largest update there (as test_scan_pipelines), 1e-5 of each entry.
-        assert_adam_step_close(second, want_second, first_state[0], lambda tree: tree[0], rtol=1e-5,
-                               max_rtol=3e-5)
+        assert_adam_step_close(second, want_second, first_state[0], lambda tree: tree[0], rtol=1e-5, max_rtol=3e-5)
     finally:
         parallel.close()

@@ -48,6 +48,7 @@ def ordered_step(w, x):
 
 def io_step(calls: list):
     """A step whose `io_callback` records its argument here and returns a scale it uses."""
+
     def record(total):
         calls.append(float(total))
         return np.float32(1 + len(calls))
@@ -62,6 +63,7 @@ def io_step(calls: list):
 
 def partitioned_step(shapes: list):
     """A step with a `partitioned=True` callback, called once per shard of `x`."""
+
     def step(w, x):
         jax.debug.callback(lambda shard: shapes.append(shard.shape), x, partitioned=True)
         loss, grad = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2))(w)
@@ -129,8 +131,7 @@ def test_partitioned_callback_is_called_as_jax_jit_calls_it_on_the_same_layout()
         jax.block_until_ready(parallel(W, X))
         executable = parallel.runtime.executable
         same_layout = jax.jit(partitioned_step(expected), in_shardings=tuple(executable.input_shardings))
-        jax.block_until_ready(same_layout(*(jax.device_put(a, s) for a, s in zip((W, X),
-                                                                                 executable.input_shardings))))
+        jax.block_until_ready(same_layout(*(jax.device_put(a, s) for a, s in zip((W, X), executable.input_shardings))))
         assert sorted(shapes) == sorted(expected) and shapes, (shapes, expected)
     finally:
         parallel.close()
@@ -143,8 +144,12 @@ def _refused_at(marker: str, *reasons: str):
 
 def test_a_plan_for_ray_workers_is_refused_at_the_users_line():
     on_ray = hlopar.parallelize(printing_step, cluster=ONE_HOST, method="shard", runtime="ray", verbose=False)
-    with _refused_at("print", "host callback 'xla_ffi_python_cpu_callback' (jax.debug.print",
-                     "the plan runs on Ray workers", "runtime='process'"):
+    with _refused_at(
+        "print",
+        "host callback 'xla_ffi_python_cpu_callback' (jax.debug.print",
+        "the plan runs on Ray workers",
+        "runtime='process'",
+    ):
         on_ray.compile(W, X)
 
 
@@ -173,6 +178,7 @@ def test_a_one_mesh_plan_that_goes_to_ray_is_refused_at_the_users_line():
     """One mesh and one microbatch, but not one executable (an argument no fragment reads):
     where the runtime is chosen, Ray workers; refused there, saying why, before they start."""
     parallel = hlopar.parallelize(unused_argument_step, cluster=ONE_HOST, method="shard", verbose=False)
-    with _refused_at("unused", "host callback", "the plan runs on Ray workers (the plan is not one mesh compiling "
-                     "as one executable"):
+    with _refused_at(
+        "unused", "host callback", "the plan runs on Ray workers (the plan is not one mesh compiling as one executable"
+    ):
         parallel.compile(W, X, jnp.ones(3))

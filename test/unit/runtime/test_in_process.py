@@ -37,8 +37,7 @@ def mlp(tmp_path_factory):
         step = get_train_step("mlp", "tiny")
         params = step.init(jax.random.PRNGKey(0))
         args = (params, step.init_opt_state(params), step.make_batch(jax.random.PRNGKey(1)))
-        parallel = hlopar.parallelize(step.step, cluster=ONE_HOST, method="shard", batch_argnums=(2,),
-                                      verbose=False)
+        parallel = hlopar.parallelize(step.step, cluster=ONE_HOST, method="shard", batch_argnums=(2,), verbose=False)
         yield step, args, parallel
         parallel.close()
 
@@ -58,13 +57,20 @@ def test_a_one_executable_plan_runs_here_as_jax_jit_does(mlp):
 
     # Passed back, a result already laid out as the executable reads it is used as it is:
     # only those whose layouts differ are moved, once each.
-    moved = sum(not x.sharding.is_equivalent_to(ex.input_shardings[i], x.ndim)
-                for i, x in enumerate(jax.tree_util.tree_leaves(first[:2])))
+    moved = sum(
+        not x.sharding.is_equivalent_to(ex.input_shardings[i], x.ndim)
+        for i, x in enumerate(jax.tree_util.tree_leaves(first[:2]))
+    )
     second = parallel(first[0], first[1], args[2])
     batch = len(jax.tree_util.tree_leaves(args[2]))  # on one device: placed on the mesh
     assert parallel.runtime.placed == moved + batch
-    assert_step_close(jax.tree_util.tree_leaves(second), step.jitted_step(first[0], first[1], args[2]), first[0],
-                      rtol=RTOL, update_max_rtol=UPDATE_MAX_RTOL)
+    assert_step_close(
+        jax.tree_util.tree_leaves(second),
+        step.jitted_step(first[0], first[1], args[2]),
+        first[0],
+        rtol=RTOL,
+        update_max_rtol=UPDATE_MAX_RTOL,
+    )
     assert parallel.runtime.step_id == 2
 
 
@@ -79,8 +85,9 @@ def test_save_and_restore_here_and_on_ray(mlp, tmp_path, ray_cluster):
     assert_trees_equal(restored, out)
     assert_trees_equal(parallel(*restored[:2], args[2]), parallel(*out[:2], args[2]))
 
-    on_ray = hlopar.parallelize(step.step, cluster=ONE_HOST, method="shard", batch_argnums=(2,), runtime="ray",
-                                verbose=False)
+    on_ray = hlopar.parallelize(
+        step.step, cluster=ONE_HOST, method="shard", batch_argnums=(2,), runtime="ray", verbose=False
+    )
     try:
         on_ray.compile(*args)
         assert isinstance(on_ray.runtime, RayRuntime) and len(on_ray.runtime.actors) == 1
@@ -98,8 +105,15 @@ def test_typed_keys_and_donation(tmp_path):
     x = jnp.ones((8, 4), jnp.float32)
     key = jax.random.key(3)
     expected = jax.jit(keyed_step)(w, key, x)
-    parallel = hlopar.parallelize(keyed_step, cluster=ONE_HOST, method="shard", batch_argnums=(2,),
-                                  donate_argnums=(0,), runtime="process", verbose=False)
+    parallel = hlopar.parallelize(
+        keyed_step,
+        cluster=ONE_HOST,
+        method="shard",
+        batch_argnums=(2,),
+        donate_argnums=(0,),
+        runtime="process",
+        verbose=False,
+    )
     try:
         new, new_key, loss = parallel(w, key, x)
         assert isinstance(parallel.runtime, InProcessRuntime)
@@ -125,12 +139,29 @@ def test_what_cannot_run_here():
     w, x = jnp.ones((4, 3), jnp.float32), jnp.ones((8, 4), jnp.float32)
     with pytest.raises(ValueError, match="runtime must be one of auto, ray, process, got 'thread'"):
         hlopar.parallelize(keyed_step, runtime="thread")
-    two_hosts = hlopar.parallelize(keyed_step, cluster=hlopar.Cluster.local(2, 4), method="shard",
-                                   batch_argnums=(2,), runtime="process", verbose=False)
-    with pytest.raises(ValueError, match=r"keyed_step cannot run in this process \(runtime='process'\): the "
-                                         "cluster is not this machine's one host"):
+    two_hosts = hlopar.parallelize(
+        keyed_step,
+        cluster=hlopar.Cluster.local(2, 4),
+        method="shard",
+        batch_argnums=(2,),
+        runtime="process",
+        verbose=False,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"keyed_step cannot run in this process \(runtime='process'\): the "
+        "cluster is not this machine's one host",
+    ):
         two_hosts.compile(w, jax.random.key(0), x)
-    microbatched = hlopar.parallelize(keyed_step, cluster=ONE_HOST, method="shard", num_microbatches=2,
-                                      batch_argnums=(2,), runtime="process", rng="per-microbatch", verbose=False)
+    microbatched = hlopar.parallelize(
+        keyed_step,
+        cluster=ONE_HOST,
+        method="shard",
+        num_microbatches=2,
+        batch_argnums=(2,),
+        runtime="process",
+        rng="per-microbatch",
+        verbose=False,
+    )
     with pytest.raises(ValueError, match="not one mesh compiling as one executable"):
         microbatched.compile(w, jax.random.key(0), x)

@@ -21,8 +21,15 @@ def test_measured_timeline(ray_cluster, tmp_path, monkeypatch):
     params = model.init(jax.random.PRNGKey(0))
     state = model.init_opt_state(params)
     batch = model.make_batch(jax.random.PRNGKey(1))
-    step = hlopar.parallelize(model.step, cluster=hlopar.Cluster.local(2, 2, device_kind="cpu"), method="pipeline",
-                              num_microbatches=2, schedule="1f1b", batch_argnums=(2,), verbose=False)
+    step = hlopar.parallelize(
+        model.step,
+        cluster=hlopar.Cluster.local(2, 2, device_kind="cpu"),
+        method="pipeline",
+        num_microbatches=2,
+        schedule="1f1b",
+        batch_argnums=(2,),
+        verbose=False,
+    )
     try:
         step(params, state, batch)
         stats = step.last_stats
@@ -36,11 +43,15 @@ def test_measured_timeline(ray_cluster, tmp_path, monkeypatch):
             sends = [s for s in mine if s.lane == SEND_LANE]
             # one span per RUN and per SEND, in stream order, with its kind and microbatch
             assert [(s.kind, s.microbatch) for s in runs] == [(i.kind, i.microbatch) for i in stream if i.op == RUN]
-            assert [(s.kind, s.microbatch, s.peer) for s in sends] == \
-                [(i.kind, i.microbatch, i.peer) for i in stream if i.op == SEND]
+            assert [(s.kind, s.microbatch, s.peer) for s in sends] == [
+                (i.kind, i.microbatch, i.peer) for i in stream if i.op == SEND
+            ]
             updates = [s for s in mine if s.kind == "other"]
-            assert len(updates) == sum(1 for f in runtime.program.fragments
-                                       if f.role == "update" and f.mesh == runtime.layout.slots[worker].mesh)
+            assert len(updates) == sum(
+                1
+                for f in runtime.program.fragments
+                if f.role == "update" and f.mesh == runtime.layout.slots[worker].mesh
+            )
             ordered = sorted(mine, key=lambda s: s.start)
             assert ordered == [s for s in mine]  # the stream runs one instruction after the other
             for a, b in zip(ordered, ordered[1:]):

@@ -41,8 +41,10 @@ ONE_HOST = hlopar.Cluster.local(1, 2, device_kind="cpu")
 
 def batch(rows: int, dtype=jnp.float32, seed: int = 1) -> dict:
     kx, ky = jax.random.split(jax.random.PRNGKey(seed))
-    return {"x": jax.random.normal(kx, (rows, 8), jnp.float32).astype(dtype),
-            "y": jax.random.normal(ky, (rows, 4), jnp.float32).astype(dtype)}
+    return {
+        "x": jax.random.normal(kx, (rows, 8), jnp.float32).astype(dtype),
+        "y": jax.random.normal(ky, (rows, 4), jnp.float32).astype(dtype),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +94,15 @@ def test_new_signatures_keep_the_state_on_ray(ray_cluster, mlp):
     step, params, state = mlp
     full, partial, odd = batch(16), batch(8, seed=2), batch(9, seed=3)
     half = batch(16, jnp.bfloat16, seed=4)
-    parallel = hlopar.parallelize(step.step, cluster=ONE_HOST, method="shard", runtime="ray", num_microbatches=2,
-                                  batch_argnums=(2,), verbose=False)
+    parallel = hlopar.parallelize(
+        step.step,
+        cluster=ONE_HOST,
+        method="shard",
+        runtime="ray",
+        num_microbatches=2,
+        batch_argnums=(2,),
+        verbose=False,
+    )
     reference = Reference(step, params, state)
     try:
         first = parallel(params, state, full)
@@ -144,8 +153,9 @@ def test_new_signatures_in_process(mlp, tmp_path):
     saves the last call's results, also after `compile` for another signature."""
     step, params, state = mlp
     full, partial, half = batch(16), batch(8, seed=2), batch(16, jnp.bfloat16, seed=4)
-    parallel = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", batch_argnums=(2,),
-                                  verbose=False)
+    parallel = hlopar.parallelize(
+        step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", batch_argnums=(2,), verbose=False
+    )
     reference = Reference(step, params, state)
     with parallel:
         first = parallel(params, state, full)
@@ -178,8 +188,16 @@ def test_calls_from_several_threads_are_serialized(ray_cluster, mlp):
     expected = step.jitted_step(params, state, full)
     held_by_workers(ray.cluster_resources(), 0.0)  # earlier tests' workers gone
     before = ray.available_resources()
-    parallel = hlopar.parallelize(step.step, cluster=ONE_HOST, method="shard", runtime="ray", num_microbatches=2,
-                                  batch_argnums=(2,), verbose=False, timeout=60)
+    parallel = hlopar.parallelize(
+        step.step,
+        cluster=ONE_HOST,
+        method="shard",
+        runtime="ray",
+        num_microbatches=2,
+        batch_argnums=(2,),
+        verbose=False,
+        timeout=60,
+    )
     results, errors = {}, []
 
     def call(k: int, times: int, gate: threading.Barrier) -> None:
@@ -206,8 +224,9 @@ def test_calls_from_several_threads_are_serialized(ray_cluster, mlp):
             held_by_workers(before, WORKER_CPUS)
             for outs in results.values():
                 for out in outs:
-                    assert_step_close(jax.tree_util.tree_leaves(out), expected, params, rtol=RTOL,
-                                      update_max_rtol=UPDATE_MAX_RTOL)
+                    assert_step_close(
+                        jax.tree_util.tree_leaves(out), expected, params, rtol=RTOL, update_max_rtol=UPDATE_MAX_RTOL
+                    )
             results.clear()
     finally:
         parallel.close()
@@ -234,16 +253,27 @@ def test_a_dead_raylet_raises(ray_cluster, mlp, recover):
     step, params, state = mlp
     full = batch(16)
     expected = step.jitted_step(params, state, full)
-    parallel = hlopar.parallelize(step.step, cluster=ONE_HOST, method="shard", runtime="ray", num_microbatches=2,
-                                  batch_argnums=(2,), verbose=False, timeout=60)
+    parallel = hlopar.parallelize(
+        step.step,
+        cluster=ONE_HOST,
+        method="shard",
+        runtime="ray",
+        num_microbatches=2,
+        batch_argnums=(2,),
+        verbose=False,
+        timeout=60,
+    )
     try:
         first = parallel(params, state, full)
         ray.get(parallel.runtime.actors["m0"].debug_delay.remote(30.0))
         killer = threading.Timer(1.0, os.kill, (raylet_of(local_ray.current()), signal.SIGKILL))
         killer.start()
         clock = time.monotonic()
-        with pytest.raises(hlopar.WorkerError, match=r"step 2: the local Ray cluster of this process ended .*the "
-                                                     r"next call starts a new cluster"):
+        with pytest.raises(
+            hlopar.WorkerError,
+            match=r"step 2: the local Ray cluster of this process ended .*the "
+            r"next call starts a new cluster",
+        ):
             parallel(first[0], first[1], full)
         assert time.monotonic() - clock < 15
         killer.join()

@@ -56,8 +56,9 @@ def test_an_argument_is_laid_out_once_per_step():
     devices = np.array(jax.devices()[:8])
     mesh = Mesh(devices, ("y",))
     replicated, rows = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("y"))
-    ex = SimpleNamespace(input_shardings=[replicated, replicated, rows],
-                         place=lambda n, x: jax.device_put(x, ex.input_shardings[n]))
+    ex = SimpleNamespace(
+        input_shardings=[replicated, replicated, rows], place=lambda n, x: jax.device_put(x, ex.input_shardings[n])
+    )
     value = np.arange(64.0, dtype=np.float32).reshape(8, 8)
     sharded, placed = jax.device_put(value, rows), jax.device_put(value, rows)
     host = value + 1

@@ -39,11 +39,19 @@ def test_user_script_prints_no_warning(tmp_path):
     stale.mkdir()
     (stale / "ray_current_cluster").write_text("127.0.0.1:1")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "HLOPAR_RAY"))}
-    env.update({"PYTHONPATH": str(ROOT), "RAY_TMPDIR": str(stale), "HLOPAR_CACHE_DIR": str(tmp_path / "cache"),
-                "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-                "PYTHONWARNINGS": "default"})
-    done = subprocess.run([sys.executable, "step.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    env.update(
+        {
+            "PYTHONPATH": str(ROOT),
+            "RAY_TMPDIR": str(stale),
+            "HLOPAR_CACHE_DIR": str(tmp_path / "cache"),
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "PYTHONWARNINGS": "default",
+        }
+    )
+    done = subprocess.run(
+        [sys.executable, "step.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     # loss = mean((x @ w)^2) with every entry of x @ w equal to 4
     assert done.stdout == "16.0\n"

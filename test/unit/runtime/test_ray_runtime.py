@@ -47,8 +47,7 @@ def start(model: str):
 
 def compare(actual, expected, params) -> None:
     """A step's outputs against one device's step from the same inputs (parameters `params`)."""
-    assert_step_close(jax.tree_util.tree_leaves(actual), expected, params, rtol=RTOL,
-                      update_max_rtol=UPDATE_MAX_RTOL)
+    assert_step_close(jax.tree_util.tree_leaves(actual), expected, params, rtol=RTOL, update_max_rtol=UPDATE_MAX_RTOL)
 
 
 def only_batch_sent(parallel, state_leaves: int | None = None) -> None:
@@ -113,7 +112,9 @@ def test_training_matches_one_device(ray_cluster, model, schedule):
         assert len({i["pid"] for i in info.values()}) == 2 and os.getpid() not in {i["pid"] for i in info.values()}
         assert all(len(i["devices"]) == 4 and i["platform"] == "cpu" for i in info.values())  # its own 4 CPU devices
         workers = parallel.last_stats.workers
-        assert len(workers) == 2 and all(w["sent_bytes"] > 0 for w in workers.values())  # activations and gradients crossed
+        assert len(workers) == 2 and all(
+            w["sent_bytes"] > 0 for w in workers.values()
+        )  # activations and gradients crossed
     finally:
         parallel.shutdown()
 
@@ -192,8 +193,9 @@ def test_a_killed_worker_raises_and_the_next_call_restarts(ray_cluster, tmp_path
     """Kills `victim` while `sleeper` sleeps in its step; with a mesh across hosts, one
     process of the mesh's jax runtime dies and every worker of it is restarted."""
     step, params, state, batch = start("mlp")
-    parallel = hlopar.parallelize(step.step, cluster=CLUSTER, num_microbatches=2, schedule="1f1b",
-                                  batch_argnums=(2,), verbose=False, **options)
+    parallel = hlopar.parallelize(
+        step.step, cluster=CLUSTER, num_microbatches=2, schedule="1f1b", batch_argnums=(2,), verbose=False, **options
+    )
     try:
         first = parallel(params, state, batch)
         second = parallel(first[0], first[1], batch)

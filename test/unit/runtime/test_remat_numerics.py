@@ -42,10 +42,20 @@ CLUSTER = hlopar.Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu
 # Heavy (`pytest -m heavy`, 20-35 s each on 2 cores): the U-Transformer's eager-1f1b and gpipe
 # cases and the GPT's eager-1f1b; the default suite keeps 1f1b and gpipe on the GPT and 1f1b on
 # the U-Transformer (CI's 25 minutes).
-CASES = [pytest.param(model, schedule, "pipeline", id=f"{model}-{schedule}-pipeline",
-                      marks=[pytest.mark.heavy] if schedule != "1f1b" and (model, schedule) != ("gpt", "gpipe") else [])
-         for model in ("gpt", "u_transformer") for schedule in ("1f1b", "eager-1f1b", "gpipe")]
-CASES.append(pytest.param("gpt", "1f1b", "auto", id="gpt-1f1b-auto"))  # stages sharded: the clones keep the stage's layouts
+CASES = [
+    pytest.param(
+        model,
+        schedule,
+        "pipeline",
+        id=f"{model}-{schedule}-pipeline",
+        marks=[pytest.mark.heavy] if schedule != "1f1b" and (model, schedule) != ("gpt", "gpipe") else [],
+    )
+    for model in ("gpt", "u_transformer")
+    for schedule in ("1f1b", "eager-1f1b", "gpipe")
+]
+CASES.append(
+    pytest.param("gpt", "1f1b", "auto", id="gpt-1f1b-auto")
+)  # stages sharded: the clones keep the stage's layouts
 
 
 @pytest.mark.parametrize("model,schedule,method", CASES)
@@ -53,8 +63,9 @@ def test_rematerialized_pipeline_equals_one_device(ray_cluster, model, schedule,
     ts = get_train_step(model, "tiny")
     params = ts.init(jax.random.key(0))
     args = (params, ts.init_opt_state(params), ts.make_batch(jax.random.key(1)))
-    parallel = hlopar.parallelize(ts.step, cluster=CLUSTER, method=method, num_microbatches=2,
-                                  schedule=schedule, remat=True, verbose=False)
+    parallel = hlopar.parallelize(
+        ts.step, cluster=CLUSTER, method=method, num_microbatches=2, schedule=schedule, remat=True, verbose=False
+    )
     try:
         results = parallel(*args)
         planned = parallel.planned
@@ -65,8 +76,10 @@ def test_rematerialized_pipeline_equals_one_device(ray_cluster, model, schedule,
         assert text.count("{hlopar.remat}") == stages
         examples = sum(np.asarray(leaf).nbytes for leaf in jax.tree_util.tree_leaves(args[2])) // 2
         for stage in range(stages):
-            forward, backward = (next(f for f in program.fragments if f.stage == stage and f.role == role)
-                                 for role in ("forward", "backward"))
+            forward, backward = (
+                next(f for f in program.fragments if f.stage == stage and f.role == role)
+                for role in ("forward", "backward")
+            )
             assert len(forward.results) <= 2, forward.name
             # A backward holds two matrix products per forward one (the gradients of both operands,
             # fewer where an operand needs none); rematerialized, it runs the forward's again.
@@ -81,9 +94,13 @@ def test_rematerialized_pipeline_equals_one_device(ray_cluster, model, schedule,
 # Per model: the stages' layers and the most barriers a stage's backward (or its B or W part)
 # holds, one per layer recomputed after backward ops ran.
 LAYER_PLANS = {"gpt": ([[0, 1], [2, 4]], [1, 2]), "u_transformer": ([[0, 1], [2, 3], [4, 5], [6, 9]], [1, 1, 1, 3])}
-LAYER_CASES = [pytest.param("gpt", "1f1b", id="gpt-1f1b"),
-               *(pytest.param(m, s, id=f"{m}-{s}", marks=pytest.mark.heavy)
-                 for m, s in (("gpt", "gpipe"), ("gpt", "eager-1f1b"), ("gpt", "eager-1f1b-wd"), ("u_transformer", "1f1b")))]
+LAYER_CASES = [
+    pytest.param("gpt", "1f1b", id="gpt-1f1b"),
+    *(
+        pytest.param(m, s, id=f"{m}-{s}", marks=pytest.mark.heavy)
+        for m, s in (("gpt", "gpipe"), ("gpt", "eager-1f1b"), ("gpt", "eager-1f1b-wd"), ("u_transformer", "1f1b"))
+    ),
+]
 
 
 @pytest.mark.parametrize("model,schedule", LAYER_CASES)
@@ -91,8 +108,15 @@ def test_per_layer_rematerialized_pipeline_equals_one_device(ray_cluster, model,
     ts = get_train_step(model, "tiny")
     params = ts.init(jax.random.key(0))
     args = (params, ts.init_opt_state(params), ts.make_batch(jax.random.key(1)))
-    parallel = hlopar.parallelize(ts.step, cluster=CLUSTER, method="pipeline", num_microbatches=2,
-                                  schedule=schedule, remat="layers", verbose=False)
+    parallel = hlopar.parallelize(
+        ts.step,
+        cluster=CLUSTER,
+        method="pipeline",
+        num_microbatches=2,
+        schedule=schedule,
+        remat="layers",
+        verbose=False,
+    )
     layers, barriers = LAYER_PLANS[model]
     try:
         results = parallel(*args)
@@ -103,9 +127,14 @@ def test_per_layer_rematerialized_pipeline_equals_one_device(ray_cluster, model,
         program = planned.program
         text = (planned.bundle / "program.mlir").read_text()
         assert text.count('{hlopar.remat = "layers"}') == len(layers)
-        counts = [max(f.text.count("stablehlo.optimization_barrier") for f in program.fragments
-                      if f.stage == stage and f.role in ("backward", "weight"))  # eager-1f1b-wd: B and W
-                  for stage in range(len(layers))]
+        counts = [
+            max(
+                f.text.count("stablehlo.optimization_barrier")
+                for f in program.fragments
+                if f.stage == stage and f.role in ("backward", "weight")
+            )  # eager-1f1b-wd: B and W
+            for stage in range(len(layers))
+        ]
         assert counts == barriers
         want = jax.jit(ts.step)(*args)
         assert_adam_step_close(results, want, params, lambda tree: tree[0], rtol=1e-5)
@@ -115,12 +144,14 @@ def test_per_layer_rematerialized_pipeline_equals_one_device(ray_cluster, model,
 
 def test_per_layer_backward_compiles_to_fewer_temporaries(tmp_path, monkeypatch):
     monkeypatch.setenv("HLOPAR_CACHE_DIR", str(tmp_path))
-    text = train_step(GPTConfig(hidden_size=64, num_layers=2, num_heads=4, seq_len=64, vocab_size=128,
-                                batch_size=16)).lower()
+    text = train_step(
+        GPTConfig(hidden_size=64, num_layers=2, num_heads=4, seq_len=64, vocab_size=128, batch_size=16)
+    ).lower()
     temporaries = {}
     for remat in ("always", "layers"):
-        step = plan_step(text, CLUSTER.resolved(), num_microbatches=2, method="pipeline", schedule="1f1b",
-                         remat=remat, cache=False)
+        step = plan_step(
+            text, CLUSTER.resolved(), num_microbatches=2, method="pipeline", schedule="1f1b", remat=remat, cache=False
+        )
         assert [s["layers"] for s in step.plan["stages"]["stages"]] == [[0, 1], [2, 4]]
         checked = json.loads((step.bundle / "memory.json").read_text())
         memory = {f["fragment"]: f for f in checked["fragments"]}

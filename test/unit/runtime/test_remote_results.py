@@ -60,8 +60,11 @@ def momentum_step(w, velocity, x, y):
 def kept_on_workers(parallel) -> set[tuple[int, int]]:
     """The (step, result) pairs the workers keep."""
     runtime = parallel.runtime
-    return {key for actor in runtime.actors.values()
-            for key in ray.get(actor.__ray_call__.remote(lambda worker: sorted(worker.kept)))}
+    return {
+        key
+        for actor in runtime.actors.values()
+        for key in ray.get(actor.__ray_call__.remote(lambda worker: sorted(worker.kept)))
+    }
 
 
 def test_a_100_mb_state_trains_with_only_the_loss_reaching_the_driver(ray_cluster, monkeypatch):
@@ -71,8 +74,9 @@ def test_a_100_mb_state_trains_with_only_the_loss_reaching_the_driver(ray_cluste
     x = jax.random.normal(jax.random.PRNGKey(1), (rows, n), jnp.float32)
     y = jax.random.normal(jax.random.PRNGKey(2), (rows, k), jnp.float32)
     assert w.nbytes + velocity.nbytes == 100 * 2**20
-    parallel = hlopar.parallelize(momentum_step, cluster=ONE_HOST, method="shard", runtime="ray", batch_argnums=(2, 3),
-                                  verbose=False)
+    parallel = hlopar.parallelize(
+        momentum_step, cluster=ONE_HOST, method="shard", runtime="ray", batch_argnums=(2, 3), verbose=False
+    )
     reference = jax.jit(momentum_step)
     try:
         state = parallel(w, velocity, x, y)[:2]  # the first call sends the state, once
@@ -108,8 +112,9 @@ def test_results_read_like_the_jax_arrays_they_hold(ray_cluster, monkeypatch, tm
     w = jnp.arange(12, dtype=jnp.float32).reshape(4, 3) / 10
     x = jnp.ones((8, 4), jnp.float32)
     key = jax.random.key(3)
-    parallel = hlopar.parallelize(keyed_step, cluster=ONE_HOST, method="shard", runtime="ray", batch_argnums=(2,),
-                                  verbose=False)
+    parallel = hlopar.parallelize(
+        keyed_step, cluster=ONE_HOST, method="shard", runtime="ray", batch_argnums=(2,), verbose=False
+    )
     try:
         out = parallel(w, key, x)
         expected = jax.jit(keyed_step)(w, key, x)
@@ -137,8 +142,9 @@ def test_results_read_like_the_jax_arrays_they_hold(ray_cluster, monkeypatch, tm
         # The key is jax's own (eager jax.random takes it); jax functions and jax.jit take
         # results as the arrays they hold.
         np.testing.assert_array_equal(jax.random.key_data(new_key), jax.random.key_data(expected[1]))
-        np.testing.assert_array_equal(jax.random.key_data(jax.random.split(new_key)),
-                                      jax.random.key_data(jax.random.split(expected[1])))
+        np.testing.assert_array_equal(
+            jax.random.key_data(jax.random.split(new_key)), jax.random.key_data(jax.random.split(expected[1]))
+        )
         np.testing.assert_allclose(jnp.sum(new["w"]), jnp.sum(expected[0]["w"]), rtol=1e-6)
         again = jax.jit(keyed_step)(new["w"], new_key, x)
 
@@ -173,8 +179,15 @@ def test_donated_and_lost_results(ray_cluster):
     read cannot be had."""
     w = jnp.ones((4, 3), jnp.float32)
     x = jnp.ones((8, 4), jnp.float32)
-    parallel = hlopar.parallelize(sgd_step, cluster=ONE_HOST, method="shard", runtime="ray", donate_argnums=(0,),
-                                  batch_argnums=(1,), verbose=False)
+    parallel = hlopar.parallelize(
+        sgd_step,
+        cluster=ONE_HOST,
+        method="shard",
+        runtime="ray",
+        donate_argnums=(0,),
+        batch_argnums=(1,),
+        verbose=False,
+    )
     reference = jax.jit(sgd_step)
     try:
         first, _ = parallel(w, x)
@@ -198,11 +211,17 @@ def test_donated_and_lost_results(ray_cluster):
         assert parallel.last_stats.sent == {"m0": (0, 1)}
         np.testing.assert_allclose(float(loss), float(reference(read, x)[1]), rtol=1e-6)
         parallel.shutdown()
-        with pytest.raises(RuntimeError, match=r"sgd_step's result \[0\] \(call 4\) cannot be read: its workers "
-                                               "were stopped"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"sgd_step's result \[0\] \(call 4\) cannot be read: its workers "
+            "were stopped",
+        ):
             np.asarray(fourth)
-        with pytest.raises(RuntimeError, match=r"sgd_step's argument \[0\]: .*\(call 4\) cannot be read: its "
-                                               "workers were stopped"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"sgd_step's argument \[0\]: .*\(call 4\) cannot be read: its "
+            "workers were stopped",
+        ):
             parallel(fourth, x)
     finally:
         parallel.shutdown()

@@ -60,8 +60,13 @@ class Trained:
         """The live state survived: the next step from it equals single-device JAX's."""
         state = jax.device_get(self.live[:2])
         out = self.parallel(self.live[0], self.live[1], self.batch)
-        assert_step_close(jax.tree_util.tree_leaves(out), self.step.jitted_step(*state, self.batch), state[0],
-                          rtol=RTOL, update_max_rtol=UPDATE_MAX_RTOL)
+        assert_step_close(
+            jax.tree_util.tree_leaves(out),
+            self.step.jitted_step(*state, self.batch),
+            state[0],
+            rtol=RTOL,
+            update_max_rtol=UPDATE_MAX_RTOL,
+        )
         self.live = out  # the last step's results: what a save writes
 
     def check_saved(self, directory: Path | None = None) -> None:
@@ -80,8 +85,11 @@ def trained(request, tmp_path_factory):
         step = get_train_step("mlp", "tiny")
         params = step.init(jax.random.PRNGKey(0))
         args = (params, step.init_opt_state(params), step.make_batch(jax.random.PRNGKey(1)))
-        options = (dict(cluster=ONE_HOST, method="shard", runtime="process") if request.param == "process" else
-                   dict(cluster=TWO_HOSTS, num_microbatches=2, schedule="1f1b", runtime="ray"))
+        options = (
+            dict(cluster=ONE_HOST, method="shard", runtime="process")
+            if request.param == "process"
+            else dict(cluster=TWO_HOSTS, num_microbatches=2, schedule="1f1b", runtime="ray")
+        )
         parallel = hlopar.parallelize(step.step, batch_argnums=(2,), verbose=False, **options)
         directory = tmp_path_factory.mktemp(f"saves-{request.param}")
         try:
@@ -116,8 +124,9 @@ def test_a_save_over_an_earlier_one_and_its_format(trained, tmp_path):
     manifest = json.loads((target / "manifest.json").read_text())
     assert manifest["format"] == "hlopar-save" and manifest["version"] == checkpoint.VERSION
     assert set(manifest["parts"]) == set(trained.parallel.runtime.worker_meshes())
-    assert sorted(p.name for p in target.iterdir()) == sorted(["manifest.json", *(
-        p["file"] for p in manifest["parts"].values())])
+    assert sorted(p.name for p in target.iterdir()) == sorted(
+        ["manifest.json", *(p["file"] for p in manifest["parts"].values())]
+    )
     assert leftovers(tmp_path) == []
     assert_trees_equal(jax.device_get(trained.parallel.restore(target)), jax.device_get(trained.live))
     trained.live = trained.parallel.restore(target)  # kept again, as a new step's
@@ -150,8 +159,11 @@ def test_a_save_into_a_read_only_directory_or_under_a_file(trained, tmp_path):
         targets.insert(0, tmp_path / "read-only" / "state")
     try:
         for target in targets:
-            with pytest.raises(CheckpointError, match=rf"cannot save to {target}: .*(PermissionError|Operation not "
-                               r"permitted|/file is not a directory).*nothing was written.*the workers keep the state"):
+            with pytest.raises(
+                CheckpointError,
+                match=rf"cannot save to {target}: .*(PermissionError|Operation not "
+                r"permitted|/file is not a directory).*nothing was written.*the workers keep the state",
+            ):
                 trained.parallel.save(target)
             assert not target.exists()
     finally:
@@ -163,6 +175,7 @@ def test_a_save_into_a_read_only_directory_or_under_a_file(trained, tmp_path):
 
 def break_writes(reason: str):
     """A `checkpoint.write_part` that writes half a part and fails (a full disk)."""
+
     def half_then_fail(directory, name, arrays, record):
         path = Path(directory) / f"{name}.npz"
         path.write_bytes(b"PK\x03\x04" + bytes(64))
@@ -180,6 +193,7 @@ def test_a_save_failing_half_way_over_an_earlier_one(trained, tmp_path, monkeypa
         # The second worker's part fails half-way; the first one's is written.
         def patch(worker, fail):
             from hlopar.runtime import checkpoint as module
+
             module.__dict__.setdefault("real_write_part", module.write_part)
             module.write_part = fail or module.real_write_part
 
@@ -214,8 +228,12 @@ def test_a_target_holding_other_things_is_refused_unless_overwrite(trained, tmp_
     extra = tmp_path / "extra"
     shutil.copytree(trained.saved, extra)
     (extra / "notes.txt").write_text("mine\n")
-    cases = [(tmp_path / "a-file", "it is a file"), (mine, r"files that are not an hlopar save \(m0.npz, notes.txt\)"),
-             (other_plan, r"a save of another plan \(another\)"), (extra, r"other files \(notes.txt\)")]
+    cases = [
+        (tmp_path / "a-file", "it is a file"),
+        (mine, r"files that are not an hlopar save \(m0.npz, notes.txt\)"),
+        (other_plan, r"a save of another plan \(another\)"),
+        (extra, r"other files \(notes.txt\)"),
+    ]
     for target, why in cases:
         before = files(target) if target.is_dir() else target.read_bytes()
         with pytest.raises(CheckpointError, match=rf"cannot save to {target}: .*{why}.*overwrite=True"):
@@ -250,7 +268,7 @@ def shorten(arrays: dict) -> dict:
 
 def truncate(path: Path, size) -> None:
     data = path.read_bytes()
-    path.write_bytes(data[:size(len(data))])
+    path.write_bytes(data[: size(len(data))])
 
 
 def flip(path: Path) -> None:
@@ -260,24 +278,42 @@ def flip(path: Path) -> None:
 
 
 CORRUPTIONS = {
-    "truncated": (lambda t, d, p: truncate(d / f"{p}.npz", lambda n: n // 2), r"{p}.npz: \d+ bytes, the manifest "
-                  r"says \d+ \(truncated"),
+    "truncated": (
+        lambda t, d, p: truncate(d / f"{p}.npz", lambda n: n // 2),
+        r"{p}.npz: \d+ bytes, the manifest "
+        r"says \d+ \(truncated",
+    ),
     "empty": (lambda t, d, p: truncate(d / f"{p}.npz", lambda n: 0), r"{p}.npz: empty"),
-    "bit-flipped": (lambda t, d, p: flip(d / f"{p}.npz"), r"{p}.npz: damaged: its SHA-256 is not the one the "
-                    "manifest records"),
+    "bit-flipped": (
+        lambda t, d, p: flip(d / f"{p}.npz"),
+        r"{p}.npz: damaged: its SHA-256 is not the one the "
+        "manifest records",
+    ),
     "missing": (lambda t, d, p: (d / f"{p}.npz").unlink(), r"{p}.npz: missing"),
-    "wrong-shape": (lambda t, d, p: rewrite_part(d, p, shorten),
-                    r"{p}.npz: result \d+ is float32\[1(, \d+)*\], the plan's is float32\[\d+(, \d+)*\]"),
-    "other-step": (lambda t, d, p: shutil.copy(t.later / f"{p}.npz", d / f"{p}.npz"),
-                   r"{p}.npz: a part of another save of this plan \(step 2, save \w+\), not of this one \(step 1"),
-    "other-plan": (lambda t, d, p: checkpoint.write_part(d, p, checkpoint.load_part(d / f"{p}.npz"),
-                                                         {"save": "0" * 32, "step": 7, "plan": "another"}),
-                   r"{p}.npz: a part of another plan's save \(step 7, save 00000000\)"),
-    "manifest-not-json": (lambda t, d, p: (d / "manifest.json").write_text('{"format": "hlopar-save", '),
-                          r"manifest.json: not a readable JSON manifest \(JSONDecodeError"),
-    "manifest-other-plan": (lambda t, d, p: (d / "manifest.json").write_text(json.dumps(
-        {**json.loads((d / "manifest.json").read_text()), "plan": "another"})),
-        r"manifest.json: saved from another plan \(another\), not this step's"),
+    "wrong-shape": (
+        lambda t, d, p: rewrite_part(d, p, shorten),
+        r"{p}.npz: result \d+ is float32\[1(, \d+)*\], the plan's is float32\[\d+(, \d+)*\]",
+    ),
+    "other-step": (
+        lambda t, d, p: shutil.copy(t.later / f"{p}.npz", d / f"{p}.npz"),
+        r"{p}.npz: a part of another save of this plan \(step 2, save \w+\), not of this one \(step 1",
+    ),
+    "other-plan": (
+        lambda t, d, p: checkpoint.write_part(
+            d, p, checkpoint.load_part(d / f"{p}.npz"), {"save": "0" * 32, "step": 7, "plan": "another"}
+        ),
+        r"{p}.npz: a part of another plan's save \(step 7, save 00000000\)",
+    ),
+    "manifest-not-json": (
+        lambda t, d, p: (d / "manifest.json").write_text('{"format": "hlopar-save", '),
+        r"manifest.json: not a readable JSON manifest \(JSONDecodeError",
+    ),
+    "manifest-other-plan": (
+        lambda t, d, p: (d / "manifest.json").write_text(
+            json.dumps({**json.loads((d / "manifest.json").read_text()), "plan": "another"})
+        ),
+        r"manifest.json: saved from another plan \(another\), not this step's",
+    ),
 }
 
 
@@ -289,8 +325,11 @@ def test_a_bad_save_is_refused_before_anything_is_restored(trained, tmp_path, co
     shutil.copytree(trained.saved, directory)
     corrupt(trained, directory, part)
     step_id = trained.parallel.runtime.step_id
-    with pytest.raises(CheckpointError, match=rf"cannot restore from {directory}: .*{message.format(p=part)}.*"
-                                              r"nothing was restored \(the live state is as it was\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"cannot restore from {directory}: .*{message.format(p=part)}.*"
+        r"nothing was restored \(the live state is as it was\)",
+    ):
         trained.parallel.restore(directory)
     assert trained.parallel.runtime.step_id == step_id
     trained.check_live()
@@ -319,8 +358,9 @@ def test_an_orbax_save_reads_in_plain_orbax_and_back(trained, tmp_path):
     live = jax.device_get(trained.live)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(live)
     assert sorted(flat) == sorted(jax.tree_util.keystr(path) for path, _ in leaves)
-    state = jax.tree_util.tree_unflatten(treedef, [jax.device_put(flat[jax.tree_util.keystr(path)])
-                                                   for path, _ in leaves])
+    state = jax.tree_util.tree_unflatten(
+        treedef, [jax.device_put(flat[jax.tree_util.keystr(path)]) for path, _ in leaves]
+    )
     assert_trees_equal(state, live)
 
     trained.live = trained.parallel.restore(target)  # the same plan: each worker reads its item
@@ -357,12 +397,15 @@ def test_checkpoint_every_and_resuming_after_a_worker_dies(trained, tmp_path):
     call that passes the lost state says which checkpoint resumes it, and restoring it gives
     the state to go on from, equal to single-device JAX's."""
     step, batch = trained.step, trained.batch
-    options = dict(cluster=ONE_HOST, method="shard", runtime="process") if not isinstance(
-        trained.parallel.runtime, hlopar.api.RayRuntime) else dict(cluster=TWO_HOSTS, num_microbatches=2,
-                                                                    schedule="1f1b", runtime="ray")
+    options = (
+        dict(cluster=ONE_HOST, method="shard", runtime="process")
+        if not isinstance(trained.parallel.runtime, hlopar.api.RayRuntime)
+        else dict(cluster=TWO_HOSTS, num_microbatches=2, schedule="1f1b", runtime="ray")
+    )
     directory = tmp_path / "checkpoints"
-    parallel = hlopar.parallelize(step.step, batch_argnums=(2,), verbose=False, checkpoint_every=2,
-                                  checkpoint_dir=directory, **options)
+    parallel = hlopar.parallelize(
+        step.step, batch_argnums=(2,), verbose=False, checkpoint_every=2, checkpoint_dir=directory, **options
+    )
     try:
         state, outputs = jax.device_get(trained.first[:2]), {}
         for call in range(1, 6):
@@ -386,15 +429,23 @@ def test_checkpoint_every_and_resuming_after_a_worker_dies(trained, tmp_path):
                 state = parallel(*state, batch)[:2]
         latest = parallel.wait_for_checkpoint()
         assert latest in (directory / "4", directory / "6")
-        with pytest.raises(RuntimeError, match=rf"the last checkpoint is {latest} \(saved after call "
-                                               rf"{latest.name}\): restore\('{latest}'\) resumes there"):
+        with pytest.raises(
+            RuntimeError,
+            match=rf"the last checkpoint is {latest} \(saved after call "
+            rf"{latest.name}\): restore\('{latest}'\) resumes there",
+        ):
             parallel(*state, batch)
         resumed = parallel.restore(latest)
         if latest.name == "4":
             assert_trees_equal(jax.device_get(resumed), outputs[4])
         out = parallel(resumed[0], resumed[1], batch)
         from_state = jax.device_get(resumed[:2])
-        assert_step_close(jax.tree_util.tree_leaves(out), step.jitted_step(*from_state, batch), from_state[0],
-                          rtol=RTOL, update_max_rtol=UPDATE_MAX_RTOL)
+        assert_step_close(
+            jax.tree_util.tree_leaves(out),
+            step.jitted_step(*from_state, batch),
+            from_state[0],
+            rtol=RTOL,
+            update_max_rtol=UPDATE_MAX_RTOL,
+        )
     finally:
         parallel.close()

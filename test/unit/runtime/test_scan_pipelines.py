@@ -29,8 +29,11 @@ STEPS = 3
 
 
 def _zoo_gpt():
-    s = gpt.train_step(gpt.GPTConfig(hidden_size=64, num_layers=4, num_heads=4, seq_len=16, vocab_size=128,
-                                     batch_size=8, scan_layers=True))
+    s = gpt.train_step(
+        gpt.GPTConfig(
+            hidden_size=64, num_layers=4, num_heads=4, seq_len=16, vocab_size=128, batch_size=8, scan_layers=True
+        )
+    )
     params = s.init(jax.random.key(0))
     return s.step, (params, s.init_opt_state(params), s.make_batch(jax.random.key(1)))
 
@@ -63,13 +66,15 @@ def meshes_reading(program, argument: int) -> set[str]:
 
 # The checkpointed Flax stack is heavy (`pytest -m heavy`, 31 s on 2 cores); its split
 # numerics stay in the default suite (test/unit/microbatch/test_scan_split.py).
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.heavy] if n == "flax_scan_remat" else [])
-                                  for n in MODELS])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.heavy] if n == "flax_scan_remat" else []) for n in MODELS]
+)
 def test_scanned_stack_pipelines_and_equals_one_device(ray_cluster, tmp_path, name):
     build, pipelined, stage_loops = MODELS[name]
     step, args = build()
-    parallel = hlopar.parallelize(step, cluster=CLUSTER, method="auto", num_microbatches=2, verbose=False,
-                                  stage_loops=stage_loops)
+    parallel = hlopar.parallelize(
+        step, cluster=CLUSTER, method="auto", num_microbatches=2, verbose=False, stage_loops=stage_loops
+    )
     reference = jax.jit(step)
     try:
         results = parallel(*args)
@@ -112,7 +117,7 @@ def test_scanned_stack_pipelines_and_equals_one_device(ray_cluster, tmp_path, na
         for _ in range(STEPS):
             out = reference(*state)
             expected_losses.append(float(out[-1]))
-            state = (*out[:-1], *args[len(out) - 1:])
+            state = (*out[:-1], *args[len(out) - 1 :])
         for k in range(STEPS):
             want = reference(*args)
             np.testing.assert_allclose(float(results[-1]), expected_losses[k], rtol=1e-5)
@@ -120,9 +125,8 @@ def test_scanned_stack_pipelines_and_equals_one_device(ray_cluster, tmp_path, na
             # sum that cancels, and two microbatches' sums round differently from one device's:
             # measured 2.2e-8 on one of the zoo GPT's 1024 position-embedding entries, 2e-5 of the
             # leaf's largest update, so 3e-5 of it after step 1 (1e-5 of each entry, as step 1).
-            assert_adam_step_close(results, want, _params(args), _params, rtol=1e-5,
-                                   max_rtol=1e-5 if k == 0 else 3e-5)
-            args = (*results[:-1], *args[len(results) - 1:])
+            assert_adam_step_close(results, want, _params(args), _params, rtol=1e-5, max_rtol=1e-5 if k == 0 else 3e-5)
+            args = (*results[:-1], *args[len(results) - 1 :])
             if k + 1 < STEPS:
                 results = parallel(*args)
         # The ranges saved and restored: each worker writes and reads back its rows a:b.
@@ -140,23 +144,28 @@ def _assert_ranges_held(parallel, results) -> None:
     a:b as ONE array (argument and result; not per-layer pieces, not the whole stack), and its
     worker's array is those rows of the step's result, bit for bit."""
     pieces = parallel._compiled.pieces
-    ranges = [(k, o, p, r) for k, (o, p, r) in enumerate(zip(pieces.result_origin, pieces.result_piece,
-                                                              pieces.result_rows)) if r > 1]
+    ranges = [
+        (k, o, p, r)
+        for k, (o, p, r) in enumerate(zip(pieces.result_origin, pieces.result_piece, pieces.result_rows))
+        if r > 1
+    ]
     assert ranges and len([r for r in pieces.arg_rows if r > 1]) == len(ranges)
     held = {(p, r) for p, r in zip(pieces.arg_piece, pieces.arg_rows) if r > 1}  # the arguments' ranges
     runtime = parallel._compiled.runtime
     leaves = jax.tree_util.tree_leaves(results)
     for k, o, p, r in ranges:
         assert r < pieces.layers and (p, r) in held
-        overlapping = [q for q, (o2, p2, r2) in enumerate(zip(pieces.result_origin, pieces.result_piece,
-                                                               pieces.result_rows))
-                       if o2 == o and q != k and p2 < p + r and p < p2 + r2]
+        overlapping = [
+            q
+            for q, (o2, p2, r2) in enumerate(zip(pieces.result_origin, pieces.result_piece, pieces.result_rows))
+            if o2 == o and q != k and p2 < p + r and p < p2 + r2
+        ]
         assert not overlapping, (o, p, r)
     step = leaves[0]._step
     arrays = runtime.fetch_finish(runtime.fetch_start(runtime.generation, step, [k for k, *_ in ranges]), "ranges")
     for array, (k, o, p, r) in zip(arrays, ranges):
         assert array.shape == (r, *leaves[o].shape[1:])
-        np.testing.assert_array_equal(array, np.asarray(leaves[o])[p:p + r])
+        np.testing.assert_array_equal(array, np.asarray(leaves[o])[p : p + r])
 
 
 def test_scanned_stack_on_one_mesh_keeps_its_loop(ray_cluster):

@@ -48,7 +48,7 @@ def test_unpack_rebuilds_what_pack_sent(data):
     src_size, dst_size = data.draw(st.integers(1, 4)), data.draw(st.sampled_from([1, 2, 4]))
     devices = data.draw(st.permutations(range(8)))
     src = data.draw(layouts(src_size, ("a", "b"), tuple(devices[:src_size]), rank))
-    dst = data.draw(layouts(dst_size, ("x", "y"), tuple(devices[src_size:src_size + dst_size]), rank))
+    dst = data.draw(layouts(dst_size, ("x", "y"), tuple(devices[src_size : src_size + dst_size]), rank))
     transfer = planned(shape, src, dst, data.draw(st.sampled_from(STRATEGIES)))
     array = np.random.default_rng(0).normal(size=shape).astype(np.float32)
     payload = pack(transfer, array)
@@ -61,8 +61,9 @@ def test_unpack_rebuilds_what_pack_sent(data):
 def shards_of(array: np.ndarray, layout: MeshLayout, devices) -> Pieces:
     """What a worker owning `devices` holds of `array` laid out by `layout`."""
     boxes = {d: b for b, holders in layout.held_boxes(array.shape) for d in holders if d in devices}
-    return Pieces(array.shape, tuple(boxes.values()),
-                  tuple(array[tuple(slice(lo, hi) for lo, hi in b)] for b in boxes.values()))
+    return Pieces(
+        array.shape, tuple(boxes.values()), tuple(array[tuple(slice(lo, hi) for lo, hi in b)] for b in boxes.values())
+    )
 
 
 @settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -79,10 +80,10 @@ def test_workers_of_meshes_across_hosts_exchange_only_their_unit_ops(data):
     layout = worker_layout({"s": src.physical_devices, "d": dst.physical_devices}, devices_per_host=2)
     array = np.random.default_rng(0).normal(size=shape).astype(np.float32)
     paths = routes(transfer, layout, "s", "d")
-    sent = {key: pack(transfer, shards_of(array, src, layout.slots[key[0]].devices), ops)
-            for key, ops in paths.items()}
+    sent = {key: pack(transfer, shards_of(array, src, layout.slots[key[0]].devices), ops) for key, ops in paths.items()}
     assert sum(len(p.boxes) for p in sent.values()) == sum(
-        len({layout.owner("d", r) for r in op.receivers}) for op in transfer.ops)  # once per receiving worker
+        len({layout.owner("d", r) for r in op.receivers}) for op in transfer.ops
+    )  # once per receiving worker
     for slot in layout.of_mesh("d"):
         shards = unpack_shards(transfer, [p for (_, to), p in sent.items() if to == slot.name], slot.devices)
         assert set(shards) == set(slot.devices)

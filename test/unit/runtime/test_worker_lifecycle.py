@@ -37,8 +37,9 @@ def mlp():
 def check_step(parallel, step, args):
     """One step through `parallel`, checked against one device's step; its outputs."""
     out = parallel(*args)
-    assert_step_close(jax.tree_util.tree_leaves(out), step.jitted_step(*args), args[0], rtol=RTOL,
-                      update_max_rtol=UPDATE_MAX_RTOL)
+    assert_step_close(
+        jax.tree_util.tree_leaves(out), step.jitted_step(*args), args[0], rtol=RTOL, update_max_rtol=UPDATE_MAX_RTOL
+    )
     return out
 
 
@@ -74,12 +75,16 @@ def test_what_can_never_be_placed():
     assert unplaceable([{"CPU": 0.01}], "PACK", []) == "the Ray cluster has no alive node"
     assert unplaceable([{"GPU": 4.0}], "PACK", [two_gpus, two_gpus]) == "no node can hold host 0's workers ({GPU: 4})"
     assert unplaceable([{"GPU": 2.0}] * 2, "PACK", [two_gpus]) == "they need 4 GPU in all, the Ray cluster has 2"
-    assert unplaceable([{"CPU": 0.01}] * 2, "STRICT_SPREAD", [two_gpus]) == \
-        "2 hosts need 2 distinct nodes, the Ray cluster has 1"
+    assert (
+        unplaceable([{"CPU": 0.01}] * 2, "STRICT_SPREAD", [two_gpus])
+        == "2 hosts need 2 distinct nodes, the Ray cluster has 1"
+    )
     # A greedy choice (host 0 on the first node that fits) would fail; a matching does not.
     assert unplaceable([{"GPU": 1.0}, {"GPU": 2.0}], "STRICT_SPREAD", [two_gpus, one_gpu]) is None
-    assert unplaceable([{"GPU": 2.0}, {"GPU": 2.0}], "STRICT_SPREAD", [{"GPU": 4.0}, one_gpu, one_gpu]) == \
-        "no 2 distinct nodes can hold one host's workers each"
+    assert (
+        unplaceable([{"GPU": 2.0}, {"GPU": 2.0}], "STRICT_SPREAD", [{"GPU": 4.0}, one_gpu, one_gpu])
+        == "no 2 distinct nodes can hold one host's workers each"
+    )
     assert unplaceable([{"GPU": 2.0}, {"GPU": 2.0}], "PACK", [{"GPU": 4.0}, one_gpu]) is None
 
 
@@ -90,10 +95,17 @@ def test_functions_share_the_machine_and_close_gives_back(ray_cluster):
     """Three functions (5 workers on a cluster of 4 CPUs) run, one closes, the others run on."""
     step, args = mlp()
     before = ray.available_resources()
-    pipelined = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(2, 4), num_microbatches=2,
-                                   schedule="1f1b", batch_argnums=(2,), verbose=False)
-    one_mesh = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", runtime="ray",
-                                  verbose=False)
+    pipelined = hlopar.parallelize(
+        step.step,
+        cluster=hlopar.Cluster.local(2, 4),
+        num_microbatches=2,
+        schedule="1f1b",
+        batch_argnums=(2,),
+        verbose=False,
+    )
+    one_mesh = hlopar.parallelize(
+        step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", runtime="ray", verbose=False
+    )
     across = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(2, 4), method="shard", verbose=False)
     functions = (pipelined, one_mesh, across)
     try:
@@ -116,8 +128,9 @@ def test_functions_share_the_machine_and_close_gives_back(ray_cluster):
 def test_a_with_block_and_garbage_collection_give_back(ray_cluster):
     step, args = mlp()
     before = ray.available_resources()
-    with hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", runtime="ray",
-                            verbose=False) as f:
+    with hlopar.parallelize(
+        step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", runtime="ray", verbose=False
+    ) as f:
         check_step(f, step, args)
         wait_until_held(before, WORKER_CPUS)
         runtime = f.runtime
@@ -134,18 +147,30 @@ def test_a_with_block_and_garbage_collection_give_back(ray_cluster):
     wait_until_held(before, 0.0)
 
 
-@pytest.mark.parametrize("kind, hosts, message", [
-    ("gpu", 1, r"Ray can never place the workers: they need 8 GPU in all, the Ray cluster has 0\. "
-               r"Asked: host 0: \{CPU: 0\.01, GPU: 8\} for m0 \(8 gpu devices\) \(STRICT_SPREAD: 1 distinct nodes, "
-               r"one per host\); the cluster has 1 node\(s\): \{CPU: 4, GPU: 0\}"),
-    ("cpu", 2, r"Ray can never place the workers: 2 hosts need 2 distinct nodes, the Ray cluster has 1\. "
-               r"Asked: host 0: \{CPU: 0\.01\} for m0@0 \(4 cpu devices\); host 1: \{CPU: 0\.01\} for m0@1 "
-               r"\(4 cpu devices\) \(STRICT_SPREAD: 2 distinct nodes, one per host\); the cluster has 1 node"),
-])
+@pytest.mark.parametrize(
+    "kind, hosts, message",
+    [
+        (
+            "gpu",
+            1,
+            r"Ray can never place the workers: they need 8 GPU in all, the Ray cluster has 0\. "
+            r"Asked: host 0: \{CPU: 0\.01, GPU: 8\} for m0 \(8 gpu devices\) \(STRICT_SPREAD: 1 distinct nodes, "
+            r"one per host\); the cluster has 1 node\(s\): \{CPU: 4, GPU: 0\}",
+        ),
+        (
+            "cpu",
+            2,
+            r"Ray can never place the workers: 2 hosts need 2 distinct nodes, the Ray cluster has 1\. "
+            r"Asked: host 0: \{CPU: 0\.01\} for m0@0 \(4 cpu devices\); host 1: \{CPU: 0\.01\} for m0@1 "
+            r"\(4 cpu devices\) \(STRICT_SPREAD: 2 distinct nodes, one per host\); the cluster has 1 node",
+        ),
+    ],
+)
 def test_an_impossible_cluster_is_refused_at_once(ray_cluster, kind, hosts, message):
     step, args = mlp()
-    cluster = hlopar.Cluster(address=ray_cluster.address, num_hosts=hosts, devices_per_host=8 // hosts,
-                             device_kind=kind)
+    cluster = hlopar.Cluster(
+        address=ray_cluster.address, num_hosts=hosts, devices_per_host=8 // hosts, device_kind=kind
+    )
     f = hlopar.parallelize(step.step, cluster=cluster, method="shard", verbose=False)
     f.plan(*args)  # planned and cached: the call below times lowering, the cache and placement
     clock = time.monotonic()
@@ -159,14 +184,18 @@ def test_what_could_become_free_is_waited_for_a_bounded_time(ray_cluster):
     step, args = mlp()
     hog = ray.util.placement_group([{"CPU": ray.cluster_resources()["CPU"]}])
     ray.get(hog.ready(), timeout=30)
-    f = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", runtime="ray", timeout=3,
-                           verbose=False)
+    f = hlopar.parallelize(
+        step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", runtime="ray", timeout=3, verbose=False
+    )
     try:
         f.plan(*args)
         clock = time.monotonic()
-        with pytest.raises(WorkerError, match=r"Ray could not place the workers in 3 s: asked host 0: \{CPU: 0\.01\} "
-                                              r"for m0 \(8 cpu devices\) \(PACK: on any nodes\); the cluster has "
-                                              r"\{CPU: 4\}, of which \{CPU: 0\} is free .*close\(\)"):
+        with pytest.raises(
+            WorkerError,
+            match=r"Ray could not place the workers in 3 s: asked host 0: \{CPU: 0\.01\} "
+            r"for m0 \(8 cpu devices\) \(PACK: on any nodes\); the cluster has "
+            r"\{CPU: 4\}, of which \{CPU: 0\} is free .*close\(\)",
+        ):
             f(*args)
         assert 3 <= time.monotonic() - clock < 10
     finally:

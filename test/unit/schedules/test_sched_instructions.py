@@ -10,7 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hlopar.codegen.schedules import (
-    ACCUMULATE, FREE, RECV, RUN, SCHEDULES, SEND, UPDATE, Edge, Instruction, PipelineStreams, PipelineTopology,
+    ACCUMULATE,
+    FREE,
+    RECV,
+    RUN,
+    SCHEDULES,
+    SEND,
+    UPDATE,
+    Edge,
+    Instruction,
+    PipelineStreams,
+    PipelineTopology,
     build_streams,
 )
 
@@ -18,8 +28,12 @@ from hlopar.codegen.schedules import (
 @st.composite
 def topologies(draw, max_stages=5):
     stages = draw(st.integers(1, max_stages))
-    skips = [Edge(i, j, draw(st.integers(0, 3)) * 1000) for i in range(stages) for j in range(i + 2, stages)
-             if draw(st.booleans())]
+    skips = [
+        Edge(i, j, draw(st.integers(0, 3)) * 1000)
+        for i in range(stages)
+        for j in range(i + 2, stages)
+        if draw(st.booleans())
+    ]
     chain = [draw(st.integers(0, 5)) * 1000 for _ in range(stages - 1)]
     stash = [draw(st.integers(0, 9)) * 100 for _ in range(stages)]
     topo = PipelineTopology.chain(stages, chain, stash, skips=skips)
@@ -29,7 +43,9 @@ def topologies(draw, max_stages=5):
 def test_text_of_a_small_pipeline():
     topo = PipelineTopology.chain(2, 4_000_000, activation_bytes=10_000_000)
     text = str(build_streams(topo, "1f1b", 1))
-    assert text == """\
+    assert (
+        text
+        == """\
 # schedule 1f1b, 2 meshes, 1 microbatch
 mesh m1 (stage 0)
   m1:0  RUN F mb=0
@@ -52,6 +68,7 @@ mesh m2 (stage 1)
   m2:7  FREE act.0<-m1 (3.8 MiB)  after m2:2
   m2:8  UPDATE  after m2:5
 """
+    )
 
 
 def test_skip_edges_and_weight_split():
@@ -60,8 +77,13 @@ def test_skip_edges_and_weight_split():
     assert [(e.src, e.dst, e.nbytes) for e in topo.edges] == [(0, 1, 100), (1, 2, 400), (2, 3, 100), (0, 3, 700)]
     streams = build_streams(topo, "eager-1f1b-wd", 2)
     m1 = [i.describe() for i in streams["m1"]]
-    assert m1[:5] == ["RUN F mb=0", "SEND act mb=0 -> m2 (100 B)", "FREE act.0->m2 (100 B)",
-                      "SEND act mb=0 -> m4 (700 B)", "FREE act.0->m4 (700 B)"]
+    assert m1[:5] == [
+        "RUN F mb=0",
+        "SEND act mb=0 -> m2 (100 B)",
+        "FREE act.0->m2 (100 B)",
+        "SEND act mb=0 -> m4 (700 B)",
+        "FREE act.0->m4 (700 B)",
+    ]
     assert "RECV grad mb=0 <- m4 (700 B)" in m1
     by_id = streams.by_id()
     stash_free = next(i for i in streams["m2"] if i.op == FREE and i.buffer == "stash.0")
@@ -104,13 +126,19 @@ def test_stream_structure(topo, micro, name):
         for pos, inst in enumerate(insts):
             if inst.op == SEND:
                 (run,) = inst.deps
-                between = insts[[i.id for i in insts].index(run) + 1:pos]
+                between = insts[[i.id for i in insts].index(run) + 1 : pos]
                 assert by_id[run].op == RUN and all(i.op in (SEND, FREE) for i in between)
             if inst.op == RECV:
                 (send,) = inst.deps
                 peer = by_id[send]
                 assert (peer.op, peer.mesh, peer.peer, peer.kind, peer.microbatch, peer.nbytes) == (
-                    SEND, inst.peer, stream.mesh, inst.kind, inst.microbatch, inst.nbytes)
+                    SEND,
+                    inst.peer,
+                    stream.mesh,
+                    inst.kind,
+                    inst.microbatch,
+                    inst.nbytes,
+                )
         # Every buffer is allocated once and freed once, after every instruction that reads it.
         allocated = Counter(name for i in insts for name, _ in i.allocates)
         freed = Counter(i.buffer for i in insts if i.op == FREE)

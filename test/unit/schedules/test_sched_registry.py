@@ -51,8 +51,20 @@ def test_paper_figure_4_orders():
 
 def test_weight_delay_moves_w_later():
     later = dataclasses.replace(SCHEDULES["eager-1f1b-wd"], weight_delay=2)
-    assert [str(t) for t in later.stage_tasks(2, 1, 4)] == ["F0", "B0", "F1", "B1", "W0", "F2", "B2", "W1", "F3",
-                                                            "B3", "W2", "W3"]
+    assert [str(t) for t in later.stage_tasks(2, 1, 4)] == [
+        "F0",
+        "B0",
+        "F1",
+        "B1",
+        "W0",
+        "F2",
+        "B2",
+        "W1",
+        "F3",
+        "B3",
+        "W2",
+        "W3",
+    ]
 
 
 @settings(max_examples=60, deadline=None)

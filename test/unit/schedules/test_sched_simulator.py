@@ -10,8 +10,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hlopar.codegen.schedules import (
-    SCHEDULES, ZERO_COST, AlphaBeta, DeadlockError, Edge, HostComm, MeshStream, PipelineStreams,
-    PipelineTopology, StageCost, build_streams, signal, simulate,
+    SCHEDULES,
+    ZERO_COST,
+    AlphaBeta,
+    DeadlockError,
+    Edge,
+    HostComm,
+    MeshStream,
+    PipelineStreams,
+    PipelineTopology,
+    StageCost,
+    build_streams,
+    signal,
+    simulate,
 )
 
 
@@ -19,8 +30,12 @@ from hlopar.codegen.schedules import (
 def pipelines(draw, max_stages=5, max_micro=10):
     stages = draw(st.integers(1, max_stages))
     micro = draw(st.integers(1, max_micro))
-    skips = [Edge(i, j, draw(st.integers(1, 4)) * 10**6) for i in range(stages) for j in range(i + 2, stages)
-             if draw(st.booleans())]
+    skips = [
+        Edge(i, j, draw(st.integers(1, 4)) * 10**6)
+        for i in range(stages)
+        for j in range(i + 2, stages)
+        if draw(st.booleans())
+    ]
     topo = PipelineTopology.chain(stages, draw(st.integers(0, 4)) * 10**6, 10**6, skips=skips)
     return topo, micro
 
@@ -69,8 +84,11 @@ def test_zero_communication_1f1b_equals_eager(pipeline, forward, backward):
 def u_shaped(draw):
     """A chain, with or without U-Net skips i -> S-1-i, and balanced stages."""
     stages, micro = draw(st.integers(1, 7)), draw(st.integers(1, 14))
-    skips = [Edge(i, stages - 1 - i, draw(st.integers(1, 8)) * 10**6) for i in range(stages // 2)
-             if stages - 1 - i > i + 1] if draw(st.booleans()) else []
+    skips = (
+        [Edge(i, stages - 1 - i, draw(st.integers(1, 8)) * 10**6) for i in range(stages // 2) if stages - 1 - i > i + 1]
+        if draw(st.booleans())
+        else []
+    )
     chain = [draw(st.integers(0, 5)) * 10**6 for _ in range(stages - 1)]
     return PipelineTopology.chain(stages, chain, skips=skips), micro
 
@@ -110,8 +128,11 @@ def test_bubble_and_memory_closed_forms():
     """Balanced, free communication: bubble (S-1)/(B+S-1); stage k stashes its warm-up forwards."""
     stages, micro, stash = 4, 8, 1000
     topo = PipelineTopology.chain(stages, 0, stash)
-    for name, warm in (("1f1b", lambda k: stages - k), ("eager-1f1b", lambda k: 2 * (stages - k) - 1),
-                       ("gpipe", lambda k: micro)):
+    for name, warm in (
+        ("1f1b", lambda k: stages - k),
+        ("eager-1f1b", lambda k: 2 * (stages - k) - 1),
+        ("gpipe", lambda k: micro),
+    ):
         result = simulate(build_streams(topo, name, micro), _uniform(stages), ZERO_COST)
         assert result.bubble_fraction == pytest.approx((stages - 1) / (micro + stages - 1))
         assert [result.peak_memory[m] for m in topo.meshes] == [min(micro, warm(k)) * stash for k in range(stages)]

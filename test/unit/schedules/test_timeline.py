@@ -9,8 +9,17 @@ import numpy as np
 import pytest
 
 from hlopar.codegen.schedules import (
-    SCHEDULES, AlphaBeta, Edge, PipelineTopology, StageCost, Timeline, build_streams, chrome_trace, draw_timeline,
-    simulate, write_chrome_trace,
+    SCHEDULES,
+    AlphaBeta,
+    Edge,
+    PipelineTopology,
+    StageCost,
+    Timeline,
+    build_streams,
+    chrome_trace,
+    draw_timeline,
+    simulate,
+    write_chrome_trace,
 )
 from hlopar.codegen.schedules.simulator import COMPUTE
 from hlopar.codegen.schedules.timeline import KINDS, SEND_LANE, Span, _unit
@@ -18,8 +27,11 @@ from hlopar.codegen.schedules.timeline import KINDS, SEND_LANE, Span, _unit
 
 def _result(schedule="eager-1f1b-wd", stages=3, microbatches=4):
     topo = PipelineTopology.chain(stages, 10**8, skips=[Edge(0, 2, 10**8)] if stages > 2 else [])
-    return simulate(build_streams(topo, SCHEDULES[schedule], microbatches),
-                    [StageCost(forward=1.0, backward=2.0) for _ in range(stages)], AlphaBeta(0.0, 10**9))
+    return simulate(
+        build_streams(topo, SCHEDULES[schedule], microbatches),
+        [StageCost(forward=1.0, backward=2.0) for _ in range(stages)],
+        AlphaBeta(0.0, 10**9),
+    )
 
 
 def test_timeline_of_simulation_keeps_every_compute_and_send_event():
@@ -29,8 +41,9 @@ def test_timeline_of_simulation_keeps_every_compute_and_send_event():
     compute = [e for e in result.events if e.stream == COMPUTE]
     sends = [e for e in result.events if e.op == "SEND"]
     assert len(timeline.spans) == len(compute) + len(sends)
-    assert sorted((s.mesh, s.start, s.end) for s in timeline.spans if s.lane == COMPUTE) == \
-        sorted((e.mesh, e.start, e.end) for e in compute)
+    assert sorted((s.mesh, s.start, s.end) for s in timeline.spans if s.lane == COMPUTE) == sorted(
+        (e.mesh, e.start, e.end) for e in compute
+    )
     assert {s.kind for s in timeline.spans if s.lane == COMPUTE} == {"F", "B", "W", "other"}
     assert {s.kind for s in timeline.spans if s.lane == SEND_LANE} == {"act", "grad"}
     assert timeline.end == pytest.approx(result.iteration_time, rel=1e-12)
@@ -61,15 +74,16 @@ def test_chrome_trace_format():
 
 def test_drawn_png_shows_only_what_is_drawn(tmp_path):
     # Two meshes, forward and backward only, no sends: the legend may not name W or sends.
-    timeline = Timeline("two spans", ("a", "b"), (Span("a", COMPUTE, "F", 0.0, 1e-3, 0),
-                                                 Span("b", COMPUTE, "B", 1e-3, 3e-3, 0)))
+    timeline = Timeline(
+        "two spans", ("a", "b"), (Span("a", COMPUTE, "F", 0.0, 1e-3, 0), Span("b", COMPUTE, "B", 1e-3, 3e-3, 0))
+    )
     path = draw_timeline(timeline, tmp_path / "t.png", width_inches=6)
     image = matplotlib.image.imread(path)
     assert image.shape[1] == 600 and image.shape[0] == int((1.4 + 0.75 * 2) * 100)
     rgb = (image[..., :3] * 255).round().astype(int)
 
     def has(color: str) -> bool:
-        target = [int(color[k:k + 2], 16) for k in (1, 3, 5)]
+        target = [int(color[k : k + 2], 16) for k in (1, 3, 5)]
         return bool((np.abs(rgb - target).sum(axis=2) == 0).any())
 
     assert has(KINDS["F"][1]) and has(KINDS["B"][1])

@@ -186,7 +186,7 @@ def _reference(flops, values, num_layers, cap):
         return sum(b for p, readers, b in values if p < i and any(i <= r <= k for r in readers))
 
     def fits(i, k):
-        return sum(flops[i:k + 1]) <= cap
+        return sum(flops[i : k + 1]) <= cap
 
     inf = float("inf")
     best = [[inf] * (num_ops + 1) for _ in range(num_layers + 1)]
@@ -199,8 +199,14 @@ def _reference(flops, values, num_layers, cap):
     squares[0][0] = 0
     for r in range(1, num_layers + 1):
         for n in range(1, num_ops + 1):
-            squares[r][n] = min((squares[r - 1][i] + sum(flops[i:n]) ** 2 for i in range(n)
-                                 if fits(i, n - 1) and inputs(i, n - 1) <= target), default=inf)
+            squares[r][n] = min(
+                (
+                    squares[r - 1][i] + sum(flops[i:n]) ** 2
+                    for i in range(n)
+                    if fits(i, n - 1) and inputs(i, n - 1) <= target
+                ),
+                default=inf,
+            )
     return target, squares[num_layers][num_ops]
 
 

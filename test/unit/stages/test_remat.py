@@ -13,26 +13,56 @@ from hlopar.analysis.stages.stage_dp import stage_dp
 GIB = 2.0**30
 
 
-def arrays(G: int = 1, L: int = 2, *, latency=1.0, fixed=0.1, state=1.0, gradient=1.0, activation=8.0,
-           forward=0.3, forward_fixed=0.05, inputs=0.5, updated=0.0, temporary=0.0) -> LayerArrays:
+def arrays(
+    G: int = 1,
+    L: int = 2,
+    *,
+    latency=1.0,
+    fixed=0.1,
+    state=1.0,
+    gradient=1.0,
+    activation=8.0,
+    forward=0.3,
+    forward_fixed=0.05,
+    inputs=0.5,
+    updated=0.0,
+    temporary=0.0,
+) -> LayerArrays:
     """Hand-made per-layer numbers (bytes in GiB), every layer alike (`temporary` may also be
     one per layer); layer l reads `inputs` GiB per step from layer l-1."""
     full = lambda x: np.broadcast_to(np.asarray(x, dtype=float), (G, L)).copy()  # noqa: E731
     pairs = np.zeros((G, L, L))
     for a in range(L - 1):
         pairs[:, a, a + 1] = inputs * GIB
-    return LayerArrays(latency=full(latency), fixed_latency=full(fixed), state_bytes=full(state * GIB),
-                       gradient_bytes=full(gradient * GIB), activation_bytes=full(activation * GIB),
-                       updated_state_bytes=full(updated * GIB), temporary_bytes=full(np.multiply(temporary, GIB)),
-                       resharding=np.zeros((G, L, L)), forward_latency=full(forward),
-                       forward_fixed_latency=full(forward_fixed), input_bytes=pairs)
+    return LayerArrays(
+        latency=full(latency),
+        fixed_latency=full(fixed),
+        state_bytes=full(state * GIB),
+        gradient_bytes=full(gradient * GIB),
+        activation_bytes=full(activation * GIB),
+        updated_state_bytes=full(updated * GIB),
+        temporary_bytes=full(np.multiply(temporary, GIB)),
+        resharding=np.zeros((G, L, L)),
+        forward_latency=full(forward),
+        forward_fixed_latency=full(forward_fixed),
+        input_bytes=pairs,
+    )
 
 
 def table(layers: LayerArrays, *, B: int, memory_gib: float, remat: str, meshes=((0,),), flight=lambda s: s):
     L = layers.latency.shape[1]
-    return span_table(layers, np.zeros((L, L)), [list(m) for m in meshes], lambda b, n: 0.0, [1] * len(meshes),
-                      microbatches=B, in_flight=flight, memory_per_device=memory_gib * GIB, max_stages=L,
-                      remat=remat)
+    return span_table(
+        layers,
+        np.zeros((L, L)),
+        [list(m) for m in meshes],
+        lambda b, n: 0.0,
+        [1] * len(meshes),
+        microbatches=B,
+        in_flight=flight,
+        memory_per_device=memory_gib * GIB,
+        max_stages=L,
+        remat=remat,
+    )
 
 
 def test_memory_and_latency_of_every_option_exactly():
@@ -54,16 +84,18 @@ def test_memory_and_latency_of_every_option_exactly():
                 # microbatch in flight.
                 assert forced.latency[i, j, 0, s - 1] == pytest.approx(t + n * (0.05 + 0.25 / B), rel=1e-12)
                 inputs = 0.5 if i > 0 else 0.0
-                assert forced.memory[i, j, 0, s - 1] == pytest.approx((2 * n + 8 * n / B + inputs / B * s) * GIB,
-                                                                      rel=1e-12)
+                assert forced.memory[i, j, 0, s - 1] == pytest.approx(
+                    (2 * n + 8 * n / B + inputs / B * s) * GIB, rel=1e-12
+                )
                 assert forced.remat[i, j, 0, s - 1] and not forced.per_layer[i, j, 0, s - 1]
                 # Per layer: the largest layer's activations of one microbatch, and every
                 # boundary the span's layers read (from before i, and between its own) per
                 # microbatch in flight; the same latency.
                 boundaries = inputs + 0.5 * (n - 1)
                 assert per_layer.latency[i, j, 0, s - 1] == forced.latency[i, j, 0, s - 1]
-                assert per_layer.memory[i, j, 0, s - 1] == pytest.approx((2 * n + 8 / B + boundaries / B * s) * GIB,
-                                                                         rel=1e-12)
+                assert per_layer.memory[i, j, 0, s - 1] == pytest.approx(
+                    (2 * n + 8 / B + boundaries / B * s) * GIB, rel=1e-12
+                )
                 assert per_layer.remat[i, j, 0, s - 1] and per_layer.per_layer[i, j, 0, s - 1]
 
 
@@ -81,7 +113,7 @@ def test_memory_is_the_larger_of_the_update_and_the_forward_backward_phase():
         for i in range(3):
             for j in range(i, 3):
                 n = j - i + 1
-                most = sum(temporaries[i:j + 1]) / B
+                most = sum(temporaries[i : j + 1]) / B
                 update = 2 * n + updated * n
                 inputs = 0.5 if i > 0 else 0.0
                 for s in (1, 2, 3):
@@ -141,8 +173,17 @@ def test_auto_rematerializes_on_a_faster_mesh_when_it_beats_the_slower_one_that_
 def test_the_dp_takes_the_larger_microbatch_that_only_rematerialized_stages_fit():
     """Per microbatch a fixed 1 ms overhead: 8 microbatches cost 8 ms of it, 2 only 2 ms, but
     2 microbatches stash 4x the activations each; rematerialized, they fit and win."""
-    layers = arrays(L=2, latency=0.008, fixed=0.001, forward=0.002, forward_fixed=0.0, state=1.0, gradient=0.0,
-                    activation=16.0, inputs=0.25)
+    layers = arrays(
+        L=2,
+        latency=0.008,
+        fixed=0.001,
+        forward=0.002,
+        forward_fixed=0.0,
+        state=1.0,
+        gradient=0.0,
+        activation=16.0,
+        inputs=0.25,
+    )
     plans = {}
     for mode in ("never", "auto"):
         for B in (2, 8):

@@ -32,8 +32,17 @@ def test_span_table_equals_direct_sums_and_keeps_the_best_fitting_mesh():
     memory = 60.0
     in_flight = lambda s: min(2 * s - 1, B)  # eager-1F1B
     transfer = lambda nbytes, devices: 0.01 + nbytes / (1000.0 * devices)
-    table = span_table(layers, received, meshes_of_submesh, transfer, sizes, microbatches=B,
-                       in_flight=in_flight, memory_per_device=memory, max_stages=S)
+    table = span_table(
+        layers,
+        received,
+        meshes_of_submesh,
+        transfer,
+        sizes,
+        microbatches=B,
+        in_flight=in_flight,
+        memory_per_device=memory,
+        max_stages=S,
+    )
     for i in range(L):
         for j in range(L):
             for m, meshes in enumerate(meshes_of_submesh):
@@ -42,7 +51,10 @@ def test_span_table_equals_direct_sums_and_keeps_the_best_fitting_mesh():
                     if j >= i:
                         span = range(i, j + 1)
                         for g in meshes:
-                            t = sum(layers.fixed_latency[g, l] + (layers.latency[g, l] - layers.fixed_latency[g, l]) / B for l in span)
+                            t = sum(
+                                layers.fixed_latency[g, l] + (layers.latency[g, l] - layers.fixed_latency[g, l]) / B
+                                for l in span
+                            )
                             t += sum(layers.resharding[g, a, b] for a in span for b in span if a < b) / B
                             inbound = sum(received[a, b] for a in range(L) for b in span if a not in span)
                             t += (transfer(inbound, sizes[m]) if inbound > 0 else 0.0) / B
@@ -54,7 +66,9 @@ def test_span_table_equals_direct_sums_and_keeps_the_best_fitting_mesh():
                             need = max(running, updating)
                             if need <= memory and t < best:
                                 best, best_g, best_need = t, g, need
-                    assert np.isclose(table.latency[i, j, m, s - 1], best) or (np.isinf(best) and np.isinf(table.latency[i, j, m, s - 1]))
+                    assert np.isclose(table.latency[i, j, m, s - 1], best) or (
+                        np.isinf(best) and np.isinf(table.latency[i, j, m, s - 1])
+                    )
                     assert table.mesh[i, j, m, s - 1] == best_g
                     assert np.isclose(table.memory[i, j, m, s - 1], best_need) or np.isinf(best_need)
 
@@ -62,8 +76,17 @@ def test_span_table_equals_direct_sums_and_keeps_the_best_fitting_mesh():
 def test_more_stages_after_a_stage_never_make_it_fit_better():
     rng = np.random.default_rng(1)
     layers = _random_layers(rng, 2, 6)
-    table = span_table(layers, np.zeros((6, 6)), [[0, 1]], lambda b, d: 0.0, [2], microbatches=8,
-                       in_flight=lambda s: min(s, 8), memory_per_device=40.0, max_stages=6)
+    table = span_table(
+        layers,
+        np.zeros((6, 6)),
+        [[0, 1]],
+        lambda b, d: 0.0,
+        [2],
+        microbatches=8,
+        in_flight=lambda s: min(s, 8),
+        memory_per_device=40.0,
+        max_stages=6,
+    )
     feasible = np.isfinite(table.latency[:, :, 0, :])
     # Feasible with s stages after implies feasible with fewer (1F1B stashes fewer microbatches).
     assert not (feasible[:, :, 1:] & ~feasible[:, :, :-1]).any()

@@ -31,8 +31,11 @@ def _check_plan(plan, table, sizes, devices, microbatches):
     times = []
     for k, stage in enumerate(stages):
         s = len(stages) - k
-        value = table[stage.start_layer, stage.end_layer, stage.submesh_index, s - 1] if depth else \
-            table[stage.start_layer, stage.end_layer, stage.submesh_index]
+        value = (
+            table[stage.start_layer, stage.end_layer, stage.submesh_index, s - 1]
+            if depth
+            else table[stage.start_layer, stage.end_layer, stage.submesh_index]
+        )
         assert value == stage.latency
         times.append(value)
     assert plan.t_max == max(times)
@@ -207,7 +210,7 @@ def gpt_like_table(layers=48, hosts=8, per_host=8, scaling=0.9, noise=0.3, seed=
     prefix = np.concatenate([[0.0], np.cumsum(0.02 * rng.uniform(1 - noise, 1 + noise, layers))])
     span = prefix[None, 1:] - prefix[:-1, None]
     length = np.arange(layers)[None, :] - np.arange(layers)[:, None] + 1
-    latency = np.where(length[:, :, None] >= 1, span[:, :, None] / sizes ** scaling + 0.001, np.inf)
+    latency = np.where(length[:, :, None] >= 1, span[:, :, None] / sizes**scaling + 0.001, np.inf)
     stages = np.arange(1, min(layers, hosts * per_host) + 1)
     need = length[:, :, None, None] * (1.0 + 0.05 * stages) / sizes[:, None]
     return np.where(need <= 6.0, latency[..., None], np.inf), sizes

@@ -42,11 +42,14 @@ def test_a_bias_gradient_follows_the_checkpoint_barrier_it_reads():
     """jax.checkpoint's barrier holds a block's inputs and the incoming cotangent; the bias
     gradient (a sum of that cotangent) was put with its bias, a layer above the barrier:
     it runs with the barrier instead."""
-    ops = [(F, [], 0), (F, [0], 1),  # the block, cut in two
-           (B, [1], 1),  # the cotangent, from the layer above
-           (B, [0, 2], 0),  # the barrier: the block's input and the cotangent
-           (B, [3], 1),  # the bias gradient, placed by its bias's layer
-           (U, [4], 1)]
+    ops = [
+        (F, [], 0),
+        (F, [0], 1),  # the block, cut in two
+        (B, [1], 1),  # the cotangent, from the layer above
+        (B, [0, 2], 0),  # the barrier: the block's input and the cotangent
+        (B, [3], 1),  # the bias gradient, placed by its bias's layer
+        (U, [4], 1),
+    ]
     assert repaired(ops) == [0, 1, 1, 0, 0, 1]
 
 
@@ -68,11 +71,16 @@ def test_values_computed_from_constants_follow_their_readers():
     """A causal mask recomputed after the forward (so clustered into the last layer) that the
     first layer's backward reads; a zero buffer shared by two layers' backward and an update
     (cse) placed with the update's layer 0."""
-    ops = [(F, [], 3),  # iota
-           (F, [0], 3),  # the mask, placed by program order
-           (B, [], 1), (B, [1, 2], 0),  # layer 0's backward reads the mask
-           (B, [], 0),  # zeros
-           (B, [4], 2), (B, [4, 5], 1), (U, [4, 6], 0)]  # (ops 5 and 6 read arguments too)
+    ops = [
+        (F, [], 3),  # iota
+        (F, [0], 3),  # the mask, placed by program order
+        (B, [], 1),
+        (B, [1, 2], 0),  # layer 0's backward reads the mask
+        (B, [], 0),  # zeros
+        (B, [4], 2),
+        (B, [4, 5], 1),
+        (U, [4, 6], 0),
+    ]  # (ops 5 and 6 read arguments too)
     assert repaired(ops, free={0, 1, 4}) == [0, 0, 1, 0, 2, 2, 1, 0]
 
 

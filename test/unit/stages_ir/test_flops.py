@@ -95,8 +95,10 @@ def test_lhs_dilated_convolution_skips_the_holes():
     # outputs reads positions (o-1, o); exactly one of each pair is a real element except
     # at o = 0 (pad, x0) and o = 7 (x3, pad), which still hit one element each: 8 taps.
     assert function_flops(graph) == [2 * 8]
-    assert _valid_taps(input_size=4, kernel_size=2, output_size=8, stride=1, padding_low=1,
-                       lhs_dilation=2, rhs_dilation=1) == 8
+    assert (
+        _valid_taps(input_size=4, kernel_size=2, output_size=8, stride=1, padding_low=1, lhs_dilation=2, rhs_dilation=1)
+        == 8
+    )
 
 
 def test_reductions_count_their_inputs_or_windows():
@@ -130,7 +132,13 @@ def test_elementwise_ops_count_result_elements_and_data_movement_counts_nothing(
         "%x: tensor<4x5xf32>",
     )
     assert flops_by_name(graph) == {
-        "exponential": 20, "add": 20, "transpose": 0, "reshape": 0, "broadcast_in_dim": 0, "slice": 0, "convert": 40,
+        "exponential": 20,
+        "add": 20,
+        "transpose": 0,
+        "reshape": 0,
+        "broadcast_in_dim": 0,
+        "slice": 0,
+        "convert": 40,
     }
 
 

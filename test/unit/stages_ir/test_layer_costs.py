@@ -76,7 +76,9 @@ def test_axes_that_divide_no_dimension_are_not_planned_twice():
             continue
         assert a.latency == pytest.approx(b.latency)
         assert [None if s is None else s.dims for s in a.arg_layouts] == [
-            None if s is None else tuple(tuple({"b": "y"}.get(n, n) for n in axes) for axes in s.dims) for s in b.arg_layouts]
+            None if s is None else tuple(tuple({"b": "y"}.get(n, n) for n in axes) for axes in s.dims)
+            for s in b.arg_layouts
+        ]
     keys = {plan_key(wide, layer_dims(layer)) != plan_key(narrow, layer_dims(layer)) for layer in layers}
     assert False in keys
     assert table.solved < 2 * len(layers)  # the second mesh costs no solve where keys agree

@@ -18,7 +18,8 @@ def _reference_restriction(problem, allowed):
         return tuple(seq[k] for k in allowed[v]) if v in allowed and seq else tuple(seq)
 
     return [(v, pick(v, node.costs), pick(v, node.memory)) for v, node in enumerate(problem.nodes)], [
-        (e.src, e.dst, tuple(pick(e.dst, row) for row in pick(e.src, e.costs))) for e in problem.edges]
+        (e.src, e.dst, tuple(pick(e.dst, row) for row in pick(e.src, e.costs))) for e in problem.edges
+    ]
 
 
 def test_restricted_problem_is_the_element_wise_restriction_and_shares_matrices():

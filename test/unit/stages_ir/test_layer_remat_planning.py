@@ -27,21 +27,26 @@ from hlopar.passes.rematerialize import RematerializePass
 
 @functools.cache
 def _text() -> str:
-    return train_step(GPTConfig(hidden_size=64, num_layers=2, num_heads=4, seq_len=64, vocab_size=128,
-                                batch_size=16)).lower()
+    return train_step(
+        GPTConfig(hidden_size=64, num_layers=2, num_heads=4, seq_len=64, vocab_size=128, batch_size=16)
+    ).lower()
 
 
 def _planned(memory: str, tmp_path) -> tuple[list[dict], object]:
     module = parse_module(_text())
     report = tmp_path / f"stages-{memory}.json"
-    Pipeline.parse("builtin.module(hlopar-import,hlopar-cluster-operators,hlopar-stage-construction{"
-                   f"num-hosts=2 devices-per-host=4 microbatches=2 remat=auto memory-per-device={memory} "
-                   f"report={report}}})", module.context).run(module, PassContext())
+    Pipeline.parse(
+        "builtin.module(hlopar-import,hlopar-cluster-operators,hlopar-stage-construction{"
+        f"num-hosts=2 devices-per-host=4 microbatches=2 remat=auto memory-per-device={memory} "
+        f"report={report}}})",
+        module.context,
+    ).run(module, PassContext())
     return json.loads(report.read_text())["stages"], module
 
 
-@pytest.mark.parametrize("memory,forms", [("4MiB", [None, None]), ("3MiB", ["stage", None]),
-                                          ("2500KiB", ["layers", "layers"])])
+@pytest.mark.parametrize(
+    "memory,forms", [("4MiB", [None, None]), ("3MiB", ["stage", None]), ("2500KiB", ["layers", "layers"])]
+)
 def test_auto_takes_per_layer_where_only_it_fits(tmp_path, memory, forms):
     stages, _ = _planned(memory, tmp_path)
     assert [s["layers"] for s in stages] == [[0, 1], [2, 4]]

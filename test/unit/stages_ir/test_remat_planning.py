@@ -43,8 +43,9 @@ def layer_plans(checkpointed: bool, shape: tuple[int, int] = (1, 2)):
         rules = {op.id: rule_of(op.mlir_op) for op in graph.walk()}
     mesh = logical_mesh(shape, ("x", "y"))
     layers = [graph.subgraph([op.index for op in graph.ops if layering.layers[op.index] == l]) for l in range(LAYERS)]
-    return module, [(plan_layer(layer, rules, layering.roles, mesh), kernel_counts(layer, layering.roles))
-                    for layer in layers]
+    return module, [
+        (plan_layer(layer, rules, layering.roles, mesh), kernel_counts(layer, layering.roles)) for layer in layers
+    ]
 
 
 def test_forward_share_and_kernels_of_a_layer():
@@ -86,14 +87,19 @@ def test_preset_overheads():
 def planned(remat: str, tmp_dir: str):
     module = parse_module(get_train_step("gpt", "tiny").lower())
     report = f"{tmp_dir}/stages-{remat}.json"
-    Pipeline.parse("builtin.module(hlopar-import,hlopar-cluster-operators,hlopar-stage-construction{"
-                   f"num-hosts=2 devices-per-host=4 microbatches=2 remat={remat} report={report}}})",
-                   module.context).run(module, PassContext())
+    Pipeline.parse(
+        "builtin.module(hlopar-import,hlopar-cluster-operators,hlopar-stage-construction{"
+        f"num-hosts=2 devices-per-host=4 microbatches=2 remat={remat} report={report}}})",
+        module.context,
+    ).run(module, PassContext())
     with open(report) as f:
         stages = json.load(f)["stages"]
     main = planned_functions(module)[0]
-    fragments = [(str(op.operation.attributes["origin"]), "hlopar.remat" in op.operation.attributes)
-                 for op in main.regions[0].blocks[0].operations if op.operation.name == "mpmd.fragment"]
+    fragments = [
+        (str(op.operation.attributes["origin"]), "hlopar.remat" in op.operation.attributes)
+        for op in main.regions[0].blocks[0].operations
+        if op.operation.name == "mpmd.fragment"
+    ]
     return stages, fragments
 
 

@@ -153,14 +153,20 @@ def _flat_roles(arg_order, result_order, debug_info):
     arg_name = [FLAT_ARGS[k] for k in arg_order]
     result_name = [FLAT_RESULTS[k] for k in result_order]
     counts = Counter(roles.roles[op.index] for op in graph.ops if op.name in MATMULS)
-    return (result_name[roles.loss_result],
-            sorted((arg_name[a], result_name[r]) for a, r in roles.state_pairs),
-            sorted(arg_name[i] for i in batch_arguments(graph, roles.state_pairs)),
-            counts)
+    return (
+        result_name[roles.loss_result],
+        sorted((arg_name[a], result_name[r]) for a, r in roles.state_pairs),
+        sorted(arg_name[i] for i in batch_arguments(graph, roles.state_pairs)),
+        counts,
+    )
 
 
-_FLAT_EXPECTED = ("loss", sorted((n, n) for n in FLAT_ARGS if n not in ("x", "y")), ["x", "y"],
-                  Counter({Role.FORWARD: 2, Role.BACKWARD: 3}))
+_FLAT_EXPECTED = (
+    "loss",
+    sorted((n, n) for n in FLAT_ARGS if n not in ("x", "y")),
+    ["x", "y"],
+    Counter({Role.FORWARD: 2, Role.BACKWARD: 3}),
+)
 
 
 @settings(max_examples=12, deadline=None, derandomize=True, phases=(Phase.explicit, Phase.generate))
@@ -174,6 +180,7 @@ def test_roles_do_not_depend_on_the_order_of_arguments_and_results(arg_order, re
 def test_state_pairs_of_an_optax_step_returning_the_loss_first():
     """`(loss, params, opt_state)` with Optax's nested state: each new value pairs with its
     own argument (by data flow, and JAX's pytree names where types tie)."""
+
     def model_loss(params, x, y):
         return jnp.mean((jnp.tanh(x @ params["a"]) @ params["b"] - y) ** 2)
 
@@ -193,7 +200,10 @@ def test_state_pairs_of_an_optax_step_returning_the_loss_first():
     pairs = {signature.arg_names[a]: signature.result_names[r] for a, r in roles.state_pairs}
     state_args = [n for n in signature.arg_names if not n.startswith("batch")]
     assert len(pairs) == len(state_args) == len(graph.results) - 1
-    for arg, result in pairs.items():  # params['a'] -> result[1]['a'], opt_state[1][0].mu['a'] -> result[2][1][0].mu['a']
+    for (
+        arg,
+        result,
+    ) in pairs.items():  # params['a'] -> result[1]['a'], opt_state[1][0].mu['a'] -> result[2][1][0].mu['a']
         root, _, rest = arg.partition("[") if arg.startswith("params") else arg.partition("state")
         expected = "result[1][" + rest if arg.startswith("params") else "result[2]" + rest
         assert result == expected, (arg, result)
@@ -203,6 +213,7 @@ def test_state_pairs_of_an_optax_step_returning_the_loss_first():
 def test_donation_pairs_state_outright():
     """`tf.aliasing_output` (a donated argument whose buffer JAX reuses) is the pair, even
     where data flow alone would choose otherwise (a result that is a copy of another)."""
+
     def swap(a, b):
         return b + 0.0, a * 1.0
 
@@ -217,11 +228,17 @@ def test_several_leading_dims_name_the_candidates():
     def step(w, x, z):
         return jnp.mean(x @ w) + jnp.mean(z @ w), w
 
-    args = (jax.ShapeDtypeStruct((4, 4), jnp.float32), jax.ShapeDtypeStruct((8, 4), jnp.float32),
-            jax.ShapeDtypeStruct((6, 4), jnp.float32))
+    args = (
+        jax.ShapeDtypeStruct((4, 4), jnp.float32),
+        jax.ShapeDtypeStruct((8, 4), jnp.float32),
+        jax.ShapeDtypeStruct((6, 4), jnp.float32),
+    )
     module, graph = imported(jax.jit(step).lower(*args).as_text(debug_info=True))
-    with pytest.raises(RolesError, match=r"leading dim 6: argument 2 \(z\); leading dim 8: argument 1 \(x\).*"
-                                         r"batch-args="):
+    with pytest.raises(
+        RolesError,
+        match=r"leading dim 6: argument 2 \(z\); leading dim 8: argument 1 \(x\).*"
+        r"batch-args=",
+    ):
         batch_arguments(graph, ((0, 1),))
 
 
@@ -256,7 +273,9 @@ def test_value_and_grad_without_optimizer():
     roles = classify(plain, loss_result=0)
     assert roles.loss_result == 0 and Role.UPDATE not in roles.roles
     assert Counter(roles.roles[op.index] for op in plain.ops if op.name in MATMULS) == {
-        Role.FORWARD: 3, Role.BACKWARD: 5}
+        Role.FORWARD: 3,
+        Role.BACKWARD: 5,
+    }
 
     _named_module, named = imported(grad_step.lower(params, batch).as_text(debug_info=True))
     assert classify(named).loss_result == 0  # `transpose(` in the name stacks gives it away
@@ -279,8 +298,10 @@ def test_global_norm_clipping_belongs_to_the_update():
     _module, graph = imported(jax.jit(clipped_step).lower(params, opt_state, batch).as_text())
     roles = classify(graph)
     squares = [
-        op.index for op in graph.ops
-        if op.name == "stablehlo.reduce" and graph.values[op.results[0]].shape == ()
+        op.index
+        for op in graph.ops
+        if op.name == "stablehlo.reduce"
+        and graph.values[op.results[0]].shape == ()
         and roles.roles[op.index] is not Role.FORWARD
     ]
     assert len(squares) == 6  # one sum of squares per gradient
@@ -288,7 +309,9 @@ def test_global_norm_clipping_belongs_to_the_update():
     assert len(roles.gradients) == 6
     assert all(roles.roles[graph.values[v].producer] is Role.BACKWARD for v in roles.gradients)
     assert Counter(roles.roles[op.index] for op in graph.ops if op.name in MATMULS) == {
-        Role.FORWARD: 3, Role.BACKWARD: 5}
+        Role.FORWARD: 3,
+        Role.BACKWARD: 5,
+    }
 
 
 def test_loss_result_out_of_range_is_an_error():
@@ -315,7 +338,9 @@ def mlp_layers() -> tuple[FuncGraph, TrainingRoles, tuple[int, ...]]:
 def test_mlp_backward_matmuls_follow_their_layer():
     graph, roles, layers = mlp_layers()
     kernels = [graph.values[graph.args[2 * k + 1]].shape for k in range(3)]  # params[k]['kernel']
-    backward_dots = [op for op in graph.ops if op.name == "stablehlo.dot_general" and roles.roles[op.index] is Role.BACKWARD]
+    backward_dots = [
+        op for op in graph.ops if op.name == "stablehlo.dot_general" and roles.roles[op.index] is Role.BACKWARD
+    ]
     weight_gradients = 0
     for op in backward_dots:
         shape = graph.values[op.results[0]].shape
