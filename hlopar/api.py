@@ -304,7 +304,7 @@ def plan_step(
     from hlopar.codegen.pipeline_program import ProgramError, pipeline_program
     from hlopar.ir.diagnostics import error_at
     from hlopar.ir.host_callbacks import host_callbacks as find_host_callbacks
-    from hlopar.codegen.schedules import get_schedule
+    from hlopar.analysis.schedules import get_schedule
     from hlopar.ir.module import parse_module
 
     if method not in METHODS:

@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hlopar.codegen.schedules import (  # noqa: E402
+from hlopar.analysis.schedules import (  # noqa: E402
     SCHEDULES,
     AlphaBeta,
     Edge,

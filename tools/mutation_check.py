@@ -118,7 +118,7 @@ MUTATIONS = (
     ),
     Mutation(
         "stash-freed-early",
-        "hlopar/codegen/schedules/instructions.py",
+        "hlopar/analysis/schedules/instructions.py",
         (
             (
                 '        self._free(f"stash.{m}", self.topology.activation_bytes[k], last)\n',

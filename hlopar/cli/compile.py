@@ -363,9 +363,9 @@ def in_cli_terms(message: str) -> str:
 
 
 def _compile(args: argparse.Namespace, staging: str) -> int:
+    from hlopar.analysis.schedules import get_schedule
     from hlopar.codegen.bundle import write_bundle
     from hlopar.codegen.pipeline_program import ProgramError, pipeline_program
-    from hlopar.codegen.schedules import get_schedule
     from hlopar.ir.diagnostics import Diagnostic, DiagnosticError, error_at
     from hlopar.ir.module import parse_module, print_module, read_source
     from hlopar.passes.auto_parallel import AutoParallelPass

@@ -30,9 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from hlopar.codegen.memory_check import check_memory
-from hlopar.codegen.pipeline_program import PipelineProgram
-from hlopar.codegen.schedules import (
+from hlopar.analysis.schedules import (
     AlphaBeta,
     MeshStream,
     PipelineStreams,
@@ -43,8 +41,10 @@ from hlopar.codegen.schedules import (
     simulate,
     write_chrome_trace,
 )
-from hlopar.codegen.schedules.instructions import Instruction
-from hlopar.codegen.schedules.tasks import WEIGHT
+from hlopar.analysis.schedules.instructions import Instruction
+from hlopar.analysis.schedules.tasks import WEIGHT
+from hlopar.codegen.memory_check import check_memory
+from hlopar.codegen.pipeline_program import PipelineProgram
 from hlopar.ir.module import print_module
 
 __all__ = ["PlannedComm", "read_streams", "simulation_summary", "stage_costs", "write_bundle"]

@@ -26,9 +26,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hlopar.analysis.fragment_memory import FragmentMemory, fragment_memory, io_tiles
+from hlopar.analysis.schedules import PipelineStreams
+from hlopar.analysis.schedules.instructions import FREE
 from hlopar.codegen.pipeline_program import BACKWARD, FORWARD, WEIGHT, PipelineProgram, ProgramFragment
-from hlopar.codegen.schedules import PipelineStreams
-from hlopar.codegen.schedules.instructions import FREE
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError
 from hlopar.units import format_bytes
 

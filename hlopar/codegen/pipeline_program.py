@@ -73,11 +73,11 @@ from jaxlib.mlir import ir
 
 from hlopar.analysis.flops import function_flops
 from hlopar.analysis.mpmd import MeshTensorType
+from hlopar.analysis.schedules import PipelineStreams, build_streams, get_schedule
+from hlopar.analysis.schedules.instructions import RECV, RUN, SEND, Instruction, MeshStream
+from hlopar.analysis.schedules.topology import Edge, PipelineTopology
 from hlopar.codegen.executables import accumulating_module, set_donation
 from hlopar.codegen.fragments import fragment_module, program_devices, program_topology
-from hlopar.codegen.schedules import PipelineStreams, build_streams, get_schedule
-from hlopar.codegen.schedules.instructions import RECV, RUN, SEND, Instruction, MeshStream
-from hlopar.codegen.schedules.topology import Edge, PipelineTopology
 from hlopar.codegen.transfers import CONTAINER, PlannedTransfer, planned_transfer
 from hlopar.codegen.weight_split import split_module
 from hlopar.ir.diagnostics import SourceLocation, source_location

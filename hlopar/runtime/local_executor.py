@@ -34,6 +34,7 @@ import jax
 import numpy as np
 from jaxlib.mlir import ir
 
+from hlopar.analysis.schedules import FREE, RECV, RUN, SEND, PipelineStreams, get_schedule
 from hlopar.codegen.executables import DeviceExecutable, accumulating_module, compile_executable
 from hlopar.codegen.pipeline_program import (
     UPDATE,
@@ -42,7 +43,6 @@ from hlopar.codegen.pipeline_program import (
     ProgramTransfer,
     pipeline_program,
 )
-from hlopar.codegen.schedules import FREE, RECV, RUN, SEND, PipelineStreams, get_schedule
 from hlopar.passes.base import PassContext
 from hlopar.passes.split_microbatches import SplitMicrobatchesPass, read_split, split_step
 from hlopar.runtime.fragment_calls import Placements, free_stash, run_fragment

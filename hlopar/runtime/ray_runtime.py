@@ -64,10 +64,10 @@ from pathlib import Path
 
 import numpy as np
 
+from hlopar.analysis.schedules import FREE, RECV, RUN, SEND, PipelineStreams
+from hlopar.analysis.schedules.instructions import MeshStream
+from hlopar.analysis.schedules.timeline import COMPUTE, KINDS, SEND_LANE, Span, Timeline
 from hlopar.codegen.pipeline_program import UPDATE, PipelineProgram, ProgramFragment, ProgramTransfer
-from hlopar.codegen.schedules import FREE, RECV, RUN, SEND, PipelineStreams
-from hlopar.codegen.schedules.instructions import MeshStream
-from hlopar.codegen.schedules.timeline import COMPUTE, KINDS, SEND_LANE, Span, Timeline
 from hlopar.runtime.mesh_processes import (
     Pieces,
     WorkerLayout,

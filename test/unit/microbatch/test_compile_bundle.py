@@ -16,9 +16,9 @@ import jax
 import pytest
 from microbatch_steps import compare, step_data
 
+from hlopar.analysis.schedules import RUN, SEND, get_schedule
 from hlopar.codegen.bundle import read_streams
 from hlopar.codegen.pipeline_program import pipeline_program
-from hlopar.codegen.schedules import RUN, SEND, get_schedule
 from hlopar.codegen.spmd import compile_spmd
 from hlopar.ir.module import parse_module
 from hlopar.models import get_train_step

@@ -9,8 +9,8 @@ import functools
 import pytest
 from microbatch_steps import compare, run_pipeline, step_data
 
+from hlopar.analysis.schedules import ACCUMULATE, FREE, RUN, get_schedule
 from hlopar.codegen.pipeline_program import BACKWARD, FORWARD, WEIGHT, pipeline_program
-from hlopar.codegen.schedules import ACCUMULATE, FREE, RUN, get_schedule
 from hlopar.runtime.local_executor import PipelinedStep
 
 SCHEDULES = ["gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd"]

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from numerics import assert_step_close
 
+from hlopar.analysis.schedules import StageCost, simulate
 from hlopar.codegen.pipeline_program import pipeline_program
-from hlopar.codegen.schedules import StageCost, simulate
 from hlopar.ir.module import parse_module, print_module
 from hlopar.models import get_train_step
 from hlopar.passes.base import PassContext

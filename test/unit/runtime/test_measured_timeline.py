@@ -9,9 +9,9 @@ import jax
 import pytest
 
 import hlopar
-from hlopar.codegen.schedules import RUN, SEND, draw_timeline, write_chrome_trace
-from hlopar.codegen.schedules.simulator import COMPUTE
-from hlopar.codegen.schedules.timeline import SEND_LANE
+from hlopar.analysis.schedules import RUN, SEND, draw_timeline, write_chrome_trace
+from hlopar.analysis.schedules.simulator import COMPUTE
+from hlopar.analysis.schedules.timeline import SEND_LANE
 from hlopar.models import get_train_step
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hlopar.codegen.schedules import build_streams, signal, simulate
+from hlopar.analysis.schedules import build_streams, signal, simulate
 
 BENCH = Path(__file__).resolve().parents[3] / "tools" / "bench_schedules.py"
 

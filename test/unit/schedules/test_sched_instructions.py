@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hlopar.codegen.schedules import (
+from hlopar.analysis.schedules import (
     ACCUMULATE,
     FREE,
     RECV,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hlopar.codegen.schedules import SCHEDULES, Schedule, Task, UnknownScheduleError, get_schedule, max_in_flight
+from hlopar.analysis.schedules import SCHEDULES, Schedule, Task, UnknownScheduleError, get_schedule, max_in_flight
 
 SHAPES = st.tuples(st.integers(1, 9), st.integers(1, 30))
 

@@ -8,7 +8,7 @@ import matplotlib.image
 import numpy as np
 import pytest
 
-from hlopar.codegen.schedules import (
+from hlopar.analysis.schedules import (
     SCHEDULES,
     AlphaBeta,
     Edge,
@@ -21,8 +21,8 @@ from hlopar.codegen.schedules import (
     simulate,
     write_chrome_trace,
 )
-from hlopar.codegen.schedules.simulator import COMPUTE
-from hlopar.codegen.schedules.timeline import KINDS, SEND_LANE, Span, _unit
+from hlopar.analysis.schedules.simulator import COMPUTE
+from hlopar.analysis.schedules.timeline import KINDS, SEND_LANE, Span, _unit
 
 
 def _result(schedule="eager-1f1b-wd", stages=3, microbatches=4):

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from hlopar.codegen.schedules.tasks import BACKWARD, FORWARD, WEIGHT
+from hlopar.analysis.schedules.tasks import BACKWARD, FORWARD, WEIGHT
 
 __all__ = ["StageCost", "CommModel", "AlphaBeta", "HostComm", "FunctionComm", "ZERO_COST", "signal", "as_comm_model"]
 

@@ -19,9 +19,9 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from hlopar.codegen.schedules.registry import get_schedule
-from hlopar.codegen.schedules.tasks import BACKWARD, FORWARD, WEIGHT, Schedule
-from hlopar.codegen.schedules.topology import PipelineTopology
+from hlopar.analysis.schedules.registry import get_schedule
+from hlopar.analysis.schedules.tasks import BACKWARD, FORWARD, WEIGHT, Schedule
+from hlopar.analysis.schedules.topology import PipelineTopology
 from hlopar.units import format_bytes
 
 __all__ = [

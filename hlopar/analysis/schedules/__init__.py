@@ -7,8 +7,8 @@ instruction streams; `simulate` runs them against stage costs and a communicatio
 for Perfetto.
 """
 
-from hlopar.codegen.schedules.costs import ZERO_COST, AlphaBeta, HostComm, StageCost, signal
-from hlopar.codegen.schedules.instructions import (
+from hlopar.analysis.schedules.costs import ZERO_COST, AlphaBeta, HostComm, StageCost, signal
+from hlopar.analysis.schedules.instructions import (
     ACCUMULATE,
     FREE,
     RECV,
@@ -20,11 +20,11 @@ from hlopar.codegen.schedules.instructions import (
     PipelineStreams,
     build_streams,
 )
-from hlopar.codegen.schedules.registry import SCHEDULES, UnknownScheduleError, get_schedule
-from hlopar.codegen.schedules.simulator import DeadlockError, Event, SimResult, simulate
-from hlopar.codegen.schedules.tasks import Schedule, Task, max_in_flight
-from hlopar.codegen.schedules.timeline import Timeline, chrome_trace, draw_timeline, write_chrome_trace
-from hlopar.codegen.schedules.topology import Edge, PipelineTopology
+from hlopar.analysis.schedules.registry import SCHEDULES, UnknownScheduleError, get_schedule
+from hlopar.analysis.schedules.simulator import DeadlockError, Event, SimResult, simulate
+from hlopar.analysis.schedules.tasks import Schedule, Task, max_in_flight
+from hlopar.analysis.schedules.timeline import Timeline, chrome_trace, draw_timeline, write_chrome_trace
+from hlopar.analysis.schedules.topology import Edge, PipelineTopology
 
 __all__ = [
     "ACCUMULATE",

@@ -21,8 +21,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from hlopar.codegen.schedules.instructions import RUN, SEND
-from hlopar.codegen.schedules.simulator import COMPUTE, SEND_STREAM, SimResult
+from hlopar.analysis.schedules.instructions import RUN, SEND
+from hlopar.analysis.schedules.simulator import COMPUTE, SEND_STREAM, SimResult
 
 __all__ = ["Span", "Timeline", "chrome_trace", "draw_timeline", "write_chrome_trace"]
 

@@ -16,7 +16,7 @@ microbatch. A variant is `dataclasses.replace(get_schedule("eager-1f1b-wd"), wei
 
 from __future__ import annotations
 
-from hlopar.codegen.schedules.tasks import Schedule
+from hlopar.analysis.schedules.tasks import Schedule
 
 __all__ = ["SCHEDULES", "UnknownScheduleError", "get_schedule"]
 

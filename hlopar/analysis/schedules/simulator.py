@@ -16,8 +16,8 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from hlopar.codegen.schedules.costs import CommModel, StageCost, as_comm_model
-from hlopar.codegen.schedules.instructions import (
+from hlopar.analysis.schedules.costs import CommModel, StageCost, as_comm_model
+from hlopar.analysis.schedules.instructions import (
     ACCUMULATE,
     FREE,
     RECV,
