@@ -9,9 +9,10 @@ paper's testbed (§5: 2 hosts x 4 V100, NVLink inside a host, 10 Gbps between ho
 on a 2-device mesh, stages 0-1 on host 0 and 2-3 on host 1), each schedule of the registry
 is simulated twice: with real transfer sizes, and with every transfer costing one byte (the
 paper's upper bound, §4). Prints time, signal time, their ratio, bubble fraction and peak
-stash memory per device, or with `--json` a list of rows (model, schedule, microbatches,
-time_s, signal_time_s, bubble_fraction, peak_memory_bytes per mesh, ...). The global batch is
-the zoo config's; more microbatches make them smaller.
+stash memory per device, then ZB-H1's bubble next to 1F1B's and the zero-bubble paper's
+formulas; or with `--json` a list of rows (model, schedule, microbatches, time_s,
+signal_time_s, bubble_fraction, peak_memory_bytes per mesh, ...). The global batch is the zoo
+config's; more microbatches make them smaller.
 
 The cost model, stated: a transformer layer's forward is 2 FLOPs per parameter per token
 for its matmuls (12 d^2 parameters, plus 4 d^2 for a U-Transformer skip projection) plus
@@ -215,7 +216,7 @@ def table(rows: list[dict]) -> str:
             + "; edges per microbatch "
             + ", ".join(f"{s}->{t} {b / 1e6:.0f} MB" for s, t, b in row["edges"])
         )
-    return "\n".join(lines + [""] + notes + [""] + verdicts(rows))
+    return "\n".join(lines + [""] + notes + [""] + verdicts(rows) + [""] + zero_bubble(rows))
 
 
 def verdicts(rows: list[dict]) -> list[str]:
@@ -235,6 +236,26 @@ def verdicts(rows: list[dict]) -> list[str]:
         if one is not None:
             line += f", {one['time_s'] / eager['time_s']:.2f}x over 1f1b"
         out.append(line)
+    return out
+
+
+def zero_bubble(rows: list[dict]) -> list[str]:
+    """Per model and B, ZB-H1's simulated bubble next to 1F1B's and the paper's formulas (Qi et
+    al., 2024: idle over compute (p-1)/3m against (p-1)/m when F, B and W cost the same, as
+    here, backward = 2 forward and half of it W, and communication is free, which here it is
+    not), written as this table's bubble, idle over the step: (p-1)/(3m+p-1), (p-1)/(m+p-1)."""
+    out = []
+    by_key = {(r["model"], r["microbatches"], r["schedule"]): r for r in rows}
+    for model, m, schedule in by_key:
+        one = by_key.get((model, m, "1f1b"))
+        if schedule != "zb-h1" or one is None:
+            continue
+        p = by_key[(model, m, schedule)]["stages"]
+        out.append(
+            f"{model}, B={m}: zb-h1 bubble {100 * by_key[(model, m, schedule)]['bubble_fraction']:.1f}% "
+            f"(formula (p-1)/(3m+p-1) = {100 * (p - 1) / (3 * m + p - 1):.1f}%), 1f1b "
+            f"{100 * one['bubble_fraction']:.1f}% (formula (p-1)/(m+p-1) = {100 * (p - 1) / (m + p - 1):.1f}%)"
+        )
     return out
 
 

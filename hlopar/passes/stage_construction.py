@@ -38,6 +38,7 @@ from hlopar.analysis.limits import (
     check_seconds,
     check_workers,
 )
+from hlopar.analysis.schedules import ScheduleName, get_schedule
 from hlopar.analysis.stages.layer_costs import FORWARD, ROLES, kernel_counts, plan_layers, trivial_axes_key, value_bytes
 from hlopar.analysis.stages.span_costs import REMAT_MODES, LayerArrays, span_table
 from hlopar.analysis.stages.stage_dp import stage_dp
@@ -45,7 +46,6 @@ from hlopar.analysis.training_roles import RolesError, batch_arguments, batch_ca
 from hlopar.analysis.stages.submeshes import (
     Submesh,
     assign_devices,
-    in_flight_microbatches,
     logical_mesh_shapes,
     submesh_shapes,
 )
@@ -88,9 +88,7 @@ class StageConstructionPass(ModulePass):
     microbatches: int | None = option(
         None, "microbatches per step, or auto (searched over divisors of the batch)", parse=parse_count_or_auto
     )
-    schedule: Literal["1f1b", "eager-1f1b", "eager-1f1b-wd", "gpipe"] = option(
-        "1f1b", "pipeline schedule (sets the memory check of Eq. 5)"
-    )
+    schedule: ScheduleName = option("1f1b", "pipeline schedule (sets the memory check of Eq. 5)")
     memory_per_device: float | None = option(
         None, "bytes per device, e.g. 80GiB (default: the preset's)", parse=parse_bytes, check=check_positive
     )
@@ -230,6 +228,7 @@ class StageConstructionPass(ModulePass):
         timings["stage_dp"] = 0.0
         candidates = []
         best = None
+        schedule = get_schedule(self.schedule)
         split = _split_into(func)
         if split is not None and self.microbatches not in (None, split):
             self.fail(
@@ -247,7 +246,7 @@ class StageConstructionPass(ModulePass):
                 [s.size for s in submeshes],
                 microbatches=microbatches,
                 per_microbatch=split is not None,
-                in_flight=lambda s, b=microbatches: in_flight_microbatches(self.schedule, s, b),
+                in_flight=lambda s, b=microbatches: schedule.in_flight(s, b),
                 memory_per_device=self._memory_per_device(),
                 max_stages=min(layering.num_layers, self.num_hosts * self.devices_per_host),
                 remat=self.remat,

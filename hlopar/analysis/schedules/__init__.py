@@ -20,7 +20,13 @@ from hlopar.analysis.schedules.instructions import (
     PipelineStreams,
     build_streams,
 )
-from hlopar.analysis.schedules.registry import SCHEDULES, UnknownScheduleError, get_schedule
+from hlopar.analysis.schedules.registry import (
+    DEFAULT_SCHEDULE,
+    SCHEDULES,
+    ScheduleName,
+    UnknownScheduleError,
+    get_schedule,
+)
 from hlopar.analysis.schedules.simulator import DeadlockError, Event, SimResult, simulate
 from hlopar.analysis.schedules.tasks import Schedule, Task, max_in_flight
 from hlopar.analysis.schedules.timeline import Timeline, chrome_trace, draw_timeline, write_chrome_trace
@@ -35,6 +41,7 @@ __all__ = [
     "UPDATE",
     "ZERO_COST",
     "AlphaBeta",
+    "DEFAULT_SCHEDULE",
     "DeadlockError",
     "Edge",
     "Event",
@@ -45,6 +52,7 @@ __all__ = [
     "PipelineTopology",
     "SCHEDULES",
     "Schedule",
+    "ScheduleName",
     "SimResult",
     "StageCost",
     "Task",

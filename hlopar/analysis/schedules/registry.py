@@ -9,16 +9,25 @@
                    (same section); W(m) follows B(m) directly, the least delay, which the
                    simulator finds no slower than longer ones on tools/bench_schedules.py's
                    GPT and U-Transformer
+    zb-h1          1f1b's warm-up with backwards split into B and W (Qi et al., ICLR 2024, ZB-H1):
+                   stage i (from 1) runs W(m) right after B(m + i - 1), so B reaches earlier
+                   stages sooner and the held-back W fill the cool-down; the forwards in flight
+                   (Eq. 5) are 1f1b's, and with F, B and W of equal cost the bubble is a third
+                   of 1f1b's, (#stages - 1) / 3B of the compute against (#stages - 1) / B
 
 All are warm-up-then-1F1B orders (`Schedule`); GPipe is the one whose warm-up is every
 microbatch. A variant is `dataclasses.replace(get_schedule("eager-1f1b-wd"), weight_delay=2)`.
+`DEFAULT_SCHEDULE` is what `parallelize`, `hlopar-compile` and the passes run when given none;
+`ScheduleName` is the option type whose choices are the registry's names.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 from hlopar.analysis.schedules.tasks import Schedule
 
-__all__ = ["SCHEDULES", "UnknownScheduleError", "get_schedule"]
+__all__ = ["DEFAULT_SCHEDULE", "SCHEDULES", "ScheduleName", "UnknownScheduleError", "get_schedule"]
 
 
 class UnknownScheduleError(ValueError):
@@ -37,6 +46,10 @@ def _eager(num_stages: int, stage: int, num_microbatches: int) -> int:
     return 2 * (num_stages - stage - 1) + 1  # 2 (#stages - i) + 1 with i = stage + 1
 
 
+def _lag_of_stage(num_stages: int, stage: int, num_microbatches: int) -> int:
+    return stage  # i - 1 with i = stage + 1: the last stage holds back the most W
+
+
 SCHEDULES: dict[str, Schedule] = {
     "gpipe": Schedule("gpipe", _all_forwards, "all forwards, then all backwards"),
     "1f1b": Schedule("1f1b", _one_f_one_b, "warm-up of #stages - i + 1 forwards, then 1F1B"),
@@ -44,7 +57,18 @@ SCHEDULES: dict[str, Schedule] = {
     "eager-1f1b-wd": Schedule(
         "eager-1f1b-wd", _eager, "eager-1f1b; weight gradients after the input-gradient sends", weight_delay=0
     ),
+    "zb-h1": Schedule(
+        "zb-h1",
+        _one_f_one_b,
+        "1f1b's warm-up; stage i's W(m) after B(m + i - 1), filling the cool-down",
+        weight_lag=_lag_of_stage,
+    ),
 }
+
+DEFAULT_SCHEDULE = "eager-1f1b"
+
+# Pass options list their choices in this order (`hlopar-opt` always printed them sorted).
+ScheduleName = Literal[tuple(sorted(SCHEDULES))]
 
 
 def get_schedule(name: str | Schedule) -> Schedule:

@@ -5,7 +5,8 @@ backward (its warm-up); after that a stage alternates backward and forward until
 run out, then runs the remaining backwards. Backward weight delaying (cross-mesh resharding
 paper, §4) splits each backward into B (gradients of the stage's inputs, which other stages
 wait for) and W (gradients of its weights, which nobody waits for) and moves W later, so the
-gradient sends overlap with it.
+gradient sends overlap with it. Zero-bubble pipelines (Qi et al., ICLR 2024) split it the
+same way and place W, per stage, where the pipeline would otherwise idle (`weight_lag`).
 
 Stages are counted from 0 here; the papers count them from 1 (stage i = k + 1).
 """
@@ -21,6 +22,8 @@ FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 
 # (num_stages, stage, num_microbatches) -> forwards before the first backward, before clamping.
 WarmupRule = Callable[[int, int, int], int]
+# (num_stages, stage, num_microbatches) -> how many backwards B(m) waits for before W(m) runs.
+WeightLagRule = Callable[[int, int, int], int]
 
 
 @dataclass(frozen=True, order=True)
@@ -36,25 +39,29 @@ class Task:
 
 @dataclass(frozen=True)
 class Schedule:
-    """A named schedule: its warm-up rule and, when backwards are split, how late W runs.
+    """A named schedule: its warm-up rule and, when backwards are split, where W runs.
 
-    `weight_delay` is None when backwards are whole; otherwise W(m) runs after the
-    `weight_delay`-th F or B that follows B(m) on the stage (0: right after B(m)), and any
-    W still pending at the end runs last, in microbatch order.
+    Backwards are whole unless one of two W placements is given. `weight_delay`: W(m) runs
+    after the `weight_delay`-th F or B that follows B(m) on the stage (0: right after B(m)).
+    `weight_lag`, a rule per stage like the warm-up: W(m) runs right after B(m + lag). Either
+    way any W still pending at the end runs last, in microbatch order.
     """
 
     name: str
     warmup_rule: WarmupRule
     description: str = ""
     weight_delay: int | None = None
+    weight_lag: WeightLagRule | None = None
 
     def __post_init__(self) -> None:
         if self.weight_delay is not None and self.weight_delay < 0:
             raise ValueError(f"weight_delay must be >= 0 or None, got {self.weight_delay}")
+        if self.weight_delay is not None and self.weight_lag is not None:
+            raise ValueError("give weight_delay or weight_lag, not both")
 
     @property
     def split_backward(self) -> bool:
-        return self.weight_delay is not None
+        return self.weight_delay is not None or self.weight_lag is not None
 
     def warmup(self, num_stages: int, stage: int, num_microbatches: int) -> int:
         """Forwards stage `stage` runs before its first backward, at least 1 and at most B."""
@@ -71,9 +78,23 @@ class Schedule:
             order.append(Task(BACKWARD, m))
             if warmup + m < num_microbatches:
                 order.append(Task(FORWARD, warmup + m))
+        if self.weight_lag is not None:
+            lag = self.weight_lag(num_stages, stage, num_microbatches)
+            if lag < 0:
+                raise ValueError(f"{self.name}: weight lag of stage {stage} must be >= 0, got {lag}")
+            return _lag_weights(order, lag)
         if self.weight_delay is None:
             return order
         return _delay_weights(order, self.weight_delay)
+
+    def in_flight(self, stages_after: int, num_microbatches: int) -> int:
+        """Microbatches whose activations a stage holds at once (forward run, its B not yet)
+        when `stages_after` stages run from it to the last, itself included: the factor of
+        mem_act in Alpa's Eq. 5, which the stage DP reads. The DP knows a stage only by the
+        stages after it, so this counts stage 0 of a `stages_after`-stage pipeline: every
+        warm-up rule counts the stages from a stage to the last. What a split backward keeps
+        from B(m) to W(m) (B's carry, W's inputs) is not in this count."""
+        return max_in_flight(self.stage_tasks(stages_after, 0, num_microbatches))
 
     def tasks(self, num_stages: int, num_microbatches: int) -> list[list[Task]]:
         """Per stage, its ordered tasks."""
@@ -93,6 +114,19 @@ def _delay_weights(order: list[Task], delay: int) -> list[Task]:
         while pending and pending[0][1] <= 0:
             out.append(Task(WEIGHT, pending.pop(0)[0]))
     out.extend(Task(WEIGHT, m) for m, _ in pending)
+    return out
+
+
+def _lag_weights(order: list[Task], lag: int) -> list[Task]:
+    out: list[Task] = []
+    pending: list[int] = []  # microbatches whose B ran and W did not, in order
+    for task in order:
+        out.append(task)
+        if task.kind == BACKWARD:
+            pending.append(task.microbatch)
+            if len(pending) > lag:
+                out.append(Task(WEIGHT, pending.pop(0)))
+    out.extend(Task(WEIGHT, m) for m in pending)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Submesh shapes, their logical meshes, in-flight microbatches and device assignment (Alpa §5.2, App. A).
+"""Submesh shapes, their logical meshes and device assignment (Alpa §5.2, App. A).
 
 The stage DP only asks that submesh sizes sum to the cluster's N·M devices; these shapes make
 that enough: any multiset of them with that sum tiles the N×M cluster (Appendix A), and
@@ -10,9 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["SCHEDULES", "Submesh", "assign_devices", "in_flight_microbatches", "logical_mesh_shapes", "submesh_shapes"]
-
-SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
+__all__ = ["Submesh", "assign_devices", "logical_mesh_shapes", "submesh_shapes"]
 
 
 @dataclass(frozen=True)
@@ -57,24 +55,6 @@ def logical_mesh_shapes(submesh: Submesh) -> tuple[tuple[int, int], ...]:
     if size < 1:
         raise ValueError(f"submesh {submesh} has no devices")
     return tuple((n, size // n) for n in range(1, size + 1) if size % n == 0)
-
-
-def in_flight_microbatches(schedule: str, stages_after: int, microbatches: int) -> int:
-    """Microbatches whose activations a stage holds at once, s = `stages_after` stages from it
-    to the last (itself included), B = `microbatches`: the factor of mem_act in Eq. 5.
-
-    gpipe: all B forwards run before any backward. 1f1b: min(s, B) (Eq. 5). eager-1f1b (the
-    cross-mesh resharding paper, §4): stage i of S warms up with 2(S-i)+1 forwards, i.e. 2s-1;
-    eager-1f1b-wd the same (its W runs right after its B, so what B hands W lives briefly)."""
-    if stages_after < 1 or microbatches < 1:
-        raise ValueError(f"stages_after and microbatches must be positive, got {stages_after} and {microbatches}")
-    if schedule == "gpipe":
-        return microbatches
-    if schedule == "1f1b":
-        return min(stages_after, microbatches)
-    if schedule in ("eager-1f1b", "eager-1f1b-wd"):
-        return min(2 * stages_after - 1, microbatches)
-    raise ValueError(f"unknown pipeline schedule {schedule!r}; expected one of {', '.join(SCHEDULES)}")
 
 
 def assign_devices(

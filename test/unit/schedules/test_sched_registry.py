@@ -3,21 +3,33 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hlopar.analysis.schedules import SCHEDULES, Schedule, Task, UnknownScheduleError, get_schedule, max_in_flight
+from hlopar.analysis.schedules import (
+    DEFAULT_SCHEDULE,
+    SCHEDULES,
+    Schedule,
+    ScheduleName,
+    Task,
+    UnknownScheduleError,
+    get_schedule,
+    max_in_flight,
+)
 
 SHAPES = st.tuples(st.integers(1, 9), st.integers(1, 30))
 
 
 def test_registry_names():
-    assert list(SCHEDULES) == ["gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd"]
+    assert list(SCHEDULES) == ["gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd", "zb-h1"]
     assert get_schedule("1f1b") is SCHEDULES["1f1b"]
     assert get_schedule(SCHEDULES["gpipe"]) is SCHEDULES["gpipe"]
-    assert [s.split_backward for s in SCHEDULES.values()] == [False, False, False, True]
+    assert [s.split_backward for s in SCHEDULES.values()] == [False, False, False, True, True]
+    assert DEFAULT_SCHEDULE in SCHEDULES
+    assert typing.get_args(ScheduleName) == tuple(sorted(SCHEDULES))
 
 
 def test_unknown_schedule_lists_valid_names():
@@ -72,7 +84,7 @@ def test_weight_delay_moves_w_later():
 def test_every_task_once_in_order(shape, name, delay):
     stages, micro = shape
     schedule = SCHEDULES[name]
-    if schedule.split_backward:
+    if schedule.weight_delay is not None:
         schedule = dataclasses.replace(schedule, weight_delay=delay)
     kinds = "FBW" if schedule.split_backward else "FB"
     for order in schedule.tasks(stages, micro):
@@ -102,3 +114,73 @@ def test_in_flight_bounds(shape):
 def test_custom_schedule():
     two = Schedule("two-ahead", lambda s, k, b: 2)
     assert [str(t) for t in two.stage_tasks(3, 0, 3)] == ["F0", "F1", "B0", "F2", "B1", "B2"]
+
+
+def test_in_flight_of_eq5():
+    """The stage DP's factor of mem_act, by the stages from a stage to the last."""
+    assert SCHEDULES["gpipe"].in_flight(3, 8) == 8
+    assert SCHEDULES["1f1b"].in_flight(3, 8) == 3
+    assert SCHEDULES["1f1b"].in_flight(12, 8) == 8
+    assert SCHEDULES["eager-1f1b"].in_flight(1, 8) == 1  # the last stage alternates at once
+    assert SCHEDULES["eager-1f1b"].in_flight(3, 8) == 5
+    assert SCHEDULES["eager-1f1b"].in_flight(6, 8) == 8
+    with pytest.raises(ValueError, match="gpipe, 1f1b, eager-1f1b"):
+        get_schedule("interleaved")
+    with pytest.raises(ValueError, match="at least one stage"):
+        SCHEDULES["1f1b"].in_flight(0, 4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(SHAPES)
+def test_in_flight_is_the_warmup_of_the_first_stage(shape):
+    stages, micro = shape
+    for schedule in SCHEDULES.values():
+        assert schedule.in_flight(stages, micro) == schedule.warmup(stages, 0, micro)
+        for k in range(stages):  # warm-ups count the stages from a stage to the last
+            assert schedule.in_flight(stages - k, micro) == max_in_flight(schedule.stage_tasks(stages, k, micro))
+
+
+def test_zb_h1_task_order():
+    """Qi et al. (2024), ZB-H1: 1F1B's warm-up; stage k runs W(m) right after B(m + k)."""
+    zb = [" ".join(map(str, o)) for o in SCHEDULES["zb-h1"].tasks(4, 6)]
+    assert zb == [
+        "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 B3 W3 B4 W4 B5 W5",
+        "F0 F1 F2 B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 B4 W3 B5 W4 W5",
+        "F0 F1 B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 B5 W3 W4 W5",
+        "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5",
+    ]
+    assert [" ".join(map(str, o)) for o in SCHEDULES["zb-h1"].tasks(2, 3)] == [
+        "F0 F1 B0 W0 F2 B1 W1 B2 W2",
+        "F0 B0 F1 B1 W0 F2 B2 W1 W2",
+    ]
+    # without the W, each stage's order is 1F1B's
+    for stages, micro in ((4, 6), (3, 2), (5, 12)):
+        for zb_order, one in zip(SCHEDULES["zb-h1"].tasks(stages, micro), SCHEDULES["1f1b"].tasks(stages, micro)):
+            assert [t for t in zb_order if t.kind != "W"] == one
+
+
+def _held_until_w(order: list[Task]) -> int:
+    """Most microbatches whose forward ran and whose W has not."""
+    live = peak = 0
+    for task in order:
+        live += {"F": 1, "W": -1}.get(task.kind, 0)
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("stages, micro", [(1, 1), (2, 3), (4, 6), (4, 8), (4, 2), (5, 12), (8, 16)])
+def test_zb_h1_in_flight_is_1f1b(stages, micro):
+    """Activations in flight (F run, B not): 1F1B's on every stage, so Eq. 5 is unchanged; from F to
+    W every stage holds min(#stages, B), the first stage's count under 1F1B (the paper's peak)."""
+    zb, one = SCHEDULES["zb-h1"], SCHEDULES["1f1b"]
+    for k in range(stages):
+        assert max_in_flight(zb.stage_tasks(stages, k, micro)) == max_in_flight(one.stage_tasks(stages, k, micro))
+        assert zb.in_flight(stages - k, micro) == one.in_flight(stages - k, micro) == min(stages - k, micro)
+        assert _held_until_w(zb.stage_tasks(stages, k, micro)) == min(stages, micro)
+
+
+def test_weight_placements_are_exclusive():
+    with pytest.raises(ValueError, match="not both"):
+        dataclasses.replace(SCHEDULES["zb-h1"], weight_delay=0)
+    with pytest.raises(ValueError, match="weight lag of stage 1"):
+        dataclasses.replace(SCHEDULES["zb-h1"], weight_lag=lambda s, k, b: -k).stage_tasks(3, 1, 4)

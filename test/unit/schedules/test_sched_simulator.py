@@ -188,3 +188,20 @@ def test_costs_validated():
         simulate(streams, _uniform(2))
     with pytest.raises(ValueError, match="weight_fraction"):
         StageCost(1.0, 2.0, weight_fraction=1.5)
+
+
+@pytest.mark.parametrize("stages, micro", [(2, 4), (3, 5), (4, 4), (4, 8), (4, 16), (5, 12), (8, 32)])
+def test_zb_h1_bubble_is_a_third_of_1f1b(stages, micro):
+    """Qi et al. (2024): with F, B and W of equal cost and free communication, ZB-H1 idles
+    (p-1)/3m of the compute where 1F1B idles (p-1)/m, both stashing at most 1F1B's first stage."""
+    topo = PipelineTopology.chain(stages, 0, 1000)
+    costs = [StageCost(1.0, 2.0, weight_fraction=0.5)] * stages  # F = B = W = 1 s
+    compute = 3.0 * micro
+    idle = {}
+    for name in ("1f1b", "zb-h1"):
+        result = simulate(build_streams(topo, name, micro), costs, ZERO_COST)
+        assert all(b == pytest.approx(compute) for b in result.compute_busy.values())
+        assert max(result.peak_memory.values()) == min(stages, micro) * 1000
+        idle[name] = (result.iteration_time - compute) / compute
+    assert idle["1f1b"] == pytest.approx((stages - 1) / micro)
+    assert idle["zb-h1"] == pytest.approx((stages - 1) / (3 * micro))

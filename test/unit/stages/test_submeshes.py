@@ -1,4 +1,4 @@
-"""Submesh shapes (§5.2), logical meshes, in-flight microbatches (Eq. 5) and device tiling (Appendix A)."""
+"""Submesh shapes (§5.2), logical meshes and device tiling (Appendix A)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pytest
 from hlopar.analysis.stages.submeshes import (
     Submesh,
     assign_devices,
-    in_flight_microbatches,
     logical_mesh_shapes,
     submesh_shapes,
 )
@@ -42,19 +41,6 @@ def test_logical_mesh_shapes():
     assert logical_mesh_shapes(Submesh(1, 6)) == ((1, 6), (2, 3), (3, 2), (6, 1))
     for shape in submesh_shapes(4, 8):
         assert all(n * m == shape.size for n, m in logical_mesh_shapes(shape))
-
-
-def test_in_flight_microbatches():
-    assert in_flight_microbatches("gpipe", 3, 8) == 8
-    assert in_flight_microbatches("1f1b", 3, 8) == 3
-    assert in_flight_microbatches("1f1b", 12, 8) == 8
-    assert in_flight_microbatches("eager-1f1b", 1, 8) == 1  # the last stage alternates at once
-    assert in_flight_microbatches("eager-1f1b", 3, 8) == 5
-    assert in_flight_microbatches("eager-1f1b", 6, 8) == 8
-    with pytest.raises(ValueError, match="gpipe, 1f1b, eager-1f1b"):
-        in_flight_microbatches("interleaved", 2, 4)
-    with pytest.raises(ValueError, match="positive"):
-        in_flight_microbatches("1f1b", 0, 4)
 
 
 def _random_multiset(rng: random.Random, hosts: int, per_host: int) -> list[Submesh]:
