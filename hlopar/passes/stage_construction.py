@@ -38,7 +38,7 @@ from hlopar.analysis.limits import (
     check_seconds,
     check_workers,
 )
-from hlopar.analysis.schedules import ScheduleName, get_schedule
+from hlopar.analysis.schedules import DEFAULT_SCHEDULE, ScheduleName, get_schedule
 from hlopar.analysis.stages.layer_costs import FORWARD, ROLES, kernel_counts, plan_layers, trivial_axes_key, value_bytes
 from hlopar.analysis.stages.span_costs import REMAT_MODES, LayerArrays, span_table
 from hlopar.analysis.stages.stage_dp import stage_dp
@@ -88,7 +88,7 @@ class StageConstructionPass(ModulePass):
     microbatches: int | None = option(
         None, "microbatches per step, or auto (searched over divisors of the batch)", parse=parse_count_or_auto
     )
-    schedule: ScheduleName = option("1f1b", "pipeline schedule (sets the memory check of Eq. 5)")
+    schedule: ScheduleName = option(DEFAULT_SCHEDULE, "pipeline schedule (sets the memory check of Eq. 5)")
     memory_per_device: float | None = option(
         None, "bytes per device, e.g. 80GiB (default: the preset's)", parse=parse_bytes, check=check_positive
     )

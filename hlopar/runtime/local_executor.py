@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from jaxlib.mlir import ir
 
-from hlopar.analysis.schedules import FREE, RECV, RUN, SEND, PipelineStreams, get_schedule
+from hlopar.analysis.schedules import DEFAULT_SCHEDULE, FREE, RECV, RUN, SEND, PipelineStreams, get_schedule
 from hlopar.codegen.executables import DeviceExecutable, accumulating_module, compile_executable
 from hlopar.codegen.pipeline_program import (
     UPDATE,
@@ -145,7 +145,7 @@ class PipelinedStep:
     def __init__(
         self,
         program: PipelineProgram | ir.Operation,
-        schedule: str = "1f1b",
+        schedule: str = DEFAULT_SCHEDULE,
         devices: Mapping[int, jax.Device] | None = None,
     ):
         if not isinstance(program, PipelineProgram):
@@ -321,7 +321,10 @@ class _Run:
 
 
 def run_pipelined(
-    module: ir.Operation, arguments: Sequence, schedule: str = "1f1b", devices: Mapping[int, jax.Device] | None = None
+    module: ir.Operation,
+    arguments: Sequence,
+    schedule: str = DEFAULT_SCHEDULE,
+    devices: Mapping[int, jax.Device] | None = None,
 ) -> list[np.ndarray]:
     """Compiles and runs a pipelined split step once (see `PipelinedStep`)."""
     return PipelinedStep(module, schedule, devices)(arguments)

@@ -3,7 +3,7 @@
 // RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-stage-construction{num-hosts=0 devices-per-host=4})' 2>&1 | FileCheck %s --check-prefix=HOSTS
 // RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-auto-parallel{num-hosts=2 devices-per-host=0})' 2>&1 | FileCheck %s --check-prefix=DEVICES
 // RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-auto-parallel{num-hosts=1 devices-per-host=2})' 2>&1 | FileCheck %s --check-prefixes=ENTRY-UNSTACK,SIGNATURE
-// RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-stage-construction{num-hosts=1 devices-per-host=4 memory-per-device=1B})' 2>&1 | FileCheck %s --check-prefixes=MEMORY,ENTRY
+// RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-stage-construction{schedule=1f1b num-hosts=1 devices-per-host=4 memory-per-device=1B})' 2>&1 | FileCheck %s --check-prefixes=MEMORY,ENTRY
 // RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-cluster-operators)' 2>&1 | FileCheck %s --check-prefix=ENTRY-CLUSTER
 
 // Options that are not values of their type, or name nothing, are reported before any work.

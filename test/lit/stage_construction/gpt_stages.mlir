@@ -3,7 +3,7 @@
 // submeshes of 1x4 devices, one per host, each stage's forward and backward on its mesh and
 // each parameter updated where it lives.
 // RUN: %python %S/Inputs/gpt_blocks.py 4 -o %t.gpt4.mlir
-// RUN: hlopar-opt %t.gpt4.mlir -p 'builtin.module(hlopar-import,hlopar-cluster-operators,hlopar-stage-construction{num-hosts=2 devices-per-host=4})' -o %t.program.mlir
+// RUN: hlopar-opt %t.gpt4.mlir -p 'builtin.module(hlopar-import,hlopar-cluster-operators,hlopar-stage-construction{schedule=1f1b num-hosts=2 devices-per-host=4})' -o %t.program.mlir
 // RUN: FileCheck %s --input-file %t.program.mlir
 // RUN: grep -c 'mpmd.fragment<' %t.program.mlir | FileCheck %s --check-prefix=COUNT
 

@@ -1,4 +1,4 @@
-// RUN: not hlopar-opt %s -p 'builtin.module(hlopar-stage-construction{num-hosts=1 devices-per-host=2 stages=2 plan-shardings=false workers=1})' 2>&1 | FileCheck %s
+// RUN: not hlopar-opt %s -p 'builtin.module(hlopar-stage-construction{schedule=1f1b num-hosts=1 devices-per-host=2 stages=2 plan-shardings=false workers=1})' 2>&1 | FileCheck %s
 
 // A layering (as `hlopar-cluster-operators` writes it, here by hand) in which a backward op
 // of layer 1 reads a backward value of layer 0: cut into two stages, stage 1's backward would

@@ -45,7 +45,7 @@ def stage_report(tmp_path: Path, donate: tuple[int, ...]) -> dict:
     module = parse_module(jax.jit(momentum_step, donate_argnums=donate).lower(*abstract).as_text())
     report = tmp_path / f"stages{len(donate)}.json"
     Pipeline.parse(
-        "builtin.module(hlopar-import,hlopar-stage-construction{num-hosts=1 devices-per-host=1 layers=1 "
+        "builtin.module(hlopar-import,hlopar-stage-construction{schedule=1f1b num-hosts=1 devices-per-host=1 layers=1 "
         f"microbatches=1 report={report}}})",
         module.context,
     ).run(module, PassContext())

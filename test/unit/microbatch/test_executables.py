@@ -78,7 +78,7 @@ def test_fragments_compile_with_accumulation():
     module = run_pipeline(
         text,
         "hlopar-split-microbatches{microbatches=2},hlopar-cluster-operators,"
-        "hlopar-stage-construction{num-hosts=2 devices-per-host=4 workers=1}",
+        "hlopar-stage-construction{schedule=1f1b num-hosts=2 devices-per-host=4 workers=1}",
     )
     main = next(op.operation for op in module.regions[0].blocks[0].operations if op.operation.name == "func.func")
     backward = [f for f in fragment_modules(main) if '"(1)' in str(f.fragment.attributes["origin"])][0]

@@ -39,7 +39,7 @@ RTOL = 1e-5
 CLUSTER = hlopar.Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu")
 # Memory per device so small that one stage does not fit: the tiny MLP pipelines.
 TWO_STAGES = (
-    "hlopar-cluster-operators{layers=2},hlopar-stage-construction{num-hosts=2 devices-per-host=4 "
+    "hlopar-cluster-operators{layers=2},hlopar-stage-construction{schedule=1f1b num-hosts=2 devices-per-host=4 "
     "workers=1 memory-per-device=4KiB}"
 )
 

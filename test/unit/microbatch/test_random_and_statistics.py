@@ -269,7 +269,7 @@ def test_batchnorm_statistics_per_microbatch():
 # --------------------------------------------------------------------------- pipelined
 
 
-PLAN = "hlopar-cluster-operators,hlopar-stage-construction{num-hosts=2 devices-per-host=4 workers=1}"
+PLAN = "hlopar-cluster-operators,hlopar-stage-construction{schedule=1f1b num-hosts=2 devices-per-host=4 workers=1}"
 
 
 # Two stages on 2 x 4 (`stages=2`: one stage over all 8 devices would fit any memory two
@@ -278,12 +278,12 @@ PLAN = "hlopar-cluster-operators,hlopar-stage-construction{num-hosts=2 devices-p
 # marked rematerialized where only that fits (remat=auto, 12 KiB), run as written (marked, no
 # hlopar-rematerialize) and rematerialized; both stages rematerialized (remat=always).
 _BN_PLAN = (
-    "hlopar-cluster-operators,hlopar-stage-construction{num-hosts=2 devices-per-host=4 workers=1 "
+    "hlopar-cluster-operators,hlopar-stage-construction{schedule=1f1b num-hosts=2 devices-per-host=4 workers=1 "
     "stages=2 remat={remat} report={report}}"
 )
 TWO_STAGES = {
     "dropout": (
-        "hlopar-cluster-operators{layers=2},hlopar-stage-construction{num-hosts=2 devices-per-host=4 "
+        "hlopar-cluster-operators{layers=2},hlopar-stage-construction{schedule=1f1b num-hosts=2 devices-per-host=4 "
         "workers=1 stages=2}",
         None,
     ),

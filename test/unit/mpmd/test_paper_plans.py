@@ -37,7 +37,7 @@ def plan(tmp_path: Path, model: str, config: str, clustering: str, stages: str) 
     program = tmp_path / "program.mlir"
     pipeline = (
         f"builtin.module(hlopar-import,hlopar-cluster-operators{{{clustering}}},"
-        f"hlopar-stage-construction{{{stages} report={report}}})"
+        f"hlopar-stage-construction{{schedule=1f1b {stages} report={report}}})"
     )
     proc = subprocess.run(
         [str(HLOPAR_OPT), str(source), "-p", pipeline, "-o", str(program)], capture_output=True, text=True, timeout=900

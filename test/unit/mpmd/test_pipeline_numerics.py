@@ -55,7 +55,7 @@ def planned(model: str, whole: bool, tmp_dir: str) -> tuple[str, dict]:
     else:
         pipeline = (
             f"builtin.module(hlopar-import,hlopar-cluster-operators{{{layers}}},"
-            f"hlopar-stage-construction{{{CLUSTER} report={report}}})"
+            f"hlopar-stage-construction{{schedule=1f1b {CLUSTER} report={report}}})"
         )
     module = parse_module(text)
     Pipeline.parse(pipeline, module.context).run(module, PassContext())

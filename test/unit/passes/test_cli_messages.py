@@ -282,7 +282,7 @@ def test_a_killed_hlopar_opt_leaves_no_process(signal_number, status, tmp_path):
         "-o",
         str(tmp_path / "out.mlir"),
         "-p",
-        "builtin.module(hlopar-import,hlopar-stage-construction{num-hosts=8 devices-per-host=8 workers=2})",
+        "builtin.module(hlopar-import,hlopar-stage-construction{schedule=1f1b num-hosts=8 devices-per-host=8 workers=2})",
     ]
     process = subprocess.Popen(command, stderr=subprocess.DEVNULL)
     seen: set[int] = set()

@@ -36,7 +36,7 @@ def _planned(memory: str, tmp_path) -> tuple[list[dict], object]:
     module = parse_module(_text())
     report = tmp_path / f"stages-{memory}.json"
     Pipeline.parse(
-        "builtin.module(hlopar-import,hlopar-cluster-operators,hlopar-stage-construction{"
+        "builtin.module(hlopar-import,hlopar-cluster-operators,hlopar-stage-construction{schedule=1f1b "
         f"num-hosts=2 devices-per-host=4 microbatches=2 remat=auto memory-per-device={memory} "
         f"report={report}}})",
         module.context,

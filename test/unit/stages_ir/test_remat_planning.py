@@ -88,7 +88,7 @@ def planned(remat: str, tmp_dir: str):
     module = parse_module(get_train_step("gpt", "tiny").lower())
     report = f"{tmp_dir}/stages-{remat}.json"
     Pipeline.parse(
-        "builtin.module(hlopar-import,hlopar-cluster-operators,hlopar-stage-construction{"
+        "builtin.module(hlopar-import,hlopar-cluster-operators,hlopar-stage-construction{schedule=1f1b "
         f"num-hosts=2 devices-per-host=4 microbatches=2 remat={remat} report={report}}})",
         module.context,
     ).run(module, PassContext())
