@@ -2,7 +2,7 @@
 """Train the zoo's tiny GPT through `hlopar.parallelize`, next to single-device JAX.
 
     python examples/parallelize_gpt.py [--steps 5] [--hosts 2] [--devices-per-host 4]
-                                       [--schedule eager-1f1b] [--microbatches 2] [--method auto]
+                                       [--schedule NAME] [--microbatches 2] [--method auto]
                                        [--address ray://head:10001]
 
 Without `--address`, the machine at hand: hosts are simulated by Ray workers on local CPU
@@ -23,11 +23,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def main() -> int:
+    from hlopar.analysis.schedules import DEFAULT_SCHEDULE, SCHEDULES  # pure Python: no jax yet
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--devices-per-host", type=int, default=4)
-    parser.add_argument("--schedule", default="eager-1f1b", choices=("gpipe", "1f1b", "eager-1f1b"))
+    parser.add_argument("--schedule", default=DEFAULT_SCHEDULE, choices=tuple(SCHEDULES))
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--method", default="auto", choices=("auto", "shard", "pipeline"))
     parser.add_argument("--model", default="gpt", help="a zoo model with a 'tiny' configuration")
