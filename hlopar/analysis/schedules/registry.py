@@ -13,11 +13,13 @@
                    stage i (from 1) runs W(m) right after B(m + i - 1), so B reaches earlier
                    stages sooner and the held-back W fill the cool-down; the forwards in flight
                    (Eq. 5) are 1f1b's, and with F, B and W of equal cost the bubble is a third
-                   of 1f1b's, (#stages - 1) / 3B of the compute against (#stages - 1) / B
+                   of 1f1b's, (#stages - 1) / 3B of the compute against (#stages - 1) / B.
+                   Stage i also keeps i - 1 stashes until their W, so every stage holds as
+                   many as 1f1b's first; the memory check, which reads the streams, counts them
 
 All are warm-up-then-1F1B orders (`Schedule`); GPipe is the one whose warm-up is every
 microbatch. A variant is `dataclasses.replace(get_schedule("eager-1f1b-wd"), weight_delay=2)`.
-`DEFAULT_SCHEDULE` is what `parallelize`, `hlopar-compile` and the passes run when given none;
+`DEFAULT_SCHEDULE` is the one default (`parallelize`'s, the passes' and the local executor's);
 `ScheduleName` is the option type whose choices are the registry's names.
 """
 
