@@ -127,7 +127,7 @@ class RayRuntime:
         # docs/runtime.md). Several workers stay threaded to serve `deliver` and `fetch`.
         threaded = len(slots) > 1
         for name, slot in slots.items():
-            need = self.placement.workerresources(name)
+            need = self.placement.worker_resources(name)
             options = {
                 "num_cpus": need["CPU"],
                 "max_concurrency": 16 if threaded else 1,
@@ -206,8 +206,8 @@ class RayRuntime:
             self.shutdown()
             raise WorkerError(
                 f"Ray could not place the workers in {self.timeout:g} s: asked {self.placement.describe()}; the "
-                f"cluster has {resources(ray.clusterresources(), asked)}, of which "
-                f"{resources(ray.availableresources(), asked)} is free (other workers hold the rest: close() the "
+                f"cluster has {resources(ray.cluster_resources(), asked)}, of which "
+                f"{resources(ray.available_resources(), asked)} is free (other workers hold the rest: close() the "
                 "parallelized functions no longer needed)"
             ) from None
 
