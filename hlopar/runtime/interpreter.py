@@ -14,7 +14,7 @@ cut per microbatch where it is a batch argument; a transfer's result that is mov
 sum, a parameter, a batch argument: not carried per microbatch by a SEND/RECV pair) is moved
 by the transport when first read; anything else was made here, by a fragment or a RECV.
 
-The instructions (`codegen.schedules.instructions`): RUN runs the fragments it names for its
+The instructions (`analysis.schedules.instructions`): RUN runs the fragments it names for its
 microbatch (`fragment_calls.run_fragment`: the sums accumulate inside the executables, so
 ACCUMULATE has nothing left to do); SEND and RECV are the transport's; FREE drops a
 microbatch's stash (`fragment_calls.free_stash`); UPDATE ends a mesh's stream, after which
