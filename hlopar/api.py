@@ -79,7 +79,7 @@ part is written and checked, a restore checks the whole save first (`runtime.che
 `save(dir, format="orbax")` writes Orbax items that plain Orbax reads (`runtime.orbax_format`),
 and `parallelize(checkpoint_every=N, checkpoint_dir=...)` saves every N calls in the background.
 
-Workers: each asks Ray for its GPUs and a hundredth of a core (`ray_runtime.WORKER_CPUS`), so
+Workers: each asks Ray for its GPUs and a hundredth of a core (`ray_placement.WORKER_CPUS`), so
 several parallelized functions live in one process. `close()` (also `with parallelize(...) as
 step:`, and garbage collection of the function) stops them and frees their placement group;
 a later call starts them again. A cluster that can never hold the workers is refused at once.
@@ -113,8 +113,10 @@ from hlopar.analysis.limits import check_cluster, check_cluster_dimension, check
 from hlopar.analysis.training_roles import RolesError
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.progress import Progress
-from hlopar.runtime.ray_runtime import RayRuntime, WorkerError
-from hlopar.runtime.remote_array import RemoteArray, is_key, jax_value, key_impl, read_all, with_step
+from hlopar.runtime.protocol import Runtime
+from hlopar.runtime.ray_runtime import WorkerError
+from hlopar.runtime.remote_array import RemoteArray, is_key, read_all, with_step
+from hlopar.runtime.step_arguments import wrap_keys
 
 __all__ = [
     "Cluster",
@@ -555,7 +557,7 @@ class _Compiled:
     signature: tuple
     out_tree: Any
     planned: PlannedStep
-    runtime: Any  # ray_runtime.RayRuntime, or in_process.InProcessRuntime
+    runtime: Runtime  # in_process.InProcessRuntime, or ray_runtime.RayRuntime
     cluster: Cluster
     outputs: list = field(default_factory=list)  # per result leaf: its shape and dtype, and its name
     pieces: Any = None  # passes.unstack_layer_scans.LayerPieces: stacked layers split per layer, or None
@@ -757,7 +759,8 @@ class ParallelizedFunction:
         from hlopar.ir.diagnostics import Diagnostic
         from hlopar.ir.host_callbacks import lowered_host_callbacks
         from hlopar.runtime.in_process import InProcessRuntime, in_process_devices
-        from hlopar.runtime.ray_runtime import placement_of
+        from hlopar.runtime.ray_placement import placement_of
+        from hlopar.runtime.ray_runtime import RayRuntime
 
         cluster = (self.cluster or Cluster.local()).resolved()
         self._progress = progress = Progress(self.verbose)
@@ -818,6 +821,7 @@ class ParallelizedFunction:
                     copied=[
                         r for k, (out, _) in enumerate(outputs) if with_step(out.shape, out.dtype) for r in parts[k]
                     ],
+                    connect=lambda: _connect(cluster),  # again, if the cluster died under this process
                 )
                 self._log(f"starting {len(placement.workers.slots)} Ray worker(s) ({why_not})")
         except BaseException:
@@ -829,11 +833,10 @@ class ParallelizedFunction:
         """Starts the current signature's runtime (its workers, or its executable here),
         first stopping the other signatures' workers that must make room for it."""
         compiled = self._compiled
-        if isinstance(compiled.runtime, RayRuntime):
-            _connect(compiled.cluster)  # again, if the cluster died under this process
+        compiled.runtime.connect()
         self._make_room(compiled)
         if compiled.runtime.step_id:
-            self._log("restarting the workers" if isinstance(compiled.runtime, RayRuntime) else "compiling again")
+            self._log(compiled.runtime.restart_message)
         try:
             compiled.runtime.start()
         finally:
@@ -849,7 +852,7 @@ class ParallelizedFunction:
         others = [
             c
             for c in reversed(self._signatures.values())  # most recently called first
-            if c is not compiled and isinstance(c.runtime, RayRuntime) and c.runtime.alive
+            if c is not compiled and c.runtime.holds_workers and c.runtime.alive
         ]
         keep = 0 if gpus else MAX_WORKER_SETS - 1
         for old in others[keep:]:
@@ -859,7 +862,7 @@ class ParallelizedFunction:
         """Stops a signature's runtime, its results the caller still references read first
         (they stay readable, and move to another signature's workers as host arrays)."""
         runtime = compiled.runtime
-        if isinstance(runtime, RayRuntime) and runtime.alive:
+        if runtime.alive and compiled.issued:
             try:
                 read_all([a for a in list(compiled.issued.values()) if a.resident_in(runtime) is not None])
             except RuntimeError:  # a worker died meanwhile: what it held is lost, and says so when read
@@ -896,77 +899,31 @@ class ParallelizedFunction:
                 except WorkerError:  # its workers died: stopped, what they held says so when read
                     pass
         runtime = compiled.runtime
-        if not isinstance(runtime, RayRuntime):
-            return self._call_in_process(compiled, args)
-        paths_and_leaves = jax.tree_util.tree_flatten_with_path(args)[0]
-        arguments, resident = [], {}  # resident: leaf -> (step, result leaf) the workers keep
-        for i, (path, leaf) in enumerate(paths_and_leaves):
+        arguments, resident = [], {}  # resident: leaf -> (step, result leaf) the runtime keeps
+        for i, leaf in enumerate(jax.tree_util.tree_leaves(args)):
             if isinstance(leaf, RemoteArray):
                 held = leaf.resident_in(runtime)
                 if held is not None:
                     arguments.append(_HELD)
                     resident[i] = held
                     continue
-                leaf = _read_argument(leaf, f"{self.__name__}'s argument {jax.tree_util.keystr(path)}")
-            arguments.append(_key_data(leaf))
-        step, returned = runtime.run(
-            *_program_arguments(compiled, arguments, resident, paths_and_leaves, self.__name__)
-        )
+                leaf = _read_argument(leaf, f"{self.__name__}'s argument {_leaf_path(args, i)}")
+            arguments.append(leaf)  # typed keys go in as their key data (`step_arguments`)
+        output = runtime.run(*_program_arguments(compiled, arguments, resident, args, self.__name__))
         self._donate(args)
-        return self._results(compiled, step, returned)
-
-    def _call_in_process(self, compiled: _Compiled, args: tuple):
-        """A call run here (`runtime.in_process`): the leaves go in as they are (typed keys
-        as their key data, `step_arguments`), the results come back as `jax.Array`s (typed
-        keys wrapped from their key data)."""
-        arguments = jax.tree_util.tree_leaves(args)
-        for i, leaf in enumerate(arguments):
-            if isinstance(leaf, RemoteArray):  # another parallelized function's result
-                path = jax.tree_util.tree_flatten_with_path(args)[0][i][0]
-                arguments[i] = _read_argument(leaf, f"{self.__name__}'s argument {jax.tree_util.keystr(path)}")
-        results = compiled.runtime.run(arguments)
-        self._donate(args)
-        return self._local_results(compiled, results)
+        return self._outputs(compiled, output)
 
     @staticmethod
-    def _local_results(compiled: _Compiled, results: list) -> Any:
-        """`fn`'s output pytree of results made in this process."""
-        return jax.tree_util.tree_unflatten(
-            compiled.out_tree,
-            [
-                jax.random.wrap_key_data(x, impl=key_impl(out.dtype)) if is_key(out.dtype) else x
-                for x, (out, _) in zip(results, compiled.outputs)
-            ],
+    def _outputs(compiled: _Compiled, output) -> Any:
+        """`fn`'s output pytree of a step's output (`Runtime.outputs`); the `RemoteArray`s
+        among them noted as issued (`_stop`)."""
+        leaves = compiled.runtime.outputs(
+            output, compiled.outputs, _result_parts(compiled.pieces, len(compiled.outputs))
         )
-
-    def _results(self, compiled: _Compiled, step: int, returned: dict):
-        """`fn`'s output pytree of the results of `step`: kept on the workers; typed keys,
-        which came back with the step (`returned`), as jax's own key arrays (the only keys
-        `jax.random` takes); scalars, which came back too, hold their value."""
-        runtime = compiled.runtime
-        parts = _result_parts(compiled.pieces, len(compiled.outputs))
-        outputs = []
-        for k, (out, name) in enumerate(compiled.outputs):
-            if is_key(out.dtype):
-                words = [returned[r] for r in parts[k]]
-                outputs.append(jax_value(words[0] if len(words) == 1 else np.concatenate(words), out.dtype))
-            else:
-                host = returned[parts[k][0]] if len(parts[k]) == 1 and parts[k][0] in returned else None
-                outputs.append(
-                    RemoteArray(
-                        runtime,
-                        runtime.generation,
-                        step,
-                        k,
-                        parts[k],
-                        out.shape,
-                        out.dtype,
-                        f"{name} (call {step})",
-                        host=host,
-                    )
-                )
-                compiled.issued[(runtime.generation, step, k)] = outputs[-1]
-        return jax.tree_util.tree_unflatten(compiled.out_tree, outputs)
+        for leaf in leaves:
+            if isinstance(leaf, RemoteArray):
+                compiled.issued[id(leaf)] = leaf
+        return jax.tree_util.tree_unflatten(compiled.out_tree, leaves)
 
     def _donate(self, args: tuple) -> None:
         """As `jax.jit` donates: the donated arguments are deleted (a result kept on the
@@ -978,7 +935,7 @@ class ParallelizedFunction:
 
     @property
     def last_stats(self):
-        """The last step's timing (`ray_runtime.StepStats`), or None."""
+        """The last step's timing (`step_stats.StepStats`), or None."""
         return self._compiled.runtime.last_stats if self._compiled else None
 
     @property
@@ -1059,11 +1016,7 @@ class ParallelizedFunction:
         )
         if not compiled.runtime.alive:
             self._restart()
-        keys = manifest.get("keys", ())
-        if not isinstance(compiled.runtime, RayRuntime):
-            restored = self._local_results(compiled, compiled.runtime.load(directory, keys))
-        else:
-            restored = self._results(compiled, *compiled.runtime.load(directory, keys))
+        restored = self._outputs(compiled, compiled.runtime.load(directory, manifest.get("keys", ())))
         self._last_run = compiled
         return restored
 
@@ -1089,7 +1042,9 @@ class ParallelizedFunction:
                 f"cannot restore from {directory}: {type(error).__name__}: {error}; nothing was "
                 "restored (the live state is as it was)"
             ) from error
-        return self._local_results(compiled, [jax.device_put(x, device) for x in leaves])
+        return jax.tree_util.tree_unflatten(
+            compiled.out_tree, wrap_keys([jax.device_put(x, device) for x in leaves], compiled.outputs)
+        )
 
     def _save_every(self) -> None:
         """`checkpoint_every`: after a call, a save of its results begun in the background
@@ -1208,7 +1163,7 @@ def _read_argument(leaf: RemoteArray, what: str):
 
 
 def _program_arguments(
-    compiled: _Compiled, arguments: list, resident: dict, paths_and_leaves: list, name: str
+    compiled: _Compiled, arguments: list, resident: dict, args: tuple, name: str
 ) -> tuple[list, dict]:
     """@main's arguments and resident ones ({argument: (step, result position)}) from the
     step's leaves: stacked layers cut into their pieces, each piece resident where the
@@ -1220,12 +1175,17 @@ def _program_arguments(
     found = pieces.resident({i: o for i, (s, o) in resident.items()})
     stray = {pieces.arg_origin[k] for k, a in enumerate(program) if a is _HELD and k not in found}
     if stray:  # kept, but cut otherwise than this argument: read it
+        leaves = jax.tree_util.tree_leaves(args)
         for i in stray:
-            path, leaf = paths_and_leaves[i]
-            arguments[i] = _key_data(_read_argument(leaf, f"{name}'s argument {jax.tree_util.keystr(path)}"))
+            arguments[i] = _key_data(_read_argument(leaves[i], f"{name}'s argument {_leaf_path(args, i)}"))
             del resident[i]
-        return _program_arguments(compiled, arguments, resident, paths_and_leaves, name)
+        return _program_arguments(compiled, arguments, resident, args, name)
     return program, {k: (resident[pieces.arg_origin[k]][0], r) for k, r in found.items()}
+
+
+def _leaf_path(args: tuple, i: int) -> str:
+    """Leaf `i` of the step's arguments, named by its path (`[0]['w']`), for messages."""
+    return jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(args)[0][i][0])
 
 
 def _result_parts(pieces, count: int) -> list[tuple[int, ...]]:

@@ -68,7 +68,7 @@ MUTATIONS = (
     ),
     Mutation(
         "restore-stale",
-        "hlopar/runtime/ray_runtime.py",
+        "hlopar/runtime/ray_worker.py",
         (
             (
                 "            value = self.kept[(self.last, r)]\n",
@@ -80,7 +80,7 @@ MUTATIONS = (
     ),
     Mutation(
         "dropped-result",
-        "hlopar/runtime/sequential_mpmd.py",
+        "test/unit/oracles/sequential_mpmd.py",
         (
             (
                 "        return [values[i] for i in self.results]\n",
@@ -105,7 +105,7 @@ MUTATIONS = (
     ),
     Mutation(
         "microbatch-mean-twice",
-        "hlopar/runtime/local_executor.py",
+        "test/unit/oracles/microbatched.py",
         (
             (
                 "        results = self.update.run([arguments[i] for i in split.update_args] + sums)\n",

@@ -1,7 +1,7 @@
 """Saves of the training state: where they go, how they are committed, how they are checked.
 
 Pure logic over files and plain data (no IR, no jax, no Ray); the runtimes write the parts
-(`ray_runtime.MeshWorker.save`, `in_process.InProcessRuntime.save`) and `hlopar.api`'s
+(`ray_worker.MeshWorker.save`, `in_process.InProcessRuntime.save`) and `hlopar.api`'s
 `save`/`restore` drive it. A save is a directory:
 
 - `<worker>.npz`, one part per worker, named as `mesh_processes.worker_layout` names the

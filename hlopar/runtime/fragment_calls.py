@@ -1,6 +1,6 @@
 """One planned fragment run for one microbatch, and the FREE of a microbatch's stash, as both
-executors do them (the in-process `local_executor.PipelinedStep` and the Ray workers of
-`ray_runtime`).
+executor core does them (`interpreter.StepInterpreter`, for the local runtime
+`local_executor.PipelinedStep` and the Ray workers of `ray_worker`).
 
 The fragment's accumulated results are summed inside its executable: the running sums go in
 first (donated; zeros at the first microbatch) and come back updated. Its other results are

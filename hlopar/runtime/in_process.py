@@ -36,9 +36,10 @@ import jax
 import numpy as np
 
 from hlopar.codegen.pipeline_program import PipelineProgram
-from hlopar.runtime.fragment_calls import Placements
-from hlopar.runtime.ray_runtime import StepStats
-from hlopar.runtime.step_arguments import check_batch, step_arguments
+from hlopar.runtime.interpreter import ProgramIndex, StepInterpreter
+from hlopar.runtime.local_transport import LocalTransport
+from hlopar.runtime.step_arguments import check_batch, step_arguments, wrap_keys
+from hlopar.runtime.step_stats import StepStats
 
 __all__ = ["InProcessRuntime", "in_process_devices"]
 
@@ -69,9 +70,10 @@ def in_process_devices(
 
 
 class InProcessRuntime:
-    """The plan's one executable, run here (module docstring). What `hlopar.parallelize`
-    asks of a runtime: `start`, `run`, `save`, `load`, `shutdown`, `alive`, `step_id`,
-    `last_stats`."""
+    """The plan's one executable, run here (module docstring); a `protocol.Runtime`."""
+
+    holds_workers = False
+    restart_message = "compiling again"
 
     def __init__(
         self,
@@ -92,6 +94,8 @@ class InProcessRuntime:
         self.log = log or (lambda message: None)
         self.phase = phase or (lambda name: None)
         self.executable = None
+        self.index = ProgramIndex.of(program)
+        self.transport = LocalTransport()  # one executable: nothing moves between meshes
         self.step_id = 0
         self.last: list[jax.Array] = []  # the last step's results (what `save` writes)
         self.last_stats = None
@@ -100,6 +104,9 @@ class InProcessRuntime:
     @property
     def alive(self) -> bool:
         return self.executable is not None
+
+    def connect(self) -> None:
+        """Nothing to reach: the devices are this process's."""
 
     def start(self) -> None:
         from hlopar.codegen.executables import compile_executable
@@ -123,24 +130,27 @@ class InProcessRuntime:
         results."""
         self.last = []
 
-    def run(self, arguments: Sequence) -> list[jax.Array]:
-        """One step: @main's results, not waited for."""
+    def run(self, arguments: Sequence, resident: Mapping[int, tuple[int, int]] | None = None) -> list[jax.Array]:
+        """One step: @main's results, not waited for (`resident`: none, as it keeps no results)."""
         if self.executable is None:
             raise RuntimeError("the runtime is not started")
         program = self.program
         arguments = step_arguments(arguments, len(program.argument_shapes), program.index_arg, program.microbatches)
         check_batch(program, arguments)
         clock, started = time.perf_counter(), time.time()
-        placements = Placements()
-        ex = self.executable
-        outputs = ex.run(placements.inputs(ex, arguments, 0, tuple(ex.donated)))
+        run = StepInterpreter(self.index, arguments, self.transport)
+        outputs = run.whole(self.executable)
         self.step_id += 1
         self.last = outputs
         # No worker, and the step is not waited for: its time is its dispatch's (placing the
         # arguments, the launch).
         self.last_stats = StepStats(time.perf_counter() - clock, started=started)
-        self.placed = placements.moved
+        self.placed = run.placements.moved
         return outputs
+
+    def outputs(self, output: Sequence[jax.Array], leaves: Sequence, parts: Sequence[tuple[int, ...]]) -> list:
+        """`fn`'s result leaves: @main's results (one per leaf), typed keys wrapped back."""
+        return wrap_keys(output, leaves)
 
     def save(self, directory: str | Path, record: Mapping, values: Sequence[jax.Array] | None = None) -> dict:
         """Writes the last step's results (or `values`) into `directory` (a save's staging

@@ -1,6 +1,6 @@
 """A result of `hlopar.parallelize` that lives on the workers that computed it.
 
-A step's results stay on the workers (`ray_runtime.MeshWorker` keeps them by step and
+A step's results stay on the workers (`ray_worker.MeshWorker` keeps them by step and
 result position); the driver gets a `RemoteArray` per result leaf, which knows its shape
 and dtype without fetching anything. Passing it back to the same parallelized function
 moves nothing (the worker that holds it uses its copy). Reading it fetches that one value,

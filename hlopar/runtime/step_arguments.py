@@ -17,7 +17,7 @@ import numpy as np
 
 from hlopar.passes.microbatch_index import microbatch_index_values
 
-__all__ = ["check_batch", "key_data_of", "step_arguments"]
+__all__ = ["check_batch", "key_data_of", "step_arguments", "wrap_keys"]
 
 
 def key_data_of(x):
@@ -25,6 +25,17 @@ def key_data_of(x):
     if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         return jax.random.key_data(x)
     return x
+
+
+def wrap_keys(values: Sequence, leaves: Sequence) -> list:
+    """Results made in this process as `fn` returns them: typed keys (`leaves`: per value, its
+    `jax.ShapeDtypeStruct` and name) wrapped back from their key data."""
+    from hlopar.runtime.remote_array import is_key, key_impl
+
+    return [
+        jax.random.wrap_key_data(x, impl=key_impl(out.dtype)) if is_key(out.dtype) else x
+        for x, (out, _) in zip(values, leaves)
+    ]
 
 
 def step_arguments(arguments: Sequence, num_args: int, index_arg: int | None, microbatches: int) -> list:

@@ -4,7 +4,7 @@ Chrome trace.
 A `Timeline` is plain data: per mesh, the compute spans (F forward, B backward, W weight
 gradients, other compute: the update) and the transfers it sends (activations, gradients),
 with their microbatch. `Timeline.of(result)` takes it from the schedule simulator;
-`runtime.ray_runtime.StepStats.timeline` from a step the Ray workers measured.
+`runtime.step_stats.StepStats.timeline` from a step the Ray workers measured.
 
 - `draw_timeline`: a PNG like Figure 4 of the cross-mesh paper: one row per mesh (compute
   above, its sends in a thin band below), time in round units (s, ms or us) on a labelled

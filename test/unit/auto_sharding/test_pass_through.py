@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from numerics import assert_trees_close
+from oracles.microbatched import run_microbatched
 from zoo_steps import mlp_step
 
 from hlopar.analysis.auto_sharding.rules import OpRule, pass_through_rule
@@ -18,7 +19,6 @@ from hlopar.codegen.spmd import compile_spmd
 from hlopar.ir.module import parse_module, print_module
 from hlopar.passes.base import PassContext
 from hlopar.passes.pipeline import Pipeline
-from hlopar.runtime.local_executor import run_microbatched
 
 WIDTH, BATCH, LAYERS = 64, 32, 4
 

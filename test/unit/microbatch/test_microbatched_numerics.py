@@ -7,10 +7,10 @@ import jax
 import numpy as np
 import pytest
 from microbatch_steps import compare, run_pipeline, step_data
+from oracles.microbatched import MicrobatchedStep, run_microbatched
 
 from hlopar.codegen.spmd import compile_spmd
 from hlopar.ir.module import parse_module
-from hlopar.runtime.local_executor import MicrobatchedStep, run_microbatched
 
 MODELS = ["mlp", "gpt", "u_transformer"]
 

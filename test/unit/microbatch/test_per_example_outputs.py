@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from jaxlib.mlir import ir
 from numerics import assert_step_close, assert_trees_close
+from oracles.microbatched import MicrobatchedStep
 
 import hlopar
 from hlopar.codegen.executables import accumulating_module, compile_executable
@@ -31,7 +32,7 @@ from hlopar.passes.base import PassContext
 from hlopar.passes.per_example_results import PER_EXAMPLE_ATTR
 from hlopar.passes.pipeline import Pipeline
 from hlopar.passes.split_microbatches import KIND_ATTR, SUM, SplitMicrobatchesPass, split_step
-from hlopar.runtime.local_executor import MicrobatchedStep, PipelinedStep
+from hlopar.runtime.local_executor import PipelinedStep
 
 MODEL = get_train_step("mlp", "tiny")
 CONFIG = MODEL.config

@@ -20,16 +20,17 @@ import optax
 import pytest
 from microbatch_steps import run_pipeline
 from numerics import adam_noise_mask, assert_trees_close, assert_updates_close
+from oracles.microbatched import MicrobatchedStep
 
 from hlopar.codegen.pipeline_program import pipeline_program
 from hlopar.codegen.spmd import compile_spmd
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.ir.module import parse_module
 from hlopar.passes.base import PassContext
-from hlopar.passes.pipeline import Pipeline
 from hlopar.passes.microbatch_index import read_index_arg
+from hlopar.passes.pipeline import Pipeline
 from hlopar.passes.split_microbatches import SplitMicrobatchesPass, read_split, split_step
-from hlopar.runtime.local_executor import MicrobatchedStep, PipelinedStep
+from hlopar.runtime.local_executor import PipelinedStep
 
 N, SEQ, D_IN, HIDDEN, OUT = 16, 3, 5, 8, 2
 LR = 0.1

@@ -27,11 +27,11 @@ import pytest
 import scan_steps
 from microbatch_steps import imported, run_pipeline
 from numerics import assert_adam_step_close, assert_updates_close
+from oracles.microbatched import MicrobatchedStep
 
 import hlopar
 from hlopar.ir.graph import FuncGraph
 from hlopar.passes.split_microbatches import BATCH, SUM, op_kinds
-from hlopar.runtime.local_executor import MicrobatchedStep
 
 RTOL = 1e-5
 # After the first step Adam divides moments of gradients that change sign between steps:

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from jaxlib.mlir import ir
 from numerics import assert_trees_close, assert_trees_equal
+from oracles.sequential_mpmd import SequentialMpmd, run_mpmd
 from program_checks import check_program, fragments, main_func, top_level_ops
 
 from hlopar.codegen.fragments import fragment_modules
 from hlopar.codegen.spmd import compile_spmd
-from hlopar.ir.module import parse_module, print_module
 from hlopar.ir.graph import FuncGraph
+from hlopar.ir.module import parse_module, print_module
 from hlopar.passes.mpmd_program import StageMesh, layout_program, write_mpmd_program
-from hlopar.runtime.sequential_mpmd import SequentialMpmd, run_mpmd
 
 # Measured bit-exact on 8 CPU devices; one ulp (1e-7) leaves room for a sharded contraction
 # summed in another order.

@@ -25,15 +25,15 @@ from pathlib import Path
 import pytest
 from jaxlib.mlir import ir
 from numerics import assert_step_close
-from zoo_steps import tiny_step_data
+from oracles.sequential_mpmd import SequentialMpmd, run_mpmd
 from program_checks import PLANNED_TRANSFERS, check_program, crossings, fragments, main_func
+from zoo_steps import tiny_step_data
 
 from hlopar.analysis.mpmd import parse_topology
 from hlopar.ir.module import parse_module, print_module
 from hlopar.passes.base import PassContext
 from hlopar.passes.pipeline import Pipeline
 from hlopar.runtime.local_transfer import TransferError
-from hlopar.runtime.sequential_mpmd import SequentialMpmd, run_mpmd
 
 CLUSTER = "num-hosts=2 devices-per-host=4"
 # Layers to cluster into, where the default does not pipeline (see the module docstring).

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 from numerics import assert_step_close
+from oracles.sequential_mpmd import SequentialMpmd
 from program_checks import check_program, fragments
 from two_stage import roles_of, stages_of
 
@@ -24,7 +25,6 @@ from hlopar.models import get_train_step
 from hlopar.passes.base import PassContext
 from hlopar.passes.mpmd_program import StageMesh, write_mpmd_program
 from hlopar.passes.pipeline import Pipeline
-from hlopar.runtime.sequential_mpmd import SequentialMpmd
 
 RTOL = 1e-5
 MESHES = [StageMesh("m0", ("x", "y"), (2, 2), (0, 1, 2, 3)), StageMesh("m1", ("x", "y"), (1, 4), (4, 5, 6, 7))]

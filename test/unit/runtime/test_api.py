@@ -16,7 +16,8 @@ import hlopar
 from hlopar.api import Cluster, _key_data, describe_plan, plan_step
 from hlopar.models import get_train_step
 from hlopar.progress import Progress
-from hlopar.runtime.ray_runtime import placement_of, worker_programs
+from hlopar.runtime.ray_placement import placement_of
+from hlopar.runtime.ray_worker import worker_programs
 from hlopar.runtime.remote_array import jax_value
 from reordered_steps import reordered_step_text
 

@@ -32,7 +32,8 @@ import hlopar
 from hlopar.models import get_train_step
 from hlopar.runtime import local_ray
 from hlopar.runtime.in_process import InProcessRuntime
-from hlopar.runtime.ray_runtime import WORKER_CPUS, RayRuntime
+from hlopar.runtime.ray_placement import WORKER_CPUS
+from hlopar.runtime.ray_runtime import RayRuntime
 
 RTOL = 1e-5
 UPDATE_MAX_RTOL = 1e-4

@@ -40,6 +40,7 @@ import hlopar
 from hlopar.models import get_train_step
 from hlopar.runtime import checkpoint
 from hlopar.runtime.checkpoint import CheckpointError
+from hlopar.runtime.ray_runtime import RayRuntime
 
 ONE_HOST = hlopar.Cluster.local(1, 8, device_kind="cpu")
 TWO_HOSTS = hlopar.Cluster.local(2, 4, device_kind="cpu")
@@ -189,7 +190,7 @@ def test_a_save_failing_half_way_over_an_earlier_one(trained, tmp_path, monkeypa
     shutil.copytree(trained.saved, target)
     before = files(target)
     runtime = trained.parallel.runtime
-    if isinstance(runtime, hlopar.api.RayRuntime):
+    if isinstance(runtime, RayRuntime):
         # The second worker's part fails half-way; the first one's is written.
         def patch(worker, fail):
             from hlopar.runtime import checkpoint as module
@@ -206,7 +207,7 @@ def test_a_save_failing_half_way_over_an_earlier_one(trained, tmp_path, monkeypa
         with pytest.raises(CheckpointError, match=rf"cannot save to {target}: {expected}.*nothing was written"):
             trained.parallel.save(target)
     finally:
-        if isinstance(runtime, hlopar.api.RayRuntime):
+        if isinstance(runtime, RayRuntime):
             ray.get(runtime.actors["m1"].__ray_call__.remote(patch, None))
         monkeypatch.undo()
     assert files(target) == before and leftovers(tmp_path) == []
@@ -399,7 +400,7 @@ def test_checkpoint_every_and_resuming_after_a_worker_dies(trained, tmp_path):
     step, batch = trained.step, trained.batch
     options = (
         dict(cluster=ONE_HOST, method="shard", runtime="process")
-        if not isinstance(trained.parallel.runtime, hlopar.api.RayRuntime)
+        if not isinstance(trained.parallel.runtime, RayRuntime)
         else dict(cluster=TWO_HOSTS, num_microbatches=2, schedule="1f1b", runtime="ray")
     )
     directory = tmp_path / "checkpoints"
@@ -417,7 +418,7 @@ def test_checkpoint_every_and_resuming_after_a_worker_dies(trained, tmp_path):
         assert sorted(p.name for p in directory.iterdir()) == ["2", "4"]
         assert_trees_equal(jax.device_get(parallel.restore(directory / "4")), outputs[4])
         runtime = parallel.runtime
-        if not isinstance(runtime, hlopar.api.RayRuntime):
+        if not isinstance(runtime, RayRuntime):
             return
         import os
         import signal

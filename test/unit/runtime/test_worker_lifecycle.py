@@ -22,7 +22,8 @@ from numerics import assert_step_close
 import hlopar
 from hlopar.models import get_train_step
 from hlopar.runtime.mesh_processes import worker_layout
-from hlopar.runtime.ray_runtime import WORKER_CPUS, Placement, WorkerError, unplaceable
+from hlopar.runtime.ray_placement import WORKER_CPUS, Placement, unplaceable
+from hlopar.runtime.ray_runtime import WorkerError
 
 RTOL = 1e-5
 UPDATE_MAX_RTOL = 1e-4
