@@ -87,13 +87,8 @@ a later call starts them again. A cluster that can never hold the workers is ref
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import json
-import math
 import os
-import re
-import shutil
 import tempfile
 import threading
 import time
@@ -103,15 +98,33 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import numpy as np
 
-from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS
-from hlopar.analysis.limits import check_cluster, check_cluster_dimension, check_count, check_seconds
+from hlopar.analysis.cluster import Cluster, check_argument
+from hlopar.analysis.limits import check_count, check_seconds
+from hlopar.analysis.schedules import DEFAULT_SCHEDULE
 from hlopar.analysis.training_roles import RolesError
-from hlopar.ir.diagnostics import DiagnosticError
+from hlopar.codegen.bundle import write_bundle
+from hlopar.codegen.pipeline_program import ProgramError, pipeline_program
+from hlopar.codegen.plan_cache import cached_bundle, is_cached, write_cached
+from hlopar.ir.diagnostics import DiagnosticError, error_at
+from hlopar.ir.host_callbacks import host_callbacks as find_host_callbacks
+from hlopar.ir.module import parse_module, print_module
+from hlopar.messages import HloparWarning, PlanningError, defined_at, describe_plan, in_api_terms
+from hlopar.passes.auto_sharding import parse_bytes
+from hlopar.passes.plan_options import (
+    METHODS,
+    RNG_MODES,
+    PlanOptions,
+    check_choice,
+    remat_mode,
+    schedule_named,
+)
+from hlopar.passes.planning import default_microbatches, import_step
+from hlopar.passes.planning import plan as plan_module
 from hlopar.progress import Progress
 from hlopar.runtime.protocol import Runtime
 from hlopar.runtime.ray_runtime import WorkerError
@@ -128,112 +141,7 @@ __all__ = [
     "plan_step",
 ]
 
-METHODS = ("auto", "shard", "pipeline")
-SCHEDULES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
-RNG_MODES = ("exact", "per-microbatch")
-REMAT_MODES = ("auto", "always", "never", "layers")
 RUNTIMES = ("auto", "ray", "process")
-CACHE_VERSION = "hlopar-plan-v9"  # bumped when the planner's output changes
-
-
-# --------------------------------------------------------------------------- the cluster
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """A cluster of `num_hosts` hosts with `devices_per_host` devices each.
-
-    `Cluster.local(...)`: this machine, hosts simulated by separate worker processes (each
-    worker its own CPU devices), Ray started here if it is not running. `Cluster(address=...)`:
-    an existing Ray cluster (`ray.init(address=...)`); hosts and devices per host default to
-    its alive nodes and the GPUs per node (CPU-only: the CPUs per node).
-    """
-
-    address: str | None = None
-    num_hosts: int | None = None
-    devices_per_host: int | None = None
-    device_kind: Literal["cpu", "gpu"] | None = None
-    preset: str | None = None  # the planner's cluster preset (default: "cpu" on CPUs, "v100-p3.16xlarge" on GPUs)
-
-    def __post_init__(self) -> None:
-        """Sizes the planner handles (`analysis.limits`: the limit and why), a known kind and preset."""
-        for name in ("num_hosts", "devices_per_host"):
-            if getattr(self, name) is not None:
-                _check_argument(f"Cluster {name}", check_cluster_dimension, getattr(self, name))
-        if self.num_hosts is not None and self.devices_per_host is not None:
-            try:
-                check_cluster(self.num_hosts, self.devices_per_host)
-            except ValueError as error:
-                raise ValueError(f"Cluster: {error}") from None
-        if self.device_kind not in (None, "cpu", "gpu"):
-            raise ValueError(f"Cluster device_kind must be 'cpu', 'gpu' or None, got {self.device_kind!r}")
-        if self.preset is not None and self.preset not in CLUSTER_PRESETS:
-            raise ValueError(
-                f"Cluster preset: unknown preset {self.preset!r}; known presets: {', '.join(CLUSTER_PRESETS)}"
-            )
-
-    @classmethod
-    def local(
-        cls,
-        num_hosts: int = 1,
-        devices_per_host: int | None = None,
-        device_kind: Literal["cpu", "gpu"] | None = None,
-        preset: str | None = None,
-    ) -> Cluster:
-        """This machine: by default one host with all the local devices jax sees."""
-        _check_argument("Cluster num_hosts", check_cluster_dimension, num_hosts)
-        kind = device_kind or ("gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu")
-        if devices_per_host is None:
-            devices_per_host = max(1, len(jax.devices()) // num_hosts)
-        return cls(None, num_hosts, devices_per_host, kind, preset)
-
-    @property
-    def is_local(self) -> bool:
-        return self.address is None
-
-    def resolved(self) -> Cluster:
-        """Every field set (connects to Ray for a remote cluster's nodes)."""
-        if self.is_local:
-            local = Cluster.local(self.num_hosts or 1, self.devices_per_host, self.device_kind, self.preset)
-            return Cluster(
-                None,
-                local.num_hosts,
-                local.devices_per_host,
-                local.device_kind,
-                local.preset or ("cpu" if local.device_kind == "cpu" else "v100-p3.16xlarge"),
-            )
-        import ray
-
-        _connect(self)
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        gpus = min((n["Resources"].get("GPU", 0) for n in nodes), default=0)
-        kind = self.device_kind or ("gpu" if gpus else "cpu")
-        per_host = self.devices_per_host or int(
-            gpus if kind == "gpu" else min(n["Resources"].get("CPU", 1) for n in nodes)
-        )
-        return Cluster(
-            self.address,
-            self.num_hosts or len(nodes),
-            per_host,
-            kind,
-            self.preset or ("cpu" if kind == "cpu" else "v100-p3.16xlarge"),
-        )
-
-    def key(self) -> dict:
-        return {
-            "hosts": self.num_hosts,
-            "devices_per_host": self.devices_per_host,
-            "kind": self.device_kind,
-            "preset": self.preset,
-        }
-
-
-def _check_argument(name: str, check: Callable[[Any], None], value: Any) -> None:
-    """`check(value)` (`analysis.limits`), its `ValueError` naming the argument."""
-    try:
-        check(value)
-    except ValueError as error:
-        raise ValueError(f"{name}: {error}") from None
 
 
 def _connect(cluster: Cluster) -> None:
@@ -250,6 +158,15 @@ def _connect(cluster: Cluster) -> None:
         connect(cluster.address, os.cpu_count() or 1)
 
 
+def _resolved(cluster: Cluster | None) -> Cluster:
+    """The cluster to plan for, every field set (`Cluster.resolved`; this machine by
+    default): a Ray cluster's sizes are read from its nodes, connected first."""
+    cluster = cluster or Cluster.local()
+    if not cluster.is_local:
+        _connect(cluster)
+    return cluster.resolved()
+
+
 # --------------------------------------------------------------------------- planning
 
 
@@ -264,25 +181,14 @@ class PlannedStep:
     seconds: float
 
 
-def _default_microbatches(module, batch_args: Sequence[int] | None, cluster: Cluster) -> int:
-    from hlopar.analysis.training_roles import batch_arguments
-    from hlopar.ir.graph import FuncGraph
-    from hlopar.passes.auto_sharding import planned_functions
-
-    graph = FuncGraph.from_func(planned_functions(module)[0])
-    if batch_args is None:
-        batch_args = batch_arguments(graph)
-    shapes = [graph.values[graph.args[i]].shape for i in batch_args]
-    sizes = [shape[0] for shape in shapes if shape]
-    if not sizes:
-        return 1
-    size = math.gcd(*sizes)
-    limit = max(4, 2 * (cluster.num_hosts or 1))
-    return max(d for d in range(1, min(size, limit) + 1) if size % d == 0)
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("HLOPAR_CACHE_DIR") or Path.home() / ".cache" / "hlopar")
+def _memory_bytes(value: float | str | None) -> float | None:
+    """`memory_per_device`: bytes, or a size such as "80GiB"."""
+    if isinstance(value, str):
+        try:
+            return parse_bytes(value)
+        except ValueError as error:
+            raise ValueError(f"memory_per_device: invalid value {value!r}: {error}") from None
+    return value
 
 
 def plan_step(
@@ -290,62 +196,57 @@ def plan_step(
     cluster: Cluster,
     *,
     num_microbatches: int | None = None,
-    schedule: str = "eager-1f1b",
+    schedule: str = DEFAULT_SCHEDULE,
     method: str = "auto",
     batch_args: Sequence[int] | None = None,
     rng: str = "exact",
     remat: str = "auto",
     stage_loops: bool = False,
+    layers: int | None = None,
+    memory_per_device: float | str | None = None,
+    loss_result: int | None = None,
     cache: bool = True,
     log: Callable[[str], None] = lambda message: None,
     host_callbacks: bool = False,
 ) -> PlannedStep:
     """Plans a training step's StableHLO text for a (resolved) cluster and writes its bundle,
-    or reads the cached one. Module docstring. `host_callbacks`: the caller runs a plan of one
-    mesh and one microbatch in this process, host callbacks included (`pipeline_program`)."""
-    from hlopar.codegen.pipeline_program import ProgramError, pipeline_program
-    from hlopar.ir.diagnostics import error_at
-    from hlopar.ir.host_callbacks import host_callbacks as find_host_callbacks
-    from hlopar.analysis.schedules import get_schedule
-    from hlopar.ir.module import parse_module
+    or reads the cached one: `parallelize`'s planning, its arguments made `PlanOptions`
+    (`batch_args` and `loss_result` number the step's leaves). Module docstring.
+    `host_callbacks`: the caller runs a plan of one mesh and one microbatch in this process,
+    host callbacks included (`pipeline_program`)."""
+    check_choice("method", METHODS, method)
+    options = PlanOptions(
+        method=method,
+        schedule=schedule_named(schedule),
+        microbatches=num_microbatches,
+        batch_args=tuple(batch_args) if batch_args is not None else None,
+        loss_result=loss_result,
+        rng=rng,
+        remat=remat,
+        stage_loops=stage_loops,
+        layers=layers,
+        memory_per_device=_memory_bytes(memory_per_device),
+    )
+    return _planned(text, cluster, options, cache=cache, log=log, host_callbacks=host_callbacks)
 
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+
+def _planned(
+    text: str, cluster: Cluster, options: PlanOptions, *, cache: bool, log: Callable[[str], None], host_callbacks: bool
+) -> PlannedStep:
+    """`plan_step` of options: the planning pipeline (`passes.planning`, with its microbatch
+    policy), codegen, and the bundle in the plan cache (`codegen.plan_cache`)."""
     clock = time.perf_counter()
-    split = get_schedule(schedule).split_backward
-    step_batch_args = batch_args
-    module, context, pieces, batch_args = _imported(text, method, step_batch_args)
-    chosen = num_microbatches is None  # hlopar's choice, not the user's: it may fall back to 1
-    if chosen:
-        num_microbatches = 1 if method == "shard" else _default_microbatches(module, batch_args, cluster)
-    options = {
-        "microbatches": num_microbatches,
-        "chosen": chosen,
-        "schedule": schedule,
-        "method": method,
-        "batch_args": list(step_batch_args) if step_batch_args is not None else None,
-        "rng": rng,
-        "remat": remat,
-        "stage_loops": stage_loops,
-    }
-    if find_host_callbacks(module):  # a plan that may hold them, apart: a refusal is made afresh, at the user's line
-        options["host_callbacks"] = host_callbacks
-    key = hashlib.sha256(
-        json.dumps(
-            {
-                "version": CACHE_VERSION,
-                "jax": jax.__version__,
-                "text": text,
-                "cluster": cluster.key(),
-                "options": options,
-            },
-            sort_keys=True,
-        ).encode()
-    ).hexdigest()[:24]
-    bundle = _cache_root() / "plans" / key
-    if cache and (bundle / "pipeline.json").is_file() and (bundle / "program.mlir").is_file():
+    split = options.schedule.split_backward
+    step = import_step(parse_module(text), options)
+    chosen = options.microbatches is None  # hlopar's choice, not the user's: it may fall back to 1
+    count = default_microbatches(step, cluster) if chosen else options.microbatches
+    key = {"microbatches": count, "chosen": chosen, **replace(options, microbatches=count).cache_key()}
+    if find_host_callbacks(
+        step.module
+    ):  # a plan that may hold them, apart: a refusal is made afresh, at the user's line
+        key["host_callbacks"] = host_callbacks
+    bundle = cached_bundle(text, cluster.key(), key)
+    if cache and is_cached(bundle):
         try:
             program = pipeline_program(
                 parse_module((bundle / "program.mlir").read_text()), split_backward=split, host_callbacks=host_callbacks
@@ -356,197 +257,32 @@ def plan_step(
         log(f"plan read from the cache ({bundle})")
         return PlannedStep(program, bundle, plan, True, time.perf_counter() - clock)
 
+    step = replace(step, options=replace(step.options, microbatches=count))
+    planned = plan_module(step, cluster, chosen=chosen, load=lambda: import_step(parse_module(text), options))
+    for note in planned.notes:
+        log(note)
+    plan = {
+        "pass": "hlopar.parallelize",
+        "method": options.method,
+        **{k: planned.reports[k] for k in ("split", "clustering", "stages", "reroll", "cross_mesh")},
+    }
+    if not options.stage_loops:  # hlopar-reroll-stage-loops only reported what could loop
+        plan["reroll"] = None
+    plan["warnings"] = planned.warnings
+    plan["layer_pieces"] = planned.pieces.to_json() if planned.pieces else None
     try:
-        plan = _plan_module(
-            module, cluster, num_microbatches, schedule, method, batch_args, rng, remat, stage_loops, context
-        )
-    except DiagnosticError as error:
-        refusal = next((d for d in error.diagnostics if d.message.startswith("hlopar-split-microbatches:")), None)
-        if not chosen or num_microbatches == 1 or refusal is None:
-            raise
-        # The user asked for no number of microbatches: one, where nothing needs a split,
-        # beats a refusal (said as a warning, with what the split would have needed).
-        module, context, pieces, batch_args = _imported(text, method, step_batch_args)
-        plan = _plan_module(module, cluster, 1, schedule, method, batch_args, rng, remat, stage_loops, context)
-        plan["warnings"].insert(
-            0,
-            replace(
-                refusal,
-                severity="warning",
-                message=(
-                    f"{refusal.message}; so the step is not split into the {num_microbatches} microbatches hlopar would "
-                    "have chosen: planned with one microbatch (num_microbatches=1)"
-                ),
-            ).format(),
-        )
-        num_microbatches = 1
-    if chosen and num_microbatches > 1 and len((plan.get("stages") or {}).get("stages", ())) == 1:
-        # One stage gains nothing from microbatches hlopar chose, only launches (each fragment
-        # runs once per microbatch, and no one executable runs the step): planned again with
-        # one, kept if it is still one stage (where the memory needs the microbatches, it is not).
-        single = _imported(text, method, step_batch_args)
-        try:
-            single_plan = _plan_module(
-                single[0], cluster, 1, schedule, method, single[3], rng, remat, stage_loops, single[1]
-            )
-        except DiagnosticError:
-            single_plan = None
-        if single_plan is not None and len(single_plan["stages"]["stages"]) == 1:
-            log(f"one stage: planned with one microbatch, not the {num_microbatches} hlopar would have split into")
-            module, context, pieces, batch_args = single
-            plan, num_microbatches = single_plan, 1
-    if pieces is not None:  # as planned: hlopar-reroll-stage-loops may have joined a stage's pieces into ranges
-        from hlopar.passes.auto_sharding import planned_functions
-        from hlopar.passes.unstack_layer_scans import LayerPieces
-
-        pieces = LayerPieces.of(planned_functions(module)[0]) or pieces
-    plan["layer_pieces"] = pieces.to_json() if pieces else None
-    try:
-        program = pipeline_program(module, split_backward=split, host_callbacks=host_callbacks)
+        program = pipeline_program(planned.module, split_backward=split, host_callbacks=host_callbacks)
     except ProgramError as error:
         raise DiagnosticError([error_at(error.location, str(error))]) from None
+    module_text = print_module(planned.module)
     if cache:
-        _write_cached(bundle, program, module, plan, schedule, options, cluster)
+        write_cached(bundle, program, module_text, plan, options.schedule, key, cluster.key())
     else:
         bundle = Path(tempfile.mkdtemp(prefix="hlopar-plan-"))
-        _write_bundle(bundle, program, module, plan, schedule)
+        write_bundle(bundle, program, module_text, plan, options.schedule)
     seconds = time.perf_counter() - clock
     log(f"planned in {seconds:.1f} s ({bundle})")
     return PlannedStep(program, bundle, plan, False, seconds)
-
-
-def _imported(text: str, method: str, batch_args: Sequence[int] | None):
-    """The step's module imported, and for a pipelined method its scans over layers unrolled
-    with their stacked values split per layer (`hlopar-unstack-layer-scans`): (module, pass
-    context, `LayerPieces` or None, the batch arguments in the module's numbering)."""
-    from hlopar.ir.module import parse_module
-    from hlopar.passes.auto_sharding import planned_functions
-    from hlopar.passes.base import PassContext
-    from hlopar.passes.import_program import ImportPass
-    from hlopar.passes.unstack_layer_scans import LayerPieces, UnstackLayerScansPass
-
-    module = parse_module(text)
-    context = PassContext()
-    ImportPass().run(module, context)
-    if method == "shard":  # one stage: the loops stay loops
-        return module, context, None, batch_args
-    UnstackLayerScansPass().run(module, context)
-    pieces = LayerPieces.of(planned_functions(module)[0])
-    if pieces is not None and batch_args is not None:
-        batch_args = list(pieces.arguments_of(batch_args))
-    return module, context, pieces, batch_args
-
-
-def _plan_module(
-    module,
-    cluster: Cluster,
-    microbatches: int,
-    schedule: str,
-    method: str,
-    batch_args: Sequence[int] | None,
-    rng: str,
-    remat: str,
-    stage_loops: bool,
-    context,
-) -> dict:
-    """Runs the planning passes on an imported module; returns the plan report
-    (`hlopar-auto-parallel`'s shape: split, clustering, stages, cross_mesh) with the passes'
-    warnings (`warnings`: formatted diagnostics, also those of `context`'s earlier passes)."""
-    from hlopar.passes.auto_parallel import stage_remat
-    from hlopar.passes.base import PassContext
-    from hlopar.passes.cluster_operators import ClusterOperatorsPass
-    from hlopar.passes.cross_mesh_resharding import CrossMeshReshardingPass
-    from hlopar.passes.rematerialize import RematerializePass
-    from hlopar.passes.reroll_stage_loops import RerollStageLoopsPass
-    from hlopar.passes.split_microbatches import SplitMicrobatchesPass
-    from hlopar.passes.stage_construction import StageConstructionPass
-
-    with tempfile.TemporaryDirectory(prefix="hlopar-plan-") as scratch:
-        paths = {k: str(Path(scratch) / f"{k}.json") for k in ("split", "clustering", "stages", "reroll", "cross_mesh")}
-        SplitMicrobatchesPass(
-            microbatches=microbatches,
-            batch_args=tuple(batch_args) if batch_args is not None else None,
-            rng=rng,
-            report=paths["split"],
-        ).run(module, context)
-        if method == "shard":
-            stages = _one_mesh_program(module, cluster, microbatches)
-        else:
-            ClusterOperatorsPass(report=paths["clustering"]).run(module, context)
-            StageConstructionPass(
-                num_hosts=cluster.num_hosts,
-                devices_per_host=cluster.devices_per_host,
-                microbatches=microbatches,
-                schedule=schedule,
-                preset=cluster.preset,
-                plan_shardings=method != "pipeline",
-                report=paths["stages"],
-                **stage_remat(remat),
-            ).run(module, context)
-            stages = None
-        RematerializePass(all=remat == "always").run(module, context)
-        if method != "shard" and stage_loops:
-            RerollStageLoopsPass(report=paths["reroll"]).run(module, context)
-        CrossMeshReshardingPass(
-            cluster=cluster.preset, devices_per_host=cluster.devices_per_host, report=paths["cross_mesh"]
-        ).run(module, context)
-        plan = {"pass": "hlopar.parallelize", "method": method}
-        for key, path in paths.items():
-            plan[key] = json.loads(Path(path).read_text()) if Path(path).exists() else None
-        if stages is not None:
-            plan["stages"] = stages
-    plan["warnings"] = list(dict.fromkeys(d.format() for d in context.diagnostics))
-    return plan
-
-
-def _one_mesh_program(module, cluster: Cluster, microbatches: int) -> dict:
-    """`method="shard"`: the split step as an MPMD program of one stage on one mesh of every
-    device (x = hosts, y = devices per host), its shardings planned by hlopar-auto-sharding."""
-    from jaxlib.mlir import ir
-
-    from hlopar.ir.graph import FuncGraph
-    from hlopar.passes.auto_sharding import planned_functions
-    from hlopar.passes.cluster_operators import ClusterOperatorsPass
-    from hlopar.passes.mpmd_program import StageMesh, write_mpmd_program
-
-    shape = (cluster.num_hosts, cluster.devices_per_host)
-    devices = tuple(range(math.prod(shape)))
-    with module.context, ir.Location.unknown():
-        graph = FuncGraph.from_func(planned_functions(module)[0])
-        layering, _ = ClusterOperatorsPass(layers=1).cluster(graph)
-        write_mpmd_program(
-            module,
-            [0] * len(graph.ops),
-            layering.roles,
-            [StageMesh("m0", ("x", "y"), shape, devices)],
-            preset=cluster.preset,
-        )
-    return {
-        "microbatches": microbatches,
-        "stages": [{"stage": 0, "logical_shape": list(shape), "devices": list(devices), "latency": 0.0}],
-    }
-
-
-def _write_bundle(directory: Path, program, module, plan: dict, schedule: str) -> None:
-    from hlopar.codegen.bundle import write_bundle
-    from hlopar.ir.module import print_module
-
-    write_bundle(directory, program, print_module(module), plan, schedule)
-
-
-def _write_cached(bundle: Path, program, module, plan: dict, schedule: str, options: dict, cluster: Cluster) -> None:
-    """Writes the bundle beside its place and renames it there (readers never see half of one)."""
-    bundle.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".hlopar-plan-", dir=bundle.parent))
-    try:
-        _write_bundle(staging, program, module, plan, schedule)
-        (staging / "options.json").write_text(json.dumps({"options": options, "cluster": cluster.key()}, indent=1))
-        try:
-            os.rename(staging, bundle)
-        except OSError:  # another process cached the same plan first
-            pass
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- the callable
@@ -605,32 +341,40 @@ class ParallelizedFunction:
         checkpoint_every: int | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
         checkpoint_format: str = "orbax",
+        layers: int | None = None,
+        memory_per_device: float | str | None = None,
+        loss_result: int | None = None,
     ):
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-        if rng not in RNG_MODES:
-            raise ValueError(f"rng must be one of {', '.join(RNG_MODES)}, got {rng!r}")
-        if runtime not in RUNTIMES:
-            raise ValueError(f"runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
-        remat = {True: "always", False: "never"}[remat] if isinstance(remat, bool) else remat
-        if remat not in REMAT_MODES:
-            raise ValueError(f"remat must be True, False or one of {', '.join(REMAT_MODES)}, got {remat!r}")
+        check_choice("method", METHODS, method)
+        schedule = schedule_named(schedule)
+        check_choice("rng", RNG_MODES, rng)
+        check_choice("runtime", RUNTIMES, runtime)
+        remat = remat_mode(remat)
         if cluster is not None and not isinstance(cluster, Cluster):
             raise TypeError(f"cluster must be a hlopar.Cluster or None, got {type(cluster).__name__}")
         if num_microbatches is not None:
-            _check_argument("num_microbatches", lambda n: check_count(n, low=1), num_microbatches)
-        _check_argument("timeout", check_seconds, timeout)
+            check_argument("num_microbatches", lambda n: check_count(n, low=1), num_microbatches)
+        check_argument("timeout", check_seconds, timeout)
         for name, numbers in (
             ("batch_argnums", () if batch_argnums is ... else batch_argnums),
             ("donate_argnums", donate_argnums),
         ):
             for number in (numbers,) if isinstance(numbers, int) else numbers:
-                _check_argument(name, lambda n: check_count(-n if isinstance(n, int) and n < 0 else n), number)
+                check_argument(name, lambda n: check_count(-n if isinstance(n, int) and n < 0 else n), number)
+        # What to plan; the batch arguments are set per call (`_batch_leaves`: leaves, not positions).
+        self.options = PlanOptions(
+            method=method,
+            schedule=schedule,
+            microbatches=num_microbatches,
+            loss_result=loss_result,
+            rng=rng,
+            remat=remat,
+            stage_loops=bool(stage_loops),
+            layers=layers,
+            memory_per_device=_memory_bytes(memory_per_device),
+        )
         self.fn = fn
         self.cluster = cluster
-        self.num_microbatches = num_microbatches
         self.schedule = schedule
         self.batch_argnums = (
             batch_argnums
@@ -638,10 +382,6 @@ class ParallelizedFunction:
             else tuple((batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums)
         )
         self.donate_argnums = tuple((donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums)
-        self.method = method
-        self.rng = rng
-        self.remat = remat
-        self.stage_loops = bool(stage_loops)
         self.runtime_kind = runtime
         self.timeout = timeout
         self.cache = cache
@@ -691,7 +431,7 @@ class ParallelizedFunction:
         """Lowers and plans the step for these arguments, starting nothing: the plan and
         JAX's lowering. Raises `PlanningError` in the user's terms; the passes' warnings are
         raised as `HloparWarning`s."""
-        return self._plan((self.cluster or Cluster.local()).resolved(), args)
+        return self._plan(_resolved(self.cluster), args)
 
     def _plan(self, cluster: Cluster, args: tuple) -> tuple[PlannedStep, Any]:
         self._progress.phase("lowering")
@@ -704,27 +444,22 @@ class ParallelizedFunction:
         self._log(
             f"lowered {self.__name__} in {time.perf_counter() - clock:.1f} s; planning for "
             f"{cluster.num_hosts} host(s) x {cluster.devices_per_host} {cluster.device_kind} device(s), "
-            f"method {self.method}, schedule {self.schedule}"
+            f"method {self.options.method}, schedule {self.options.schedule.name}"
         )
         self._progress.phase("planning")
         try:
-            planned = plan_step(
+            batch_args = self._batch_leaves(args)
+            planned = _planned(
                 text,
                 cluster,
-                num_microbatches=self.num_microbatches,
-                schedule=self.schedule,
-                method=self.method,
-                batch_args=self._batch_leaves(args),
-                rng=self.rng,
-                remat=self.remat,
-                stage_loops=self.stage_loops,
+                replace(self.options, batch_args=tuple(batch_args) if batch_args is not None else None),
                 cache=self.cache,
                 log=self._log,
                 host_callbacks=self.runtime_kind != "ray" and cluster.is_local and cluster.num_hosts == 1,
             )
         except (DiagnosticError, RolesError) as error:
             raise PlanningError(
-                f"hlopar cannot parallelize {self.__name__}{_defined_at(self.fn)}:\n{in_api_terms(str(error))}"
+                f"hlopar cannot parallelize {self.__name__}{defined_at(self.fn)}:\n{in_api_terms(str(error))}"
             ) from None
         for message in planned.plan.get("warnings", ()):
             warnings.warn(in_api_terms(message), HloparWarning, stacklevel=3)
@@ -762,7 +497,7 @@ class ParallelizedFunction:
         from hlopar.runtime.ray_placement import placement_of
         from hlopar.runtime.ray_runtime import RayRuntime
 
-        cluster = (self.cluster or Cluster.local()).resolved()
+        cluster = _resolved(self.cluster)
         self._progress = progress = Progress(self.verbose)
         try:
             planned, lowered = self._plan(cluster, args)
@@ -800,8 +535,7 @@ class ParallelizedFunction:
                     where.location,
                 )
                 raise PlanningError(
-                    f"hlopar cannot parallelize {self.__name__}{_defined_at(self.fn)}:\n"
-                    f"{in_api_terms(refusal.format())}"
+                    f"hlopar cannot parallelize {self.__name__}{defined_at(self.fn)}:\n{in_api_terms(refusal.format())}"
                 )
             else:
                 placement = placement_of(
@@ -1219,116 +953,12 @@ def _key_data(leaf):
     return jax.random.key_data(leaf) if is_key(_dtype(leaf)) else leaf
 
 
-class HloparWarning(UserWarning):
-    """A planning pass's warning (what the plan computes differently, or could not plan)."""
-
-
-class PlanningError(ValueError):
-    """The step cannot be parallelized as written: the message says why, where in the
-    user's code, and which argument of `parallelize` settles it."""
-
-
-# Pass options the messages name -> the `parallelize` arguments that set them.
-_API_OPTIONS = (
-    (re.compile(r"\bbatch-args=\.\.\."), "batch_argnums=... (the positional arguments that hold the batch)"),
-    (re.compile(r"\bbatch-args="), "batch_argnums="),
-    (re.compile(r"(?<![\w-])microbatches="), "num_microbatches="),
-    (re.compile(r"\brng=per-microbatch"), 'rng="per-microbatch"'),
-)
-
-
-def in_api_terms(message: str) -> str:
-    """A pass's message as a `parallelize` user reads it: options named as its arguments,
-    no placeholder file for what has no source line (an argument, the whole step)."""
-    for pattern, replacement in _API_OPTIONS:
-        message = pattern.sub(replacement, message)
-    return re.sub(r"(?m)^-: ", "", message)
-
-
-def _defined_at(fn: Callable) -> str:
-    """` (file:line)` of a Python function's definition, or nothing."""
-    code = getattr(inspect.unwrap(fn), "__code__", None)
-    return f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
-
-
-def describe_plan(planned: PlannedStep) -> str:
-    """The plan in a few lines: stages, meshes and devices, how many tensors are sharded."""
-    program = planned.program
-    lines = [
-        f"plan: {len(program.meshes)} stage(s), {program.microbatches} microbatch(es)"
-        f"{' (cached)' if planned.cached else ''}"
-    ]
-    stages = {s["stage"]: s for s in ((planned.plan.get("stages") or {}).get("stages") or [])}
-    for mesh in program.meshes:
-        stage = program.stage_of_mesh.get(mesh)
-        info = stages.get(stage, {})
-        fragments = [f for f in program.fragments if f.mesh == mesh]
-        shardings = [dims for f in fragments for dims in _SHARDING.findall(f.text)]
-        sharded = sum(1 for dims in shardings if '"' in dims)
-        shape = "x".join(str(s) for s in info.get("logical_shape", ())) or "?"
-        latency = f", predicted {info['latency'] * 1e3:.3g} ms/microbatch" if info.get("latency") else ""
-        per = "layer" if info.get("remat_form") == "layers" else "stage"
-        latency += f"; forward recomputed in the backward (remat, per {per})" if info.get("remat") else ""
-        lines.append(
-            f"  {mesh}: stage {stage}, mesh {shape} on devices {list(program.devices[mesh])}, "
-            f"fragments {', '.join(f.name for f in fragments)}; {sharded} of {len(shardings)} "
-            f"annotated tensors sharded{latency}"
-        )
-    from hlopar.codegen.one_program import fuses
-
-    if fuses(program):
-        lines.append(
-            "  runs as one executable: its fragments fused into one program (one mesh, one microbatch), "
-            "as jax.jit compiles the step"
-        )
-    pieces = planned.plan.get("layer_pieces")
-    if pieces:
-        from hlopar.passes.unstack_layer_scans import LayerPieces
-
-        pieces = LayerPieces.from_json(pieces)
-        stacks = len({o for o, p in zip(pieces.arg_origin, pieces.arg_piece) if p >= 0})
-        layers = pieces.layers
-        lines.append(
-            f"  scanned layer stack unrolled: {stacks} stacked argument(s) split into {layers} per-layer "
-            "pieces, each held by its stage"
-        )
-        reroll = planned.plan.get("reroll")
-        if reroll is None:
-            lines.append("  each stage runs its layers unrolled (parallelize(stage_loops=True) runs them as loops)")
-        else:
-            from hlopar.passes.reroll_stage_loops import stage_loop_lines
-
-            lines += stage_loop_lines(reroll)
-    lines += _memory_lines(planned.plan.get("memory"))
-    return "\n".join(lines)
-
-
-def _memory_lines(memory: dict | None) -> list[str]:
-    """Per mesh, the most memory a fragment needs as compiled (with what stays resident), and
-    the device's (docs/codegen.md, memory.json)."""
-    if not memory:
-        return []
-    from hlopar.units import format_bytes
-
-    device = memory.get("device_memory")
-    of = f" of {format_bytes(device)} per device" if device else ""
-    peaks = [
-        f"{m['mesh']} {format_bytes(m['compiled_peak'])}"
-        for m in memory.get("meshes", ())
-        if m.get("compiled_peak") is not None
-    ]
-    return [f"  memory (compiled, peak fragment + resident){of}: {', '.join(peaks)}"] if peaks else []
-
-
-_SHARDING = re.compile(r"#sdy\.sharding<@[\w.]+, \[(.*?)\]>")
-
-
 def parallelize(
     fn: Callable | None = None,
     *,
     cluster: Cluster | None = None,
     num_microbatches: int | None = None,
-    schedule: str = "eager-1f1b",
+    schedule: str = DEFAULT_SCHEDULE,
     batch_argnums=...,
     donate_argnums: Sequence[int] | int = (),
     method: str = "auto",
@@ -1342,6 +972,9 @@ def parallelize(
     checkpoint_every: int | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
     checkpoint_format: str = "orbax",
+    layers: int | None = None,
+    memory_per_device: float | str | None = None,
+    loss_result: int | None = None,
 ):
     """`fn` (a pure JAX function, e.g. a training step) run over a cluster: a callable with
     `fn`'s signature and results. Usable as a decorator, with or without arguments.
@@ -1362,7 +995,12 @@ def parallelize(
     `checkpoint_every=N, checkpoint_dir=DIR`: every N calls the state is saved to
     `DIR/<call>` in the background, the steps going on meanwhile (the last two kept), in
     Orbax's format or hlopar's (`checkpoint_format="npz"`; `ParallelizedFunction.save`,
-    docs/runtime.md). Module docstring."""
+    docs/runtime.md). `layers`: operator clustering's number of layers (default: chosen);
+    `memory_per_device`: the device memory stages are planned within, bytes or a size such
+    as "80GiB" (default: the cluster preset's); `loss_result`: which leaf of `fn`'s
+    flattened results is the loss (default: found). The options are the planning
+    pipeline's (`passes.plan_options.PlanOptions`), as `hlopar-compile`'s flags. Module
+    docstring."""
 
     def wrap(function: Callable) -> ParallelizedFunction:
         return ParallelizedFunction(
@@ -1383,6 +1021,9 @@ def parallelize(
             checkpoint_every=checkpoint_every,
             checkpoint_dir=checkpoint_dir,
             checkpoint_format=checkpoint_format,
+            layers=layers,
+            memory_per_device=memory_per_device,
+            loss_result=loss_result,
         )
 
     return wrap if fn is None else wrap(fn)

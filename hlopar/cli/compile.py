@@ -31,9 +31,9 @@ from pathlib import Path
 from hlopar.analysis.limits import check_cluster, check_cluster_dimension, check_count, check_positive
 from hlopar.cli.arguments import ArgumentParser
 from hlopar.cli.guard import run_isolated
+from hlopar.passes.plan_options import METHODS, REMAT_MODES, RNG_MODES, SCHEDULE_NAMES
 from hlopar.runtime.host_devices import use_host_devices
 
-SCHEDULE_CHOICES = ("gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd")
 BUNDLE_MARKER = "pipeline.json"
 
 DESCRIPTION = """\
@@ -160,11 +160,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--schedule",
         required=True,
-        choices=SCHEDULE_CHOICES,
+        choices=SCHEDULE_NAMES,
         help="pipeline schedule: gpipe (all forwards, then all backwards), 1f1b, eager-1f1b "
         "(stage i warms up with 2(#stages-i)+1 forwards so transfers overlap compute), or "
         "eager-1f1b-wd (eager-1f1b with backward weight delaying: each backward is cut into "
         "B, the input gradients, sent at once, and W, the weight gradients, run after)",
+    )
+    parser.add_argument(
+        "--method",
+        choices=METHODS,
+        default="auto",
+        help="auto: stages, submeshes and each stage's intra-op plan chosen; shard: one stage on one mesh "
+        "of every device (intra-op only); pipeline: stages replicated over their submeshes (default: auto)",
+    )
+    parser.add_argument(
+        "--remat",
+        choices=REMAT_MODES,
+        default="auto",
+        help="stages that recompute their forward in the backward: auto (where stage construction finds "
+        "it pays), always (per stage), layers (per layer), never (default: auto)",
+    )
+    parser.add_argument(
+        "--stage-loops",
+        action="store_true",
+        help="run each stage's iterations of a scanned layer stack as one loop (hlopar-reroll-stage-loops)",
     )
     parser.add_argument(
         "--preset",
@@ -202,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--rng",
-        choices=("exact", "per-microbatch"),
+        choices=RNG_MODES,
         default="exact",
         help="per-microbatch: let whole-shape random generators (stablehlo.rng, rng_bit_generator) "
         "draw per microbatch, other numbers than the whole batch's (default: refuse them)",
@@ -363,7 +382,6 @@ def in_cli_terms(message: str) -> str:
 
 
 def _compile(args: argparse.Namespace, staging: str) -> int:
-    from hlopar.analysis.schedules import get_schedule
     from hlopar.codegen.bundle import write_bundle
     from hlopar.codegen.pipeline_program import ProgramError, pipeline_program
     from hlopar.ir.diagnostics import Diagnostic, DiagnosticError, error_at
@@ -387,13 +405,13 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
     module = parse_module(read_source(args.input), source_name=args.input)
     timings.append(("parse", time.perf_counter() - clock))
 
-    report = Path(staging) / "plan.json"
     try:
         planner = AutoParallelPass(
             num_hosts=args.num_hosts,
             devices_per_host=args.devices_per_host,
             microbatches=args.microbatches,
             split=True,
+            method=args.method,
             schedule=args.schedule,
             memory_per_device=memory,
             preset=args.preset,
@@ -401,11 +419,12 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
             batch_args=args.batch_args,
             loss_result=args.loss_result,
             rng=args.rng,
-            report=str(report),
+            remat=args.remat,
+            reroll="auto" if args.stage_loops else "never",
         )
     except OptionError as error:
         raise DiagnosticError([Diagnostic("error", in_cli_terms(str(error)))]) from None
-    context = PassContext()
+    context = PassContext(reports={})
     steps: list[tuple[str, float]] = []
     try:
         Pipeline([Step(planner.name, hlopar_pass=planner)]).run(module, context, Instrumentation(timings=steps))
@@ -414,17 +433,17 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
     timings += steps
     for diagnostic in context.diagnostics:
         sys.stderr.write(diagnostic.reworded(in_cli_terms).format(args.input) + "\n")
-    plan = json.loads(report.read_text())
-    report.unlink()
+    plan = context.reports[planner.name]
+    schedule = planner.plan_options().schedule
 
     clock = time.perf_counter()
     try:
-        program = pipeline_program(module, split_backward=get_schedule(args.schedule).split_backward)
+        program = pipeline_program(module, split_backward=schedule.split_backward)
     except ProgramError as error:
         raise DiagnosticError([error_at(error.location, f"hlopar-compile: {error}")]) from None
     timings.append(("codegen", time.perf_counter() - clock))
     clock = time.perf_counter()
-    write_bundle(staging, program, print_module(module), plan, args.schedule, memory_check=args.memory_check)
+    write_bundle(staging, program, print_module(module), plan, schedule, memory_check=args.memory_check)
     timings.append(("bundle", time.perf_counter() - clock))
     if args.timing:
         total = sum(seconds for _, seconds in timings)

@@ -34,6 +34,7 @@ from hlopar.analysis.schedules import (
     AlphaBeta,
     MeshStream,
     PipelineStreams,
+    Schedule,
     SimResult,
     StageCost,
     Timeline,
@@ -139,7 +140,7 @@ def write_bundle(
     program: PipelineProgram,
     module_text: str,
     plan: Mapping,
-    schedule: str,
+    schedule: str | Schedule,
     memory_check: bool = True,
 ) -> dict:
     """Writes the bundle into `directory` (which must exist and be empty); returns the

@@ -9,6 +9,7 @@ when a pipeline is parsed and when a pass is built in code, before any work.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shlex
 import types
@@ -21,7 +22,7 @@ from jaxlib.mlir import ir
 
 from hlopar.analysis.limits import check_count, check_number
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError, source_location
-from hlopar.ir.output import output_problem
+from hlopar.ir.output import output_problem, write_output
 from hlopar.ir.suggestions import did_you_mean
 
 
@@ -58,9 +59,13 @@ class OptionError(ValueError):
 
 @dataclass
 class PassContext:
-    """What a running pass may use besides the module: where to send warnings."""
+    """What a running pass may use besides the module: where to send warnings, and where to
+    hand its report over. `reports` is None unless the caller collects the passes' reports
+    (the planning pipeline, `passes.planning`): then each pass's report is there under the
+    pass's name, whether or not its `report` option names a file."""
 
     diagnostics: list[Diagnostic] = field(default_factory=list)
+    reports: dict[str, dict] | None = None
 
     def warn(self, op_or_location: Any, message: str) -> None:
         location = getattr(op_or_location, "location", op_or_location)
@@ -95,6 +100,26 @@ class ModulePass:
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
         raise NotImplementedError
+
+    def wants_report(self, context: PassContext) -> bool:
+        """Whether anyone reads this run's report: a `report` option's file, or the context."""
+        return getattr(self, "report", None) is not None or context.reports is not None
+
+    def emit_report(
+        self, module: ir.Operation, context: PassContext, report: dict, *, indent: int = 1, end: str = "\n"
+    ) -> None:
+        """Hands the report over: to the context, as JSON reads it back (plain lists and
+        string keys), where it collects reports; to the `report` option's file where it names
+        one (`json.dumps(report, indent=indent) + end`)."""
+        text = json.dumps(report, indent=indent)
+        if context.reports is not None:
+            context.reports[self.name] = json.loads(text)
+        path = getattr(self, "report", None)
+        if path is not None:
+            try:
+                write_output(path, text + end)
+            except OSError as error:
+                self.fail(module, f"cannot write the report to '{path}': {error.strerror}")
 
     def fail(self, op_or_location: Any, message: str) -> typing.NoReturn:
         """Stops the pipeline with an error located at an op."""

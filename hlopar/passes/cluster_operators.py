@@ -14,7 +14,6 @@ name-stack locations) keep their layer N; the DP then only places the unpinned o
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 
@@ -24,7 +23,6 @@ from hlopar.analysis.flops import function_flops
 from hlopar.analysis.stages.clustering import choose_num_layers, cluster_operators
 from hlopar.analysis.training_roles import Role, TrainingRoles, classify, layer_of_ops, marked_layers
 from hlopar.ir.graph import FuncGraph
-from hlopar.ir.output import write_output
 from hlopar.passes.auto_sharding import planned_functions
 from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto, report_option
 
@@ -63,9 +61,9 @@ class ClusterOperatorsPass(ModulePass):
             start = time.perf_counter()
             layering, info = self.cluster(graph)
             write_layering(graph, layering)
-        if self.report:
+        if self.wants_report(context):
             info["seconds"] = time.perf_counter() - start
-            write_output(self.report, json.dumps(info, indent=1) + "\n")
+            self.emit_report(module, context, info)
 
     def cluster(self, graph: FuncGraph) -> tuple[Layering, dict]:
         """The layering of a function and a report of it."""

@@ -11,7 +11,6 @@ within one mesh are left alone (they are reshards, done with collectives).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -25,7 +24,6 @@ from hlopar.analysis.resharding.host_model import GBPS
 from hlopar.analysis.sharding import ShardingPerValue, ShardingSpec, TensorSharding
 from hlopar.ir.diagnostics import source_location
 from hlopar.ir.graph import bit_width
-from hlopar.ir.output import write_output
 from hlopar.passes.base import ModulePass, PassContext, option, report_option
 from hlopar.passes.transfer_ops import argument_sharding, build_transfer_op
 
@@ -104,11 +102,8 @@ class CrossMeshReshardingPass(ModulePass):
                 module.attributes[DEVICES_ATTR] = ir.DictAttr.get(
                     {name: ir.DenseI64ArrayAttr.get(list(ids)) for name, ids in physical.items()}
                 )
-        if self.report:
-            try:
-                self._write_report(reports, model)
-            except OSError as error:
-                self.fail(module, f"cannot write the report to '{self.report}': {error.strerror}")
+        if self.wants_report(context):
+            self._write_report(module, context, reports, model)
 
     # --- reading the module --------------------------------------------------------------
 
@@ -233,7 +228,9 @@ class CrossMeshReshardingPass(ModulePass):
             **plan.report(),
         }
 
-    def _write_report(self, transfers: list[dict[str, Any]], model: HostModel) -> None:
+    def _write_report(
+        self, module: ir.Operation, context: PassContext, transfers: list[dict[str, Any]], model: HostModel
+    ) -> None:
         report = {
             "pass": self.name,
             "options": self.pipeline_text(),
@@ -246,7 +243,7 @@ class CrossMeshReshardingPass(ModulePass):
             },
             "transfers": transfers,
         }
-        write_output(self.report, json.dumps(report, indent=2) + "\n")
+        self.emit_report(module, context, report, indent=2)
 
 
 def _op_sharding(op: ir.Operation) -> TensorSharding | None:

@@ -36,7 +36,6 @@ arguments and results are unchanged and the loops pack their pieces each run.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -51,7 +50,6 @@ from hlopar.analysis.mesh import quote_string
 from hlopar.analysis.mpmd import MeshTensorType
 from hlopar.analysis.sharding import DimSharding, TensorSharding
 from hlopar.ir.extract import clone_into
-from hlopar.ir.output import write_output
 from hlopar.passes.base import ModulePass, PassContext, option, report_option
 from hlopar.passes.microbatch_index import INDEX_ARG_ATTR
 from hlopar.passes.mpmd_program import fragment_role
@@ -151,18 +149,17 @@ class RerollStageLoopsPass(ModulePass):
                 for fragment in fragments(module):
                     if fragment_role(fragment) == "update":
                         widen_joins(fragment)
-        if self.report:
-            write_output(
-                self.report,
-                json.dumps(
-                    {
-                        "pass": self.name,
-                        "reroll": self.reroll,
-                        "ranges": [asdict(r) for r in ranges],
-                        "held": [asdict(h) for h in held],
-                    },
-                    indent=1,
-                ),
+        if self.wants_report(context):
+            self.emit_report(
+                module,
+                context,
+                {
+                    "pass": self.name,
+                    "reroll": self.reroll,
+                    "ranges": [asdict(r) for r in ranges],
+                    "held": [asdict(h) for h in held],
+                },
+                end="",
             )
 
     def _spans(self, module: ir.Operation) -> dict[str, list[tuple[int, int]]]:

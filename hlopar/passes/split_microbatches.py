@@ -137,7 +137,6 @@ would otherwise run once after it (statistics, whatever they compute) are marked
 from __future__ import annotations
 
 import functools
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -155,7 +154,6 @@ from hlopar.analysis.training_roles import ELEMENTWISE_OPS, RolesError, batch_ar
 from hlopar.ir.diagnostics import DiagnosticError, source_location
 from hlopar.ir.extract import Extraction, extract_function, value_of
 from hlopar.ir.graph import FuncGraph
-from hlopar.ir.output import write_output
 from hlopar.ir.signature import FuncSignature
 from hlopar.passes.base import ModulePass, PassContext, option, report_option
 from hlopar.passes.batch_statistics import mean_divisions, reduced_count, rescale_mean, splat_value
@@ -255,10 +253,8 @@ class SplitMicrobatchesPass(ModulePass):
         except SplitError as error:
             self.fail(error.op if error.op is not None else main, str(error))
         module.verify()
-        if self.report:
-            write_output(
-                self.report, json.dumps({"pass": self.name, "options": self.pipeline_text(), **split}, indent=1) + "\n"
-            )
+        if self.wants_report(context):
+            self.emit_report(module, context, {"pass": self.name, "options": self.pipeline_text(), **split})
 
 
 # --------------------------------------------------------------------------- analysis

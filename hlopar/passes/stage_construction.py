@@ -16,7 +16,6 @@ other op loses the clustering's attributes).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -50,7 +49,6 @@ from hlopar.analysis.stages.submeshes import (
     submesh_shapes,
 )
 from hlopar.ir.graph import FuncGraph
-from hlopar.ir.output import write_output
 from hlopar.ir.signature import FuncSignature
 from hlopar.passes.auto_sharding import _run_upstream_on, parse_bytes, planned_functions
 from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto, report_option
@@ -179,9 +177,9 @@ class StageConstructionPass(ModulePass):
             )
             mark_rematerialized(module, {k: s["remat_form"] for k, s in enumerate(plan.stages) if s["remat"]})
             timings["mpmd_program"] = time.perf_counter() - emit
-        if self.report:
+        if self.wants_report(context):
             timings["total"] = time.perf_counter() - start
-            write_output(self.report, json.dumps(self._report(plan, stats, timings), indent=1) + "\n")
+            self.emit_report(module, context, self._report(plan, stats, timings))
 
     # ------------------------------------------------------------------ planning
 

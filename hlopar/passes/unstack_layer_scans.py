@@ -36,7 +36,6 @@ slices a stage would hold anyway.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -51,7 +50,6 @@ from hlopar.analysis.layer_scans import layer_scans
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.ir.extract import clone_into
 from hlopar.ir.graph import FuncGraph
-from hlopar.ir.output import write_output
 from hlopar.ir.signature import FuncSignature
 from hlopar.passes.auto_sharding import planned_functions
 from hlopar.passes.base import ModulePass, PassContext, option, report_option
@@ -104,7 +102,7 @@ class UnstackLayerScansPass(ModulePass):
                 _canonicalize(module)  # what read or made the whole stacks is dead now
                 merge_repeated_reshapes(planned_functions(module)[0])
                 read_where_used(planned_functions(module)[0])
-        if self.report:
+        if self.wants_report(context):
             report = {
                 "pass": self.name,
                 "seconds": time.perf_counter() - clock,
@@ -112,7 +110,7 @@ class UnstackLayerScansPass(ModulePass):
                 "split_arguments": pieces.split_arguments if pieces else 0,
                 "split_results": pieces.split_results if pieces else 0,
             }
-            write_output(self.report, json.dumps(report, indent=1))
+            self.emit_report(module, context, report, end="")
 
 
 def unroll(

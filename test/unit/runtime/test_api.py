@@ -15,6 +15,7 @@ import pytest
 import hlopar
 from hlopar.api import Cluster, _key_data, describe_plan, plan_step
 from hlopar.models import get_train_step
+from hlopar.passes import planning
 from hlopar.progress import Progress
 from hlopar.runtime.ray_placement import placement_of
 from hlopar.runtime.ray_worker import worker_programs
@@ -93,19 +94,19 @@ def test_a_one_stage_plan_runs_one_microbatch_unless_one_needs_more_stages(cache
     assert any("one stage: planned with one microbatch, not the 4" in m for m in logged), logged
     assert planned.program.batch_args == (1, 2)
 
-    plan_module = hlopar.api._plan_module
+    run_passes = planning.run_passes
 
-    def two_stages_at_one(module, cluster, microbatches, *args):
-        plan = plan_module(module, cluster, microbatches, *args)
-        if microbatches == 1:
-            plan["stages"]["stages"] *= 2
-        return plan
+    def two_stages_at_one(step, cluster):
+        planned = run_passes(step, cluster)
+        if step.options.microbatches == 1:
+            planned.reports["stages"]["stages"] *= 2
+        return planned
 
-    monkeypatch.setattr(hlopar.api, "_plan_module", two_stages_at_one)
+    monkeypatch.setattr(planning, "run_passes", two_stages_at_one)
     planned = plan_step(_sgd_text(), CLUSTER, schedule="1f1b", cache=False)
     assert planned.program.microbatches == 4 and len(planned.program.meshes) == 1
     # A count the user gives is theirs.
-    monkeypatch.setattr(hlopar.api, "_plan_module", plan_module)
+    monkeypatch.setattr(planning, "run_passes", run_passes)
     assert plan_step(_sgd_text(), CLUSTER, num_microbatches=2, schedule="1f1b", cache=False).program.microbatches == 2
 
 

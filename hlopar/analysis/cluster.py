@@ -1,0 +1,117 @@
+"""`Cluster`: the cluster a step is planned for and run on, a value the planner takes.
+
+Hosts × devices per host, the device kind, and the planner's cost preset
+(`analysis.auto_sharding.cluster.CLUSTER_PRESETS`); sizes checked against what the planner
+handles (`analysis.limits`). A Ray cluster's sizes are read from its nodes once connected
+(`hlopar.api` connects, then resolves).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jax
+
+from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS
+from hlopar.analysis.limits import check_cluster, check_cluster_dimension
+
+__all__ = ["Cluster", "check_argument"]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A cluster of `num_hosts` hosts with `devices_per_host` devices each.
+
+    `Cluster.local(...)`: this machine, hosts simulated by separate worker processes (each
+    worker its own CPU devices), Ray started here if it is not running. `Cluster(address=...)`:
+    an existing Ray cluster (`ray.init(address=...)`); hosts and devices per host default to
+    its alive nodes and the GPUs per node (CPU-only: the CPUs per node).
+    """
+
+    address: str | None = None
+    num_hosts: int | None = None
+    devices_per_host: int | None = None
+    device_kind: Literal["cpu", "gpu"] | None = None
+    preset: str | None = None  # the planner's cluster preset (default: "cpu" on CPUs, "v100-p3.16xlarge" on GPUs)
+
+    def __post_init__(self) -> None:
+        """Sizes the planner handles (`analysis.limits`: the limit and why), a known kind and preset."""
+        for name in ("num_hosts", "devices_per_host"):
+            if getattr(self, name) is not None:
+                check_argument(f"Cluster {name}", check_cluster_dimension, getattr(self, name))
+        if self.num_hosts is not None and self.devices_per_host is not None:
+            try:
+                check_cluster(self.num_hosts, self.devices_per_host)
+            except ValueError as error:
+                raise ValueError(f"Cluster: {error}") from None
+        if self.device_kind not in (None, "cpu", "gpu"):
+            raise ValueError(f"Cluster device_kind must be 'cpu', 'gpu' or None, got {self.device_kind!r}")
+        if self.preset is not None and self.preset not in CLUSTER_PRESETS:
+            raise ValueError(
+                f"Cluster preset: unknown preset {self.preset!r}; known presets: {', '.join(CLUSTER_PRESETS)}"
+            )
+
+    @classmethod
+    def local(
+        cls,
+        num_hosts: int = 1,
+        devices_per_host: int | None = None,
+        device_kind: Literal["cpu", "gpu"] | None = None,
+        preset: str | None = None,
+    ) -> Cluster:
+        """This machine: by default one host with all the local devices jax sees."""
+        check_argument("Cluster num_hosts", check_cluster_dimension, num_hosts)
+        kind = device_kind or ("gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu")
+        if devices_per_host is None:
+            devices_per_host = max(1, len(jax.devices()) // num_hosts)
+        return cls(None, num_hosts, devices_per_host, kind, preset)
+
+    @property
+    def is_local(self) -> bool:
+        return self.address is None
+
+    def resolved(self) -> Cluster:
+        """Every field set. A Ray cluster's are read from its alive nodes: this process must
+        be connected to it (`hlopar.api` connects first)."""
+        if self.is_local:
+            local = Cluster.local(self.num_hosts or 1, self.devices_per_host, self.device_kind, self.preset)
+            return Cluster(
+                None,
+                local.num_hosts,
+                local.devices_per_host,
+                local.device_kind,
+                local.preset or ("cpu" if local.device_kind == "cpu" else "v100-p3.16xlarge"),
+            )
+        import ray
+
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        gpus = min((n["Resources"].get("GPU", 0) for n in nodes), default=0)
+        kind = self.device_kind or ("gpu" if gpus else "cpu")
+        per_host = self.devices_per_host or int(
+            gpus if kind == "gpu" else min(n["Resources"].get("CPU", 1) for n in nodes)
+        )
+        return Cluster(
+            self.address,
+            self.num_hosts or len(nodes),
+            per_host,
+            kind,
+            self.preset or ("cpu" if kind == "cpu" else "v100-p3.16xlarge"),
+        )
+
+    def key(self) -> dict:
+        return {
+            "hosts": self.num_hosts,
+            "devices_per_host": self.devices_per_host,
+            "kind": self.device_kind,
+            "preset": self.preset,
+        }
+
+
+def check_argument(name: str, check: Callable[[Any], None], value: Any) -> None:
+    """`check(value)` (`analysis.limits`), its `ValueError` naming the argument."""
+    try:
+        check(value)
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None

@@ -1,0 +1,123 @@
+"""The planning pipeline's options: one frozen object, and each mode's names, defined once.
+
+`parallelize` (hlopar/api.py), `hlopar-compile` (hlopar/cli/compile.py) and the
+`hlopar-auto-parallel` pass (passes/auto_parallel.py) each turn their own spelling of an
+option (an argument, a flag, a pass option) into a `PlanOptions` at their edge, and read
+their choices, defaults and refusals from here: `METHODS`, `RNG_MODES`, `REMAT_MODES`
+(`analysis.stages.span_costs`, whose DP reads it) and the schedule registry
+(`analysis.schedules`: `SCHEDULES`, `DEFAULT_SCHEDULE`, `ScheduleName`). A schedule name becomes a `Schedule`
+there, once; the options hold the `Schedule`. The pipeline itself: `passes.planning`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hlopar.analysis.limits import check_count, check_positive
+from hlopar.analysis.schedules import DEFAULT_SCHEDULE, SCHEDULES, Schedule, get_schedule
+from hlopar.analysis.stages.span_costs import REMAT_MODES
+
+__all__ = [
+    "METHODS",
+    "REMAT_MODES",
+    "RNG_MODES",
+    "SCHEDULE_NAMES",
+    "PlanOptions",
+    "check_choice",
+    "remat_mode",
+    "schedule_named",
+]
+
+# "auto": stages, submeshes and each stage's intra-op plan chosen (one stage on every device is
+# one of the choices); "shard": one stage on one mesh of every device, intra-op only;
+# "pipeline": stages as "auto", each replicated over its submesh (inter-op only, to compare).
+METHODS = ("auto", "shard", "pipeline")
+# hlopar-split-microbatches' rng: "exact" refuses whole-shape generators under several
+# microbatches; "per-microbatch" lets them draw per microbatch (with a warning).
+RNG_MODES = ("exact", "per-microbatch")
+SCHEDULE_NAMES = tuple(SCHEDULES)
+
+
+def check_choice(name: str, choices: Sequence[str], value: Any) -> None:
+    """Refuses a value that is not one of `choices`, naming the option and the choices."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def schedule_named(name: str | Schedule) -> Schedule:
+    """The registered schedule of that name (`schedule must be one of ...` otherwise)."""
+    if not isinstance(name, Schedule):
+        check_choice("schedule", SCHEDULE_NAMES, name)
+    return get_schedule(name)
+
+
+def remat_mode(remat: str | bool) -> str:
+    """`parallelize`'s remat: True is "always", False "never", else one of `REMAT_MODES`."""
+    remat = {True: "always", False: "never"}[remat] if isinstance(remat, bool) else remat
+    if remat not in REMAT_MODES:
+        raise ValueError(f"remat must be True, False or one of {', '.join(REMAT_MODES)}, got {remat!r}")
+    return remat
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What to plan, whoever asks (docs/training_step.md, docs/stage_construction.md).
+
+    `microbatches`: per step; None lets the pipeline choose (`passes.planning`, its
+    microbatch policy). `split`: rewrite the step into the step of one microbatch first
+    (hlopar-split-microbatches; `parallelize` and `hlopar-compile` always do).
+    `batch_args` / `loss_result`: the batch arguments and the loss result in the step's own
+    numbering (default: found by the split pass). `stage_loops`: each stage runs its
+    iterations of a scanned layer stack as a loop (hlopar-reroll-stage-loops).
+    `unstack_layers`: unroll scans over stacked layers so that stages can cut between them.
+    `layers`: operator clustering's number of layers (None: chosen). `memory_per_device`:
+    bytes (None: the cluster preset's). `memory_check`: compile every fragment and refuse a
+    plan that does not fit (codegen.memory_check)."""
+
+    method: str = "auto"
+    schedule: Schedule = get_schedule(DEFAULT_SCHEDULE)  # noqa: RUF009 (a Schedule is frozen)
+    microbatches: int | None = None
+    split: bool = True
+    batch_args: tuple[int, ...] | None = None
+    loss_result: int | None = None
+    rng: str = "exact"
+    remat: str = "auto"
+    stage_loops: bool = False
+    unstack_layers: bool = True
+    layers: int | None = None
+    memory_per_device: float | None = None
+    memory_check: bool = True
+
+    def __post_init__(self) -> None:
+        check_choice("method", METHODS, self.method)
+        if not isinstance(self.schedule, Schedule):
+            raise TypeError(f"schedule must be a Schedule (passes.plan_options.schedule_named), got {self.schedule!r}")
+        check_choice("rng", RNG_MODES, self.rng)
+        check_choice("remat", REMAT_MODES, self.remat)
+        for name in ("microbatches", "layers"):
+            if getattr(self, name) is not None:
+                check_count(getattr(self, name), low=1)
+        for name in ("batch_args", "loss_result"):
+            for index in (getattr(self, name),) if isinstance(getattr(self, name), int) else getattr(self, name) or ():
+                check_count(index)
+        if self.memory_per_device is not None:
+            check_positive(self.memory_per_device)
+
+    def cache_key(self) -> dict:
+        """The options as `parallelize`'s plan cache keys them: those it always had, and the
+        others where they are not their default (an older key stays the same)."""
+        key = {
+            "microbatches": self.microbatches,
+            "schedule": self.schedule.name,
+            "method": self.method,
+            "batch_args": list(self.batch_args) if self.batch_args is not None else None,
+            "rng": self.rng,
+            "remat": self.remat,
+            "stage_loops": self.stage_loops,
+        }
+        for name in ("loss_result", "layers", "memory_per_device"):
+            if getattr(self, name) is not None:
+                key[name] = getattr(self, name)
+        return key

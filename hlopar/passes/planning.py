@@ -1,0 +1,265 @@
+"""The planning pipeline: what `parallelize`, `hlopar-compile` and `hlopar-auto-parallel` run.
+
+    hlopar-import → hlopar-unstack-layer-scans → hlopar-split-microbatches
+      method "auto" / "pipeline":  hlopar-cluster-operators → hlopar-stage-construction
+                                   (plan_shardings=false for "pipeline") → hlopar-rematerialize
+                                   → hlopar-reroll-stage-loops
+      method "shard":              one stage on one mesh of every device, planned by
+                                   hlopar-auto-sharding → hlopar-rematerialize
+      → hlopar-cross-mesh-resharding
+
+from one `PlanOptions` (`passes.plan_options`) and a `Cluster` (`analysis.cluster`); the
+unstacking where `unstack_layers` (never for "shard": one stage, its loops stay loops), the
+split where `split`. hlopar-reroll-stage-loops rolls the stages' layers with `stage_loops`,
+and else runs with `reroll=never`, which changes nothing and reports the ranges a stage could
+loop over. Each pass hands its report over through the pass context (`PassContext.reports`);
+`Plan.reports` holds them by their place in a plan report (`layer_scans`, `split`,
+`clustering`, `stages`, `reroll`, `cross_mesh`). Codegen and the bundle come after it.
+
+The microbatch policy (where `split` and no count is given: `parallelize`'s
+`num_microbatches=None`; docs/training_step.md):
+
+1. the count is the largest divisor of the batch size not above max(4, 2 × hosts) (1 for
+   "shard", 1 where no batch argument has a leading dim) (`default_microbatches`);
+2. where the split pass refuses that many (a whole-batch op, a generator that must draw for
+   the whole batch), the step is planned again with one microbatch, the refusal kept as a
+   warning that says so; a count the user gives is refused instead;
+3. where the plan at the chosen count is one stage, the step is planned again with one
+   microbatch and that plan kept if it is still one stage (microbatches would only add
+   launches; where memory needs them, the plan at one is more stages and is not kept).
+
+Planning again needs the step again: `plan` takes a `load` that imports it afresh.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from jaxlib.mlir import ir
+
+from hlopar.analysis.cluster import Cluster
+from hlopar.analysis.training_roles import batch_arguments
+from hlopar.ir.diagnostics import Diagnostic, DiagnosticError
+from hlopar.ir.graph import FuncGraph
+from hlopar.passes.auto_sharding import planned_functions
+from hlopar.passes.base import PassContext
+from hlopar.passes.cluster_operators import ClusterOperatorsPass
+from hlopar.passes.cross_mesh_resharding import CrossMeshReshardingPass
+from hlopar.passes.import_program import ImportPass
+from hlopar.passes.mpmd_program import StageMesh, write_mpmd_program
+from hlopar.passes.plan_options import PlanOptions
+from hlopar.passes.rematerialize import RematerializePass
+from hlopar.passes.reroll_stage_loops import RerollStageLoopsPass
+from hlopar.passes.split_microbatches import SplitMicrobatchesPass
+from hlopar.passes.stage_construction import StageConstructionPass
+from hlopar.passes.unstack_layer_scans import LayerPieces, UnstackLayerScansPass
+
+__all__ = ["REPORT_KEYS", "ImportedStep", "Plan", "default_microbatches", "import_step", "plan", "run_passes"]
+
+# Where each pass's report goes in a plan report.
+REPORT_KEYS = {
+    UnstackLayerScansPass.name: "layer_scans",
+    SplitMicrobatchesPass.name: "split",
+    ClusterOperatorsPass.name: "clustering",
+    StageConstructionPass.name: "stages",
+    RerollStageLoopsPass.name: "reroll",
+    CrossMeshReshardingPass.name: "cross_mesh",
+}
+
+
+@dataclass
+class ImportedStep:
+    """A step imported (hlopar-import) and, where unstacked, its layer scans unrolled:
+    the module, the pass context its passes ran in, the `LayerPieces` (or None), and the
+    options with the batch arguments and loss result in the module's numbering."""
+
+    module: ir.Operation
+    context: PassContext
+    pieces: LayerPieces | None
+    options: PlanOptions
+
+
+@dataclass
+class Plan:
+    """A planned step: the MPMD program (`module`), each pass's report (`REPORT_KEYS`'s
+    keys; None for a pass that did not run), the passes' warnings, the options as planned
+    (the count of microbatches settled), and the layer pieces as planned (hlopar-reroll-
+    stage-loops may have joined a stage's pieces into ranges)."""
+
+    module: ir.Operation
+    reports: dict[str, dict | None]
+    diagnostics: list[Diagnostic]
+    options: PlanOptions
+    pieces: LayerPieces | None
+    notes: list[str] = field(default_factory=list)  # what the microbatch policy decided
+
+    @property
+    def warnings(self) -> list[str]:
+        """The warnings, formatted, each once."""
+        return list(dict.fromkeys(d.format() for d in self.diagnostics))
+
+
+def import_step(
+    module: ir.Operation, options: PlanOptions, diagnostics: list[Diagnostic] | None = None
+) -> ImportedStep:
+    """hlopar-import, then (where `unstack_layers`, and the method pipelines) hlopar-unstack-
+    layer-scans, on `module` in place; the options renumbered to the module's arguments.
+    The passes' warnings go to `diagnostics` (a pass context's, as they come) where given."""
+    context = PassContext([] if diagnostics is None else diagnostics, reports={})
+    ImportPass().run(module, context)
+    if options.method == "shard" or not options.unstack_layers:  # one stage: the loops stay loops
+        return ImportedStep(module, context, None, options)
+    UnstackLayerScansPass().run(module, context)
+    pieces = LayerPieces.of(planned_functions(module)[0])
+    if pieces is not None:
+        options = replace(
+            options,
+            batch_args=pieces.arguments_of(options.batch_args) if options.batch_args is not None else None,
+            loss_result=_result_of(pieces, options.loss_result),
+        )
+    return ImportedStep(module, context, pieces, options)
+
+
+def _result_of(pieces: LayerPieces, result: int | None) -> int | None:
+    """The number of `@main`'s result that is the step's result `result` (a loss is never cut)."""
+    if result is None:
+        return None
+    return next((k for k, o in enumerate(pieces.result_origin) if o == result), result)
+
+
+def default_microbatches(step: ImportedStep, cluster: Cluster) -> int:
+    """The policy's count (module docstring, 1.): the largest divisor of the batch size not
+    above max(4, 2 × hosts); 1 for "shard" and where no batch argument has a leading dim."""
+    if step.options.method == "shard":
+        return 1
+    graph = FuncGraph.from_func(planned_functions(step.module)[0])
+    batch_args = step.options.batch_args
+    if batch_args is None:
+        batch_args = batch_arguments(graph)
+    shapes = [graph.values[graph.args[i]].shape for i in batch_args]
+    sizes = [shape[0] for shape in shapes if shape]
+    if not sizes:
+        return 1
+    size = math.gcd(*sizes)
+    limit = max(4, 2 * (cluster.num_hosts or 1))
+    return max(d for d in range(1, min(size, limit) + 1) if size % d == 0)
+
+
+def plan(
+    step: ImportedStep,
+    cluster: Cluster,
+    *,
+    chosen: bool = False,
+    load: Callable[[], ImportedStep] | None = None,
+) -> Plan:
+    """Plans an imported step (in place) for a resolved cluster. Where the options give no
+    count of microbatches, the policy's (module docstring) is used; `chosen` says that the
+    count given is the policy's too (`default_microbatches`, asked before, as `parallelize`
+    does for its cache key). Where the policy may plan again (a count that is hlopar's),
+    `load` gives the step imported afresh; without it the first plan is kept."""
+    options = step.options
+    if options.split and options.microbatches is None:
+        step = replace(step, options=replace(options, microbatches=default_microbatches(step, cluster)))
+        chosen = True
+    count = step.options.microbatches
+    if not chosen or load is None or count == 1:
+        return run_passes(step, cluster)
+    try:
+        planned = run_passes(step, cluster)
+    except DiagnosticError as error:
+        refusal = next((d for d in error.diagnostics if d.message.startswith(f"{SplitMicrobatchesPass.name}:")), None)
+        if refusal is None:
+            raise
+        planned = run_passes(_one_microbatch(load()), cluster)
+        planned.diagnostics.insert(
+            0,
+            replace(
+                refusal,
+                severity="warning",
+                message=(
+                    f"{refusal.message}; so the step is not split into the {count} microbatches hlopar would "
+                    "have chosen: planned with one microbatch (num_microbatches=1)"
+                ),
+            ),
+        )
+        return planned
+    if _stages(planned) == 1:
+        try:
+            single = run_passes(_one_microbatch(load()), cluster)
+        except DiagnosticError:
+            single = None
+        if single is not None and _stages(single) == 1:
+            single.notes.append(f"one stage: planned with one microbatch, not the {count} hlopar would have split into")
+            return single
+    return planned
+
+
+def _one_microbatch(step: ImportedStep) -> ImportedStep:
+    return replace(step, options=replace(step.options, microbatches=1))
+
+
+def _stages(planned: Plan) -> int:
+    return len((planned.reports.get("stages") or {}).get("stages", ()))
+
+
+def run_passes(step: ImportedStep, cluster: Cluster) -> Plan:
+    """One try: the planning passes after the import, on the step's module as its options
+    say (the count of microbatches given); the passes' reports and warnings (also those of
+    the import's passes) in a `Plan`."""
+    module, context, options = step.module, step.context, step.options
+    if options.split:
+        SplitMicrobatchesPass(
+            microbatches=options.microbatches,
+            batch_args=options.batch_args,
+            loss_result=options.loss_result,
+            rng=options.rng,
+        ).run(module, context)
+    stages = None
+    if options.method == "shard":
+        stages = _one_mesh_program(module, cluster, options.microbatches)
+    else:
+        ClusterOperatorsPass(layers=options.layers).run(module, context)
+        StageConstructionPass(
+            num_hosts=cluster.num_hosts,
+            devices_per_host=cluster.devices_per_host,
+            microbatches=options.microbatches,
+            schedule=options.schedule.name,
+            memory_per_device=options.memory_per_device,
+            preset=cluster.preset,
+            plan_shardings=options.method != "pipeline",
+            remat=options.remat,
+        ).run(module, context)
+    RematerializePass(all=options.remat == "always").run(module, context)
+    if options.method != "shard":
+        RerollStageLoopsPass(reroll="auto" if options.stage_loops else "never").run(module, context)
+    CrossMeshReshardingPass(cluster=cluster.preset, devices_per_host=cluster.devices_per_host).run(module, context)
+    reports = {key: context.reports.get(name) for name, key in REPORT_KEYS.items()}
+    if stages is not None:
+        reports["stages"] = stages
+    pieces = step.pieces
+    if pieces is not None:  # as planned: hlopar-reroll-stage-loops may have joined a stage's pieces into ranges
+        pieces = LayerPieces.of(planned_functions(module)[0]) or pieces
+    return Plan(module, reports, list(context.diagnostics), options, pieces)
+
+
+def _one_mesh_program(module: ir.Operation, cluster: Cluster, microbatches: int | None) -> dict:
+    """`method="shard"`: the split step as an MPMD program of one stage on one mesh of every
+    device (x = hosts, y = devices per host), its shardings planned by hlopar-auto-sharding."""
+    shape = (cluster.num_hosts, cluster.devices_per_host)
+    devices = tuple(range(math.prod(shape)))
+    with module.context, ir.Location.unknown():
+        graph = FuncGraph.from_func(planned_functions(module)[0])
+        layering, _ = ClusterOperatorsPass(layers=1).cluster(graph)
+        write_mpmd_program(
+            module,
+            [0] * len(graph.ops),
+            layering.roles,
+            [StageMesh("m0", ("x", "y"), shape, devices)],
+            preset=cluster.preset,
+        )
+    return {
+        "microbatches": microbatches,
+        "stages": [{"stage": 0, "logical_shape": list(shape), "devices": list(devices), "latency": 0.0}],
+    }
