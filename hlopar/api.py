@@ -10,7 +10,8 @@ The first call (per argument signature: pytree structure, shapes, dtypes):
 1. lowers `fn` with jax (`jax.jit(fn, keep_unused=True, donate_argnums=...).lower(...)` on abstract
    arguments, with debug info: source lines and pytree paths name what messages speak of)
    to StableHLO text, one `@main` argument per pytree leaf;
-2. plans it, as `hlopar-compile` does (`cli/compile.py`, docs/codegen.md): hlopar-import,
+2. plans it with the planning pipeline `hlopar-compile` runs too (`passes.planning`, from
+   one `passes.plan_options.PlanOptions`; docs/codegen.md): hlopar-import,
    hlopar-split-microbatches, then per `method`
    - `"auto"`: hlopar-cluster-operators, hlopar-stage-construction (stages, submeshes and
      an intra-op plan per stage, all chosen; one stage on every device is one of the
@@ -47,7 +48,7 @@ signature). A signature set aside drops at each call what the caller no longer r
 `save`, which saves the last call's). Threads: one call at a time; calls (and `compile`,
 `close`) from several threads are serialized by a lock, each getting its own results.
 
-The bundle is cached on disk under `$HLOPAR_CACHE_DIR` (default
+The bundle is cached on disk (`codegen.plan_cache`) under `$HLOPAR_CACHE_DIR` (default
 `~/.cache/hlopar`), in `plans/<key>/`, the key a hash of the program text, the cluster and the
 options: a new process with the same step skips planning (codegen reads `program.mlir`
 back).
@@ -60,10 +61,11 @@ value, once; a scalar, such as the loss, came back with its step's reply). When 
 call passes a result back as an argument (new parameters,
 optimizer state), the driver sends nothing for it. `batch_argnums`: the positional arguments holding the batch
 (each leaf cut along dim 0 into microbatches); `...` lets the split pass find them (the
-arguments that are not training state). `num_microbatches=None`: the largest divisor of the
-batch size not above max(4, 2 × num_hosts) ("shard": 1), or 1, with an `HloparWarning` saying
-why, where the split pass refuses that many (a number the user gives is refused instead), and
-1 where the plan is one stage either way (microbatches would only add launches).
+arguments that are not training state). `num_microbatches=None`: the planning pipeline's microbatch
+policy (`passes.planning`): the largest divisor of the batch size not above
+max(4, 2 × num_hosts) ("shard": 1), or 1, with an `HloparWarning` saying why, where the
+split pass refuses that many (a number the user gives is refused instead), and 1 where the
+plan is one stage either way (microbatches would only add launches).
 `donate_argnums`: as in `jax.jit`,
 the donated arrays are deleted after the call (a donated result is dropped on the workers at
 the next call; reading it raises).
@@ -352,6 +354,8 @@ class ParallelizedFunction:
         remat = remat_mode(remat)
         if cluster is not None and not isinstance(cluster, Cluster):
             raise TypeError(f"cluster must be a hlopar.Cluster or None, got {type(cluster).__name__}")
+        if cluster is not None:
+            cluster.check_preset()
         if num_microbatches is not None:
             check_argument("num_microbatches", lambda n: check_count(n, low=1), num_microbatches)
         check_argument("timeout", check_seconds, timeout)

@@ -37,7 +37,10 @@ class Cluster:
     preset: str | None = None  # the planner's cluster preset (default: "cpu" on CPUs, "v100-p3.16xlarge" on GPUs)
 
     def __post_init__(self) -> None:
-        """Sizes the planner handles (`analysis.limits`: the limit and why), a known kind and preset."""
+        """Sizes the planner handles (`analysis.limits`: the limit and why), a known kind. The
+        preset is checked where a cluster is made for this machine or resolved (`check_preset`):
+        a cluster a pass describes (`hlopar-auto-parallel`'s `preset`) reaches the pass that
+        reads its preset, which refuses an unknown one in its own terms."""
         for name in ("num_hosts", "devices_per_host"):
             if getattr(self, name) is not None:
                 check_argument(f"Cluster {name}", check_cluster_dimension, getattr(self, name))
@@ -48,10 +51,14 @@ class Cluster:
                 raise ValueError(f"Cluster: {error}") from None
         if self.device_kind not in (None, "cpu", "gpu"):
             raise ValueError(f"Cluster device_kind must be 'cpu', 'gpu' or None, got {self.device_kind!r}")
+
+    def check_preset(self) -> Cluster:
+        """This cluster, its preset known (or None: the default for its kind)."""
         if self.preset is not None and self.preset not in CLUSTER_PRESETS:
             raise ValueError(
                 f"Cluster preset: unknown preset {self.preset!r}; known presets: {', '.join(CLUSTER_PRESETS)}"
             )
+        return self
 
     @classmethod
     def local(
@@ -66,7 +73,7 @@ class Cluster:
         kind = device_kind or ("gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu")
         if devices_per_host is None:
             devices_per_host = max(1, len(jax.devices()) // num_hosts)
-        return cls(None, num_hosts, devices_per_host, kind, preset)
+        return cls(None, num_hosts, devices_per_host, kind, preset).check_preset()
 
     @property
     def is_local(self) -> bool:
@@ -75,6 +82,7 @@ class Cluster:
     def resolved(self) -> Cluster:
         """Every field set. A Ray cluster's are read from its alive nodes: this process must
         be connected to it (`hlopar.api` connects first)."""
+        self.check_preset()
         if self.is_local:
             local = Cluster.local(self.num_hosts or 1, self.devices_per_host, self.device_kind, self.preset)
             return Cluster(

@@ -3,7 +3,8 @@
     hlopar-compile step.mlir --num-hosts 2 --devices-per-host 4 --microbatches 4 --schedule 1f1b -o out/
 
 runs `hlopar-auto-parallel{split=true ...}` (import, hlopar-split-microbatches, operator
-clustering, stage construction, cross-mesh resharding), reads the planned program as a
+clustering, stage construction, cross-mesh resharding: the planning pipeline `parallelize`
+runs too, `passes.planning`, its flags' choices read from `passes.plan_options`), reads the planned program as a
 pipeline (`codegen.pipeline_program`), builds the schedule's instruction streams, simulates
 them, and writes the bundle (`codegen.bundle`, docs/codegen.md).
 

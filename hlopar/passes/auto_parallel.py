@@ -110,10 +110,8 @@ class AutoParallelPass(ModulePass):
     def run(self, module: ir.Operation, context: PassContext) -> None:
         if self.split and self.microbatches is None:
             self.fail(module, "split=true needs a number of microbatches (microbatches=B), not auto")
-        try:
-            cluster = Cluster(num_hosts=self.num_hosts, devices_per_host=self.devices_per_host, preset=self.preset)
-        except ValueError as error:
-            self.fail(module, str(error))
+        # The sizes are checked with the options; the preset by the passes that read it.
+        cluster = Cluster(num_hosts=self.num_hosts, devices_per_host=self.devices_per_host, preset=self.preset)
         planned = plan(import_step(module, self.plan_options(), context.diagnostics), cluster)
         if self.wants_report(context):
             self.emit_report(module, context, self.plan_report(planned))

@@ -202,7 +202,7 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
         # jax.jit, (t(401) - t(1)) / 800, medians of 30 interleaved runs at load 4.6: 0.54 us a
         # kernel on one device, 2.6 us on each of 8 SPMD devices sharing the 2 cores, and
         # about 0.3 ms a launch of an 8-device executable (t(1)). Not set here: the number of
-        # microbatches `parallelize` uses is not chosen by these costs (api._default_microbatches),
+        # microbatches `parallelize` uses is not chosen by these costs (passes.planning.default_microbatches),
         # and the plans the tests pin on this preset would move.
         ClusterPreset(
             name="cpu",
