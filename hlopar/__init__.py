@@ -9,10 +9,18 @@ __all__ = ["CheckpointError", "Cluster", "HloparWarning", "PlanningError", "Work
 
 
 def __getattr__(name: str):
-    if name in ("Cluster", "HloparWarning", "PlanningError", "parallelize"):
-        from hlopar import api
+    if name == "parallelize":
+        from hlopar.api import parallelize
 
-        return getattr(api, name)
+        return parallelize
+    if name == "Cluster":
+        from hlopar.analysis.cluster import Cluster
+
+        return Cluster
+    if name in ("HloparWarning", "PlanningError"):
+        from hlopar import messages
+
+        return getattr(messages, name)
     if name == "WorkerError":
         from hlopar.runtime.ray_runtime import WorkerError
 

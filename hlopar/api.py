@@ -424,6 +424,13 @@ class ParallelizedFunction:
     def _log(self, message: str) -> None:
         self._progress.message(message)
 
+    # The planning arguments, as `parallelize` took them (`remat` as its mode), from the options.
+    num_microbatches = property(lambda self: self.options.microbatches)
+    method = property(lambda self: self.options.method)
+    rng = property(lambda self: self.options.rng)
+    remat = property(lambda self: self.options.remat)
+    stage_loops = property(lambda self: self.options.stage_loops)
+
     # -- building
 
     @staticmethod
