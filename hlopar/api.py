@@ -105,8 +105,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from hlopar.analysis.cluster import Cluster, check_argument
-from hlopar.analysis.limits import check_count, check_seconds
+from hlopar.analysis.cluster import Cluster
+from hlopar.analysis.limits import check_argument, check_count, check_seconds
 from hlopar.analysis.schedules import DEFAULT_SCHEDULE
 from hlopar.analysis.training_roles import RolesError
 from hlopar.codegen.bundle import write_bundle

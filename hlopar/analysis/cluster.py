@@ -8,16 +8,15 @@ handles (`analysis.limits`). A Ray cluster's sizes are read from its nodes once 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import jax
 
 from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS
-from hlopar.analysis.limits import check_cluster, check_cluster_dimension
+from hlopar.analysis.limits import check_argument, check_cluster, check_cluster_dimension
 
-__all__ = ["Cluster", "check_argument"]
+__all__ = ["Cluster"]
 
 
 @dataclass(frozen=True)
@@ -115,11 +114,3 @@ class Cluster:
             "kind": self.device_kind,
             "preset": self.preset,
         }
-
-
-def check_argument(name: str, check: Callable[[Any], None], value: Any) -> None:
-    """`check(value)` (`analysis.limits`), its `ValueError` naming the argument."""
-    try:
-        check(value)
-    except ValueError as error:
-        raise ValueError(f"{name}: {error}") from None

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from hlopar.analysis.stages.submeshes import logical_mesh_shapes, submesh_shapes
 
@@ -20,6 +21,7 @@ __all__ = [
     "MAX_LOGICAL_MESHES",
     "MAX_SECONDS",
     "MAX_WORKERS",
+    "check_argument",
     "check_cluster",
     "check_cluster_dimension",
     "check_count",
@@ -141,3 +143,11 @@ def check_mesh_shape(shape: Sequence[int]) -> None:
             f"the most hlopar plans for (a mesh is a cluster's devices, and clusters are bounded by "
             f"planning time)"
         )
+
+
+def check_argument(name: str, check: Callable[[Any], None], value: Any) -> None:
+    """`check(value)`, its `ValueError` naming the argument or option (`name: why`)."""
+    try:
+        check(value)
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from None

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hlopar.analysis.limits import check_count, check_positive
+from hlopar.analysis.limits import check_argument, check_count, check_positive
 from hlopar.analysis.schedules import DEFAULT_SCHEDULE, SCHEDULES, Schedule, get_schedule
 from hlopar.analysis.stages.span_costs import REMAT_MODES
 
@@ -73,8 +73,8 @@ class PlanOptions:
     iterations of a scanned layer stack as a loop (hlopar-reroll-stage-loops).
     `unstack_layers`: unroll scans over stacked layers so that stages can cut between them.
     `layers`: operator clustering's number of layers (None: chosen). `memory_per_device`:
-    bytes (None: the cluster preset's). `memory_check`: compile every fragment and refuse a
-    plan that does not fit (codegen.memory_check)."""
+    bytes (None: the cluster preset's). (The compiled memory check is codegen's, after the
+    plan: `codegen.bundle.write_bundle`'s `memory_check`.)"""
 
     method: str = "auto"
     schedule: Schedule = get_schedule(DEFAULT_SCHEDULE)  # noqa: RUF009 (a Schedule is frozen)
@@ -88,7 +88,6 @@ class PlanOptions:
     unstack_layers: bool = True
     layers: int | None = None
     memory_per_device: float | None = None
-    memory_check: bool = True
 
     def __post_init__(self) -> None:
         check_choice("method", METHODS, self.method)
@@ -98,12 +97,13 @@ class PlanOptions:
         check_choice("remat", REMAT_MODES, self.remat)
         for name in ("microbatches", "layers"):
             if getattr(self, name) is not None:
-                check_count(getattr(self, name), low=1)
-        for name in ("batch_args", "loss_result"):
-            for index in (getattr(self, name),) if isinstance(getattr(self, name), int) else getattr(self, name) or ():
-                check_count(index)
+                check_argument(name, lambda n: check_count(n, low=1), getattr(self, name))
+        for index in self.batch_args or ():
+            check_argument("batch_args", check_count, index)
+        if self.loss_result is not None:
+            check_argument("loss_result", check_count, self.loss_result)
         if self.memory_per_device is not None:
-            check_positive(self.memory_per_device)
+            check_argument("memory_per_device", check_positive, self.memory_per_device)
 
     def cache_key(self) -> dict:
         """The options as `parallelize`'s plan cache keys them: those it always had, and the
