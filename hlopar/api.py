@@ -116,7 +116,7 @@ from hlopar.ir.diagnostics import DiagnosticError, error_at
 from hlopar.ir.host_callbacks import host_callbacks as find_host_callbacks
 from hlopar.ir.module import parse_module, print_module
 from hlopar.messages import HloparWarning, PlanningError, defined_at, describe_plan, in_api_terms
-from hlopar.passes.auto_sharding import parse_bytes
+from hlopar.units import parse_bytes
 from hlopar.passes.plan_options import (
     METHODS,
     RNG_MODES,
@@ -298,7 +298,7 @@ class _Compiled:
     runtime: Runtime  # in_process.InProcessRuntime, or ray_runtime.RayRuntime
     cluster: Cluster
     outputs: list = field(default_factory=list)  # per result leaf: its shape and dtype, and its name
-    pieces: Any = None  # passes.unstack_layer_scans.LayerPieces: stacked layers split per layer, or None
+    pieces: Any = None  # dialect.layers.LayerPieces: stacked layers split per layer, or None
     # The RemoteArrays its calls returned that are still referenced (read before its workers
     # stop for another signature's, `ParallelizedFunction._stop`).
     issued: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
@@ -500,7 +500,7 @@ class ParallelizedFunction:
     def _build(self, signature: tuple, args: tuple) -> _Compiled:
         """Lowers and plans the step for these arguments and makes its runtime, starting
         nothing and stopping nothing."""
-        from hlopar.passes.unstack_layer_scans import LayerPieces
+        from hlopar.dialect.layers import LayerPieces
         from hlopar.codegen.pipeline_program import host_callback_message
         from hlopar.ir.diagnostics import Diagnostic
         from hlopar.ir.host_callbacks import lowered_host_callbacks

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from hlopar.codegen.one_program import fuses
 from hlopar.passes.reroll_stage_loops import stage_loop_lines
-from hlopar.passes.unstack_layer_scans import LayerPieces
+from hlopar.dialect.layers import LayerPieces
 from hlopar.units import format_bytes
 
 if TYPE_CHECKING:

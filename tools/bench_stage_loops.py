@@ -110,9 +110,9 @@ def _compare(text: str, wanted: int | None, repeats: int) -> int:
     from hlopar.codegen.fragments import fragment_module, program_devices, program_topology
     from hlopar.codegen.pipeline_program import _entry  # @main
     from hlopar.codegen.spmd import compile_spmd
+    from hlopar.dialect.mpmd import fragment_role
     from hlopar.ir.module import parse_module
     from hlopar.passes.base import PassContext
-    from hlopar.passes.mpmd_program import fragment_role
     from hlopar.passes.reroll_stage_loops import RerollStageLoopsPass, fragments
 
     modules = {form: parse_module(text) for form in FORMS}

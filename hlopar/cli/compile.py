@@ -388,9 +388,9 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
     from hlopar.ir.diagnostics import Diagnostic, DiagnosticError, error_at
     from hlopar.ir.module import parse_module, print_module, read_source
     from hlopar.passes.auto_parallel import AutoParallelPass
-    from hlopar.passes.auto_sharding import parse_bytes
     from hlopar.passes.base import OptionError, PassContext
     from hlopar.passes.pipeline import Instrumentation, Pipeline, Step
+    from hlopar.units import parse_bytes
 
     timings: list[tuple[str, float]] = []
     clock = time.perf_counter()

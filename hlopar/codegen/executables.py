@@ -30,8 +30,9 @@ from jaxlib.mlir.dialects import func as func_dialect
 from jaxlib.mlir.dialects import stablehlo
 
 from hlopar.codegen.spmd import SpmdExecutable, compile_spmd
+from hlopar.dialect.attributes import PER_EXAMPLE_ATTR
 from hlopar.ir.extract import clone_into
-from hlopar.passes.per_example_results import PER_EXAMPLE_ATTR
+from hlopar.ir.module import main_func
 
 __all__ = [
     "ALIASING_OUTPUT",
@@ -115,7 +116,7 @@ def compile_executable(
     """Compiles `module`'s `@main` for `devices` (the order of its mesh); donation as its
     argument attributes say (`set_donation`, `accumulating_module`); `host_callbacks` as
     `spmd.compile_spmd` takes them."""
-    main = _main(module)
+    main = main_func(module)
     donated = frozenset(
         i for i, attrs in enumerate(_arg_attrs(main)) if ALIASING_OUTPUT in attrs or BUFFER_DONOR in attrs
     )
@@ -126,7 +127,7 @@ def set_donation(module: ir.Operation, donations: Mapping[int, int | None]) -> N
     """Marks `@main`'s argument i donated: to result `donations[i]` (`tf.aliasing_output`, the
     types and `sdy.sharding`s must match: one device's tile is one buffer) or, for None, to
     whichever result can reuse it (`jax.buffer_donor`)."""
-    main = _main(module)
+    main = main_func(module)
     function_type = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
     attrs, results = _arg_attrs(main), _res_attrs(main)
     with module.context:
@@ -152,7 +153,7 @@ def accumulating_module(module: ir.Operation, accumulate: Sequence[int], keep: C
     order (for a value that other per-microbatch code reads too)."""
     keep = [k for k in accumulate if k in set(keep)]
     clone = module.clone()
-    step = _main(clone)
+    step = main_func(clone)
     function_type = ir.FunctionType(ir.TypeAttr(step.attributes["function_type"]).value)
     inputs, results = list(function_type.inputs), list(function_type.results)
     arg_attrs, res_attrs = _arg_attrs(step), _res_attrs(step)
@@ -203,13 +204,6 @@ def _accumulated(accumulator: ir.Value, value: ir.Value) -> ir.Value:
             rows.operation.attributes[_SDY_SHARDING] = placed.attributes[_SDY_SHARDING]
         return rows.result
     return stablehlo.AddOp(accumulator, value).result
-
-
-def _main(module: ir.Operation) -> ir.Operation:
-    for op in module.regions[0].blocks[0].operations:
-        if op.operation.name == "func.func" and ir.StringAttr(op.operation.attributes["sym_name"]).value == "main":
-            return op.operation
-    raise ValueError("the module has no @main")
 
 
 def _dicts(func: ir.Operation, key: str, count: int) -> list[dict]:

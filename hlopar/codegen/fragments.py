@@ -22,6 +22,8 @@ from jaxlib.mlir.dialects import sdy
 from hlopar.analysis.mesh import DeviceMesh, format_symbol
 from hlopar.analysis.mpmd import MeshTensorType, parse_topology
 from hlopar.analysis.sharding import ShardingSpec, TensorSharding
+from hlopar.dialect.attributes import DEVICES_ATTR
+from hlopar.dialect.mpmd import TOPOLOGY_ATTR, fragment_mesh, fragments, read_devices
 from hlopar.ir.extract import clone_into
 
 __all__ = [
@@ -34,7 +36,6 @@ __all__ = [
 ]
 
 SDY_SHARDING = "sdy.sharding"
-DEVICES_ATTR = "hlopar.devices"
 
 
 @dataclass(frozen=True)
@@ -48,22 +49,21 @@ class FragmentModule:
 
 def program_topology(func: ir.Operation) -> dict[str, DeviceMesh]:
     """The meshes of a function's `topology` attribute, by name."""
-    if "topology" not in func.attributes:
+    if TOPOLOGY_ATTR not in func.attributes:
         raise ValueError(f"@{ir.StringAttr(func.attributes['sym_name']).value} has no 'topology' attribute")
-    return parse_topology(str(func.attributes["topology"]))
+    return parse_topology(str(func.attributes[TOPOLOGY_ATTR]))
 
 
 def program_devices(module: ir.Operation, topology: Mapping[str, DeviceMesh]) -> dict[str, tuple[int, ...]]:
     """Physical device ids of each mesh, logical order: `hlopar.devices`, else consecutive
     ids in topology order (docs/ir.md)."""
-    if DEVICES_ATTR not in module.attributes:
+    physical = read_devices(module)
+    if physical is None:
         physical, start = {}, 0
         for name, mesh in topology.items():
             physical[name] = tuple(range(start, start + mesh.size))
             start += mesh.size
         return physical
-    attr = ir.DictAttr(module.attributes[DEVICES_ATTR])
-    physical = {attr[i].name: tuple(ir.DenseI64ArrayAttr(attr[i].attr)) for i in range(len(attr))}
     for name, mesh in topology.items():
         if name not in physical:
             raise ValueError(f"'{DEVICES_ATTR}' gives no devices to mesh '{name}'")
@@ -78,17 +78,16 @@ def fragment_modules(func: ir.Operation) -> list[FragmentModule]:
     return [
         FragmentModule(
             op.operation,
-            ir.StringAttr(op.operation.attributes["mesh_name"]).value,
-            fragment_module(op.operation, topology),
+            fragment_mesh(op),
+            fragment_module(op, topology),
         )
-        for op in func.regions[0].blocks[0].operations
-        if op.operation.name == "mpmd.fragment"
+        for op in fragments(func)
     ]
 
 
 def fragment_module(fragment: ir.Operation, topology: Mapping[str, DeviceMesh]) -> ir.Operation:
     """The fragment as a module whose `@main` computes its body on the fragment's mesh."""
-    mesh_name = ir.StringAttr(fragment.attributes["mesh_name"]).value
+    mesh_name = fragment_mesh(fragment)
     if mesh_name not in topology:
         raise ValueError(f"fragment on mesh '{mesh_name}', which is not in the topology")
     operand_types = [MeshTensorType.parse(str(v.type)) for v in fragment.operands]

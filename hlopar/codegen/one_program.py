@@ -29,9 +29,10 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import func as func_dialect
 from jaxlib.mlir.dialects import sdy, stablehlo
 
-from hlopar.codegen.executables import ALIASING_OUTPUT, BUFFER_DONOR, _arg_attrs, _main, _res_attrs
+from hlopar.codegen.executables import ALIASING_OUTPUT, BUFFER_DONOR, _arg_attrs, _res_attrs
 from hlopar.codegen.pipeline_program import PipelineProgram
 from hlopar.ir.extract import clone_into
+from hlopar.ir.module import main_func
 
 __all__ = ["fuses", "one_program"]
 
@@ -81,13 +82,13 @@ def one_program(program: PipelineProgram) -> ir.Operation | None:
     fragments = program.fragments
     values = program.values
     first_read = _first_reads(program)
-    mains = [_main(f.module) for f in fragments]
+    mains = [main_func(f.module) for f in fragments]
     bodies = [m.regions[0].blocks[0] for m in mains]
     arg_attrs = [_arg_attrs(m) for m in mains]
     res_attrs = [_res_attrs(m) for m in mains]
 
     module = fragments[0].module.clone()
-    old = _main(module)
+    old = main_func(module)
     have = _symbols(module)
     for name, op in _merged_symbols(fragments).items():
         if name not in have:  # a mesh of another fragment (a host callback's)

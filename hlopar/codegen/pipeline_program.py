@@ -78,16 +78,16 @@ from hlopar.analysis.schedules.instructions import RECV, RUN, SEND, Instruction,
 from hlopar.analysis.schedules.topology import Edge, PipelineTopology
 from hlopar.codegen.executables import accumulating_module, set_donation
 from hlopar.codegen.fragments import fragment_module, program_devices, program_topology
-from hlopar.codegen.transfers import CONTAINER, PlannedTransfer, planned_transfer
+from hlopar.codegen.transfers import PlannedTransfer, planned_transfer
 from hlopar.codegen.weight_split import split_module
+from hlopar.dialect.attributes import BATCH, CROSS_MESH_TRANSFER, KIND_ATTR, STEP
+from hlopar.dialect.mpmd import TRANSFER, fragment_mesh, fragment_role, fragment_stage, is_fragment
+from hlopar.dialect.split import read_index_arg, read_split
 from hlopar.ir.diagnostics import SourceLocation, source_location
 from hlopar.ir.graph import FuncGraph, bit_width
 from hlopar.ir.host_callbacks import callback_target, host_callbacks
-from hlopar.ir.module import print_module
+from hlopar.ir.module import find_main, print_module
 from hlopar.ir.signature import FuncSignature
-from hlopar.passes.microbatch_index import read_index_arg
-from hlopar.passes.mpmd_program import fragment_role
-from hlopar.passes.split_microbatches import BATCH, KIND_ATTR, STEP, read_split
 
 __all__ = [
     "FORWARD",
@@ -204,7 +204,7 @@ class PipelineProgram:
     needed_once: frozenset[int]  # never freed with a microbatch (the update reads the last one's)
     carried: dict[tuple[str, str], tuple[int, ...]] = field(default_factory=dict)  # (src, dst) -> transfers
     split_backward: bool = False  # backwards cut into B and W fragments
-    index_arg: int | None = None  # the microbatch index argument the split added (`passes.microbatch_index`)
+    index_arg: int | None = None  # the microbatch index argument the split added (`dialect.split`)
     host_callbacks: tuple[HostCallback, ...] = ()  # run only in this process (module docstring)
 
     @property
@@ -374,9 +374,9 @@ class _Reader:
         results: tuple[int, ...] = ()
         for op in block.operations:
             op = op.operation
-            if op.name == "mpmd.fragment":
+            if is_fragment(op):
                 self._fragment(op, number)
-            elif op.name in ("mpmd.transfer", CONTAINER):
+            elif op.name in (TRANSFER, CROSS_MESH_TRANSFER):
                 self._transfer(op, number)
             elif op.name == "func.return":
                 results = tuple(number[v] for v in op.operands)
@@ -432,9 +432,9 @@ class _Reader:
     # -- ops
 
     def _fragment(self, op: ir.Operation, number: dict) -> None:
-        mesh = ir.StringAttr(op.attributes["mesh_name"]).value
+        mesh = fragment_mesh(op)
         origin = str(op.attributes["origin"])
-        stage = ir.IntegerAttr(op.attributes["stage_id"]).value if "stage_id" in op.attributes else None
+        stage = fragment_stage(op)
         role = fragment_role(op)
         kinds = {
             ir.StringAttr(inner.attributes[KIND_ATTR]).value for inner in _ops_in(op) if KIND_ATTR in inner.attributes
@@ -488,7 +488,7 @@ class _Reader:
         source = number[op.operands[0]]
         mesh, _, nbytes = _mesh_tensor(op.results[0])
         plan = None
-        if op.name == CONTAINER:
+        if op.name == CROSS_MESH_TRANSFER:
             try:
                 plan = planned_transfer(op, self.topology, self.physical)
             except ValueError as error:
@@ -737,10 +737,11 @@ class _Reader:
 
 
 def _entry(module: ir.Operation) -> ir.Operation:
-    for op in module.regions[0].blocks[0].operations:
-        if op.operation.name == "func.func" and ir.StringAttr(op.operation.attributes["sym_name"]).value == "main":
-            return op.operation
-    raise ProgramError("the module has no @main", module.location)
+    """`@main`, a located `ProgramError` without one."""
+    main = find_main(module)
+    if main is None:
+        raise ProgramError("the module has no @main", module.location)
+    return main
 
 
 def _set_donation(module: ir.Operation, donated: Mapping[int, int | None]) -> dict[int, int | None]:

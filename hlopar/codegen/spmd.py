@@ -20,7 +20,7 @@ from jaxlib.mlir import ir
 
 from hlopar.analysis.module_meshes import module_meshes
 from hlopar.analysis.sharding import TensorSharding
-from hlopar.ir.module import print_module
+from hlopar.ir.module import main_func, print_module
 
 
 @dataclass
@@ -44,7 +44,7 @@ def compile_spmd(module: ir.Operation, devices: Sequence[jax.Device], host_callb
     """Compiles `module` (its `@main`) for `devices`, in the order of the module's mesh;
     `host_callbacks`: the Python functions its host callbacks call, by their `index`
     (`hlopar.ir.host_callbacks`), as `jax.jit` hands them to the compiler."""
-    func = _main(module)
+    func = main_func(module)
     options = backend.get_compile_options(
         num_replicas=1, num_partitions=len(devices), device_assignment=np.array([[d.id for d in devices]])
     )
@@ -77,7 +77,7 @@ def main_shardings(
     """`@main`'s arguments' and results' `sdy.sharding`s as `NamedSharding`s on `devices` (in
     the order of the module's mesh): what `jax.jit(in_shardings=, out_shardings=)` takes."""
     mesh = _jax_mesh(module, devices)
-    func = _main(module)
+    func = main_func(module)
     function_type = ir.FunctionType(ir.TypeAttr(func.attributes["function_type"]).value)
     return (
         [_named(attrs, mesh) for attrs in _value_attrs(func, "arg_attrs", len(function_type.inputs))],
@@ -103,13 +103,6 @@ def _numpy_dtype(element: ir.Type) -> np.dtype:
 def mesh_size(module: ir.Operation) -> int:
     """How many devices the module's (first, non-trivial) mesh has; 1 without one."""
     return next((m.size for m in module_meshes(module).values() if m is not None and m.axes), 1)
-
-
-def _main(module: ir.Operation) -> ir.Operation:
-    for op in module.regions[0].blocks[0].operations:
-        if op.operation.name == "func.func" and ir.StringAttr(op.operation.attributes["sym_name"]).value == "main":
-            return op.operation
-    raise ValueError("the module has no @main")
 
 
 def _jax_mesh(module: ir.Operation, devices: Sequence[jax.Device]) -> Mesh:

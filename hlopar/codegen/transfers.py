@@ -21,10 +21,11 @@ from hlopar.analysis.mpmd import MeshTensorType
 from hlopar.analysis.resharding.simulator import UnitOp
 from hlopar.analysis.resharding.unit_tasks import MeshLayout
 from hlopar.analysis.sharding import ShardingSpec
+from hlopar.dialect.attributes import CROSS_MESH_TRANSFER
+from hlopar.dialect.transfers import argument_sharding, read_transfer_op
 from hlopar.ir.graph import bit_width
-from hlopar.passes.transfer_ops import CONTAINER, argument_sharding, read_transfer_op
 
-__all__ = ["CONTAINER", "PlannedTransfer", "planned_transfer"]
+__all__ = ["PlannedTransfer", "planned_transfer"]
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,13 @@ def planned_transfer(
     for value in (op.operands[0], op.results[0]):
         type_ = MeshTensorType.parse(str(value.type))
         if type_.mesh_name not in topology:
-            raise ValueError(f"'{CONTAINER}' names mesh '{type_.mesh_name}', which is not in the topology")
+            raise ValueError(f"'{CROSS_MESH_TRANSFER}' names mesh '{type_.mesh_name}', which is not in the topology")
         tensor = ir.RankedTensorType(ir.Type.parse(type_.tensor_type, context=value.type.context))
         sharding = type_.sharding or argument_sharding(value) or ShardingSpec.replicated(len(tensor.shape))
         layouts.append(MeshLayout(topology[type_.mesh_name], sharding, physical[type_.mesh_name]))
     width = bit_width(tensor.element_type)
     if width is None:
-        raise ValueError(f"'{CONTAINER}': cannot size elements of {tensor}")
+        raise ValueError(f"'{CROSS_MESH_TRANSFER}': cannot size elements of {tensor}")
     decoded = read_transfer_op(op, (width + 7) // 8)
     return PlannedTransfer(
         tuple(tensor.shape), decoded.ops, layouts[0], layouts[1], decoded.strategy, decoded.predicted_time

@@ -12,7 +12,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from jaxlib.mlir import ir
+from jaxlib.mlir import ir, passmanager
 from jaxlib.mlir.dialects import stablehlo
 
 from hlopar.ir.context import HLOPAR_DIALECT, make_context
@@ -72,6 +72,46 @@ def parse_module(
     if context.allow_unregistered_dialects:
         _reject_foreign_unregistered_ops(module)
     return module
+
+
+def find_main(module: ir.Operation) -> ir.Operation | None:
+    """The module's `func.func @main`, or None."""
+    for op in module.regions[0].blocks[0].operations:
+        if op.operation.name == "func.func" and ir.StringAttr(op.operation.attributes["sym_name"]).value == "main":
+            return op.operation
+    return None
+
+
+def main_func(module: ir.Operation) -> ir.Operation:
+    """The module's `func.func @main`; `ValueError` when it has none."""
+    main = find_main(module)
+    if main is None:
+        raise ValueError("the module has no @main")
+    return main
+
+
+def planned_functions(module: ir.Operation) -> list[ir.Operation]:
+    """`@main` when there is one (the rest are its callees), else every public function."""
+    public = []
+    for op in module.regions[0].blocks[0].operations:
+        if op.operation.name != "func.func":
+            continue
+        if ir.StringAttr(op.operation.attributes["sym_name"]).value == "main":
+            return [op.operation]
+        visibility = op.operation.attributes["sym_visibility"] if "sym_visibility" in op.operation.attributes else None
+        if visibility is None or ir.StringAttr(visibility).value == "public":
+            public.append(op.operation)
+    return public
+
+
+def run_function_pass(module: ir.Operation, funcs: list[ir.Operation], pass_name: str) -> None:
+    """Runs an upstream function pass on some functions only (the others may not satisfy it)."""
+    for func in funcs:
+        manager = passmanager.PassManager.parse(f"func.func({pass_name})", context=module.context)
+        try:
+            manager.run(func)
+        except ir.MLIRError as error:
+            raise DiagnosticError.from_mlir_error(error) from None
 
 
 def read_source(path: str | Path) -> bytes:

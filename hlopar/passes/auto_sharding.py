@@ -22,29 +22,21 @@ from jaxlib.mlir.dialects import sdy
 from hlopar.analysis.auto_sharding import ilp
 from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS, LogicalMesh, logical_mesh
 from hlopar.analysis.auto_sharding.graph_problem import ShardingProblem, build_problem
-from hlopar.analysis.limits import check_mesh_shape, check_positive, check_seconds
 from hlopar.analysis.auto_sharding.resharding import resharding_collectives
 from hlopar.analysis.auto_sharding.rules import rule_of
+from hlopar.analysis.limits import check_mesh_shape, check_positive, check_seconds
 from hlopar.analysis.mesh import DeviceMesh
 from hlopar.analysis.module_meshes import module_meshes
 from hlopar.analysis.sharding import ShardingPerValue, ShardingSpec, TensorSharding
 from hlopar.analysis.training_roles import RolesError, batch_arguments, state_pairs
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError
 from hlopar.ir.graph import FuncGraph
+from hlopar.ir.module import planned_functions, run_function_pass
 from hlopar.ir.output import write_output
 from hlopar.passes.base import ModulePass, PassContext, option, parse_str_tuple, report_option
+from hlopar.units import parse_bytes
 
 SDY_SHARDING = "sdy.sharding"
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> float:
-    """`16GiB`, `500MB`, `1e9` → bytes."""
-    number = text.strip().rstrip("bBiIkKmMgGtT")
-    unit = text.strip()[len(number) :].lower()
-    if unit not in _UNITS:
-        raise ValueError(f"unknown unit '{unit}' (use B, KB, MB, GB, KiB, MiB, GiB)")
-    return float(number) * _UNITS[unit]
 
 
 def parse_float_tuple(text: str) -> tuple[float, ...]:
@@ -118,9 +110,9 @@ class AutoShardingPass(ModulePass):
                     f"{self.name}: '{_symbol(func)}' has dynamic shapes or tuple values, which "
                     f"Shardy's sharding rules do not cover: it runs replicated",
                 )
-        _run_upstream_on(module, analysable, "sdy-populate-op-sharding-rules")
+        run_function_pass(module, analysable, "sdy-populate-op-sharding-rules")
         reports = [self._plan_function(module, func, func in analysable, mesh, mesh_name, context) for func in funcs]
-        _run_upstream_on(module, analysable, "sdy-drop-sharding-rules")
+        run_function_pass(module, analysable, "sdy-drop-sharding-rules")
         if self.report:
             _write_report(Path(self.report), self, mesh, reports)
 
@@ -274,20 +266,6 @@ class AutoShardingPass(ModulePass):
         return keep
 
 
-def planned_functions(module: ir.Operation) -> list[ir.Operation]:
-    """`@main` when there is one (the rest are its callees), else every public function."""
-    public = []
-    for op in module.regions[0].blocks[0].operations:
-        if op.operation.name != "func.func":
-            continue
-        if _symbol(op.operation) == "main":
-            return [op.operation]
-        visibility = op.operation.attributes["sym_visibility"] if "sym_visibility" in op.operation.attributes else None
-        if visibility is None or ir.StringAttr(visibility).value == "public":
-            public.append(op.operation)
-    return public
-
-
 def _symbol(func: ir.Operation) -> str:
     return ir.StringAttr(func.attributes["sym_name"]).value
 
@@ -310,16 +288,6 @@ def _analysable(func: ir.Operation) -> bool:
 
     func.walk(visit)
     return not found
-
-
-def _run_upstream_on(module: ir.Operation, funcs: list[ir.Operation], pass_name: str) -> None:
-    """Runs a function pass on some functions only (the others may not satisfy it)."""
-    for func in funcs:
-        manager = passmanager.PassManager.parse(f"func.func({pass_name})", context=module.context)
-        try:
-            manager.run(func)
-        except ir.MLIRError as error:
-            raise DiagnosticError.from_mlir_error(error) from None
 
 
 def _user_meshes(module: ir.Operation) -> dict[str, DeviceMesh]:

@@ -19,17 +19,17 @@ from jaxlib.mlir import ir
 from hlopar.analysis.limits import MAX_SECONDS, check_cluster_dimension, check_number, check_positive
 from hlopar.analysis.mesh import DeviceMesh
 from hlopar.analysis.mpmd import MeshTensorType, parse_topology
-from hlopar.analysis.resharding import HostModel, host_model_for, MeshLayout, SearchBudget, plan_transfer
+from hlopar.analysis.resharding import HostModel, MeshLayout, SearchBudget, host_model_for, plan_transfer
 from hlopar.analysis.resharding.host_model import GBPS
 from hlopar.analysis.sharding import ShardingPerValue, ShardingSpec, TensorSharding
+from hlopar.dialect.attributes import DEVICES_ATTR
+from hlopar.dialect.mpmd import TOPOLOGY_ATTR, TRANSFER, read_devices, write_devices
+from hlopar.dialect.transfers import argument_sharding, build_transfer_op
 from hlopar.ir.diagnostics import source_location
 from hlopar.ir.graph import bit_width
 from hlopar.passes.base import ModulePass, PassContext, option, report_option
-from hlopar.passes.transfer_ops import argument_sharding, build_transfer_op
 
-__all__ = ["CrossMeshReshardingPass", "DEVICES_ATTR"]
-
-DEVICES_ATTR = "hlopar.devices"
+__all__ = ["CrossMeshReshardingPass"]
 
 
 @dataclass
@@ -99,9 +99,7 @@ class CrossMeshReshardingPass(ModulePass):
                 if planned is not None:
                     reports.append({"func": ir.StringAttr(func.attributes["sym_name"]).value, **planned})
             if reports and not given:
-                module.attributes[DEVICES_ATTR] = ir.DictAttr.get(
-                    {name: ir.DenseI64ArrayAttr.get(list(ids)) for name, ids in physical.items()}
-                )
+                write_devices(module, physical)
         if self.wants_report(context):
             self._write_report(module, context, reports, model)
 
@@ -117,9 +115,9 @@ class CrossMeshReshardingPass(ModulePass):
             if func.name != "func.func":
                 continue
             meshes: dict[str, DeviceMesh] = {}
-            if "topology" in func.attributes:
+            if TOPOLOGY_ATTR in func.attributes:
                 try:
-                    meshes = parse_topology(str(func.attributes["topology"]))
+                    meshes = parse_topology(str(func.attributes[TOPOLOGY_ATTR]))
                 except ValueError as error:
                     self.fail(func, str(error))
             for name, mesh in meshes.items():
@@ -128,12 +126,12 @@ class CrossMeshReshardingPass(ModulePass):
             transfers: list[ir.Operation] = []
 
             def visit(op: ir.Operation) -> ir.WalkResult:
-                if op.name == "mpmd.transfer":
+                if op.name == TRANSFER:
                     transfers.append(op.operation)
                 return ir.WalkResult.ADVANCE
 
             func.walk(visit)
-            if transfers and "topology" not in func.attributes:
+            if transfers and TOPOLOGY_ATTR not in func.attributes:
                 self.fail(transfers[0], "mpmd.transfer in a function without a 'topology' attribute")
             work += [(func, transfer, meshes) for transfer in transfers]
         return work, all_meshes
@@ -142,37 +140,29 @@ class CrossMeshReshardingPass(ModulePass):
         self, module: ir.Operation, meshes: dict[str, DeviceMesh]
     ) -> tuple[dict[str, tuple[int, ...]], bool]:
         """Physical device ids per mesh, and whether the module said them (`hlopar.devices`)."""
-        if DEVICES_ATTR not in module.attributes:
+        try:
+            given = read_devices(module)
+        except ValueError as error:
+            self.fail(module, str(error))
+        if given is None:
             physical, next_id = {}, 0
             for name, mesh in meshes.items():
                 physical[name] = tuple(range(next_id, next_id + mesh.size))
                 next_id += mesh.size
             return physical, False
-        attr = module.attributes[DEVICES_ATTR]
-        if not isinstance(attr, ir.DictAttr):
-            self.fail(module, f"'{DEVICES_ATTR}' must map mesh names to array<i64: ...>, got {attr}")
         physical = {}
-        for i in range(len(attr)):
-            entry = attr[i]
-            if not isinstance(entry.attr, ir.DenseI64ArrayAttr):
-                self.fail(module, f"'{DEVICES_ATTR}' entry '{entry.name}' must be an array<i64: ...>, got {entry.attr}")
-            ids = tuple(entry.attr)
-            if entry.name not in meshes:
+        for name, ids in given.items():
+            if name not in meshes:
                 known = ", ".join(f"'{n}'" for n in meshes) or "none"
-                self.fail(
-                    module, f"'{DEVICES_ATTR}' names mesh '{entry.name}', which is in no topology (meshes: {known})"
-                )
-            if len(ids) != meshes[entry.name].size:
+                self.fail(module, f"'{DEVICES_ATTR}' names mesh '{name}', which is in no topology (meshes: {known})")
+            if len(ids) != meshes[name].size:
                 self.fail(
                     module,
-                    f"'{DEVICES_ATTR}' gives {len(ids)} devices to mesh '{entry.name}' "
-                    f"of {meshes[entry.name].size} devices",
+                    f"'{DEVICES_ATTR}' gives {len(ids)} devices to mesh '{name}' of {meshes[name].size} devices",
                 )
             if len(set(ids)) != len(ids) or min(ids, default=0) < 0:
-                self.fail(
-                    module, f"'{DEVICES_ATTR}' entry '{entry.name}' needs distinct non-negative ids, got {list(ids)}"
-                )
-            physical[entry.name] = ids
+                self.fail(module, f"'{DEVICES_ATTR}' entry '{name}' needs distinct non-negative ids, got {list(ids)}")
+            physical[name] = ids
         return physical, True
 
     # --- one transfer -------------------------------------------------------------------

@@ -19,6 +19,7 @@ from jaxlib.mlir import ir, passmanager
 
 from hlopar.ir.diagnostics import DiagnosticError, error_at
 from hlopar.ir.host_callbacks import callback_target
+from hlopar.ir.module import find_main
 from hlopar.passes.base import ModulePass, PassContext, option
 from hlopar.passes.import_shardings import import_shardings
 from hlopar.passes.inline_calls import inline_calls
@@ -56,26 +57,26 @@ class ImportPass(ModulePass):
 
 def _refuse_ordered_effects(module: ir.Operation) -> None:
     """A host callback reading a token argument of `@main` (module docstring)."""
-    for op in module.regions[0].blocks[0].operations:
-        if op.operation.name != "func.func" or ir.StringAttr(op.operation.attributes["sym_name"]).value != "main":
+    main = find_main(module)
+    if main is None:
+        return
+    for arg in main.regions[0].blocks[0].arguments:
+        if str(arg.type) != "!stablehlo.token":
             continue
-        for arg in op.regions[0].blocks[0].arguments:
-            if str(arg.type) != "!stablehlo.token":
-                continue
-            for reader in (use.owner for use in arg.uses):
-                target = callback_target(reader)
-                if target is not None:
-                    raise DiagnosticError(
-                        [
-                            error_at(
-                                reader,
-                                (
-                                    f"host callback '{target}' takes a token of @main: an ordered effect (ordered=True of "
-                                    "jax.debug.print, jax.debug.callback or io_callback), ordered across steps by jax.jit's "
-                                    "runtime; hlopar plans none: without ordered=True a callback runs once per step where "
-                                    "hlopar runs the plan in the process that lowered it (one mesh and one microbatch on this "
-                                    "machine's one host)"
-                                ),
-                            )
-                        ]
-                    )
+        for reader in (use.owner for use in arg.uses):
+            target = callback_target(reader)
+            if target is not None:
+                raise DiagnosticError(
+                    [
+                        error_at(
+                            reader,
+                            (
+                                f"host callback '{target}' takes a token of @main: an ordered effect (ordered=True of "
+                                "jax.debug.print, jax.debug.callback or io_callback), ordered across steps by jax.jit's "
+                                "runtime; hlopar plans none: without ordered=True a callback runs once per step where "
+                                "hlopar runs the plan in the process that lowered it (one mesh and one microbatch on this "
+                                "machine's one host)"
+                            ),
+                        )
+                    ]
+                )

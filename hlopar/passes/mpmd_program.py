@@ -63,27 +63,25 @@ from jaxlib.mlir.dialects import mpmd, sdy
 
 from hlopar.analysis.mesh import quote_string
 from hlopar.analysis.sharding import ShardingPerValue, TensorSharding
+from hlopar.dialect.attributes import ROLES
+from hlopar.dialect.mpmd import TOPOLOGY_ATTR, build_fragment, write_devices
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError, source_location
 from hlopar.ir.extract import Extraction, clone_into, extract_function
 from hlopar.ir.graph import FuncGraph, reaches
+from hlopar.ir.module import main_func
 from hlopar.passes.auto_sharding import SDY_SHARDING, AutoShardingPass
 from hlopar.passes.base import PassContext
 
 __all__ = [
-    "DEVICES_ATTR",
-    "ROLES",
     "FragmentSpec",
     "ProgramLayout",
     "StageMesh",
     "form_fragments",
-    "fragment_role",
     "layout_program",
     "misordered_reads",
     "write_mpmd_program",
 ]
 
-DEVICES_ATTR = "hlopar.devices"
-ROLES = ("forward", "backward", "update")
 # Ops that read nothing: each fragment that needs one gets its own copy.
 FLOATING_OPS = frozenset({"stablehlo.constant", "stablehlo.iota"})
 
@@ -341,7 +339,7 @@ def write_mpmd_program(
     only runs fragment by fragment in program order (no pipeline schedule can run it).
     Raises `DiagnosticError` at the first op that reads a value made later in the pipeline.
     """
-    main = _main(module)
+    main = main_func(module)
     graph = FuncGraph.from_func(main)
     _check_plan(graph, stage_of_op, roles, meshes)
     if pipelined:
@@ -363,13 +361,6 @@ def write_mpmd_program(
         _add_meshes(module, meshes)
         _write_main(module, main, graph, layout, stages, meshes)
     module.verify()
-
-
-def _main(module: ir.Operation) -> ir.Operation:
-    for op in module.regions[0].blocks[0].operations:
-        if op.operation.name == "func.func" and ir.StringAttr(op.operation.attributes["sym_name"]).value == "main":
-            return op.operation
-    raise ValueError("the module has no @main")
 
 
 def _check_plan(graph: FuncGraph, stage_of_op, roles, meshes) -> None:
@@ -446,9 +437,7 @@ def _add_meshes(module: ir.Operation, meshes: Sequence[StageMesh]) -> None:
             continue
         with ir.InsertionPoint(first) if first is not None else ir.InsertionPoint(body):
             sdy.MeshOp(mesh.name, attr)
-    module.attributes[DEVICES_ATTR] = ir.DictAttr.get(
-        {mesh.name: ir.DenseI64ArrayAttr.get(list(mesh.devices)) for mesh in meshes}
-    )
+    write_devices(module, {mesh.name: mesh.devices for mesh in meshes})
 
 
 @dataclass
@@ -575,22 +564,6 @@ def _fitting(sharding: TensorSharding | None, mesh: StageMesh, shape: tuple[int,
     return TensorSharding.from_spec(mesh.name, spec)
 
 
-def fragment_role(fragment: ir.Operation) -> str:
-    """The role of a fragment this module wrote, read back from its origin (`_origin`)."""
-    origin = str(fragment.attributes["origin"])
-    # `"stage<k>"` forward, `"stage<k>"(1)` backward (a transpose count), `"stage<k>_update"`.
-    return "update" if '_update"' in origin else "backward" if '"(' in origin else "forward"
-
-
-def _origin(stage: int, role: str) -> ir.Attribute:
-    name, transpose = {
-        "forward": (f"stage{stage}", 0),
-        "backward": (f"stage{stage}", 1),
-        "update": (f"stage{stage}_update", 0),
-    }[role]
-    return ir.ArrayAttr.get([mpmd.UserOriginAttr.get(name, transpose)])
-
-
 def _write_main(
     module,
     main: ir.Operation,
@@ -612,7 +585,7 @@ def _write_main(
     new_main = func_dialect.FuncOp("main", ir.FunctionType.get(arg_types, result_types), ip=ir.InsertionPoint(main))
     _copy_func_attrs(main, new_main.operation)
     topology = ", ".join(f"<{quote_string(m.name)} : {m.axes_text()}>" for m in meshes)
-    new_main.operation.attributes["topology"] = ir.Attribute.parse(f"#mpmd.topology<{topology}>")
+    new_main.operation.attributes[TOPOLOGY_ATTR] = ir.Attribute.parse(f"#mpmd.topology<{topology}>")
     entry = new_main.add_entry_block()
     on_mesh: dict[tuple[int, int], ir.Value] = {(a, home[a]): entry.arguments[i] for i, a in enumerate(graph.args)}
 
@@ -626,12 +599,8 @@ def _write_main(
         for spec in layout.fragments:
             stage = stages[spec.stage]
             operands = [available(v, spec.stage) for v in spec.inputs]
-            fragment = mpmd.FragmentOp(
-                [type_on(v, spec.stage) for v in spec.outputs],
-                operands,
-                _origin(spec.stage, spec.role),
-                stage.mesh.name,
-                stage_id=None if spec.role == "update" else spec.stage,
+            fragment = build_fragment(
+                [type_on(v, spec.stage) for v in spec.outputs], operands, spec.stage, spec.role, stage.mesh.name
             )
             block = fragment.regions[0].blocks.append(*[ir.Type.parse(graph.values[v].type) for v in spec.inputs])
             mapping = {stage.values[v]: arg for v, arg in zip(spec.inputs, block.arguments)}

@@ -40,10 +40,11 @@ from dataclasses import dataclass, field, replace
 from jaxlib.mlir import ir
 
 from hlopar.analysis.cluster import Cluster
+from hlopar.dialect.layers import LayerPieces
 from hlopar.analysis.training_roles import batch_arguments
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError
 from hlopar.ir.graph import FuncGraph
-from hlopar.passes.auto_sharding import planned_functions
+from hlopar.ir.module import planned_functions
 from hlopar.passes.base import PassContext
 from hlopar.passes.cluster_operators import ClusterOperatorsPass
 from hlopar.passes.cross_mesh_resharding import CrossMeshReshardingPass
@@ -54,7 +55,7 @@ from hlopar.passes.rematerialize import RematerializePass
 from hlopar.passes.reroll_stage_loops import RerollStageLoopsPass
 from hlopar.passes.split_microbatches import SplitMicrobatchesPass
 from hlopar.passes.stage_construction import StageConstructionPass
-from hlopar.passes.unstack_layer_scans import LayerPieces, UnstackLayerScansPass
+from hlopar.passes.unstack_layer_scans import UnstackLayerScansPass
 
 __all__ = ["REPORT_KEYS", "ImportedStep", "Plan", "default_microbatches", "import_step", "plan", "run_passes"]
 

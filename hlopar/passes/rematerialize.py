@@ -55,15 +55,13 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import mpmd, stablehlo
 
 from hlopar.analysis.mesh import quote_string
+from hlopar.dialect.attributes import LAYER_ATTR, REMAT_ATTR, REMAT_LAYERS, REMAT_STAGE
+from hlopar.dialect.mpmd import fragment_mesh, fragment_role, fragment_stage, fragments, reshaped_fragment
 from hlopar.ir.extract import clone_into
-from hlopar.passes.auto_sharding import planned_functions
+from hlopar.ir.module import planned_functions
 from hlopar.passes.base import ModulePass, PassContext, option
-from hlopar.passes.cluster_operators import LAYER_ATTR
-from hlopar.passes.mpmd_program import fragment_role
 
 __all__ = [
-    "LAYERS",
-    "REMAT_ATTR",
     "LayerRecompute",
     "Recompute",
     "RematerializePass",
@@ -73,8 +71,6 @@ __all__ = [
     "remat_form",
 ]
 
-REMAT_ATTR = "hlopar.remat"
-STAGE, LAYERS = "stage", "layers"  # the forms: the unit attribute (or "stage"), and "layers"
 # Ops whose results are not a function of their operands (or that talk to the outside):
 # computing them again would not give the forward's values.
 NOT_RECOMPUTED = frozenset(
@@ -217,10 +213,10 @@ def remat_form(fragment: ir.Operation) -> str | None:
         return None
     attr = fragment.attributes[REMAT_ATTR]
     if isinstance(attr, ir.UnitAttr):
-        return STAGE
-    if isinstance(attr, ir.StringAttr) and attr.value in (STAGE, LAYERS):
+        return REMAT_STAGE
+    if isinstance(attr, ir.StringAttr) and attr.value in (REMAT_STAGE, REMAT_LAYERS):
         return attr.value
-    raise ValueError(f'{REMAT_ATTR} must be a unit attribute, "{STAGE}" or "{LAYERS}", got {attr}')
+    raise ValueError(f'{REMAT_ATTR} must be a unit attribute, "{REMAT_STAGE}" or "{REMAT_LAYERS}", got {attr}')
 
 
 # --------------------------------------------------------------------------- the pass
@@ -244,23 +240,25 @@ class RematerializePass(ModulePass):
         with module.context, ir.Location.unknown():
             backwards = [
                 op
-                for op in _fragments(main)
+                for op in fragments(main)
                 if fragment_role(op) == "backward" and (self.all or REMAT_ATTR in op.attributes)
             ]
             changed = set()
             for backward in backwards:
-                stage = _stage(backward)
+                stage = fragment_stage(backward)
                 if stage is None:
                     self.fail(backward, "a backward fragment without a stage (stage=k) cannot be rematerialized")
                 try:
-                    form = remat_form(backward) or STAGE
+                    form = remat_form(backward) or REMAT_STAGE
                 except ValueError as error:
                     self.fail(backward, str(error))
                 if self._rematerialize(main, backward, form, context):
                     changed.add(stage)
             for stage in changed:
                 forwards = [
-                    _prune(op) for op in _fragments(main) if fragment_role(op) == "forward" and _stage(op) == stage
+                    _prune(op)
+                    for op in fragments(main)
+                    if fragment_role(op) == "forward" and fragment_stage(op) == stage
                 ]
                 empty = [op for op in forwards if not len(op.results) and len(_body(op)) == 1]
                 for op in empty[: len(forwards) - 1]:  # nothing to do: it goes, unless it is the stage's only one
@@ -269,19 +267,19 @@ class RematerializePass(ModulePass):
 
     def _rematerialize(self, main: ir.Operation, backward: ir.Operation, form: str, context: PassContext) -> bool:
         """Rewrites one backward fragment (module docstring); whether it recomputes anything."""
-        stage = _stage(backward)
+        stage = fragment_stage(backward)
         while True:
             forwards = [
                 op
-                for op in _fragments(main)
-                if fragment_role(op) == "forward" and _stage(op) == stage and op.is_before_in_block(backward)
+                for op in fragments(main)
+                if fragment_role(op) == "forward" and fragment_stage(op) == stage and op.is_before_in_block(backward)
             ]
             view = _StageForward.of(forwards)
-            if form == LAYERS:
+            if form == REMAT_LAYERS:
                 if view.layers and all(layer is None for layer in view.layers):
                     self.fail(
                         backward,
-                        f'stage {stage}\'s backward is marked {REMAT_ATTR} = "{LAYERS}" but its '
+                        f'stage {stage}\'s backward is marked {REMAT_ATTR} = "{REMAT_LAYERS}" but its '
                         f"forward ops carry no {LAYER_ATTR} (stage construction keeps it on the "
                         "stages it marks so)",
                     )
@@ -317,7 +315,7 @@ class RematerializePass(ModulePass):
                 "from its forward (stashed): it is not a function of its operands, so it is "
                 "not computed again",
             )
-        if form == LAYERS:
+        if form == REMAT_LAYERS:
             _recompute_layers_in(backward, view, plan)
         else:
             _recompute_in(backward, view, plan)
@@ -414,7 +412,7 @@ def _recompute_layers_in(backward: ir.Operation, view: _StageForward, plan: Laye
             _clone_slice(view, piece.ops, local)
         recomputed.update({v: local[v] for v in mine.values()})
     _drop_replaced(new, targets, recomputed)
-    new.attributes[REMAT_ATTR] = ir.StringAttr.get(LAYERS)
+    new.attributes[REMAT_ATTR] = ir.StringAttr.get(REMAT_LAYERS)
 
 
 def _take_inputs(backward: ir.Operation, view: _StageForward, slices: Sequence[Recompute]):
@@ -511,23 +509,17 @@ def _rebuilt(
     terminator = _terminator(fragment)
     old_returned = list(terminator.operands)
     returned = old_returned if returned is None else list(returned)
-    mesh = ir.StringAttr(fragment.attributes["mesh_name"]).value
+    mesh = fragment_mesh(fragment)
 
     def result_type(value: ir.Value) -> ir.Type:
         if value in old_returned:
             return fragment.results[old_returned.index(value)].type
         return ir.Type.parse(f"!mpmd.mesh_tensor<{quote_string(mesh)}, {value.type}>")
 
-    new = ir.Operation.create(
-        "mpmd.fragment",
-        results=[result_type(v) for v in returned],
-        operands=list(fragment.operands if operands is None else operands),
-        attributes={
-            named.name: named.attr for named in map(fragment.attributes.__getitem__, range(len(fragment.attributes)))
-        },
-        regions=1,
-        loc=fragment.location,
-        ip=ir.InsertionPoint(fragment),
+    new = reshaped_fragment(
+        fragment,
+        [result_type(v) for v in returned],
+        list(fragment.operands if operands is None else operands),
     )
     block.append_to(new.regions[0])
     if returned is not old_returned:
@@ -540,14 +532,6 @@ def _rebuilt(
             result.replace_all_uses_with(new.results[returned.index(value)])
     fragment.erase()
     return new
-
-
-def _stage(fragment: ir.Operation) -> int | None:
-    return ir.IntegerAttr(fragment.attributes["stage_id"]).value if "stage_id" in fragment.attributes else None
-
-
-def _fragments(main: ir.Operation) -> list[ir.Operation]:
-    return [op.operation for op in main.regions[0].blocks[0].operations if op.operation.name == "mpmd.fragment"]
 
 
 def _terminator(fragment: ir.Operation) -> ir.Operation:

@@ -49,12 +49,21 @@ from hlopar.analysis.limits import check_count
 from hlopar.analysis.mesh import quote_string
 from hlopar.analysis.mpmd import MeshTensorType
 from hlopar.analysis.sharding import DimSharding, TensorSharding
+from hlopar.dialect.attributes import (
+    BATCH,
+    BATCH_ARGS_ATTR,
+    INDEX_ARG_ATTR,
+    KIND_ATTR,
+    LAYER_ITERATION_ATTR,
+    LAYER_LOOP_ATTR,
+    LAYER_PIECES_ATTR,
+    SUM,
+)
+from hlopar.dialect.layers import LayerPieces
+from hlopar.dialect.mpmd import fragment_role
 from hlopar.ir.extract import clone_into
 from hlopar.passes.base import ModulePass, PassContext, option, report_option
-from hlopar.passes.microbatch_index import INDEX_ARG_ATTR
-from hlopar.passes.mpmd_program import fragment_role
-from hlopar.passes.split_microbatches import BATCH, BATCH_ARGS_ATTR, KIND_ATTR, SUM
-from hlopar.passes.unstack_layer_scans import ELEMENTWISE, LAYER_ITERATION_ATTR, LAYER_PIECES_ATTR, LayerPieces
+from hlopar.passes.unstack_layer_scans import ELEMENTWISE
 
 __all__ = [
     "LAYER_LOOP_ATTR",
@@ -66,7 +75,6 @@ __all__ = [
     "stage_loop_lines",
 ]
 
-LAYER_LOOP_ATTR = "hlopar.layer_loop"
 ALIAS = "tf.aliasing_output"
 
 

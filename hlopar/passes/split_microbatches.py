@@ -62,8 +62,8 @@ An iota along the batch dim counts the batch's rows; JAX's default threefry gene
 (partitionable) builds its counters from such iotas. The split makes every iota along the
 batch count globally: `@main` takes the microbatch index as one more (last) batch argument,
 and the iota becomes iota + k * (its microbatch size), so each microbatch draws exactly the
-whole batch's random bits for its rows (`microbatch_index`; `runtime.step_arguments` adds the
-index to the caller's arguments, `write_functions` makes it itself).
+whole batch's random bits for its rows (`microbatching.global_iota`; `runtime.step_arguments` adds the
+index to the caller's arguments, `microbatching.functions_form` makes it itself).
 
 ## Batch statistics (GPipe)
 
@@ -79,7 +79,7 @@ through a reshape of kind `sum`, not elementwise, so that `training_roles` does 
 it (nor what it reads) for the optimizer's arithmetic, with or without JAX's name stacks.
 The loss must not depend on a statistic other than through per-example values.
 
-## The IR contract
+## The IR contract (read through `hlopar.dialect.split`)
 
 `@main` becomes the step for ONE microbatch: same arguments and results, batch arguments
 and every value carrying the batch with their dims divided by B, all else unchanged (the 1/N
@@ -105,7 +105,7 @@ Run M on each of the B microbatches (argument `batch_args[k]` sliced along dim 0
 over microbatches the `sum` values M hands to the other ops or returns, then run the other
 ops once on those sums (values of ops with no kind are the same for every microbatch):
 this gives `@main`'s results on the whole batch, up to the order of float additions.
-`split_step` makes the smallest such M, the form the local executor runs; a pipeline puts
+`dialect.split.split_step` makes the smallest such M, the form the local executor runs; a pipeline puts
 its forward and backward fragments in M and its update fragments after the sums.
 
 With `functions=true` the module is written in that split form instead:
@@ -144,40 +144,29 @@ from typing import Literal
 
 import numpy as np
 from jaxlib.mlir import ir, passmanager
-from jaxlib.mlir.dialects import func as func_dialect
 from jaxlib.mlir.dialects import sdy, stablehlo
 
 from hlopar.analysis.auto_sharding.rules import PASS_THROUGH_OPS, OpRule, rule_of
 from hlopar.analysis.limits import check_count
 from hlopar.analysis.sharding import ShardingPerValue, TensorSharding
 from hlopar.analysis.training_roles import ELEMENTWISE_OPS, RolesError, batch_arguments, classify
+from hlopar.dialect.attributes import BATCH, BATCH_ARGS_ATTR, KIND_ATTR, MICROBATCHES_ATTR, STEP, SUM
+from hlopar.dialect.split import read_index_arg
 from hlopar.ir.diagnostics import DiagnosticError, source_location
-from hlopar.ir.extract import Extraction, extract_function, value_of
+from hlopar.ir.extract import value_of
 from hlopar.ir.graph import FuncGraph
+from hlopar.ir.module import find_main
 from hlopar.ir.signature import FuncSignature
 from hlopar.passes.base import ModulePass, PassContext, option, report_option
-from hlopar.passes.batch_statistics import mean_divisions, reduced_count, rescale_mean, splat_value
-from hlopar.passes.microbatch_index import count_globally, microbatch_index_values, read_index_arg
-from hlopar.passes.per_example_results import concatenated_dim, place_rows
+from hlopar.passes.microbatching.batch_statistics import mean_divisions, reduced_count, rescale_mean, splat_value
+from hlopar.passes.microbatching.functions_form import write_functions
+from hlopar.passes.microbatching.global_iota import count_globally
+from hlopar.passes.microbatching.per_example_results import concatenated_dim, place_rows
 
-__all__ = [
-    "BATCH",
-    "KIND_ATTR",
-    "STEP",
-    "SUM",
-    "SplitMicrobatchesPass",
-    "SplitStep",
-    "read_split",
-    "split_step",
-]
+__all__ = ["SplitError", "SplitMicrobatchesPass"]
 
 MESH = "hlopar_microbatch"
 AXIS = "mb"
-KIND_ATTR = "hlopar.microbatch"
-MICROBATCHES_ATTR = "hlopar.microbatches"
-BATCH_ARGS_ATTR = "hlopar.batch_args"
-MAIN_ARGS_ATTR = "hlopar.main_args"
-BATCH, SUM, STEP = "batch", "sum", "step"
 # Per-microbatch values that carry no examples, written "batch" (they run per microbatch):
 LOCAL = "local"  # a statistic of the microbatch (from its means over the batch): averaged when it leaves
 LOCAL_SUM = "local-sum"  # linear in the microbatch's sums, statistics as coefficients: summed when it leaves
@@ -240,7 +229,7 @@ class SplitMicrobatchesPass(ModulePass):
     report: str | None = report_option("write a JSON report of the split to this path")
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
-        main = _main(module)
+        main = find_main(module)
         if main is None:
             self.fail(module, "the module has no @main")
         if MICROBATCHES_ATTR in main.attributes:
@@ -455,7 +444,7 @@ class _Splitter:
         if _unshare_splats(self.main, size):
             self.graph, self.ops = FuncGraph.from_func(self.main), _walk(self.main)
         clone_module = self.module.clone()
-        clone = _main(clone_module)
+        clone = find_main(clone_module)
         body = clone_module.regions[0].blocks[0]
         with ir.InsertionPoint(body.operations[0]):
             sdy.MeshOp(MESH, ir.Attribute.parse(f'#sdy.mesh<["{AXIS}"={self.axis}]>'))
@@ -1055,201 +1044,7 @@ class _Splitter:
         )
 
 
-# --------------------------------------------------------------------------- the split
-
-
-@dataclass(frozen=True)
-class SplitStep:
-    """The step cut at the accumulation boundary (see the module docstring)."""
-
-    microbatches: int
-    batch_args: tuple[int, ...]
-    microbatch: Extraction  # @main's args `microbatch_args` -> the sums
-    update: Extraction  # @main's args `update_args`, then the sums -> @main's results
-    microbatch_args: tuple[int, ...]
-    update_args: tuple[int, ...]
-    num_args: int
-    argument_shapes: tuple[tuple[int, ...], ...] = field(default=())  # @main's (one microbatch)
-    index_arg: int | None = None  # the microbatch index argument (`microbatch_index`), if any
-
-    @property
-    def num_sums(self) -> int:
-        return len(self.microbatch.outputs)
-
-
-def read_split(main: ir.Operation) -> tuple[int, tuple[int, ...]]:
-    """(B, batch argument numbers) of a `@main` written by the pass."""
-    if MICROBATCHES_ATTR not in main.attributes:
-        raise ValueError("@main is not split into microbatches (run hlopar-split-microbatches)")
-    return (
-        ir.IntegerAttr(main.attributes[MICROBATCHES_ATTR]).value,
-        tuple(ir.DenseI64ArrayAttr(main.attributes[BATCH_ARGS_ATTR])),
-    )
-
-
-def op_kinds(graph: FuncGraph) -> list[str | None]:
-    """`hlopar.microbatch` of every top-level op (None: independent of the batch)."""
-    return [
-        ir.StringAttr(op.mlir_op.attributes[KIND_ATTR]).value if KIND_ATTR in op.mlir_op.attributes else None
-        for op in graph.ops
-    ]
-
-
-def split_step(module: ir.Operation) -> SplitStep:
-    """`@main` (as the pass wrote it) as two standalone modules: the smallest per-microbatch
-    part M of the contract, and the rest, run once on the sums."""
-    main = _main(module)
-    b, batch_args = read_split(main)
-    graph = FuncGraph.from_func(main)
-    if not any(KIND_ATTR in op.mlir_op.attributes for op in graph.ops):
-        raise ValueError(
-            "@main carries no 'hlopar.microbatch' kinds: it is not the one-microbatch program "
-            "hlopar-split-microbatches writes (a module in the functions form is run as it is)"
-        )
-    kinds = op_kinds(graph)
-    preds = [graph.predecessors(i) for i in range(len(graph.ops))]
-    per_microbatch: set[int] = set()
-
-    def reduces_the_batch(i: int) -> bool:
-        return kinds[i] == SUM and any(_kind_of(graph, kinds, v, batch_args) == BATCH for v in graph.reads(i))
-
-    stack = [i for i, k in enumerate(kinds) if k == BATCH or reduces_the_batch(i)]
-    while stack:
-        i = stack.pop()
-        if i not in per_microbatch:
-            per_microbatch.add(i)
-            stack.extend(preds[i])
-    if any(kinds[i] == STEP for i in per_microbatch):
-        raise ValueError("a step op feeds a per-microbatch op: the module breaks the microbatch contract")
-    once = [i for i in range(len(graph.ops)) if i not in per_microbatch]
-    needed = set(once)
-    sums: dict[int, None] = {}
-    for v in graph.results:
-        p = graph.values[v].producer
-        if p is not None and p in per_microbatch:
-            if kinds[p] is not None:
-                sums.setdefault(v)
-            else:
-                needed.add(p)  # independent of the batch: recomputed after the sums
-    stack = list(needed)
-    while stack:
-        for v in graph.reads(stack.pop()):
-            p = graph.values[v].producer
-            if p is None or p in needed:
-                continue
-            if p in per_microbatch and kinds[p] is not None:
-                sums.setdefault(v)
-                continue
-            needed.add(p)  # independent of the batch: recomputed after the sums
-            stack.append(p)
-    order = sorted(sums)
-    arg_number = {a: i for i, a in enumerate(graph.args)}
-    micro_ops = sorted(per_microbatch)
-    micro_reads = {v for i in micro_ops for v in graph.reads(i)}
-    micro_args = tuple(i for i, a in enumerate(graph.args) if a in micro_reads)
-    update_reads = {v for i in needed for v in graph.reads(i)} | set(graph.results)
-    update_args = tuple(i for i, a in enumerate(graph.args) if a in update_reads and i not in batch_args)
-    if any(arg_number.get(v) in batch_args for v in update_reads if v in arg_number):
-        raise ValueError("a batch argument is read after the sums")
-    microbatch = extract_function(
-        graph, micro_ops, inputs=[graph.args[i] for i in micro_args], outputs=order, name="main"
-    )
-    update = extract_function(
-        graph,
-        sorted(needed),
-        inputs=[graph.args[i] for i in update_args] + order,
-        outputs=list(graph.results),
-        name="main",
-    )
-    for extraction in (microbatch, update):
-        _strip_split_attrs(extraction.func)
-    shapes = tuple(tuple(graph.values[a].shape) for a in graph.args)
-    return SplitStep(
-        b, batch_args, microbatch, update, micro_args, update_args, len(graph.args), shapes, read_index_arg(main)
-    )
-
-
-def write_functions(module: ir.Operation) -> None:
-    """Rewrites a module the pass split into the functions form (module docstring)."""
-    main = _main(module)
-    split = split_step(module)
-    body = module.regions[0].blocks[0]
-    names = {"microbatch_step": split.microbatch, "apply_update": split.update}
-    args = {"microbatch_step": split.microbatch_args, "apply_update": split.update_args}
-    funcs = {}
-    for name, extraction in names.items():
-        with ir.InsertionPoint(body):
-            func = extraction.func.clone()
-        func.attributes["sym_name"] = ir.StringAttr.get(name)
-        func.attributes["sym_visibility"] = ir.StringAttr.get("private")
-        func.attributes[MAIN_ARGS_ATTR] = ir.DenseI64ArrayAttr.get(list(args[name]))
-        for key in ("arg_attrs", "res_attrs"):
-            if key in func.attributes:
-                del func.attributes[key]
-        funcs[name] = func
-    # The driver: the whole step from the original arguments.
-    full_types = []
-    for i, a in enumerate(main.regions[0].blocks[0].arguments):
-        if i == split.index_arg:
-            break  # the driver makes the microbatch index (the last argument) itself
-        t = ir.RankedTensorType(a.type)
-        shape = list(t.shape)
-        if i in split.batch_args:
-            shape[0] *= split.microbatches
-        full_types.append(ir.RankedTensorType.get(shape, t.element_type, t.encoding))
-    result_types = [ir.Type(t) for t in ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value).results]
-    driver = func_dialect.FuncOp("main", ir.FunctionType.get(full_types, result_types), ip=ir.InsertionPoint(main))
-    for key in ("arg_attrs", "res_attrs", "sym_visibility"):
-        if key in main.attributes:
-            driver.operation.attributes[key] = main.attributes[key]
-    if split.index_arg is not None and "arg_attrs" in main.attributes:
-        driver.operation.attributes["arg_attrs"] = ir.ArrayAttr.get(
-            list(ir.ArrayAttr(main.attributes["arg_attrs"]))[: split.index_arg]
-        )
-    driver.operation.attributes[MICROBATCHES_ATTR] = main.attributes[MICROBATCHES_ATTR]
-    driver.operation.attributes[BATCH_ARGS_ATTR] = ir.DenseI64ArrayAttr.get(
-        [i for i in split.batch_args if i != split.index_arg]
-    )
-    entry = driver.add_entry_block()
-    micro_type = ir.FunctionType(ir.TypeAttr(funcs["microbatch_step"].attributes["function_type"]).value)
-    with ir.InsertionPoint(entry):
-        totals = None
-        for k in range(split.microbatches):
-            operands = []
-            for i in split.microbatch_args:
-                if i == split.index_arg:
-                    operands.append(
-                        stablehlo.ConstantOp(
-                            ir.DenseElementsAttr.get(microbatch_index_values(split.microbatches)[k : k + 1])
-                        ).result
-                    )
-                    continue
-                arg = entry.arguments[i]
-                if i in split.batch_args:
-                    shape = ir.RankedTensorType(full_types[i]).shape
-                    size = shape[0] // split.microbatches
-                    arg = stablehlo.SliceOp(
-                        arg, [k * size] + [0] * (len(shape) - 1), [(k + 1) * size] + list(shape[1:]), [1] * len(shape)
-                    ).result
-                operands.append(arg)
-            call = func_dialect.CallOp(list(micro_type.results), "microbatch_step", operands)
-            parts = list(call.results)
-            totals = parts if totals is None else [stablehlo.AddOp(t, p).result for t, p in zip(totals, parts)]
-        call = func_dialect.CallOp(
-            result_types, "apply_update", [entry.arguments[i] for i in split.update_args] + list(totals or [])
-        )
-        func_dialect.ReturnOp(list(call.results))
-    main.erase()
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-def _main(module: ir.Operation) -> ir.Operation | None:
-    for op in module.regions[0].blocks[0].operations:
-        if op.operation.name == "func.func" and ir.StringAttr(op.operation.attributes["sym_name"]).value == "main":
-            return op.operation
-    return None
 
 
 def _ancestors(graph: FuncGraph, op: int | None, stop: set[int]) -> set[int]:
@@ -1343,13 +1138,6 @@ def _divided_type(type_: ir.Type, div: tuple[int, ...]) -> ir.RankedTensorType:
     return ir.RankedTensorType.get([s // d for s, d in zip(tensor.shape, div)], tensor.element_type, tensor.encoding)
 
 
-def _kind_of(graph: FuncGraph, kinds: list[str | None], v: int, batch_args: Sequence[int]) -> str | None:
-    p = graph.values[v].producer
-    if p is None:
-        return BATCH if graph.values[v].arg_index in batch_args else None
-    return kinds[p]
-
-
 def _linear(name: str, op: ir.Operation, kinds: list[str | None]) -> bool:
     """Whether an op is linear in its sum operands (`kinds`: SUM, None or ZERO per operand;
     none STEP)."""
@@ -1425,9 +1213,3 @@ def _join(a: str | None, b: str | None) -> str | None:
     if a == ZERO:
         return b
     return BATCH if BATCH in (a, b) else STEP
-
-
-def _strip_split_attrs(func: ir.Operation) -> None:
-    for op in func.regions[0].blocks[0].operations:
-        if KIND_ATTR in op.operation.attributes:
-            del op.operation.attributes[KIND_ATTR]

@@ -39,23 +39,27 @@ from hlopar.analysis.limits import (
 )
 from hlopar.analysis.schedules import DEFAULT_SCHEDULE, ScheduleName, get_schedule
 from hlopar.analysis.stages.layer_costs import FORWARD, ROLES, kernel_counts, plan_layers, trivial_axes_key, value_bytes
+from hlopar.analysis.stages.layering import cluster_layers
 from hlopar.analysis.stages.span_costs import REMAT_MODES, LayerArrays, span_table
 from hlopar.analysis.stages.stage_dp import stage_dp
-from hlopar.analysis.training_roles import RolesError, batch_arguments, batch_candidates, state_pairs
 from hlopar.analysis.stages.submeshes import (
     Submesh,
     assign_devices,
     logical_mesh_shapes,
     submesh_shapes,
 )
+from hlopar.analysis.training_roles import RolesError, batch_arguments, batch_candidates, state_pairs
+from hlopar.dialect.attributes import BACKWARD, LAYER_ATTR, REMAT_ATTR, REMAT_LAYERS, REMAT_STAGE
+from hlopar.dialect.layers import Layering, read_layering, strip_layering
+from hlopar.dialect.mpmd import fragment_role, fragment_stage, fragments
+from hlopar.dialect.split import read_microbatches
+from hlopar.ir.diagnostics import Diagnostic, DiagnosticError, source_location
 from hlopar.ir.graph import FuncGraph
+from hlopar.ir.module import planned_functions, run_function_pass
 from hlopar.ir.signature import FuncSignature
-from hlopar.passes.auto_sharding import _run_upstream_on, parse_bytes, planned_functions
 from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto, report_option
-from hlopar.passes.cluster_operators import LAYER_ATTR, ClusterOperatorsPass, Layering, read_layering, strip_layering
-from hlopar.passes.mpmd_program import StageMesh, fragment_role, write_mpmd_program
-from hlopar.passes.rematerialize import LAYERS, REMAT_ATTR, STAGE
-from hlopar.passes.split_microbatches import MICROBATCHES_ATTR
+from hlopar.passes.mpmd_program import StageMesh, write_mpmd_program
+from hlopar.units import parse_bytes
 
 AXIS_NAMES = ("x", "y")
 WEIGHT_UPDATE_SHARDING = "weight-update-sharding"
@@ -84,7 +88,10 @@ class StageConstructionPass(ModulePass):
     num_hosts: int = option(1, "hosts in the cluster (N)", check=check_cluster_dimension)
     devices_per_host: int = option(8, "devices per host (M)", check=check_cluster_dimension)
     microbatches: int | None = option(
-        None, "microbatches per step, or auto (searched over divisors of the batch)", parse=parse_count_or_auto
+        None,
+        "microbatches per step, or auto (searched over divisors of the batch), for a step whose microbatching "
+        "is not in the IR; after hlopar-split-microbatches the count is its hlopar.microbatches (leave this unset)",
+        parse=parse_count_or_auto,
     )
     schedule: ScheduleName = option(DEFAULT_SCHEDULE, "pipeline schedule (sets the memory check of Eq. 5)")
     memory_per_device: float | None = option(
@@ -144,7 +151,7 @@ class StageConstructionPass(ModulePass):
             graph = FuncGraph.from_func(func)
             layering = read_layering(graph)
             if layering is None:
-                layering, _ = ClusterOperatorsPass(layers=self.layers).cluster(graph)
+                layering = self._cluster(graph)
             timings = {"layering": time.perf_counter() - start}
             plan, stats = self.plan(module, func, graph, layering)
             timings.update(stats.pop("timings"))
@@ -159,7 +166,7 @@ class StageConstructionPass(ModulePass):
                 )
                 for k, s in enumerate(plan.stages)
             ]
-            per_layer = {k for k, s in enumerate(plan.stages) if s["remat_form"] == LAYERS}
+            per_layer = {k for k, s in enumerate(plan.stages) if s["remat_form"] == REMAT_LAYERS}
             kept = [
                 (op.mlir_op, layer)
                 for op, layer, role, stage in zip(  # constants: copied into every reader's fragment
@@ -186,11 +193,11 @@ class StageConstructionPass(ModulePass):
     def plan(self, module, func, graph: FuncGraph, layering: Layering) -> tuple[PipelinePlan, dict]:
         timings = {}
         clock = time.perf_counter()
-        _run_upstream_on(module, [func], "sdy-populate-op-sharding-rules")
+        run_function_pass(module, [func], "sdy-populate-op-sharding-rules")
         try:
             rules = {op.id: rule_of(op.mlir_op) for op in graph.walk()}
         finally:
-            _run_upstream_on(module, [func], "sdy-drop-sharding-rules")
+            run_function_pass(module, [func], "sdy-drop-sharding-rules")
         timings["sharding_rules"] = time.perf_counter() - clock
 
         submeshes = submesh_shapes(self.num_hosts, self.devices_per_host)
@@ -227,7 +234,7 @@ class StageConstructionPass(ModulePass):
         candidates = []
         best = None
         schedule = get_schedule(self.schedule)
-        split = _split_into(func)
+        split = read_microbatches(func)  # the one channel where the split ran
         if split is not None and self.microbatches not in (None, split):
             self.fail(
                 func,
@@ -302,7 +309,7 @@ class StageConstructionPass(ModulePass):
                     "memory_bytes": float(table.memory[i, j, m, s - 1]),
                     "update_memory_bytes": float(table.update_memory[i, j, m, s - 1]),
                     "remat": bool(table.remat[i, j, m, s - 1]),
-                    "remat_form": (LAYERS if table.per_layer[i, j, m, s - 1] else STAGE)
+                    "remat_form": (REMAT_LAYERS if table.per_layer[i, j, m, s - 1] else REMAT_STAGE)
                     if table.remat[i, j, m, s - 1]
                     else None,
                 }
@@ -365,6 +372,17 @@ class StageConstructionPass(ModulePass):
             of_submesh.append(mine)
         return meshes, of_submesh, shapes
 
+    def _cluster(self, graph: FuncGraph) -> Layering:
+        """The layering when the input carries none; a refusal worded as
+        `hlopar-cluster-operators` words it (the clustering is its)."""
+        try:
+            layering, _ = cluster_layers(graph, layers=self.layers)
+        except ValueError as error:
+            raise DiagnosticError(
+                [Diagnostic("error", f"hlopar-cluster-operators: {error}", source_location(graph.mlir_func.location))]
+            ) from None
+        return layering
+
     def _microbatch_candidates(self, graph: FuncGraph) -> list[int]:
         if self.microbatches is not None:
             return [self.microbatches]
@@ -419,17 +437,14 @@ def mark_rematerialized(module: ir.Operation, stages: dict[int, str]) -> None:
     if not stages:
         return
     main = planned_functions(module)[0]
-    for op in main.regions[0].blocks[0].operations:
-        op = op.operation
-        if (
-            op.name == "mpmd.fragment"
-            and "stage_id" in op.attributes
-            and fragment_role(op) == "backward"
-            and ir.IntegerAttr(op.attributes["stage_id"]).value in stages
-        ):
-            form = stages[ir.IntegerAttr(op.attributes["stage_id"]).value]
+    for op in fragments(main):
+        stage = fragment_stage(op)
+        if stage is not None and fragment_role(op) == BACKWARD and stage in stages:
+            form = stages[stage]
             op.attributes[REMAT_ATTR] = (
-                ir.StringAttr.get(LAYERS, module.context) if form == LAYERS else ir.UnitAttr.get(module.context)
+                ir.StringAttr.get(REMAT_LAYERS, module.context)
+                if form == REMAT_LAYERS
+                else ir.UnitAttr.get(module.context)
             )
 
 
@@ -448,13 +463,6 @@ def _stage_of_ops(layering: Layering, plan: PipelinePlan) -> list[int]:
         for layer in range(first, last + 1):
             stage_of_layer[layer] = k
     return [stage_of_layer[layer] for layer in layering.layers]
-
-
-def _split_into(func: ir.Operation) -> int | None:
-    """B when the function is already the step of one of B microbatches (`hlopar-split-microbatches`):
-    its costs are then per microbatch as they stand."""
-    attributes = func.attributes
-    return ir.IntegerAttr(attributes[MICROBATCHES_ATTR]).value if MICROBATCHES_ATTR in attributes else None
 
 
 def _batch_size(graph: FuncGraph) -> int:

@@ -27,7 +27,7 @@ connected to a per-layer read or write; the rest is left as it is. `@main` then 
 the pieces as arguments and returns them as results: `hlopar.layer_pieces` on `@main` says
 which argument and result of the original signature each one is a piece of (docs/ir.md),
 so a caller slices the stacked arrays it passes and concatenates the pieces it gets back
-(`layer_pieces.LayerPieces`).
+(`dialect.layers.LayerPieces`).
 
 Unrolling is what makes the cut points ops; it costs IR size (the unrolled stack is the size
 of the same model written with a Python loop) and nothing at run time: the pieces are the
@@ -37,27 +37,25 @@ slices a stage would hold anyway.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
-
 from jaxlib.mlir import ir, passmanager
 from jaxlib.mlir.dialects import func as func_dialect
 from jaxlib.mlir.dialects import stablehlo
 
 from hlopar.analysis.layer_scans import layer_scans
+from hlopar.dialect.attributes import LAYER_ITERATION_ATTR, LAYER_PIECES_ATTR
+from hlopar.dialect.layers import LayerPieces
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.ir.extract import clone_into
 from hlopar.ir.graph import FuncGraph
+from hlopar.ir.module import planned_functions
 from hlopar.ir.signature import FuncSignature
-from hlopar.passes.auto_sharding import planned_functions
 from hlopar.passes.base import ModulePass, PassContext, option, report_option
 
-__all__ = ["LAYER_ITERATION_ATTR", "LAYER_PIECES_ATTR", "LayerPieces", "UnstackLayerScansPass", "unroll", "unstack"]
+__all__ = ["UnstackLayerScansPass", "unroll", "unstack"]
 
-LAYER_PIECES_ATTR = "hlopar.layer_pieces"
-LAYER_ITERATION_ATTR = "hlopar.layer_iteration"
 
 ELEMENTWISE = frozenset(
     f"stablehlo.{name}"
@@ -364,80 +362,6 @@ def _canonicalize(module: ir.Operation) -> None:
         passmanager.PassManager.parse("builtin.module(canonicalize)", context=module.context).run(module)
     except ir.MLIRError as error:
         raise DiagnosticError.from_mlir_error(error) from None
-
-
-@dataclass(frozen=True)
-class LayerPieces:
-    """How an unstacked `@main`'s signature relates to the step's own: per argument and
-    result of `@main`, the number of the original one it is (piece -1) or a piece of
-    (piece p, rows r: rows p:p+r of the original's leading layer axis). This pass makes
-    pieces of one row; `hlopar-reroll-stage-loops` joins the pieces of the layers a stage
-    runs as one loop into one range (rows 1 where `arg_rows`/`result_rows` are not given,
-    as in plans made before ranges)."""
-
-    arg_origin: tuple[int, ...]
-    arg_piece: tuple[int, ...]
-    result_origin: tuple[int, ...]
-    result_piece: tuple[int, ...]
-    arg_rows: tuple[int, ...] = ()
-    result_rows: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        for rows, piece in (("arg_rows", self.arg_piece), ("result_rows", self.result_piece)):
-            if not getattr(self, rows):
-                object.__setattr__(self, rows, tuple(1 for _ in piece))
-
-    @classmethod
-    def of(cls, main: ir.Operation) -> LayerPieces | None:
-        if LAYER_PIECES_ATTR not in main.attributes:
-            return None
-        attrs = {a.name: tuple(ir.DenseI64ArrayAttr(a.attr)) for a in ir.DictAttr(main.attributes[LAYER_PIECES_ATTR])}
-        return cls(**attrs)
-
-    def attribute(self) -> ir.Attribute:
-        """`hlopar.layer_pieces` (docs/ir.md)."""
-        return ir.DictAttr.get({k: ir.DenseI64ArrayAttr.get(list(v)) for k, v in asdict(self).items()})
-
-    @classmethod
-    def from_json(cls, data: dict | None) -> LayerPieces | None:
-        return cls(**{k: tuple(v) for k, v in data.items()}) if data else None
-
-    def to_json(self) -> dict:
-        return {k: list(v) for k, v in asdict(self).items()}
-
-    def split(self, arguments: Sequence) -> list:
-        """`@main`'s arguments from the step's own."""
-        return [
-            arguments[o] if p < 0 else arguments[o][p : p + r]
-            for o, p, r in zip(self.arg_origin, self.arg_piece, self.arg_rows)
-        ]
-
-    def join(self, results: Sequence, concatenate: Callable = np.concatenate) -> list:
-        """The step's results from `@main`'s: the pieces of each split one concatenated in order."""
-        joined: dict[int, list] = {}
-        for value, origin in zip(results, self.result_origin):
-            joined.setdefault(origin, []).append(value)
-        return [parts[0] if len(parts) == 1 else concatenate(parts) for _, parts in sorted(joined.items())]
-
-    def resident(self, resident: dict[int, int]) -> dict[int, int]:
-        """`{argument: result}` of values kept on the workers, from the step's numbering to
-        `@main`'s (a piece is kept where the result is cut into the same rows)."""
-        result_at = {key: k for k, key in enumerate(zip(self.result_origin, self.result_piece, self.result_rows))}
-        found = {}
-        for k, (o, p, r) in enumerate(zip(self.arg_origin, self.arg_piece, self.arg_rows)):
-            if o in resident and (resident[o], p, r) in result_at:
-                found[k] = result_at[(resident[o], p, r)]
-        return found
-
-    def arguments_of(self, originals: Iterable[int]) -> tuple[int, ...]:
-        """The numbers of `@main`'s arguments that are (pieces of) the given original ones."""
-        wanted = set(originals)
-        return tuple(k for k, o in enumerate(self.arg_origin) if o in wanted)
-
-    @property
-    def layers(self) -> int:
-        """The length of the stacks' layer axis."""
-        return max(p + r for p, r in zip(self.arg_piece, self.arg_rows))
 
 
 # --------------------------------------------------------------------------- splitting

@@ -3,7 +3,7 @@ executors add or convert, so that the in-process executors, the Ray runtime and
 `hlopar.parallelize` hand the same values.
 
 - The microbatch index the split appends when an iota counts the batch's rows
-  (`passes.microbatch_index`): arange(B), cut per microbatch like any batch argument.
+  (`dialect.split.microbatch_index_values`): arange(B), cut per microbatch like any batch argument.
 - Typed random keys (`jax.random.key`): the lowered step takes their key data (uint32
   words), which `jax.random.key_data` gives; `np.asarray` of a key array fails.
 """
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from hlopar.passes.microbatch_index import microbatch_index_values
+from hlopar.dialect.split import microbatch_index_values
 
 __all__ = ["check_batch", "key_data_of", "step_arguments", "wrap_keys"]
 

@@ -23,15 +23,16 @@ from oracles.microbatched import MicrobatchedStep
 import hlopar
 from hlopar.codegen.executables import accumulating_module, compile_executable
 from hlopar.codegen.pipeline_program import pipeline_program
+from hlopar.dialect.attributes import KIND_ATTR, PER_EXAMPLE_ATTR, SUM
+from hlopar.dialect.split import split_step
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.ir.graph import FuncGraph
 from hlopar.ir.module import parse_module
 from hlopar.models import get_train_step, mlp
 from hlopar.models.adam import adam_update
 from hlopar.passes.base import PassContext
-from hlopar.passes.per_example_results import PER_EXAMPLE_ATTR
 from hlopar.passes.pipeline import Pipeline
-from hlopar.passes.split_microbatches import KIND_ATTR, SUM, SplitMicrobatchesPass, split_step
+from hlopar.passes.split_microbatches import SplitMicrobatchesPass
 from hlopar.runtime.local_executor import PipelinedStep
 
 MODEL = get_train_step("mlp", "tiny")

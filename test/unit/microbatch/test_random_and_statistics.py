@@ -24,12 +24,12 @@ from oracles.microbatched import MicrobatchedStep
 
 from hlopar.codegen.pipeline_program import pipeline_program
 from hlopar.codegen.spmd import compile_spmd
+from hlopar.dialect.split import read_index_arg, read_split, split_step
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.ir.module import parse_module
 from hlopar.passes.base import PassContext
-from hlopar.passes.microbatch_index import read_index_arg
 from hlopar.passes.pipeline import Pipeline
-from hlopar.passes.split_microbatches import SplitMicrobatchesPass, read_split, split_step
+from hlopar.passes.split_microbatches import SplitMicrobatchesPass
 from hlopar.runtime.local_executor import PipelinedStep
 
 N, SEQ, D_IN, HIDDEN, OUT = 16, 3, 5, 8, 2

@@ -30,8 +30,9 @@ from numerics import assert_adam_step_close, assert_updates_close
 from oracles.microbatched import MicrobatchedStep
 
 import hlopar
+from hlopar.dialect.attributes import BATCH, SUM
+from hlopar.dialect.split import op_kinds
 from hlopar.ir.graph import FuncGraph
-from hlopar.passes.split_microbatches import BATCH, SUM, op_kinds
 
 RTOL = 1e-5
 # After the first step Adam divides moments of gradients that change sign between steps:

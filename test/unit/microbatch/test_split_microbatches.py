@@ -14,11 +14,12 @@ from microbatch_steps import RTOL, imported, run_pipeline, step_data
 from numerics import assert_step_close
 from oracles.microbatched import MicrobatchedStep
 
+from hlopar.dialect.attributes import BATCH, KIND_ATTR, STEP, SUM
+from hlopar.dialect.split import op_kinds, read_split
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.ir.graph import FuncGraph
 from hlopar.models import mlp
 from hlopar.models.common import TrainStep
-from hlopar.passes.split_microbatches import BATCH, KIND_ATTR, STEP, SUM, op_kinds, read_split
 
 
 def kinds_of_values(graph: FuncGraph, batch_args) -> dict[int, str | None]:

@@ -18,8 +18,10 @@ import numpy as np
 from jaxlib.mlir import ir
 
 from hlopar.codegen.executables import accumulating_module, compile_executable
+from hlopar.dialect.split import read_microbatches, split_step
+from hlopar.ir.module import main_func
 from hlopar.passes.base import PassContext
-from hlopar.passes.split_microbatches import SplitMicrobatchesPass, read_split, split_step
+from hlopar.passes.split_microbatches import SplitMicrobatchesPass
 from hlopar.runtime.step_arguments import step_arguments
 
 __all__ = ["MicrobatchedStep", "run_microbatched"]
@@ -74,10 +76,11 @@ def run_microbatched(
 
 
 def _split(module: ir.Operation, microbatches: int | None) -> ir.Operation:
-    main = _entry(module)
-    if "hlopar.microbatches" in main.attributes:
-        if microbatches is not None and read_split(main)[0] != microbatches:
-            raise ValueError(f"the module is split into {read_split(main)[0]} microbatches, not {microbatches}")
+    main = main_func(module)
+    split = read_microbatches(main)
+    if split is not None:
+        if microbatches is not None and split != microbatches:
+            raise ValueError(f"the module is split into {split} microbatches, not {microbatches}")
         return module
     if microbatches is None:
         raise ValueError("the module is not split into microbatches: give the number of microbatches")
@@ -100,10 +103,3 @@ def _batch_slices(arguments, batch_args, shapes, microbatches) -> list[dict[int,
         for k in range(microbatches):
             slices[k][i] = full[k * size : (k + 1) * size]
     return slices
-
-
-def _entry(module: ir.Operation) -> ir.Operation:
-    for op in module.regions[0].blocks[0].operations:
-        if op.operation.name == "func.func" and ir.StringAttr(op.operation.attributes["sym_name"]).value == "main":
-            return op.operation
-    raise ValueError("the module has no @main")

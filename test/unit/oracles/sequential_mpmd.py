@@ -24,8 +24,10 @@ from jaxlib.mlir import ir
 from hlopar.analysis.mpmd import MeshTensorType
 from hlopar.codegen.fragments import fragment_module, program_devices, program_topology
 from hlopar.codegen.spmd import SpmdExecutable, compile_spmd
-from hlopar.codegen.transfers import CONTAINER, PlannedTransfer, planned_transfer
-from hlopar.ir.module import print_module
+from hlopar.codegen.transfers import PlannedTransfer, planned_transfer
+from hlopar.dialect.attributes import CROSS_MESH_TRANSFER
+from hlopar.dialect.mpmd import TOPOLOGY_ATTR, TRANSFER, fragment_mesh, is_fragment
+from hlopar.ir.module import find_main, print_module
 from hlopar.runtime.local_transfer import run_planned_transfer
 
 __all__ = ["SequentialMpmd", "run_mpmd"]
@@ -78,8 +80,8 @@ class SequentialMpmd:
 
         for op in block.operations:
             op = op.operation
-            if op.name == "mpmd.fragment":
-                mesh = ir.StringAttr(op.attributes["mesh_name"]).value
+            if is_fragment(op):
+                mesh = fragment_mesh(op)
                 standalone = fragment_module(op, topology)
                 key = (print_module(standalone), physical[mesh])
                 if key not in cache:
@@ -87,11 +89,11 @@ class SequentialMpmd:
                     self.compiled += 1
                 operands = tuple(number[v] for v in op.operands)
                 self.steps.append(_Run(cache[key], operands, define(op.results)))
-            elif op.name == "mpmd.transfer":
+            elif op.name == TRANSFER:
                 source = number[op.operands[0]]
                 (result,) = define(op.results)
                 self.steps.append(_Copy(source, result, _global_shape(op.results[0].type)))
-            elif op.name == CONTAINER:
+            elif op.name == CROSS_MESH_TRANSFER:
                 source = number[op.operands[0]]
                 (result,) = define(op.results)
                 self.steps.append(_Transfer(source, result, planned_transfer(op, topology, physical)))
@@ -129,11 +131,11 @@ def run_mpmd(
 
 def _entry(module: ir.Operation) -> ir.Operation:
     """`@main`, else the only function with a topology."""
+    main = find_main(module)
+    if main is not None:
+        return main
     funcs = [op.operation for op in module.regions[0].blocks[0].operations if op.operation.name == "func.func"]
-    named = [f for f in funcs if ir.StringAttr(f.attributes["sym_name"]).value == "main"]
-    with_topology = [f for f in funcs if "topology" in f.attributes]
-    if named:
-        return named[0]
+    with_topology = [f for f in funcs if TOPOLOGY_ATTR in f.attributes]
     if len(with_topology) == 1:
         return with_topology[0]
     raise ValueError("the module has no @main and no single function with a topology")

@@ -13,21 +13,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import scan_steps
+from numerics import assert_adam_step_close, assert_trees_equal
+
 from hlopar.analysis.flops import function_flops
 from hlopar.analysis.layer_scans import layer_scans
 from hlopar.codegen.executables import compile_executable
+from hlopar.dialect.layers import LayerPieces
 from hlopar.ir.graph import FuncGraph
-from hlopar.ir.module import parse_module, print_module
+from hlopar.ir.module import parse_module, planned_functions, print_module
 from hlopar.ir.signature import FuncSignature
 from hlopar.models import gpt
-from hlopar.passes.auto_sharding import planned_functions
 from hlopar.passes.base import PassContext
 from hlopar.passes.cluster_operators import ClusterOperatorsPass
 from hlopar.passes.import_program import ImportPass
-from hlopar.passes.unstack_layer_scans import LayerPieces, UnstackLayerScansPass
-from numerics import assert_adam_step_close, assert_trees_equal
+from hlopar.passes.unstack_layer_scans import UnstackLayerScansPass
 
 
 def _imported(text: str):

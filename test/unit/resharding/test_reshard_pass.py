@@ -12,12 +12,13 @@ from hlopar.analysis.device_slices import all_device_slices
 from hlopar.analysis.mesh import DeviceMesh
 from hlopar.analysis.resharding import MeshLayout
 from hlopar.analysis.sharding import TensorSharding
+from hlopar.dialect.attributes import CROSS_MESH_TRANSFER
+from hlopar.dialect.transfers import read_transfer_op
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.ir.module import parse_module, print_module
 from hlopar.passes.base import PassContext
 from hlopar.passes.cross_mesh_resharding import CrossMeshReshardingPass
 from hlopar.passes.pipeline import Pipeline
-from hlopar.passes.transfer_ops import CONTAINER, read_transfer_op
 from hlopar.runtime.local_transfer import execute_ops, shard_array
 
 SRC_SHARDING = '<@mesh, [{"a"}, {"b"}]>'
@@ -51,7 +52,7 @@ def containers(module: ir.Operation) -> list[ir.Operation]:
     found = []
 
     def visit(op):
-        if op.name == CONTAINER:
+        if op.name == CROSS_MESH_TRANSFER:
             found.append(op.operation)
         return ir.WalkResult.ADVANCE
 

@@ -20,10 +20,9 @@ from hypothesis import strategies as st
 
 from hlopar.analysis.training_roles import Role, consistent_layers
 from hlopar.ir.graph import FuncGraph
-from hlopar.ir.module import parse_module
+from hlopar.ir.module import parse_module, planned_functions
 from hlopar.models import get_train_step
 from hlopar.passes import mpmd_program
-from hlopar.passes.auto_sharding import planned_functions
 from hlopar.passes.base import PassContext
 from hlopar.passes.cluster_operators import ClusterOperatorsPass
 from hlopar.passes.mpmd_program import misordered_reads

@@ -21,9 +21,8 @@ from hlopar.analysis.stages.layer_costs import (
     useful_axes,
 )
 from hlopar.ir.graph import FuncGraph
-from hlopar.ir.module import parse_module
+from hlopar.ir.module import parse_module, planned_functions, run_function_pass
 from hlopar.models import get_train_step
-from hlopar.passes.auto_sharding import _run_upstream_on, planned_functions
 from hlopar.passes.base import PassContext
 from hlopar.passes.cluster_operators import ClusterOperatorsPass
 from hlopar.passes.pipeline import Pipeline
@@ -37,7 +36,7 @@ def gpt_layers():
     with module.context, ir.Location.unknown():
         layering, _ = ClusterOperatorsPass(layers=4).cluster(graph)
         func = planned_functions(module)[0]
-        _run_upstream_on(module, [func], "sdy-populate-op-sharding-rules")
+        run_function_pass(module, [func], "sdy-populate-op-sharding-rules")
         rules = {op.id: rule_of(op.mlir_op) for op in graph.walk()}
     layers = [graph.subgraph([op.index for op in graph.ops if layering.layers[op.index] == l]) for l in range(4)]
     return module, graph, layers, rules, layering.roles

@@ -11,18 +11,17 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jaxlib.mlir import ir
+from zoo_steps import mlp_step
 
 from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS, logical_mesh
 from hlopar.analysis.auto_sharding.rules import rule_of
 from hlopar.analysis.stages.layer_costs import kernel_counts, plan_layer
 from hlopar.ir.graph import FuncGraph
-from hlopar.ir.module import parse_module
+from hlopar.ir.module import parse_module, planned_functions, run_function_pass
 from hlopar.models import get_train_step
-from hlopar.passes.auto_sharding import _run_upstream_on, planned_functions
 from hlopar.passes.base import PassContext
 from hlopar.passes.cluster_operators import ClusterOperatorsPass
 from hlopar.passes.pipeline import Pipeline
-from zoo_steps import mlp_step
 
 WIDTH, BATCH, LAYERS = 64, 32, 3
 
@@ -39,7 +38,7 @@ def layer_plans(checkpointed: bool, shape: tuple[int, int] = (1, 2)):
     graph = FuncGraph.from_module(module)
     with module.context, ir.Location.unknown():
         layering, _ = ClusterOperatorsPass(layers=LAYERS).cluster(graph)
-        _run_upstream_on(module, [planned_functions(module)[0]], "sdy-populate-op-sharding-rules")
+        run_function_pass(module, [planned_functions(module)[0]], "sdy-populate-op-sharding-rules")
         rules = {op.id: rule_of(op.mlir_op) for op in graph.walk()}
     mesh = logical_mesh(shape, ("x", "y"))
     layers = [graph.subgraph([op.index for op in graph.ops if layering.layers[op.index] == l]) for l in range(LAYERS)]

@@ -16,15 +16,15 @@ from hlopar.analysis.resharding.plan import TransferPlan
 from hlopar.analysis.resharding.simulator import UnitOp
 from hlopar.analysis.resharding.unit_tasks import box_bytes
 from hlopar.analysis.sharding import TensorSharding
+from hlopar.dialect.attributes import BROADCAST_OP, CROSS_MESH_TRANSFER, SCATTER_ALLGATHER_OP, SEND_RECV_OP
 from hlopar.ir.diagnostics import DiagnosticError, error_at
 
-__all__ = ["CONTAINER", "OP_NAMES", "DecodedTransfer", "argument_sharding", "build_transfer_op", "read_transfer_op"]
+__all__ = ["OP_NAMES", "DecodedTransfer", "argument_sharding", "build_transfer_op", "read_transfer_op"]
 
-CONTAINER = "hlopar.cross_mesh_transfer"
 OP_NAMES = {
-    "broadcast": "hlopar.broadcast",
-    "send_recv": "hlopar.send_recv",
-    "scatter_allgather": "hlopar.scatter_allgather",
+    "broadcast": BROADCAST_OP,
+    "send_recv": SEND_RECV_OP,
+    "scatter_allgather": SCATTER_ALLGATHER_OP,
 }
 _KINDS = {name: kind for kind, name in OP_NAMES.items()}
 
@@ -52,7 +52,7 @@ def build_transfer_op(plan: TransferPlan, transfer: ir.Operation) -> ir.Operatio
     """Inserts the plan's container op before `transfer`, takes over its uses, erases it."""
     with transfer.location, ir.InsertionPoint(transfer):
         container = ir.Operation.create(
-            CONTAINER,
+            CROSS_MESH_TRANSFER,
             results=[transfer.results[0].type],
             operands=[transfer.operands[0]],
             attributes={
@@ -85,8 +85,8 @@ class DecodedTransfer:
 
 def read_transfer_op(container: ir.Operation, dtype_bytes: int) -> DecodedTransfer:
     """Decodes a container op; raises `DiagnosticError` at the offending op if malformed."""
-    if container.name != CONTAINER:
-        raise DiagnosticError([error_at(container, f"expected '{CONTAINER}', found '{container.name}'")])
+    if container.name != CROSS_MESH_TRANSFER:
+        raise DiagnosticError([error_at(container, f"expected '{CROSS_MESH_TRANSFER}', found '{container.name}'")])
     attrs = container.attributes
     try:
         strategy = ir.StringAttr(attrs["strategy"]).value
@@ -98,7 +98,7 @@ def read_transfer_op(container: ir.Operation, dtype_bytes: int) -> DecodedTransf
             [
                 error_at(
                     container,
-                    f"'{CONTAINER}' needs strategy, algorithm, predicted_time and lower_bound attributes ({error})",
+                    f"'{CROSS_MESH_TRANSFER}' needs strategy, algorithm, predicted_time and lower_bound attributes ({error})",
                 )
             ]
         ) from None
@@ -113,7 +113,12 @@ def _read_unit_op(op: ir.Operation, slot: int, dtype_bytes: int) -> UnitOp:
     kind = _KINDS.get(op.name)
     if kind is None:
         raise DiagnosticError(
-            [error_at(op, f"unexpected '{op.name}' in '{CONTAINER}' (expected one of {', '.join(sorted(_KINDS))})")]
+            [
+                error_at(
+                    op,
+                    f"unexpected '{op.name}' in '{CROSS_MESH_TRANSFER}' (expected one of {', '.join(sorted(_KINDS))})",
+                )
+            ]
         )
     attrs = op.attributes
     try:

@@ -13,7 +13,7 @@ exact for the same reason.
 The split `@main` takes k as one more argument, `tensor<1xi32>`, appended after the
 step's own arguments and listed among the batch arguments (`hlopar.batch_args`), of B
 rows in the whole step: every executor that cuts the batch arguments per microbatch hands
-microbatch k its row k of arange(B), with no code of its own (`microbatch_index_values`
+microbatch k its row k of arange(B), with no code of its own (`dialect.split.microbatch_index_values`
 makes the whole argument; `runtime.step_arguments` adds it to the caller's arguments).
 `@main` names it in `hlopar.microbatch_index_arg`. A scalar offset would be simpler IR but
 would need every executor to know it is not sliced like the batch.
@@ -21,45 +21,12 @@ would need every executor to know it is not sliced like the batch.
 
 from __future__ import annotations
 
-import numpy as np
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo
 
-__all__ = ["INDEX_ARG_ATTR", "count_globally", "microbatch_index_values", "microbatch_offset", "read_index_arg"]
+from hlopar.dialect.split import index_argument
 
-INDEX_ARG_ATTR = "hlopar.microbatch_index_arg"
-
-
-def microbatch_index_values(microbatches: int) -> np.ndarray:
-    """The whole index argument: row k of it is microbatch k's."""
-    return np.arange(microbatches, dtype=np.int32)
-
-
-def read_index_arg(main: ir.Operation) -> int | None:
-    """The argument number of the microbatch index of a split `@main`, or None."""
-    if INDEX_ARG_ATTR not in main.attributes:
-        return None
-    return ir.IntegerAttr(main.attributes[INDEX_ARG_ATTR]).value
-
-
-def index_argument(main: ir.Operation) -> ir.Value:
-    """The microbatch index argument of `@main`, appended on first use."""
-    block = main.regions[0].blocks[0]
-    number = read_index_arg(main)
-    if number is not None:
-        return block.arguments[number]
-    i32 = ir.IntegerType.get_signless(32)
-    argument = block.add_argument(ir.RankedTensorType.get([1], i32), ir.Location.unknown())
-    number = len(block.arguments) - 1
-    function_type = ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value)
-    main.attributes["function_type"] = ir.TypeAttr.get(
-        ir.FunctionType.get([a.type for a in block.arguments], list(function_type.results))
-    )
-    if "arg_attrs" in main.attributes:
-        attrs = list(ir.ArrayAttr(main.attributes["arg_attrs"]))
-        main.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs + [ir.DictAttr.get({})])
-    main.attributes[INDEX_ARG_ATTR] = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), number)
-    return argument
+__all__ = ["count_globally", "microbatch_offset"]
 
 
 def count_globally(main: ir.Operation, iota: ir.Operation, kind_attrs: dict[str, ir.Attribute]) -> list[ir.Operation]:

@@ -28,11 +28,10 @@ from collections.abc import Mapping, Sequence
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo
 
-from hlopar.passes.microbatch_index import microbatch_offset
+from hlopar.dialect.attributes import PER_EXAMPLE_ATTR
+from hlopar.passes.microbatching.global_iota import microbatch_offset
 
-__all__ = ["PER_EXAMPLE_ATTR", "concatenated_dim", "place_rows"]
-
-PER_EXAMPLE_ATTR = "hlopar.per_example_dim"
+__all__ = ["concatenated_dim", "place_rows"]
 
 
 def concatenated_dim(division: Sequence[int], microbatches: int) -> int | None:
