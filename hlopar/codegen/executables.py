@@ -195,7 +195,7 @@ def accumulating_module(module: ir.Operation, accumulate: Sequence[int], keep: C
 
 def _accumulated(accumulator: ir.Value, value: ir.Value) -> ir.Value:
     """accumulator + value; for a microbatch's rows of a per-example result placed in zeros
-    (`passes.per_example_results`), the rows written into the accumulator in place: the same
+    (`passes.microbatching.per_example_results`), the rows written into the accumulator in place: the same
     sum, as no other microbatch writes those rows, without adding a whole batch of zeros."""
     placed = value.owner if isinstance(value, ir.OpResult) else None
     if placed is not None and PER_EXAMPLE_ATTR in placed.attributes:

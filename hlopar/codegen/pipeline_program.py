@@ -46,7 +46,7 @@ Programs this refuses (`ProgramError`, located at the op): with several microbat
 optimizer ('step') ops in a forward or backward fragment, per-example values in an update
 fragment or reaching a result unplaced (with one, every fragment runs once and these are the
 step's own values; with several, the split returns per-example results as sums of each
-microbatch's rows placed in the whole batch, `passes.per_example_results`, accumulated like
+microbatch's rows placed in the whole batch, `passes.microbatching.per_example_results`, accumulated like
 gradients); a mesh running two stages, stages not numbered 0..S-1, ops other than fragments and
 transfers at the top level of `@main`.
 

@@ -21,8 +21,8 @@ from hlopar.ir.diagnostics import DiagnosticError, error_at
 from hlopar.ir.host_callbacks import callback_target
 from hlopar.ir.module import find_main
 from hlopar.passes.base import ModulePass, PassContext, option
-from hlopar.passes.import_shardings import import_shardings
-from hlopar.passes.inline_calls import inline_calls
+from hlopar.passes.importing.inline_calls import inline_calls
+from hlopar.passes.importing.shardings import import_shardings
 
 
 @dataclass

@@ -63,7 +63,7 @@ from hlopar.dialect.layers import LayerPieces
 from hlopar.dialect.mpmd import fragment_role
 from hlopar.ir.extract import clone_into
 from hlopar.passes.base import ModulePass, PassContext, option, report_option
-from hlopar.passes.unstack_layer_scans import ELEMENTWISE
+from hlopar.passes.layer_scans.values import ELEMENTWISE
 
 __all__ = [
     "LAYER_LOOP_ATTR",

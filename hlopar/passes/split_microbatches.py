@@ -53,7 +53,7 @@ loop returns them unchanged, else refused. Branches (`case`, `if`) likewise. Ref
 a sum over the batch used per example (a batch statistic inside the loop), an op not linear
 in the sums it reads (an update inside the loop), a trip count or branch chosen from sums,
 and a carry that starts from a value independent of the batch and gets sums. Splat constants
-with a dim of the batch size get one copy per use first (`_unshare_splats`): `cse` merges
+with a dim of the batch size get one copy per use first (`unshare_splats`): `cse` merges
 equal splats whatever their dims mean.
 
 ## Random numbers and other iotas along the batch
@@ -136,74 +136,41 @@ would otherwise run once after it (statistics, whatever they compute) are marked
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
-from jaxlib.mlir import ir, passmanager
-from jaxlib.mlir.dialects import sdy, stablehlo
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import stablehlo
 
-from hlopar.analysis.auto_sharding.rules import PASS_THROUGH_OPS, OpRule, rule_of
+from hlopar.analysis.auto_sharding.rules import OpRule
 from hlopar.analysis.limits import check_count
-from hlopar.analysis.sharding import ShardingPerValue, TensorSharding
-from hlopar.analysis.training_roles import ELEMENTWISE_OPS, RolesError, batch_arguments, classify
+from hlopar.analysis.training_roles import RolesError, batch_arguments
 from hlopar.dialect.attributes import BATCH, BATCH_ARGS_ATTR, KIND_ATTR, MICROBATCHES_ATTR, STEP, SUM
 from hlopar.dialect.split import read_index_arg
-from hlopar.ir.diagnostics import DiagnosticError, source_location
-from hlopar.ir.extract import value_of
 from hlopar.ir.graph import FuncGraph
 from hlopar.ir.module import find_main
 from hlopar.ir.signature import FuncSignature
 from hlopar.passes.base import ModulePass, PassContext, option, report_option
-from hlopar.passes.microbatching.batch_statistics import mean_divisions, reduced_count, rescale_mean, splat_value
+from hlopar.passes.microbatching.batch_checks import BatchChecks
+from hlopar.passes.microbatching.batch_statistics import rescale_mean
+from hlopar.passes.microbatching.common import (
+    LOCAL,
+    LOCAL_SUM,
+    SUM_OPS,
+    SplitError,
+    invariant,
+    top_op,
+    walk_ops,
+)
 from hlopar.passes.microbatching.functions_form import write_functions
 from hlopar.passes.microbatching.global_iota import count_globally
-from hlopar.passes.microbatching.per_example_results import concatenated_dim, place_rows
+from hlopar.passes.microbatching.kinds import KindAnalysis
+from hlopar.passes.microbatching.per_example_results import place_rows
+from hlopar.passes.microbatching.resize import Resizer
 
 __all__ = ["SplitError", "SplitMicrobatchesPass"]
-
-MESH = "hlopar_microbatch"
-AXIS = "mb"
-# Per-microbatch values that carry no examples, written "batch" (they run per microbatch):
-LOCAL = "local"  # a statistic of the microbatch (from its means over the batch): averaged when it leaves
-LOCAL_SUM = "local-sum"  # linear in the microbatch's sums, statistics as coefficients: summed when it leaves
-# Inside a loop: a carried value that is zero so far (zeros that sums are written or added into).
-ZERO = "zero"
-_SDY_SHARDING = "sdy.sharding"
-
-# Ops that only need their result types changed when a dim is divided (besides elementwise ops).
-_TYPE_ONLY_OPS = (
-    ELEMENTWISE_OPS
-    | frozenset(
-        "stablehlo." + n
-        for n in (
-            "broadcast_in_dim reshape transpose dot_general dot convolution reduce select compare convert bitcast_convert "
-            "concatenate gather scatter dynamic_update_slice while case if reverse sort map optimization_barrier "
-            "rng_bit_generator batch_norm_inference cholesky triangular_solve fft reduce_precision return copy "
-            "exponential_minus_one log_plus_one"
-        ).split()
-    )
-    | {"stablehlo.return", "func.return"}
-)
-# Ops whose sum over a batch factor is a plain sum of the inputs' examples.
-_SUM_OPS = frozenset(
-    {"stablehlo.reduce", "stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution", "stablehlo.scatter"}
-)
-# Ops linear in a sum operand (with the other operands independent of the batch).
-_STRUCTURAL_OPS = frozenset(
-    "stablehlo." + n for n in ("reshape transpose broadcast_in_dim slice reverse copy negate").split()
-)
-
-
-class SplitError(Exception):
-    """Why a step cannot be microbatched, at an op."""
-
-    def __init__(self, op: ir.Operation | None, message: str):
-        super().__init__(message)
-        self.op = op
 
 
 @dataclass
@@ -249,19 +216,10 @@ class SplitMicrobatchesPass(ModulePass):
 # --------------------------------------------------------------------------- analysis
 
 
-@dataclass
-class _KindPass:
-    """What one walk over the top-level ops found."""
+class _Splitter(BatchChecks, KindAnalysis, Resizer):
+    """The split of one `@main`: checks, kinds, resizing (mixins, one job each), then the
+    hand-off of values between the per-microbatch part and the rest."""
 
-    op_kinds: list[str | None] = field(default_factory=list)
-    value_kind: dict[int, str | None] = field(default_factory=dict)
-    per_example: set[int] = field(default_factory=set)  # ops reading or carrying per-example values
-    reductions: dict[int, int | None] = field(default_factory=dict)  # of those, sums over the batch: count
-    statistics: list[tuple[int, int]] = field(default_factory=list)  # (op, value of the whole batch it uses)
-    refusals: list[SplitError] = field(default_factory=list)  # inside loops and branches, in the order found
-
-
-class _Splitter:
     def __init__(self, module, main, options: SplitMicrobatchesPass, context: PassContext):
         self.module, self.main, self.b, self.context = module, main, options.microbatches, context
         self.rng = options.rng
@@ -269,7 +227,7 @@ class _Splitter:
         self.batch_args = self._batch_args(options.batch_args)
         self.axis = self.b if self.b > 1 else self._analysis_axis()
         self.loss_result = options.loss_result
-        self.ops = _walk(main)
+        self.ops = walk_ops(main)
         self.div: dict[ir.Value, tuple[int, ...]] = {}  # values whose dims are divided
         self.rules: list[OpRule | None] = []
         self.iotas: list[ir.Operation] = []  # iotas along the batch, to count globally
@@ -339,7 +297,7 @@ class _Splitter:
             if kind not in (LOCAL, LOCAL_SUM):
                 continue
             for value in node.mlir_op.results:
-                outside = [use for use in value.uses if _top_op(use.owner, self.main) not in per_microbatch]
+                outside = [use for use in value.uses if top_op(use.owner, self.main) not in per_microbatch]
                 if not outside:
                     continue
                 tensor = ir.RankedTensorType(value.type)
@@ -375,11 +333,11 @@ class _Splitter:
         per_microbatch = {self.graph.ops[i].mlir_op for i in self.per_microbatch}
         for node, kind in zip(self.graph.ops, kinds):
             op = node.mlir_op
-            if kind is None or not op.regions or node.name in _SUM_OPS:
+            if kind is None or not op.regions or node.name in SUM_OPS:
                 continue
             last = op
             for number, (vid, value) in enumerate(zip(node.results, op.results)):
-                outside = [use for use in value.uses if _top_op(use.owner, self.main) not in per_microbatch]
+                outside = [use for use in value.uses if top_op(use.owner, self.main) not in per_microbatch]
                 if not outside or value_kind[vid] == kind:
                     continue
                 if value_kind[vid] == SUM:
@@ -387,7 +345,7 @@ class _Splitter:
                         handed = stablehlo.ReshapeOp(value.type, value)
                     handed.operation.attributes[KIND_ATTR] = ir.StringAttr.get(SUM)
                     replacement, last = handed.result, handed.operation
-                elif value_kind[vid] is None and _invariant(op, number):
+                elif value_kind[vid] is None and invariant(op, number):
                     replacement = op.operands[number]
                 else:
                     raise SplitError(
@@ -438,778 +396,3 @@ class _Splitter:
         raise SplitError(self.main, "a batch of one example: nothing tells which values carry the batch")
 
     # -- Shardy propagation on a clone
-
-    def _propagate(self) -> None:
-        size = math.gcd(*(self.graph.values[self.graph.args[i]].shape[0] for i in self.batch_args))
-        if _unshare_splats(self.main, size):
-            self.graph, self.ops = FuncGraph.from_func(self.main), _walk(self.main)
-        clone_module = self.module.clone()
-        clone = find_main(clone_module)
-        body = clone_module.regions[0].blocks[0]
-        with ir.InsertionPoint(body.operations[0]):
-            sdy.MeshOp(MESH, ir.Attribute.parse(f'#sdy.mesh<["{AXIS}"={self.axis}]>'))
-        clone_ops = _walk(clone)
-        for op in clone_ops:  # the input's own shardings are not about microbatches
-            if op.name == "sdy.manual_computation":
-                raise SplitError(self.ops[clone_ops.index(op)], "manual computations cannot be microbatched")
-            if _SDY_SHARDING in op.attributes:
-                del op.attributes[_SDY_SHARDING]
-            if op.name == "sdy.sharding_constraint":
-                rank = len(ir.RankedTensorType(op.results[0].type).shape)
-                op.attributes["sharding"] = _sharding(rank, None, closed=False)
-        arg_types = [a.type for a in clone.regions[0].blocks[0].arguments]
-        attrs = []
-        for i, t in enumerate(arg_types):
-            rank = len(ir.RankedTensorType(t).shape) if isinstance(t, ir.RankedTensorType) else None
-            entry = {}
-            if rank is not None:
-                entry[_SDY_SHARDING] = _sharding(
-                    rank, 0 if i in self.batch_args else None, closed=i not in self.batch_args
-                )
-            attrs.append(ir.DictAttr.get(entry))
-        clone.attributes["arg_attrs"] = ir.ArrayAttr.get(attrs)
-        if "res_attrs" in clone.attributes:
-            del clone.attributes["res_attrs"]
-        for op in clone_ops:  # Shardy does not propagate through them: their readers read the operands
-            if op.name in PASS_THROUGH_OPS:
-                for operand, result in zip(op.operands, op.results):
-                    result.replace_all_uses_with(operand)
-        try:
-            passmanager.PassManager.parse(
-                "builtin.module(sdy-add-data-flow-edges,sdy-aggressive-propagate,func.func(sdy-sink-data-flow-edges))"
-            ).run(clone_module)
-            passmanager.PassManager.parse("builtin.module(func.func(sdy-populate-op-sharding-rules))").run(clone_module)
-        except ir.MLIRError as error:
-            raise DiagnosticError.from_mlir_error(error) from None
-        clone_ops = _walk(clone)
-        assert len(clone_ops) == len(self.ops)
-        for i, arg in enumerate(self.main.regions[0].blocks[0].arguments):
-            if i in self.batch_args:
-                rank = len(ir.RankedTensorType(arg.type).shape)
-                self.div[arg] = (self.axis,) + (1,) * (rank - 1)
-        for op, twin in zip(self.ops, clone_ops):
-            self.rules.append(rule_of(twin))
-            if op.name in PASS_THROUGH_OPS:  # result k is operand k
-                for operand, result in zip(op.operands, op.results):
-                    if operand in self.div:
-                        self.div[result] = self.div[operand]
-                continue
-            if twin.name in ("sdy.sharding_constraint", "sdy.reshard"):
-                per_value = (TensorSharding.parse(str(twin.attributes["sharding"])),)
-            elif _SDY_SHARDING in twin.attributes:
-                per_value = ShardingPerValue.parse(str(twin.attributes[_SDY_SHARDING])).shardings
-            else:
-                continue
-            for result, sharding in zip(op.results, per_value):
-                div = self._division(sharding)
-                if div is not None:
-                    self.div[result] = div
-            if op.name == "stablehlo.while":
-                for region in op.regions:
-                    for arg, result in zip(region.blocks[0].arguments, op.results):
-                        if result in self.div:
-                            self.div[arg] = self.div[result]
-
-    def _division(self, sharding: TensorSharding) -> tuple[int, ...] | None:
-        if sharding.mesh_name != MESH:
-            return None
-        div = tuple(
-            math.prod(ref.sub[1] if ref.sub else self.axis for ref in axes if ref.name == AXIS)
-            for axes in sharding.dim_axes
-        )
-        return div if any(d > 1 for d in div) else None
-
-    def divided(self, value: ir.Value) -> tuple[int, ...] | None:
-        return self.div.get(value)
-
-    # -- per-op checks
-
-    def _check_op(self, op: ir.Operation, rule: OpRule | None) -> None:
-        operands = [self.divided(v) for v in op.operands]
-        results = [self.divided(v) for v in op.results]
-        if not any(operands) and not any(results):
-            return
-        name = op.name
-        if name in ("stablehlo.return", "func.return", "sdy.return"):
-            parent = op.parent
-            if name == "func.return":  # per-example results: concatenated along their batch dim
-                for number, div in enumerate(operands):
-                    if div and (dim := concatenated_dim(div, self.b)) is None:
-                        raise SplitError(
-                            op,
-                            f"{FuncSignature.of(self.main).result(number)} of @main carries the "
-                            f"batch spread over several dims {div}: the {self.b} microbatches' "
-                            "values cannot be concatenated along one (return it with the batch "
-                            "in one dim, or use microbatches=1)",
-                        )
-                    if div:
-                        self.per_example_results[number] = dim
-                return
-            if parent.name in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
-                expected = [self.divided(v) for v in parent.results]
-                if operands != expected:
-                    raise SplitError(op, f"a value carried by '{parent.name}' changes its batch dims inside it")
-            return
-        if name in ("sdy.sharding_constraint", "sdy.reshard"):
-            if operands != results:
-                raise SplitError(op, f"'{name}' holds the batch along other dims than its input")
-            return
-        if name == "stablehlo.while":
-            if operands != results:
-                raise SplitError(
-                    op, "'stablehlo.while' carries the batch in some values along other dims than its inputs have it"
-                )
-            return
-        if name in ("stablehlo.case", "stablehlo.if") or not op.operands:
-            return  # branches: their returns are checked against the results; constants: when resized
-        if name in ("stablehlo.rng", "stablehlo.rng_bit_generator"):
-            self._per_microbatch_random(op)  # refused, or resized with a warning
-            return
-        if rule is None or rule.is_custom:
-            raise SplitError(
-                op, f"'{name}' has no sharding rule: hlopar cannot tell whether it mixes the examples of the batch"
-            )
-        factors: dict[int, set[int]] = {}
-        tensors = [(d, m, "operand", k) for k, (d, m) in enumerate(zip(operands, rule.operands))]
-        tensors += [(d, m, "result", k) for k, (d, m) in enumerate(zip(results, rule.results))]
-        for div, mapping, what, number in tensors:
-            for dim, dim_factors in enumerate(mapping):
-                shares = _allocate(div[dim] if div else 1, [rule.factor_sizes[f] for f in dim_factors])
-                if shares is None:
-                    raise SplitError(
-                        op,
-                        f"'{name}' reshapes the batch dim of its {what} {number} in a way microbatches cannot follow",
-                    )
-                for f, share in zip(dim_factors, shares):
-                    factors.setdefault(f, set()).add(share)
-        moving = [
-            f
-            for f, shares in factors.items()
-            if shares != {1} and (f in rule.need_replication or f in rule.permutation)
-        ]
-        if moving:
-            raise SplitError(
-                op,
-                f"'{name}' moves data along the batch dim (slices, pads, concatenates, sorts or "
-                "reverses it): examples of different microbatches would mix",
-            )
-        reduced = False
-        for f, shares in factors.items():
-            if shares == {1}:
-                continue
-            if len(shares) > 1:
-                raise SplitError(
-                    op,
-                    f"'{name}' combines values that carry the batch along a dim with values that "
-                    "do not (a parameter or constant indexed by example?)",
-                )
-            if f in rule.reduction:
-                reduced = True
-        if reduced:
-            if any(results):
-                raise SplitError(op, f"'{name}' sums over part of the batch only")
-            why = self._not_a_sum(op)
-            if why:
-                raise SplitError(op, f"'{name}' reduces over the batch but {why}: microbatches can only sum")
-
-    def _not_a_sum(self, op: ir.Operation) -> str | None:
-        name = op.name
-        if name not in _SUM_OPS:
-            return "is not a sum"
-        if name == "stablehlo.reduce":
-            if len(op.results) != 1:
-                return "reduces several values together"
-            if not _adds(op):
-                return "its body is not an addition"
-            if not _is_zero(op.operands[1]):
-                return "its initial value is not zero"
-        if name == "stablehlo.scatter":
-            if len(op.results) != 1 or not _adds(op):
-                return "it does not add its updates"
-            if not _is_zero(op.operands[0]):
-                return "it adds into a buffer that is not zero"
-        if name == "stablehlo.convolution" and _int_attr(op, "batch_group_count") != 1:
-            return "it groups the batch"
-        return None
-
-    # -- kinds of top-level values
-
-    def _kinds(self) -> tuple[list[str | None], dict[int, str | None], SplitError | None, list[int]]:
-        """Each top-level op's kind, each value's (LOCAL: a per-microbatch statistic), the first
-        batch statistic that cannot be split (raised after the loss is checked, whose error
-        says more when the loss is to blame), and the means over the batch used per example
-        (`batch_statistics.mean_divisions`), computed per microbatch."""
-        first = self._kind_pass(frozenset())
-        means = mean_divisions(self.graph, first.value_kind, first.per_example, first.reductions)
-        # A mean the loss is computed from is the loss's (its nonlinearity is the error), not a statistic.
-        loss = self.loss_result if self.loss_result is not None else classify(self.graph).loss_result
-        if loss is not None and 0 <= loss < len(self.graph.results):
-            before_loss = _ancestors(
-                self.graph, self.graph.values[self.graph.results[loss]].producer, first.per_example
-            )
-            means = [i for i in means if i not in before_loss]
-        found = self._kind_pass(frozenset(means))
-        if found.refusals:
-            raise found.refusals[0]
-        self._mark_per_microbatch(found)
-        error = None
-        if self.b == 1:
-            self._one_microbatch(found)
-        elif found.statistics:
-            index, statistic = found.statistics[0]
-            node = self.graph.ops[index]
-            source = self.graph.values[statistic].producer
-            where = _where(self.graph.ops[source].mlir_op) if source is not None else "an argument"
-            error = SplitError(
-                node.mlir_op,
-                f"'{node.name}' uses a value computed from the whole batch (at {where}) "
-                "per example: a batch statistic that is not a mean over the batch (means "
-                "are taken per microbatch, as GPipe does), or the backward of a loss that "
-                "is not a sum or mean over the batch, cannot be split into microbatches "
-                "(with microbatches=1 the step runs as written)",
-            )
-        return found.op_kinds, found.value_kind, error, means
-
-    def _kind_pass(self, means: frozenset[int]) -> _KindPass:
-        """Kinds in program order; `means` (op indices) are per-microbatch statistics."""
-        graph = self.graph
-        found = _KindPass()
-        kind = found.value_kind
-        for i, a in enumerate(graph.args):
-            kind[a] = BATCH if i in self.batch_args else None
-        for index, node in enumerate(graph.ops):
-            op = node.mlir_op
-            reads = graph.reads(index)
-            read_kinds = {kind[v] for v in reads}
-            if node.name in PASS_THROUGH_OPS:  # result k is operand k, of its kind
-                for operand, result in zip(node.operands, node.results):
-                    kind[result] = kind[operand]
-                if BATCH in read_kinds and STEP in read_kinds:
-                    raise SplitError(
-                        op,
-                        f"'{node.name}' holds per-example values together with values computed "
-                        "once per step from the whole batch",
-                    )
-                found.op_kinds.append(next((k for k in (BATCH, LOCAL, LOCAL_SUM, SUM, STEP) if k in read_kinds), None))
-                if BATCH in read_kinds:
-                    found.per_example.add(index)
-                continue
-            carries = [self.divided(value_of(graph, v)) is not None for v in node.results]
-            if any(carries) or BATCH in read_kinds:
-                found.per_example.add(index)
-                results = [BATCH if c else SUM for c in carries]  # a sum over the batch: checked by _check_op
-                if op.regions and node.name not in _SUM_OPS:
-                    # A loop or branch: what it carries or returns, from the ops inside.
-                    found.reductions[index] = None
-                    if self.b > 1:
-                        known = {value_of(graph, v): kind[v] for v in reads}
-                        results = [None if k == ZERO else k for k in self._control_flow_kinds(op, known, found)]
-                else:
-                    found.statistics += [(index, v) for v in reads if kind[v] in (SUM, STEP)]
-                    if not any(carries):
-                        found.reductions[index] = reduced_count(graph, index)
-                for v, k in zip(node.results, results):
-                    kind[v] = k
-                found.op_kinds.append(BATCH if any(carries) else SUM)
-                continue
-            summed = [kind[v] in (SUM, LOCAL_SUM) for v in node.operands]
-            if index in means:
-                result = LOCAL
-            elif (
-                read_kinds & {LOCAL, LOCAL_SUM}
-                and any(summed)
-                and _linear(node.name, op, [SUM if s else None for s in summed])
-            ):
-                result = LOCAL_SUM  # e.g. a gradient's sum times a statistic of the microbatch
-            elif LOCAL in read_kinds:
-                found.statistics += [(index, v) for v in reads if kind[v] == STEP]
-                result = LOCAL
-            elif LOCAL_SUM in read_kinds:
-                result = STEP  # not linear: runs once, on the sums (an optimizer)
-            elif read_kinds <= {None}:
-                result = None
-            elif STEP in read_kinds:
-                result = STEP
-            else:
-                result = SUM if _linear(node.name, op, [kind[v] for v in node.operands]) else STEP
-            for v in node.results:
-                kind[v] = result
-            found.op_kinds.append(result)
-        return found
-
-    def _mark_per_microbatch(self, found: _KindPass) -> None:
-        """`self.per_microbatch`: the ops that run per microbatch, those that read or carry
-        examples, the statistics and what is computed from them, and what they read."""
-        starts = [i for i, k in enumerate(found.op_kinds) if k in (BATCH, LOCAL, LOCAL_SUM) or i in found.per_example]
-        self.per_microbatch = _ancestors_of(self.graph, starts, set())
-
-    def _one_microbatch(self, found: _KindPass) -> None:
-        """B = 1 splits nothing: every statistic is the whole batch's, so the ops the
-        per-microbatch part reads run there (as LOCAL), whatever they compute."""
-        for i in self.per_microbatch:
-            if found.op_kinds[i] == STEP:
-                found.op_kinds[i] = LOCAL
-                for v in self.graph.ops[i].results:
-                    found.value_kind[v] = LOCAL
-
-    # -- kinds inside loops and branches that read or carry the batch
-
-    def _control_flow_kinds(
-        self, op: ir.Operation, known: dict[ir.Value, str | None], found: _KindPass
-    ) -> list[str | None]:
-        """The kind of each result of a loop or branch run per microbatch, from the ops inside
-        (`known`: the kinds of the values defined so far, the values it reads included; it
-        gets those of the values inside). Such an op may carry the batch and accumulate sums
-        over it: a carry that starts at zeros (or a sum) and that the body writes sums into
-        (`dynamic_update_slice`, the stacked gradients of a scanned layer stack) or adds sums
-        to is a sum, whose microbatches' values add up to the whole batch's. Refused (to
-        `found.refusals`): a sum used per example inside (a batch statistic), any op that is
-        not linear in the sums it reads (an update inside the loop), a trip count or branch
-        chosen from sums, and a carry that mixes a sum with a value independent of the batch."""
-        if op.name == "stablehlo.while":
-            cond, body = (region.blocks[0] for region in op.regions)
-            state = [self._kind_in(v, known) for v in op.operands]
-            state = [ZERO if k is None and _is_zero(v) else k for k, v in zip(state, op.operands)]
-            while True:
-                for block in (cond, body):
-                    for arg, k in zip(block.arguments, state):
-                        known[arg] = k
-                if self._block_kinds(cond, known, _KindPass())[0] not in (None, ZERO, BATCH):
-                    self._refuse(
-                        found,
-                        op,
-                        f"'{op.name}' runs a number of iterations chosen from sums over the "
-                        "batch: each microbatch would run its own",
-                    )
-                joined = [_join(k, r) for k, r in zip(state, self._block_kinds(body, known, found))]
-                if joined == state:
-                    break
-                state = joined
-        else:  # stablehlo.case / stablehlo.if: the branch index (a scalar) must not depend on the batch
-            if self._kind_in(op.operands[0], known) not in (None, ZERO):
-                self._refuse(
-                    found,
-                    op,
-                    f"'{op.name}' chooses its branch from a sum over the batch: each microbatch would choose its own",
-                )
-            branches = [self._block_kinds(region.blocks[0], known, found) for region in op.regions]
-            state = [functools.reduce(_join, kinds) for kinds in zip(*branches)]
-        kinds = [BATCH if self.divided(r) is not None else k for r, k in zip(op.results, state)]
-        for number, k in enumerate(kinds):
-            if k == STEP:
-                self._refuse(
-                    found,
-                    op,
-                    f"result {number} of '{op.name}' is a sum over the batch in some "
-                    "iterations or branches and a value independent of it in others (a sum "
-                    "written into a buffer that does not start at zeros?): its microbatches' "
-                    "values would not add up to the whole batch's",
-                )
-        return kinds
-
-    def _block_kinds(self, block: ir.Block, known: dict[ir.Value, str | None], found: _KindPass) -> list[str | None]:
-        """Kinds of the values a region's block computes; those it returns."""
-        for inner in block.operations:
-            inner = inner.operation
-            if inner.name == "stablehlo.return":
-                return [self._kind_in(v, known) for v in inner.operands]
-            for result, k in zip(inner.results, self._inner_kinds(inner, known, found)):
-                known[result] = k
-        raise AssertionError("a region without stablehlo.return")
-
-    def _inner_kinds(self, op: ir.Operation, known: dict[ir.Value, str | None], found: _KindPass) -> list[str | None]:
-        """The kinds of an op's results inside a loop or branch that runs per microbatch."""
-        if op.name in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
-            return self._control_flow_kinds(op, known, found)
-        reads = [self._kind_in(v, known) for v in op.operands]
-        carries = [self.divided(r) is not None for r in op.results]
-        if op.name in PASS_THROUGH_OPS:  # result k is operand k
-            return [BATCH if c else k for c, k in zip(carries, reads)]
-        if any(carries) or BATCH in reads:
-            summed = [v for v, k in zip(op.operands, reads) if k in (SUM, STEP)]
-            if summed:
-                self._refuse(
-                    found,
-                    op,
-                    f"'{op.name}' uses a sum over the batch ({_origin(summed[0])}) per "
-                    "example inside a loop or branch: a statistic of the batch used inside a "
-                    "loop cannot be split into microbatches (with microbatches=1 the step runs "
-                    "as written)",
-                )
-            return [BATCH if c else SUM for c in carries]  # a sum over the batch: checked by _check_op
-        if all(k in (None, ZERO) for k in reads):  # independent of the batch; zeros may start a sum
-            return [ZERO if _is_zero(r) else None for r in op.results]
-        if {LOCAL, LOCAL_SUM} & set(reads):
-            self._refuse(
-                found,
-                op,
-                f"'{op.name}' computes a value without examples from statistics of the "
-                "microbatch inside a loop or branch: not supported",
-            )
-        elif STEP not in reads and _linear(op.name, op, reads):
-            return [SUM] * len(op.results)
-        elif STEP not in reads:
-            self._refuse(
-                found,
-                op,
-                f"'{op.name}' is not linear in the sums over the batch it reads, inside a loop "
-                "or branch that runs once per microbatch: only sums can be accumulated over "
-                "microbatches (a sum added to or written into a value that is not zero, or an "
-                "update or a statistic computed inside the loop?)",
-            )
-        return [STEP] * len(op.results)
-
-    def _kind_in(self, value: ir.Value, known: dict[ir.Value, str | None]) -> str | None:
-        return BATCH if self.divided(value) is not None else known.get(value)
-
-    @staticmethod
-    def _refuse(found: _KindPass, op: ir.Operation, message: str) -> None:
-        if not any(r.op == op and str(r) == message for r in found.refusals):
-            found.refusals.append(SplitError(op, message))
-
-    def _check_loss(self, kind: dict[int, str | None]) -> int | None:
-        """The loss result; with several microbatches it must be a sum over the batch (with
-        one, the step runs as written: nothing is required of it)."""
-        graph = self.graph
-        loss = self.loss_result
-        if loss is not None and not 0 <= loss < len(graph.results):
-            raise SplitError(self.main, f"loss result {loss} out of range: @main has {len(graph.results)} results")
-        if loss is None:
-            loss = classify(graph).loss_result
-        if self.b == 1:
-            return loss
-        if loss is None:
-            raise SplitError(self.main, "no loss found: @main does not look like a training step (give loss-result=N)")
-        value = graph.results[loss]
-        if kind[value] == LOCAL:
-            raise SplitError(
-                self.main,
-                f"the loss ({FuncSignature.of(self.main).result(loss)}) is computed from a "
-                "statistic of the batch other "
-                "than through per-example values: with microbatches its microbatches' "
-                "values would not add up to it",
-            )
-        if kind[value] is None:
-            names = FuncSignature.of(self.main)
-            raise SplitError(
-                self.main,
-                f"the loss ({names.result(loss)}) does not depend on the batch arguments "
-                f"({', '.join(names.arg(i) for i in self.batch_args)}); name them with "
-                "batch-args=...",
-            )
-        if kind[value] == STEP:
-            culprit = self._first_nonlinear(value, kind)
-            raise SplitError(
-                culprit,
-                f"the loss (result {loss}) is not a sum or a mean over the batch: "
-                f"'{culprit.name}' is not linear in the sums over the batch it reads; between "
-                "the batch reductions and the loss only add, subtract, negate, and multiplying "
-                "or dividing by values independent of the batch may appear",
-            )
-        return loss
-
-    def _first_nonlinear(self, value: int, kind: dict[int, str | None]) -> ir.Operation:
-        """The STEP op on the way to `value` whose inputs are all sums or independent."""
-        graph = self.graph
-        while True:
-            producer = graph.values[value].producer
-            node = graph.ops[producer]
-            step_inputs = [v for v in graph.reads(producer) if kind[v] == STEP]
-            if not step_inputs:
-                return node.mlir_op
-            value = step_inputs[0]
-
-    # -- rewriting
-
-    def _resize(self) -> int:
-        count = 0
-        for op in self.ops:
-            self._fix_attributes(op)
-        for value, div in self.div.items():
-            tensor = ir.RankedTensorType(value.type)
-            shape = [s // d for s, d in zip(tensor.shape, div)]
-            if any(s % d for s, d in zip(tensor.shape, div)):
-                owner = value.owner if isinstance(value, ir.OpResult) else None
-                raise SplitError(owner, f"a value of type {tensor} has a batch dim not divisible by {self.b}")
-            value.set_type(ir.RankedTensorType.get(shape, tensor.element_type, tensor.encoding))
-            count += 1
-        block = self.main.regions[0].blocks[0]
-        function_type = ir.FunctionType(ir.TypeAttr(self.main.attributes["function_type"]).value)
-        self.main.attributes["function_type"] = ir.TypeAttr.get(
-            ir.FunctionType.get([a.type for a in block.arguments], list(function_type.results))
-        )
-        return count
-
-    def _fix_attributes(self, op: ir.Operation) -> None:
-        name = op.name
-        results = [self.divided(v) for v in op.results]
-        operands = [self.divided(v) for v in op.operands]
-        if not any(results) and not any(operands):
-            return
-        if name == "stablehlo.constant":
-            attr = ir.DenseElementsAttr(op.attributes["value"])
-            if not attr.is_splat:
-                raise SplitError(
-                    op,
-                    "a constant that is not a splat has the batch's shape: its rows would have "
-                    "to be cut per microbatch",
-                )
-            new_type = _divided_type(op.results[0].type, results[0])
-            op.attributes["value"] = ir.DenseElementsAttr.get_splat(new_type, attr.get_splat_value())
-        elif name == "stablehlo.iota":
-            if results[0][_int_attr(op, "iota_dimension")] > 1:
-                self.iotas.append(op)  # counts the batch's rows: made global after resizing
-        elif name == "stablehlo.slice":
-            self._fix_full_range(op, operands[0], ("start_indices", "limit_indices", "strides"))
-        elif name == "stablehlo.dynamic_slice":
-            self._fix_sizes(op, operands[0], "slice_sizes", "dynamic_slice")
-        elif name == "stablehlo.gather":
-            self._fix_sizes(op, operands[0], "slice_sizes", "gather", allow_one=True)
-        elif name == "stablehlo.pad":
-            for key in ("edge_padding_low", "edge_padding_high", "interior_padding"):
-                values = list(ir.DenseI64ArrayAttr(op.attributes[key]))
-                if any(values[d] for d, div in enumerate(operands[0]) if div > 1):
-                    raise SplitError(op, "'stablehlo.pad' pads the batch dim")
-        elif name in ("stablehlo.reduce_window", "stablehlo.select_and_scatter"):
-            self._check_window(op, operands[0])
-        elif name == "stablehlo.rng":
-            self._fix_rng_shape(op, results[0])
-        elif name not in _TYPE_ONLY_OPS and name not in ("sdy.sharding_constraint", "sdy.reshard"):
-            raise SplitError(op, f"hlopar-split-microbatches cannot resize '{name}' along the batch")
-
-    def _fix_full_range(self, op, div, keys) -> None:
-        start, limit, strides = (list(ir.DenseI64ArrayAttr(op.attributes[k])) for k in keys)
-        shape = ir.RankedTensorType(op.operands[0].type).shape
-        for d, factor in enumerate(div):
-            if factor > 1:
-                if (start[d], limit[d], strides[d]) != (0, shape[d], 1):
-                    raise SplitError(
-                        op,
-                        f"'{op.name}' takes part of the batch dim ([{start[d]}:{limit[d]}:{strides[d]}] of {shape[d]})",
-                    )
-                limit[d] = shape[d] // factor
-        op.attributes[keys[1]] = ir.DenseI64ArrayAttr.get(limit)
-
-    def _fix_sizes(self, op, div, key, what, allow_one=False) -> None:
-        sizes = list(ir.DenseI64ArrayAttr(op.attributes[key]))
-        shape = ir.RankedTensorType(op.operands[0].type).shape
-        for d, factor in enumerate(div or ()):
-            if factor > 1:
-                if sizes[d] == shape[d]:
-                    sizes[d] = shape[d] // factor
-                elif not (allow_one and sizes[d] == 1):
-                    raise SplitError(
-                        op, f"'{op.name}' takes a slice of size {sizes[d]} of the batch dim (size {shape[d]})"
-                    )
-        op.attributes[key] = ir.DenseI64ArrayAttr.get(sizes)
-
-    def _check_window(self, op, div) -> None:
-        rank = len(div)
-        for key, neutral in (("window_dimensions", 1), ("window_strides", 1), ("base_dilations", 1)):
-            if key in op.attributes:
-                values = list(ir.DenseI64ArrayAttr(op.attributes[key]))
-                if any(values[d] != neutral for d in range(rank) if div[d] > 1):
-                    raise SplitError(op, f"'{op.name}' has a window along the batch dim")
-        if "padding" in op.attributes:
-            padding = ir.DenseIntElementsAttr(op.attributes["padding"])
-            flat = [int(x) for x in padding]
-            if any(flat[2 * d] or flat[2 * d + 1] for d in range(rank) if div[d] > 1):
-                raise SplitError(op, f"'{op.name}' pads the batch dim")
-
-    def _fix_rng_shape(self, op, div) -> None:
-        shape_value = op.operands[2]
-        new_shape = [s // d for s, d in zip(ir.RankedTensorType(op.results[0].type).shape, div)]
-        shape_type = ir.RankedTensorType(shape_value.type)
-        with ir.InsertionPoint(op), op.location:
-            constant = stablehlo.ConstantOp(
-                ir.DenseElementsAttr.get(
-                    np.array(new_shape, dtype="int64"), type=shape_type.element_type, shape=list(shape_type.shape)
-                )
-            )
-        op.operands[2] = constant.result
-
-    def _per_microbatch_random(self, op) -> None:
-        """A generator of the whole shape at once: a microbatch cannot draw the batch's rows of it."""
-        if self.rng != "per-microbatch":
-            raise SplitError(
-                op,
-                f"'{op.name}' draws random numbers for the whole batch at once: a microbatch "
-                "cannot draw its rows of them; rng=per-microbatch accepts other random numbers "
-                "per microbatch (JAX's default threefry generator is split exactly)",
-            )
-        self.context.warn(
-            op,
-            f"hlopar-split-microbatches: '{op.name}' draws random numbers per microbatch "
-            "(rng=per-microbatch): other numbers than the whole batch's",
-        )
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _ancestors(graph: FuncGraph, op: int | None, stop: set[int]) -> set[int]:
-    """`op` and the top-level ops it is computed from, not looking past the ops in `stop`."""
-    return _ancestors_of(graph, [op] if op is not None else [], stop)
-
-
-def _ancestors_of(graph: FuncGraph, ops: Sequence[int], stop: set[int]) -> set[int]:
-    """`ops` and the top-level ops they are computed from, not looking past the ops in `stop`."""
-    found: set[int] = set()
-    stack = list(ops)
-    while stack:
-        i = stack.pop()
-        if i in found:
-            continue
-        found.add(i)
-        if i not in stop:
-            stack.extend(graph.predecessors(i))
-    return found
-
-
-def _top_op(op: ir.Operation, func: ir.Operation) -> ir.Operation:
-    """The op of `func`'s body that `op` is or sits in."""
-    while op.parent != func:
-        op = op.parent
-    return op
-
-
-def _walk(func: ir.Operation) -> list[ir.Operation]:
-    """Every op inside `func`, pre-order (the same order in a clone)."""
-    found: list[ir.Operation] = []
-
-    def visit(op: ir.Operation) -> None:
-        for region in op.regions:
-            for block in region.blocks:
-                for inner in block.operations:
-                    found.append(inner.operation)
-                    visit(inner.operation)
-
-    visit(func)
-    return found
-
-
-def _sharding(rank: int, batch_dim: int | None, *, closed: bool) -> ir.Attribute:
-    dims = []
-    for d in range(rank):
-        if d == batch_dim:
-            dims.append(f'{{"{AXIS}"}}')
-        else:
-            dims.append("{}" if closed else "{?}")
-    return ir.Attribute.parse(f"#sdy.sharding<@{MESH}, [{', '.join(dims)}]>")
-
-
-def _allocate(division: int, sizes: list[int]) -> list[int] | None:
-    """How a dim's division spreads over its factors, major first (None: it cannot)."""
-    shares, left = [], division
-    for size in sizes:
-        if left == 1:
-            shares.append(1)
-        elif size % left == 0:
-            shares.append(left)
-            left = 1
-        elif left % size == 0:
-            shares.append(size)
-            left //= size
-        else:
-            return None
-    return shares if left == 1 else None
-
-
-def _adds(op: ir.Operation) -> bool:
-    """Whether the op's body returns the sum of its two block arguments."""
-    block = op.regions[0].blocks[0]
-    ops = [o.operation for o in block.operations]
-    if len(ops) != 2 or ops[0].name != "stablehlo.add" or len(block.arguments) != 2:
-        return False
-    return set(ops[0].operands) == set(block.arguments) and ops[1].operands[0] == ops[0].results[0]
-
-
-def _is_zero(value: ir.Value) -> bool:
-    """A splat zero constant, possibly broadcast, reshaped or converted."""
-    return splat_value(value) == 0.0
-
-
-def _int_attr(op: ir.Operation, name: str) -> int:
-    return ir.IntegerAttr(op.attributes[name]).value if name in op.attributes else 1
-
-
-def _divided_type(type_: ir.Type, div: tuple[int, ...]) -> ir.RankedTensorType:
-    tensor = ir.RankedTensorType(type_)
-    return ir.RankedTensorType.get([s // d for s, d in zip(tensor.shape, div)], tensor.element_type, tensor.encoding)
-
-
-def _linear(name: str, op: ir.Operation, kinds: list[str | None]) -> bool:
-    """Whether an op is linear in its sum operands (`kinds`: SUM, None or ZERO per operand;
-    none STEP)."""
-    sums = [k == SUM for k in kinds]
-    zeros = [k == ZERO or _is_zero(v) for k, v in zip(kinds, op.operands)]
-    if name in _STRUCTURAL_OPS or name == "stablehlo.convert":
-        return sums[0] and all(sums)
-    if name in ("stablehlo.add", "stablehlo.subtract", "stablehlo.concatenate"):
-        return all(s or z for s, z in zip(sums, zeros))
-    if name in ("stablehlo.multiply", "stablehlo.dot_general", "stablehlo.dot"):
-        return sum(sums) == 1
-    if name == "stablehlo.divide":
-        return sums == [True, False]
-    if name == "stablehlo.pad":
-        return sums[0] and zeros[1]
-    if name == "stablehlo.select":
-        return not sums[0] and all(s or z for s, z in zip(sums[1:], zeros[1:]))
-    if name == "stablehlo.reduce":
-        n = len(op.results)
-        return n == 1 and sums[0] and _adds(op) and zeros[1]
-    if name == "stablehlo.dynamic_update_slice":  # a sum written into a sum (or zeros) at given indices
-        return all(s or z for s, z in zip(sums[:2], zeros[:2])) and not any(sums[2:])
-    if name in ("stablehlo.dynamic_slice", "stablehlo.gather"):
-        return sums[0] and not any(sums[1:])
-    return False
-
-
-def _where(op: ir.Operation) -> str:
-    location = source_location(op.location)
-    return f"'{op.name}' ({location})" if location is not None else f"'{op.name}'"
-
-
-def _unshare_splats(func: ir.Operation, size: int) -> bool:
-    """Gives each use of a splat constant with a dim of the batch's `size` (a constant, or a
-    broadcast of one) its own copy; whether there was any to copy. `cse` merges equal splats
-    whatever they mean: with a batch of 8 and a sequence of 8, one `broadcast 0 : 8x8` may
-    serve the tokens (batch x sequence) and a causal mask (sequence x sequence), and the
-    batch cannot be split along the one and not the other."""
-    copied = False
-    for op in reversed(_walk(func)):
-        if len(op.results) != 1 or not isinstance(op.results[0].type, ir.RankedTensorType):
-            continue
-        if size not in ir.RankedTensorType(op.results[0].type).shape or splat_value(op.results[0]) is None:
-            continue
-        for use in list(op.results[0].uses)[1:]:
-            copy = op.clone(ip=ir.InsertionPoint.after(op))
-            use.owner.operands[use.operand_number] = copy.results[0]
-            copied = True
-    return copied
-
-
-def _invariant(op: ir.Operation, number: int) -> bool:
-    """Whether a loop returns its carry `number` unchanged (its result is its operand)."""
-    if op.name != "stablehlo.while":
-        return False
-    body = op.regions[1].blocks[0]
-    return list(body.operations)[-1].operands[number] == body.arguments[number]
-
-
-def _origin(value: ir.Value) -> str:
-    """Where a value is made, for messages."""
-    if isinstance(value, ir.OpResult):
-        return f"at {_where(value.owner)}"
-    return "a value the loop carries" if value.owner.owner.name == "stablehlo.while" else "an argument"
-
-
-def _join(a: str | None, b: str | None) -> str | None:
-    """The kind of a value that is `a` or `b` (a loop's carry over iterations, a branch's
-    result): zeros join anything; a sum and a value independent of the batch join to STEP
-    (their microbatches' values would not add up)."""
-    if a == b or b == ZERO:
-        return a
-    if a == ZERO:
-        return b
-    return BATCH if BATCH in (a, b) else STEP

@@ -191,6 +191,8 @@ class StageConstructionPass(ModulePass):
     # ------------------------------------------------------------------ planning
 
     def plan(self, module, func, graph: FuncGraph, layering: Layering) -> tuple[PipelinePlan, dict]:
+        """Layer ILPs on every logical mesh, then the DP for each microbatch count: the best
+        pipeline and what the report says of the search."""
         timings = {}
         clock = time.perf_counter()
         run_function_pass(module, [func], "sdy-populate-op-sharding-rules")
@@ -227,8 +229,33 @@ class StageConstructionPass(ModulePass):
         plans, distinct = table.plans, table.solved
         timings["layer_ilps"] = time.perf_counter() - clock
 
-        clock = time.perf_counter()
         arrays, received = _layer_arrays(graph, layering, layers, plans, meshes, CLUSTER_PRESETS[self.preset])
+        microbatches, result, table, candidates = self._best_pipeline(
+            func, graph, layering, arrays, received, submeshes, meshes_of_submesh, timings
+        )
+        devices = assign_devices(
+            [submeshes[stage.submesh_index] for stage in result.stages], self.num_hosts, self.devices_per_host
+        )
+        plan = PipelinePlan(
+            microbatches,
+            result.total_latency,
+            result.t_max,
+            _stage_records(result, table, devices, submeshes, meshes, shapes),
+            _runner_ups(result, submeshes),
+            tuple(candidates),
+        )
+        stats = {
+            "timings": timings,
+            "layer_ilps": distinct,
+            "logical_meshes": len(meshes),
+            "num_layers": layering.num_layers,
+            "submeshes": [[s.hosts, s.devices] for s in submeshes],
+        }
+        return plan, stats
+
+    def _best_pipeline(self, func, graph, layering, arrays, received, submeshes, meshes_of_submesh, timings):
+        """The DP for each microbatch count (the split's where it ran, else the option's or the
+        candidates): the best (count, DP result, span table) and every count's outcome."""
         timings["span_costs"] = 0.0
         timings["stage_dp"] = 0.0
         candidates = []
@@ -288,57 +315,7 @@ class StageConstructionPass(ModulePass):
                 reasons.setdefault(c["why"], []).append(c["microbatches"])
             why = "; ".join(f"{'B=' + ','.join(map(str, counts))}: {reason}" for reason, counts in reasons.items())
             self.fail(func, f"no pipeline fits the cluster: {why}")
-        microbatches, result, table = best
-        devices = assign_devices(
-            [submeshes[stage.submesh_index] for stage in result.stages], self.num_hosts, self.devices_per_host
-        )
-        stages = []
-        num_stages = len(result.stages)
-        for k, (stage, ids) in enumerate(zip(result.stages, devices)):
-            i, j, m, s = stage.start_layer, stage.end_layer, stage.submesh_index, num_stages - k
-            g = int(table.mesh[i, j, m, s - 1])
-            stages.append(
-                {
-                    "intra_op": meshes[g][1],
-                    "stage": k,
-                    "layers": [i, j],
-                    "submesh": [submeshes[m].hosts, submeshes[m].devices],
-                    "logical_shape": list(shapes[g]),
-                    "devices": list(ids),
-                    "latency": float(table.latency[i, j, m, s - 1]),
-                    "memory_bytes": float(table.memory[i, j, m, s - 1]),
-                    "update_memory_bytes": float(table.update_memory[i, j, m, s - 1]),
-                    "remat": bool(table.remat[i, j, m, s - 1]),
-                    "remat_form": (REMAT_LAYERS if table.per_layer[i, j, m, s - 1] else REMAT_STAGE)
-                    if table.remat[i, j, m, s - 1]
-                    else None,
-                }
-            )
-        runner_ups = tuple(
-            {
-                "total_latency": r.total_latency,
-                "t_max": r.t_max,
-                "stages": [
-                    {
-                        "layers": [st.start_layer, st.end_layer],
-                        "submesh": [submeshes[st.submesh_index].hosts, submeshes[st.submesh_index].devices],
-                    }
-                    for st in r.stages
-                ],
-            }
-            for r in getattr(result, "runner_ups", ())
-        )
-        plan = PipelinePlan(
-            microbatches, result.total_latency, result.t_max, tuple(stages), runner_ups, tuple(candidates)
-        )
-        stats = {
-            "timings": timings,
-            "layer_ilps": distinct,
-            "logical_meshes": len(meshes),
-            "num_layers": layering.num_layers,
-            "submeshes": [[s.hosts, s.devices] for s in submeshes],
-        }
-        return plan, stats
+        return (*best, candidates)
 
     def _logical_meshes(self, submeshes: tuple[Submesh, ...]):
         """Every (logical shape, intra-op option) of every submesh, deduplicated (shapes that
@@ -446,6 +423,50 @@ def mark_rematerialized(module: ir.Operation, stages: dict[int, str]) -> None:
                 if form == REMAT_LAYERS
                 else ir.UnitAttr.get(module.context)
             )
+
+
+def _stage_records(result, table, devices, submeshes, meshes, shapes) -> tuple[dict, ...]:
+    """Per stage of the DP's result, what the report and the MPMD writer read."""
+    stages = []
+    num_stages = len(result.stages)
+    for k, (stage, ids) in enumerate(zip(result.stages, devices)):
+        i, j, m, s = stage.start_layer, stage.end_layer, stage.submesh_index, num_stages - k
+        g = int(table.mesh[i, j, m, s - 1])
+        stages.append(
+            {
+                "intra_op": meshes[g][1],
+                "stage": k,
+                "layers": [i, j],
+                "submesh": [submeshes[m].hosts, submeshes[m].devices],
+                "logical_shape": list(shapes[g]),
+                "devices": list(ids),
+                "latency": float(table.latency[i, j, m, s - 1]),
+                "memory_bytes": float(table.memory[i, j, m, s - 1]),
+                "update_memory_bytes": float(table.update_memory[i, j, m, s - 1]),
+                "remat": bool(table.remat[i, j, m, s - 1]),
+                "remat_form": (REMAT_LAYERS if table.per_layer[i, j, m, s - 1] else REMAT_STAGE)
+                if table.remat[i, j, m, s - 1]
+                else None,
+            }
+        )
+    return tuple(stages)
+
+
+def _runner_ups(result, submeshes) -> tuple[dict, ...]:
+    return tuple(
+        {
+            "total_latency": r.total_latency,
+            "t_max": r.t_max,
+            "stages": [
+                {
+                    "layers": [st.start_layer, st.end_layer],
+                    "submesh": [submeshes[st.submesh_index].hosts, submeshes[st.submesh_index].devices],
+                }
+                for st in r.stages
+            ],
+        }
+        for r in getattr(result, "runner_ups", ())
+    )
 
 
 def _is_ranked_tensor(t: ir.Type) -> bool:

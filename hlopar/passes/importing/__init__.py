@@ -1,0 +1,2 @@
+"""What `hlopar-import` does beyond upstream passes: inlining calls and reading the shardings
+an export carries."""
