@@ -24,7 +24,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from hlopar.analysis.auto_sharding.ilp import Edge, Node, Problem, Simplify, solve
+from hlopar.analysis.auto_sharding.ilp import solve
+from hlopar.analysis.auto_sharding.merging import Simplify
+from hlopar.analysis.auto_sharding.problem import Edge, Node, Problem
 
 BYTES = 2  # fp16
 FLOPS = 1e14  # per device

@@ -86,8 +86,6 @@ def replica_partition(line: str, devices: int) -> frozenset[frozenset[int]] | No
         return frozenset({frozenset(range(devices))})
     if text.startswith("{{"):
         return frozenset(frozenset(int(d) for d in g.split(",")) for g in re.findall(r"\{([\d,]+)\}", text))
-    import numpy as np
-
     if text.startswith("mesh["):
         return _mesh_groups(text)
     shape, iota, *perm = re.findall(r"\[([\d,]+)\]|T\(([\d,]+)\)", text)

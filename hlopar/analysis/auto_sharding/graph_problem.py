@@ -12,13 +12,13 @@ fold them into it.
 from __future__ import annotations
 
 import math
-
-import numpy as np
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from hlopar.analysis.auto_sharding import ilp
+import numpy as np
+
 from hlopar.analysis.auto_sharding.cluster import LogicalMesh
+from hlopar.analysis.auto_sharding.problem import Edge, Node, Problem
 from hlopar.analysis.auto_sharding.resharding import per_device_bytes, resharding_cost
 from hlopar.analysis.auto_sharding.rules import PASS_THROUGH_OPS, OpRule
 from hlopar.analysis.auto_sharding.strategies import (
@@ -78,7 +78,7 @@ class PlanNode:
 @dataclass
 class ShardingProblem:
     nodes: list[PlanNode]
-    problem: ilp.Problem
+    problem: Problem
     op_node: dict[int, int] = field(default_factory=dict)  # op id (graph-wide) -> node
     loops: dict[int, tuple[int, ...]] = field(default_factory=dict)  # while/case op id -> its result nodes
     producer: dict[int, tuple[int, int]] = field(default_factory=dict)  # value id -> (node, result number)
@@ -129,7 +129,7 @@ def build_problem(
     depth: list[int] = []
     warnings: list[tuple[OpNode, str]] = []
     consumers: list[tuple[int, tuple[int, ...], float]] = []  # (node, operand value ids, cost scale)
-    out = ShardingProblem(nodes, ilp.Problem((), ()), warnings=warnings, producer=producer)
+    out = ShardingProblem(nodes, Problem((), ()), warnings=warnings, producer=producer)
 
     infos: dict[int, TensorInfo] = {}  # the edges read again what the ops' strategies read
 
@@ -287,9 +287,9 @@ def build_problem(
     consumers += [(result_nodes[n], (graph.results[n],), 1.0) for n in result_nodes]
     edges = _edges(info_of, nodes, producer, consumers, out, memo)
     live_sets = _live_sets(graph, producer, out) if memory_budget is not None else ()
-    out.problem = ilp.Problem(
+    out.problem = Problem(
         nodes=tuple(
-            ilp.Node(
+            Node(
                 costs=memo.node_costs(node.strategies, node.scale),
                 memory=memo.node_memory(node.strategies),
                 fixed=node.fixed,
@@ -498,7 +498,7 @@ def _factor_axes_for(rule: OpRule, k: int, spec: ShardingSpec, mesh: LogicalMesh
     return tuple(factor_axes)
 
 
-def _edges(info_of, nodes, producer, consumers, out, memo: StrategyCache) -> list[ilp.Edge]:
+def _edges(info_of, nodes, producer, consumers, out, memo: StrategyCache) -> list[Edge]:
     edges = []
     for consumer, operands, scale in consumers:
         for k, value_id in enumerate(operands):
@@ -512,7 +512,7 @@ def _edges(info_of, nodes, producer, consumers, out, memo: StrategyCache) -> lis
             if matrix is not None:
                 if scale != 1.0:
                     matrix = tuple(tuple(scale * c for c in row) for row in matrix)
-                edges.append(ilp.Edge(source, consumer, matrix))
+                edges.append(Edge(source, consumer, matrix))
                 out.edge_values.append((info, number, k))
     return edges
 

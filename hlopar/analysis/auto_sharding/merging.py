@@ -39,14 +39,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from hlopar.analysis.auto_sharding.dual import decode, diffuse, energy, lower_bound, reduced_costs, trws
-
-if TYPE_CHECKING:
-    from hlopar.analysis.auto_sharding.ilp import Problem
+from hlopar.analysis.auto_sharding.problem import Problem
 
 __all__ = ["follows_from", "reduce_problem", "Reduced", "Infeasible", "Simplify"]
 

@@ -31,7 +31,6 @@ results are cached per (shape, dtype size, src, dst, mesh): all arguments are ha
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 
 from hlopar.analysis.auto_sharding.cluster import LogicalMesh

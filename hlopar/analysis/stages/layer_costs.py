@@ -40,6 +40,7 @@ import numpy as np
 from hlopar.analysis.auto_sharding import ilp
 from hlopar.analysis.auto_sharding.cluster import LogicalMesh
 from hlopar.analysis.auto_sharding.graph_problem import HEAVY_OPS, StrategyCache, TensorInfo, build_problem, tensor_info
+from hlopar.analysis.auto_sharding.problem import Edge, Problem
 from hlopar.analysis.auto_sharding.resharding import per_device_bytes
 from hlopar.analysis.auto_sharding.rules import OpRule
 from hlopar.analysis.fragment_memory import TUPLE_POINTER_BYTES, peak_temporaries
@@ -291,7 +292,7 @@ def _split_state_choices(layer: FuncGraph, problem) -> dict[int, list[int]]:
     return allowed
 
 
-def _restricted(problem: ilp.Problem, allowed: Mapping[int, Sequence[int]]) -> ilp.Problem:
+def _restricted(problem: Problem, allowed: Mapping[int, Sequence[int]]) -> Problem:
     """The problem with node v limited to strategies `allowed[v]` (renumbered 0..). Edges
     that shared one matrix object share its restriction (`merging._matrices` converts each
     object once)."""
@@ -316,7 +317,7 @@ def _restricted(problem: ilp.Problem, allowed: Mapping[int, Sequence[int]]) -> i
     )
     picked: dict = {}
 
-    def matrix(edge: ilp.Edge):
+    def matrix(edge: Edge):
         rows, cols = allowed.get(edge.src), allowed.get(edge.dst)
         if rows is None and cols is None:
             return edge.costs
@@ -329,7 +330,7 @@ def _restricted(problem: ilp.Problem, allowed: Mapping[int, Sequence[int]]) -> i
             picked[key] = tuple(map(tuple, kept.tolist()))
         return picked[key]
 
-    edges = tuple(ilp.Edge(e.src, e.dst, matrix(e)) for e in problem.edges)
+    edges = tuple(Edge(e.src, e.dst, matrix(e)) for e in problem.edges)
     return replace(problem, nodes=nodes, edges=edges)
 
 
@@ -351,7 +352,7 @@ def _start_up_latency(problem, choices: Sequence[int], mesh: LogicalMesh, only: 
     return total
 
 
-def _objective_share(problem: ilp.Problem, choices: Sequence[int], only: Sequence[bool]) -> float:
+def _objective_share(problem: Problem, choices: Sequence[int], only: Sequence[bool]) -> float:
     """The part of the ILP objective at `choices` that the marked nodes and the edges into
     them make."""
     total = sum(node.costs[c] for node, c, keep in zip(problem.nodes, choices, only) if keep)

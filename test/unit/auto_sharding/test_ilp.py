@@ -12,17 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from hlopar.analysis.auto_sharding.ilp import (
-    Edge,
-    Node,
-    Problem,
-    Simplify,
-    brute_force,
-    evaluate,
-    follows_from,
-    solve,
-    violations,
-)
+from hlopar.analysis.auto_sharding.ilp import brute_force, solve
+from hlopar.analysis.auto_sharding.merging import Simplify, follows_from
+from hlopar.analysis.auto_sharding.problem import Edge, Node, Problem, evaluate, violations
 
 ROOT = Path(__file__).resolve().parents[3]
 _spec = importlib.util.spec_from_file_location("bench_ilp", ROOT / "tools" / "bench_ilp.py")
