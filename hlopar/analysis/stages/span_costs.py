@@ -118,10 +118,10 @@ def span_table(
     remat: Literal["auto", "always", "never"] = "never",
 ) -> SpanTable:
     """The table Eq. 3 reads. `received_bytes[a, b]`: bytes layer b reads from layer a per step
-    (a != b; what a stage receives and sends, in its time and its memory); `meshes_of_submesh[m]` the logical meshes (indices g) of submesh m;
-    `transfer_seconds(bytes, submesh_size)` the time to bring bytes into a stage of that size
-    from another mesh; `in_flight(s)` the microbatches whose activations a stage with s stages
-    after it (itself included) keeps at once. With `per_microbatch`, the layers were planned
+    (a != b; what a stage receives and sends, in its time and its memory); `meshes_of_submesh[m]`
+    the logical meshes (indices g) of submesh m; `transfer_seconds(bytes, submesh_size)` the time
+    to bring bytes into a stage of that size from another mesh; `in_flight(s)` the microbatches
+    whose activations a stage with s stages after it (itself included) keeps at once. With `per_microbatch`, the layers were planned
     on the program of one microbatch already: their costs and activations are not scaled.
     `remat`: "auto" weighs the three options (module docstring), "always" rematerializes every
     span that stashes activations (the stage form), "layers" likewise per layer, "never" keeps
@@ -132,27 +132,10 @@ def span_table(
         layers.forward_latency is None or layers.forward_fixed_latency is None or layers.input_bytes is None
     ):
         raise ValueError(f"remat={remat} needs the layers' forward latencies and input bytes")
-    num_meshes, num_layers = layers.latency.shape
+    num_layers = layers.latency.shape[1]
     B = 1.0 if per_microbatch else float(microbatches)
-    per_micro = layers.fixed_latency + (layers.latency - layers.fixed_latency) / B  # (G, L)
-    lat_span = _span_sums(per_micro)  # (G, L, L)
-    lat_span += _inner_pair_sums(layers.resharding) / B
-    state_span = _span_sums(layers.state_bytes + layers.gradient_bytes)
-    update_peak = state_span + _span_sums(layers.updated_state_bytes)
-    act_span = _span_sums(layers.activation_bytes) / B
-    received = _received_by_span(received_bytes)  # (L, L)
-    sent = _received_by_span(np.transpose(received_bytes))
-    running = state_span + (_span_sums(layers.temporary_bytes) + received + sent) / B  # beside the stashes
-    if remat != "never":
-        forward_micro = layers.forward_fixed_latency + (layers.forward_latency - layers.forward_fixed_latency) / B
-        recompute_span = _span_sums(forward_micro)
-        inputs_span = _inputs_by_span(layers.input_bytes) / B
-        boundaries_span = inputs_span + _inner_pair_sums(layers.input_bytes) / B
-        largest_layer = _span_maxima(layers.activation_bytes) / B
-
-    valid = np.triu(np.ones((num_layers, num_layers), dtype=bool))
-    stages = np.arange(1, max_stages + 1)
-    flight = np.array([in_flight(int(s)) for s in stages], dtype=float)  # (S,)
+    spans = _spans(layers, received_bytes, B, remat)
+    flight = np.array([in_flight(int(s)) for s in range(1, max_stages + 1)], dtype=float)  # (S,)
 
     shape = (num_layers, num_layers, len(meshes_of_submesh), max_stages)
     latency = np.full(shape, np.inf)
@@ -163,48 +146,118 @@ def span_table(
     options = {"never": (KEEP,), "auto": (KEEP, STAGE, LAYERS), "always": (KEEP, STAGE), "layers": (KEEP, LAYERS)}[
         remat
     ]
-    forced = remat in ("always", "layers")
-    rows, cols = np.ogrid[:num_layers, :num_layers]
-    rows, cols = rows[:, :, None], cols[:, :, None]
     for m, meshes in enumerate(meshes_of_submesh):
         if not meshes:
             continue
-        transfer = (
-            np.vectorize(lambda b: transfer_seconds(b, submesh_sizes[m]) if b > 0 else 0.0, otypes=[float])(received)
-            / B
-        )
+        transfer = _transfer_per_step(spans.received, transfer_seconds, submesh_sizes[m]) / B
         # Every candidate (option, logical mesh), keeping first: the first fastest one wins ties.
         candidates = [(option, g) for option in options for g in meshes]
-        base = np.empty((len(candidates), num_layers, num_layers))  # need = base + slope x in flight
-        slope = np.empty_like(base)
-        times = np.empty((len(candidates),) + shape[:2] + (max_stages,))
-        for c, (option, g) in enumerate(candidates):
-            usable = valid & ((act_span[g] > 0) == (option != KEEP)) if forced else valid
-            t = lat_span[g] + transfer
-            if option == STAGE:
-                base[c], slope[c] = running[g] + act_span[g], inputs_span[g]
-            elif option == LAYERS:
-                base[c], slope[c] = running[g] + largest_layer[g], boundaries_span[g]
-            else:
-                base[c], slope[c] = running[g], act_span[g]
-            if option != KEEP:
-                t = t + recompute_span[g]
-            t = np.where(usable & (update_peak[g] <= memory_per_device), t, np.inf)
-            need = base[c][:, :, None] + slope[c][:, :, None] * flight  # (L, L, S)
-            times[c] = np.where(need <= memory_per_device, t[:, :, None], np.inf)
-        best = times.argmin(axis=0)  # (L, L, S): the candidate
-        fastest = np.take_along_axis(times, best[None], axis=0)[0]
-        found = fastest < np.inf
-        g_of = np.array([g for _, g in candidates])[best]
-        peak = update_peak[g_of, rows, cols]
-        latency[:, :, m, :] = fastest
-        chosen[:, :, m, :] = np.where(found, g_of, -1)
-        memory[:, :, m, :] = np.where(
-            found, np.maximum(base[best, rows, cols] + slope[best, rows, cols] * flight, peak), np.inf
+        best = _best_candidates(
+            spans, candidates, transfer, flight, memory_per_device, forced=remat in ("always", "layers")
         )
-        updating[:, :, m, :] = np.where(found, peak, np.inf)
-        option_of[:, :, m, :] = np.where(found, np.array([option for option, _ in candidates])[best], KEEP)
+        latency[:, :, m, :], chosen[:, :, m, :], memory[:, :, m, :], updating[:, :, m, :], option_of[:, :, m, :] = best
     return SpanTable(latency, chosen, memory, option_of != KEEP, updating, option_of == LAYERS)
+
+
+@dataclass(frozen=True)
+class _Spans:
+    """Sums over the layers of each span that every submesh reads, per microbatch where a step
+    is split: `[g, i, j]` for layers i..j on logical mesh g (`received`: `[i, j]`). The
+    rematerialization terms are None under remat="never"."""
+
+    latency: np.ndarray
+    update_peak: np.ndarray
+    activations: np.ndarray
+    received: np.ndarray
+    running: np.ndarray  # beside the stashes
+    recompute: np.ndarray | None
+    inputs: np.ndarray | None
+    boundaries: np.ndarray | None
+    largest_layer: np.ndarray | None
+
+
+def _spans(layers: LayerArrays, received_bytes: np.ndarray, B: float, remat: str) -> _Spans:
+    per_micro = layers.fixed_latency + (layers.latency - layers.fixed_latency) / B  # (G, L)
+    lat_span = _span_sums(per_micro)  # (G, L, L)
+    lat_span += _inner_pair_sums(layers.resharding) / B
+    state_span = _span_sums(layers.state_bytes + layers.gradient_bytes)
+    update_peak = state_span + _span_sums(layers.updated_state_bytes)
+    act_span = _span_sums(layers.activation_bytes) / B
+    received = _received_by_span(received_bytes)  # (L, L)
+    sent = _received_by_span(np.transpose(received_bytes))
+    running = state_span + (_span_sums(layers.temporary_bytes) + received + sent) / B
+    recompute_span = inputs_span = boundaries_span = largest_layer = None
+    if remat != "never":
+        forward_micro = layers.forward_fixed_latency + (layers.forward_latency - layers.forward_fixed_latency) / B
+        recompute_span = _span_sums(forward_micro)
+        inputs_span = _inputs_by_span(layers.input_bytes) / B
+        boundaries_span = inputs_span + _inner_pair_sums(layers.input_bytes) / B
+        largest_layer = _span_maxima(layers.activation_bytes) / B
+    return _Spans(
+        lat_span,
+        update_peak,
+        act_span,
+        received,
+        running,
+        recompute_span,
+        inputs_span,
+        boundaries_span,
+        largest_layer,
+    )
+
+
+def _transfer_per_step(
+    received: np.ndarray, transfer_seconds: Callable[[float, int], float], submesh_size: int
+) -> np.ndarray:
+    """[i, j]: seconds to bring what layers i..j receive into a stage on a submesh of that size."""
+    return np.vectorize(lambda b: transfer_seconds(b, submesh_size) if b > 0 else 0.0, otypes=[float])(received)
+
+
+def _best_candidates(
+    spans: _Spans,
+    candidates: Sequence[tuple[int, int]],
+    transfer: np.ndarray,
+    flight: np.ndarray,
+    memory_per_device: float,
+    *,
+    forced: bool,
+) -> tuple[np.ndarray, ...]:
+    """For one submesh, the fastest (option, logical mesh) of `candidates` for every span and
+    stage count that fits in memory: its (latency, logical mesh, memory, memory while updating,
+    option), each (L, L, S); inf, -1 and KEEP where none fits."""
+    num_layers = transfer.shape[0]
+    valid = np.triu(np.ones((num_layers, num_layers), dtype=bool))
+    base = np.empty((len(candidates), num_layers, num_layers))  # need = base + slope x in flight
+    slope = np.empty_like(base)
+    times = np.empty((len(candidates), num_layers, num_layers, len(flight)))
+    for c, (option, g) in enumerate(candidates):
+        usable = valid & ((spans.activations[g] > 0) == (option != KEEP)) if forced else valid
+        t = spans.latency[g] + transfer
+        if option == STAGE:
+            base[c], slope[c] = spans.running[g] + spans.activations[g], spans.inputs[g]
+        elif option == LAYERS:
+            base[c], slope[c] = spans.running[g] + spans.largest_layer[g], spans.boundaries[g]
+        else:
+            base[c], slope[c] = spans.running[g], spans.activations[g]
+        if option != KEEP:
+            t = t + spans.recompute[g]
+        t = np.where(usable & (spans.update_peak[g] <= memory_per_device), t, np.inf)
+        need = base[c][:, :, None] + slope[c][:, :, None] * flight  # (L, L, S)
+        times[c] = np.where(need <= memory_per_device, t[:, :, None], np.inf)
+    rows, cols = np.ogrid[:num_layers, :num_layers]
+    rows, cols = rows[:, :, None], cols[:, :, None]
+    best = times.argmin(axis=0)  # (L, L, S): the candidate
+    fastest = np.take_along_axis(times, best[None], axis=0)[0]
+    found = fastest < np.inf
+    g_of = np.array([g for _, g in candidates])[best]
+    peak = spans.update_peak[g_of, rows, cols]
+    return (
+        fastest,
+        np.where(found, g_of, -1),
+        np.where(found, np.maximum(base[best, rows, cols] + slope[best, rows, cols] * flight, peak), np.inf),
+        np.where(found, peak, np.inf),
+        np.where(found, np.array([option for option, _ in candidates])[best], KEEP),
+    )
 
 
 def _span_sums(per_layer: np.ndarray) -> np.ndarray:
