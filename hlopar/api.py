@@ -108,7 +108,7 @@ import numpy as np
 from hlopar.analysis.cluster import Cluster
 from hlopar.analysis.limits import check_argument, check_count, check_seconds
 from hlopar.analysis.schedules import DEFAULT_SCHEDULE
-from hlopar.analysis.training_roles import RolesError
+from hlopar.analysis.step_io import RolesError
 from hlopar.codegen.bundle import write_bundle
 from hlopar.codegen.pipeline_program import ProgramError, pipeline_program
 from hlopar.codegen.plan_cache import cached_bundle, is_cached, write_cached
@@ -116,7 +116,6 @@ from hlopar.ir.diagnostics import DiagnosticError, error_at
 from hlopar.ir.host_callbacks import host_callbacks as find_host_callbacks
 from hlopar.ir.module import parse_module, print_module
 from hlopar.messages import HloparWarning, PlanningError, defined_at, describe_plan, in_api_terms
-from hlopar.units import parse_bytes
 from hlopar.passes.plan_options import (
     METHODS,
     RNG_MODES,
@@ -132,6 +131,7 @@ from hlopar.runtime.protocol import Runtime
 from hlopar.runtime.ray_runtime import WorkerError
 from hlopar.runtime.remote_array import RemoteArray, is_key, read_all, with_step
 from hlopar.runtime.step_arguments import wrap_keys
+from hlopar.units import parse_bytes
 
 __all__ = [
     "Cluster",
@@ -500,8 +500,8 @@ class ParallelizedFunction:
     def _build(self, signature: tuple, args: tuple) -> _Compiled:
         """Lowers and plans the step for these arguments and makes its runtime, starting
         nothing and stopping nothing."""
-        from hlopar.dialect.layers import LayerPieces
         from hlopar.codegen.pipeline_program import host_callback_message
+        from hlopar.dialect.layers import LayerPieces
         from hlopar.ir.diagnostics import Diagnostic
         from hlopar.ir.host_callbacks import lowered_host_callbacks
         from hlopar.runtime.in_process import InProcessRuntime, in_process_devices

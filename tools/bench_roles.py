@@ -5,7 +5,7 @@ batch, each op's role), on the zoo's GPT-1.3B by default.
     python tools/bench_roles.py [--model gpt --config 1.3B] [--repeat 3]
 
 The step is exported from the zoo and imported (`hlopar-import`, as every planning pass
-sees it); then `training_roles.state_pairs`, `classify` and `batch_arguments` are timed on
+sees it); then `step_io.state_pairs`, `training_roles.classify` and `step_io.batch_arguments` are timed on
 its graph view (best of --repeat). They run in every planning pass that needs roles, so
 they must stay small next to planning itself (seconds on this model).
 """
@@ -28,7 +28,8 @@ def main() -> int:
     args = parser.parse_args()
 
     sys.path.insert(0, str(ROOT))
-    from hlopar.analysis.training_roles import batch_arguments, classify, state_pairs
+    from hlopar.analysis.step_io import batch_arguments, state_pairs
+    from hlopar.analysis.training_roles import classify
     from hlopar.ir.graph import FuncGraph
     from hlopar.ir.module import parse_module
     from hlopar.models import get_train_step

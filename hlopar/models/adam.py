@@ -90,7 +90,7 @@ def adam_update(
     are cast to its dtype first, and the new params are the new master copy in the params'
     dtype. They also read the old params (``+ 0 * p``, exact for finite params), which is how
     a step's data flow says that a result is the new value of an argument
-    (`hlopar.analysis.training_roles.state_pairs`); Alpa's `TrainState` adds the same zero term
+    (`hlopar.analysis.step_io.state_pairs`); Alpa's `TrainState` adds the same zero term
     (there for buffer donation).
     """
     mixed = state.master is not None

@@ -28,7 +28,7 @@ from hlopar.analysis.limits import check_mesh_shape, check_positive, check_secon
 from hlopar.analysis.mesh import DeviceMesh
 from hlopar.analysis.module_meshes import module_meshes
 from hlopar.analysis.sharding import ShardingPerValue, ShardingSpec, TensorSharding
-from hlopar.analysis.training_roles import RolesError, batch_arguments, state_pairs
+from hlopar.analysis.step_io import RolesError, batch_arguments, state_pairs
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError
 from hlopar.ir.graph import FuncGraph
 from hlopar.ir.module import planned_functions, run_function_pass
@@ -84,7 +84,7 @@ class AutoShardingPass(ModulePass):
     force_batch_dim: str | None = option(None, "split the batch dimension over this mesh axis")
     merge: bool = option(True, "fold cheap ops into their deepest operand before solving (Alpa §4.2)")
     tie_outputs: bool = option(
-        True, "give each new value of training state the layout of its old value (training_roles.state_pairs)"
+        True, "give each new value of training state the layout of its old value (step_io.state_pairs)"
     )
     reshard_constraints: bool = option(
         True,
@@ -243,7 +243,7 @@ class AutoShardingPass(ModulePass):
     def _batch_filter(self, graph: FuncGraph):
         """With `force-batch-dim`, strategies must split dim 0 of batch-sized values over the
         axis. The batch size is the leading dim of the batch arguments
-        (`training_roles.batch_arguments`)."""
+        (`step_io.batch_arguments`)."""
         if self.force_batch_dim is None or not graph.args:
             return None
         if self.force_batch_dim not in self._mesh().axis_names:

@@ -5,8 +5,8 @@ The decision is `analysis.stages.layering.cluster_layers`; this pass writes it.
 The forward ops (ancestors of the loss) are clustered in program order by the DP of Eq. 6:
 the largest input any layer receives from earlier layers is minimized while each layer's
 FLOPs stay within (1+δ) of the average. Backward and update ops then follow their forward
-layer (`training_roles.layer_of_ops`), moved where a pipeline can run them
-(`training_roles.consistent_layers`). The result is written on every top-level op of the
+layer (`op_layers.layer_of_ops`), moved where a pipeline can run them
+(`op_layers.consistent_layers`). The result is written on every top-level op of the
 entry function as `hlopar.layer = N : i64` and `hlopar.role = "forward" | "backward" |
 "update"` (docs/ir.md), which `hlopar-stage-construction` reads.
 

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field, replace
 from jaxlib.mlir import ir
 
 from hlopar.analysis.cluster import Cluster
+from hlopar.analysis.step_io import batch_arguments
 from hlopar.dialect.layers import LayerPieces
-from hlopar.analysis.training_roles import batch_arguments
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError
 from hlopar.ir.graph import FuncGraph
 from hlopar.ir.module import planned_functions

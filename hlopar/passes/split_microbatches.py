@@ -146,7 +146,7 @@ from jaxlib.mlir.dialects import stablehlo
 
 from hlopar.analysis.auto_sharding.rules import OpRule
 from hlopar.analysis.limits import check_count
-from hlopar.analysis.training_roles import RolesError, batch_arguments
+from hlopar.analysis.step_io import RolesError, batch_arguments
 from hlopar.dialect.attributes import BATCH, BATCH_ARGS_ATTR, KIND_ATTR, MICROBATCHES_ATTR, STEP, SUM
 from hlopar.dialect.split import read_index_arg
 from hlopar.ir.graph import FuncGraph

@@ -48,7 +48,7 @@ from hlopar.analysis.stages.submeshes import (
     logical_mesh_shapes,
     submesh_shapes,
 )
-from hlopar.analysis.training_roles import RolesError, batch_arguments, batch_candidates, state_pairs
+from hlopar.analysis.step_io import RolesError, batch_arguments, batch_candidates, state_pairs
 from hlopar.dialect.attributes import BACKWARD, LAYER_ATTR, REMAT_ATTR, REMAT_LAYERS, REMAT_STAGE
 from hlopar.dialect.layers import Layering, read_layering, strip_layering
 from hlopar.dialect.mpmd import fragment_role, fragment_stage, fragments
@@ -487,7 +487,7 @@ def _stage_of_ops(layering: Layering, plan: PipelinePlan) -> list[int]:
 
 
 def _batch_size(graph: FuncGraph) -> int:
-    """The leading dim of the step's batch arguments (`training_roles.batch_arguments`); 1
+    """The leading dim of the step's batch arguments (`step_io.batch_arguments`); 1
     when it has none. Where the batch is ambiguous (an inference program's input beside its
     weights), the common divisor of the candidates' leading dims: `microbatches=auto` only
     prices splits here, and a count dividing every candidate is one any of them allows."""

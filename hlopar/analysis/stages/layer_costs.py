@@ -131,7 +131,7 @@ def plan_layer(
     (parameters, optimizer state) are split over the mesh wherever their shape allows: the
     weight-update-sharding plan (ZeRO-like), slower but lighter, which Algorithm 1 weighs
     against the default plan as one more intra-op option (its line 14). `new_state`: function
-    result → the argument it is the new value of (`training_roles.state_pairs`, value ids):
+    result → the argument it is the new value of (`step_io.state_pairs`, value ids):
     the new state is held at its argument's layout, which it takes for the next step.
     `donated`: the results of `new_state` whose argument the user donates (`tf.aliasing_output`
     pairs them): an update that reads the argument writes the new value into its buffers."""

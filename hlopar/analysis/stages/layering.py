@@ -4,14 +4,15 @@ carries no layering.
 
 The forward ops (ancestors of the loss) are clustered in program order by the DP of Eq. 6
 (`clustering.cluster_operators`), or follow the user's `hlopar_layer_N` name scopes;
-backward and update ops then follow their forward layer (`training_roles.layer_of_ops`).
+backward and update ops then follow their forward layer (`op_layers.layer_of_ops`).
 """
 
 from __future__ import annotations
 
 from hlopar.analysis.flops import function_flops
+from hlopar.analysis.op_layers import layer_of_ops, marked_layers
 from hlopar.analysis.stages.clustering import choose_num_layers, cluster_operators
-from hlopar.analysis.training_roles import Role, classify, layer_of_ops, marked_layers
+from hlopar.analysis.training_roles import Role, classify
 from hlopar.dialect.layers import Layering
 from hlopar.ir.graph import FuncGraph
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from jaxlib.mlir import ir
 
-from hlopar.analysis.training_roles import ELEMENTWISE_OPS
+from hlopar.analysis.dataflow import ELEMENTWISE_OPS
 from hlopar.dialect.attributes import BATCH, STEP, SUM
 from hlopar.ir.diagnostics import source_location
 from hlopar.ir.graph import FuncGraph

@@ -7,7 +7,7 @@ the rest in layer 0, and stage construction makes the two layers two stages: the
 inside a checkpointed block. The checkpoint's `optimization_barrier` (the block's inputs and
 the incoming cotangent) then sits in stage 0's backward while the bias gradient it feeds was
 placed with its bias in stage 1: the program used to fail at run time ("read before it is
-made"); `training_roles.consistent_layers` moves the gradient to the barrier's layer. One
+made"); `op_layers.consistent_layers` moves the gradient to the barrier's layer. One
 step on 2 x 4 CPU devices, 2 microbatches, equals one device (loss 1e-5, parameters by
 update, `numerics.assert_adam_step_close`).
 """

@@ -1,4 +1,4 @@
-"""`training_roles.consistent_layers`: backward ops moved where a pipeline can run them.
+"""`op_layers.consistent_layers`: backward ops moved where a pipeline can run them.
 
 Small graphs written as plain data (roles, the ops each op reads, the layers the rules of
 `layer_of_ops` gave), one per way the rules went wrong on real steps (docs/stage_construction.md,
@@ -18,7 +18,8 @@ from flax.training import train_state
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hlopar.analysis.training_roles import Role, consistent_layers
+from hlopar.analysis.op_layers import consistent_layers
+from hlopar.analysis.training_roles import Role
 from hlopar.ir.graph import FuncGraph
 from hlopar.ir.module import parse_module, planned_functions
 from hlopar.models import get_train_step

@@ -15,16 +15,9 @@ from hypothesis import strategies as st
 
 from jaxlib.mlir import ir
 
-from hlopar.analysis.training_roles import (
-    Role,
-    TrainingRoles,
-    classify,
-    layer_of_ops,
-    RolesError,
-    batch_arguments,
-    marked_layers,
-    state_pairs,
-)
+from hlopar.analysis.op_layers import layer_of_ops, marked_layers
+from hlopar.analysis.step_io import RolesError, batch_arguments, state_pairs
+from hlopar.analysis.training_roles import Role, TrainingRoles, classify
 from hlopar.ir.graph import FuncGraph
 from hlopar.ir.module import parse_module
 from hlopar.ir.signature import FuncSignature
