@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 from oracles.sequential_mpmd import run_mpmd
 
+from hlopar.analysis.stage_loops import identical_runs
 from hlopar.dialect.layers import LayerPieces
 from hlopar.ir.module import parse_module, planned_functions
 from hlopar.passes.base import PassContext
-from hlopar.passes.reroll_stage_loops import RerollStageLoopsPass, identical_runs, stage_loop_lines
+from hlopar.passes.reroll_stage_loops import RerollStageLoopsPass, stage_loop_lines
 
 LIT = Path(__file__).resolve().parents[2] / "lit" / "reroll_stage_loops" / "loops.mlir"
 
