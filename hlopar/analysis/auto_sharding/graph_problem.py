@@ -116,49 +116,88 @@ def build_problem(
 
     if cache is not None and cache.mesh != mesh:
         raise ValueError("a StrategyCache serves builds on its own mesh only")
-    memo = cache or StrategyCache(mesh)
+    builder = _Builder(
+        graph,
+        rules,
+        mesh,
+        cache or StrategyCache(mesh),
+        constraint_specs=constraint_specs,
+        op_result_shardings=op_result_shardings,
+        merge=merge,
+        strategy_filter=strategy_filter,
+    )
+    builder.add_arguments(arg_shardings, split_args)
+    for op in graph.ops:
+        builder.visit(op, 1.0)
+    builder.add_results(result_shardings, tied_results)
+    return builder.finish(memory_budget)
 
-    def filtered(strategies: tuple[Strategy, ...], infos) -> tuple[Strategy, ...]:
-        if strategy_filter is None:
+
+class _Builder:
+    """`build_problem`'s state as it walks the function: the nodes so far, which node (and
+    result) makes each value, each node's depth, and the reads that become edges."""
+
+    def __init__(
+        self,
+        graph: FuncGraph,
+        rules: Mapping[int, OpRule | None],
+        mesh: LogicalMesh,
+        memo: StrategyCache,
+        *,
+        constraint_specs: Mapping[int, ShardingSpec],
+        op_result_shardings: Mapping[int, tuple[ShardingSpec, ...]],
+        merge: bool,
+        strategy_filter: Callable[[list, Strategy], bool] | None,
+    ):
+        self.graph, self.rules, self.mesh, self.memo = graph, rules, mesh, memo
+        self.constraint_specs, self.op_result_shardings = constraint_specs, op_result_shardings
+        self.merge, self.strategy_filter = merge, strategy_filter
+        self.nodes: list[PlanNode] = []
+        self.producer: dict[int, tuple[int, int]] = {}  # value id -> (node, result number)
+        self.depth: list[int] = []
+        self.warnings: list[tuple[OpNode, str]] = []
+        self.consumers: list[tuple[int, tuple[int, ...], float]] = []  # (node, operand value ids, cost scale)
+        self.out = ShardingProblem(self.nodes, Problem((), ()), warnings=self.warnings, producer=self.producer)
+        self.infos: dict[int, TensorInfo] = {}  # the edges read again what the ops' strategies read
+
+    def filtered(self, strategies: tuple[Strategy, ...], infos) -> tuple[Strategy, ...]:
+        if self.strategy_filter is None:
             return strategies
         shapes = [info.shape for info in infos]
-        return memo.filtered(strategy_filter, strategies, shapes)
+        return self.memo.filtered(self.strategy_filter, strategies, shapes)
 
-    nodes: list[PlanNode] = []
-    producer: dict[int, tuple[int, int]] = {}  # value id -> (node, result number)
-    depth: list[int] = []
-    warnings: list[tuple[OpNode, str]] = []
-    consumers: list[tuple[int, tuple[int, ...], float]] = []  # (node, operand value ids, cost scale)
-    out = ShardingProblem(nodes, Problem((), ()), warnings=warnings, producer=producer)
-
-    infos: dict[int, TensorInfo] = {}  # the edges read again what the ops' strategies read
-
-    def info_of(value_id: int) -> TensorInfo:
-        info = infos.get(value_id)
+    def info_of(self, value_id: int) -> TensorInfo:
+        info = self.infos.get(value_id)
         if info is None:
-            info = infos[value_id] = tensor_info(graph, value_id)
+            info = self.infos[value_id] = tensor_info(self.graph, value_id)
         return info
 
-    def add(node: PlanNode, node_depth: int) -> int:
-        nodes.append(node)
-        depth.append(node_depth)
-        return len(nodes) - 1
+    def add(self, node: PlanNode, node_depth: int) -> int:
+        self.nodes.append(node)
+        self.depth.append(node_depth)
+        return len(self.nodes) - 1
 
-    for position, value_id in enumerate(graph.args):
-        info = tensor_info(graph, value_id)
-        strategies = filtered(memo.free_layouts(info), [info])
-        if position in split_args:
-            strategies = tuple(s for s in strategies if not s.result_specs[0].is_replicated) or strategies
-        strategies, fixed = _index_of_layout(strategies, arg_shardings.get(position), info, mesh)
-        out.arg_node[position] = add(PlanNode("arg", position, f"arg{position}", strategies, fixed=fixed), 0)
-        producer[value_id] = (out.arg_node[position], 0)
+    def add_arguments(self, arg_shardings: Mapping[int, ShardingSpec], split_args: frozenset[int]) -> None:
+        """One node per argument: any layout, the fixed one where the input gives it."""
+        out, memo = self.out, self.memo
+        for position, value_id in enumerate(self.graph.args):
+            info = tensor_info(self.graph, value_id)
+            strategies = self.filtered(memo.free_layouts(info), [info])
+            if position in split_args:
+                strategies = tuple(s for s in strategies if not s.result_specs[0].is_replicated) or strategies
+            strategies, fixed = _index_of_layout(strategies, arg_shardings.get(position), info, self.mesh)
+            out.arg_node[position] = self.add(PlanNode("arg", position, f"arg{position}", strategies, fixed=fixed), 0)
+            self.producer[value_id] = (out.arg_node[position], 0)
 
-    def visit(op: OpNode, scale: float) -> None:
-        if op.name == WHILE_OP and rules_cover_loop(op):
-            visit_loop(op, scale)
+    def visit(self, op: OpNode, scale: float) -> None:
+        """The node of one op (`scale`: how many times it runs per step), or of each value a
+        loop or case carries and its inner ops."""
+        producer, memo = self.producer, self.memo
+        if op.name == WHILE_OP and _rules_cover_loop(op):
+            self.visit_loop(op, scale)
             return
         if op.name == CASE_OP and op.regions and all(len(branch) == 1 for branch in op.regions):
-            visit_case(op, scale)
+            self.visit_case(op, scale)
             return
         if op.name in PASS_THROUGH_OPS and all(v in producer for v in op.operands):
             # Result k is operand k: no choice of its own, no cost; readers of a result read
@@ -166,14 +205,36 @@ def build_problem(
             for operand, result in zip(op.operands, op.results, strict=True):
                 producer[result] = producer[operand]
             return
-        operands = [info_of(v) for v in op.operands]
-        results = [info_of(v) for v in op.results]
+        operands = [self.info_of(v) for v in op.operands]
+        results = [self.info_of(v) for v in op.results]
         operand_nodes = [producer.get(v) for v in op.operands]
-        node_depth = 1 + max((depth[p[0]] for p in operand_nodes if p is not None), default=0)
-        rule = rules.get(op.id)
+        node_depth = 1 + max((self.depth[p[0]] for p in operand_nodes if p is not None), default=0)
+        rule = self.rules.get(op.id)
+        strategies, leader = self._strategies(op, rule, operands, results, operand_nodes)
+        # Custom calls are opaque to XLA: some reject a sharding outright. Their neighbours
+        # carry the plan; XLA places the call itself.
+        planned = op.name not in UNANNOTATED_OPS and (
+            rule is not None or op.name in SOURCE_OPS or op.name == CONSTRAINT_OP or not op.operands
+        )
+        if leader is not None and self.nodes[leader].scale != scale:
+            leader = None  # a node inside a loop cannot share a choice with one outside: costs differ
+            strategies = self.filtered(memo.enumerate(rule, operands, results, _flops(op.name, rule, results)), results)
+        index = self.add(
+            PlanNode("op", op.id, op.name, strategies, leader=leader, planned=planned, scale=scale), node_depth
+        )
+        self.out.op_node[op.id] = index
+        self.consumers.append((index, op.operands, scale))
+        for number, value_id in enumerate(op.results):
+            producer[value_id] = (index, number)
+
+    def _strategies(
+        self, op: OpNode, rule: OpRule | None, operands, results, operand_nodes
+    ) -> tuple[tuple[Strategy, ...], int | None]:
+        """An op's strategies, and the node it follows (Alpa §4.2's merging) or None."""
+        memo, mesh = self.memo, self.mesh
         leader = None
-        if op.name == CONSTRAINT_OP and op.id in constraint_specs:
-            spec = constraint_specs[op.id]
+        if op.name == CONSTRAINT_OP and op.id in self.constraint_specs:
+            spec = self.constraint_specs[op.id]
             strategies = (_pinned(spec, operands, results, mesh),)
         elif op.name in SOURCE_OPS or (not op.operands and all(r.is_tensor for r in results)):
             strategies = (
@@ -181,9 +242,9 @@ def build_problem(
             )
         elif rule is None:
             strategies = (replicated_strategy(operands, results, mesh, _flops(op.name, rule, results)),)
-            warnings.append((op, f"no sharding rule for '{op.name}': it runs replicated"))
-        elif op.id in op_result_shardings:
-            wanted = op_result_shardings[op.id]
+            self.warnings.append((op, f"no sharding rule for '{op.name}': it runs replicated"))
+        elif op.id in self.op_result_shardings:
+            wanted = self.op_result_shardings[op.id]
             choices = memo.enumerate(rule, operands, results, _flops(op.name, rule, results))
             strategies = tuple(c for c in choices if c.result_specs == wanted) or (
                 _pinned_results(wanted, operands, results, mesh),
@@ -191,70 +252,58 @@ def build_problem(
         else:
             flops = _flops(op.name, rule, results)
             leader_operand = (
-                _leader_operand(op, operand_nodes, depth, operands, results)
-                if merge and op.name not in HEAVY_OPS
+                _leader_operand(op, operand_nodes, self.depth, operands, results)
+                if self.merge and op.name not in HEAVY_OPS
                 else None
             )
             if leader_operand is not None:
                 leader, result_number = operand_nodes[leader_operand]
                 strategies = memo.mirror(
-                    rule, leader_operand, nodes[leader].strategies, result_number, operands, results, flops
+                    rule, leader_operand, self.nodes[leader].strategies, result_number, operands, results, flops
                 )
             else:
-                strategies = filtered(memo.enumerate(rule, operands, results, flops), results)
-        # Custom calls are opaque to XLA: some reject a sharding outright. Their neighbours
-        # carry the plan; XLA places the call itself.
-        planned = op.name not in UNANNOTATED_OPS and (
-            rule is not None or op.name in SOURCE_OPS or op.name == CONSTRAINT_OP or not op.operands
-        )
-        if leader is not None and nodes[leader].scale != scale:
-            leader = None  # a node inside a loop cannot share a choice with one outside: costs differ
-            strategies = filtered(memo.enumerate(rule, operands, results, _flops(op.name, rule, results)), results)
-        index = add(PlanNode("op", op.id, op.name, strategies, leader=leader, planned=planned, scale=scale), node_depth)
-        out.op_node[op.id] = index
-        consumers.append((index, op.operands, scale))
-        for number, value_id in enumerate(op.results):
-            producer[value_id] = (index, number)
+                strategies = self.filtered(memo.enumerate(rule, operands, results, flops), results)
+        return strategies, leader
 
-    def rules_cover_loop(op: OpNode) -> bool:
-        """A loop is planned inside when every value it carries is a tensor or a token."""
-        return len(op.regions) == 2 and all(len(region) == 1 for region in op.regions)
-
-    def visit_loop(op: OpNode, scale: float) -> None:
+    def visit_loop(self, op: OpNode, scale: float) -> None:
         """A `while`: each carried value is one node, whose layout holds at entry, in every
         iteration and at exit; body ops are nodes whose costs count once per iteration."""
+        producer = self.producer
         (cond,), (body,) = op.regions
-        trips = trip_count(graph, op)
-        entry_depth = 1 + max((depth[producer[v][0]] for v in op.operands if v in producer), default=0)
+        trips = trip_count(self.graph, op)
+        entry_depth = 1 + max((self.depth[producer[v][0]] for v in op.operands if v in producer), default=0)
         carried = []
         for i, (operand, result) in enumerate(zip(op.operands, op.results)):
-            info = tensor_info(graph, result)
-            index = add(
-                PlanNode("loop", op.id, f"{op.name}#{i}", memo.carried(info), planned=False, scale=scale), entry_depth
+            info = tensor_info(self.graph, result)
+            index = self.add(
+                PlanNode("loop", op.id, f"{op.name}#{i}", self.memo.carried(info), planned=False, scale=scale),
+                entry_depth,
             )
             carried.append(index)
-            consumers.append((index, (operand,), scale))
+            self.consumers.append((index, (operand,), scale))
             producer[result] = producer[cond.args[i]] = producer[body.args[i]] = (index, 0)
-        out.loops[op.id] = tuple(carried)
+        self.out.loops[op.id] = tuple(carried)
         inner = scale * trips
         for block in (cond, body):
             for inner_op in block.ops:
                 if inner_op.name == "stablehlo.return":
                     if block is body:  # the next iteration's values: resharded every iteration
                         for j, value in enumerate(inner_op.operands):
-                            consumers.append((carried[j], (value,), inner))
+                            self.consumers.append((carried[j], (value,), inner))
                     continue
-                visit(inner_op, inner)
+                self.visit(inner_op, inner)
 
-    def visit_case(op: OpNode, scale: float) -> None:
+    def visit_case(self, op: OpNode, scale: float) -> None:
         """A `case`: each result is one node that every branch's yield feeds; one branch runs,
         so each branch's costs count 1/branches (the expected cost, branches equally likely)."""
-        entry_depth = 1 + max((depth[producer[v][0]] for v in op.operands if v in producer), default=0)
+        producer = self.producer
+        entry_depth = 1 + max((self.depth[producer[v][0]] for v in op.operands if v in producer), default=0)
         merged = []
         for i, result in enumerate(op.results):
-            info = tensor_info(graph, result)
-            index = add(
-                PlanNode("case", op.id, f"{op.name}#{i}", memo.carried(info), planned=False, scale=scale), entry_depth
+            info = tensor_info(self.graph, result)
+            index = self.add(
+                PlanNode("case", op.id, f"{op.name}#{i}", self.memo.carried(info), planned=False, scale=scale),
+                entry_depth,
             )
             merged.append(index)
             producer[result] = (index, 0)
@@ -263,46 +312,54 @@ def build_problem(
             for inner_op in branch.ops:
                 if inner_op.name == "stablehlo.return":
                     for j, value in enumerate(inner_op.operands):
-                        consumers.append((merged[j], (value,), weight))
+                        self.consumers.append((merged[j], (value,), weight))
                     continue
-                visit(inner_op, weight)
-        out.loops[op.id] = tuple(merged)
+                self.visit(inner_op, weight)
+        self.out.loops[op.id] = tuple(merged)
 
-    for op in graph.ops:
-        visit(op, 1.0)
+    def add_results(self, result_shardings: Mapping[int, ShardingSpec], tied_results: Mapping[int, int]) -> None:
+        """A node per result the input fixes a layout for, or tied to the argument it replaces."""
+        graph, nodes, mesh = self.graph, self.nodes, self.mesh
+        for number, value_id in enumerate(graph.results):
+            spec = result_shardings.get(number)
+            if value_id not in self.producer:
+                continue
+            info = tensor_info(graph, value_id)
+            if spec is not None:
+                self.add(PlanNode("result", number, f"result{number}", (_pinned(spec, [info], [], mesh),)), 0)
+            elif number in tied_results and info.is_tensor:
+                arg = self.out.arg_node[tied_results[number]]
+                layouts = tuple(_pinned(s.result_specs[0], [info], [], mesh) for s in nodes[arg].strategies)
+                self.add(PlanNode("result", number, f"result{number}", layouts, leader=arg), 0)
 
-    for number, value_id in enumerate(graph.results):
-        spec = result_shardings.get(number)
-        if value_id not in producer:
-            continue
-        info = tensor_info(graph, value_id)
-        if spec is not None:
-            add(PlanNode("result", number, f"result{number}", (_pinned(spec, [info], [], mesh),)), 0)
-        elif number in tied_results and info.is_tensor:
-            arg = out.arg_node[tied_results[number]]
-            layouts = tuple(_pinned(s.result_specs[0], [info], [], mesh) for s in nodes[arg].strategies)
-            add(PlanNode("result", number, f"result{number}", layouts, leader=arg), 0)
+    def finish(self, memory_budget: float | None) -> ShardingProblem:
+        """The edges, the live sets (with a budget) and the ILP of the nodes built."""
+        graph, nodes, out, memo = self.graph, self.nodes, self.out, self.memo
+        result_nodes = {node.index: i for i, node in enumerate(nodes) if node.kind == "result"}
+        self.consumers += [(result_nodes[n], (graph.results[n],), 1.0) for n in result_nodes]
+        edges = _edges(self.info_of, nodes, self.producer, self.consumers, out, memo)
+        live_sets = _live_sets(graph, self.producer, out) if memory_budget is not None else ()
+        out.problem = Problem(
+            nodes=tuple(
+                Node(
+                    costs=memo.node_costs(node.strategies, node.scale),
+                    memory=memo.node_memory(node.strategies),
+                    fixed=node.fixed,
+                    follows=node.leader,
+                    name=node.name,
+                )
+                for node in nodes
+            ),
+            edges=tuple(edges),
+            memory_budget=memory_budget,
+            live_sets=live_sets,
+        )
+        return out
 
-    result_nodes = {node.index: i for i, node in enumerate(nodes) if node.kind == "result"}
-    consumers += [(result_nodes[n], (graph.results[n],), 1.0) for n in result_nodes]
-    edges = _edges(info_of, nodes, producer, consumers, out, memo)
-    live_sets = _live_sets(graph, producer, out) if memory_budget is not None else ()
-    out.problem = Problem(
-        nodes=tuple(
-            Node(
-                costs=memo.node_costs(node.strategies, node.scale),
-                memory=memo.node_memory(node.strategies),
-                fixed=node.fixed,
-                follows=node.leader,
-                name=node.name,
-            )
-            for node in nodes
-        ),
-        edges=tuple(edges),
-        memory_budget=memory_budget,
-        live_sets=live_sets,
-    )
-    return out
+
+def _rules_cover_loop(op: OpNode) -> bool:
+    """A loop is planned inside when every value it carries is a tensor or a token."""
+    return len(op.regions) == 2 and all(len(region) == 1 for region in op.regions)
 
 
 def tensor_info(graph: FuncGraph, value_id: int) -> TensorInfo:
