@@ -215,10 +215,43 @@ def _temporaries(
 ) -> int:
     """The peak bytes of materialized intermediate values live at once (module docstring);
     a made value's bytes from `tile` if given, else from the layout its op's sharding says."""
-    ops = graph.ops
+    root, made_by = _buffers(graph, mesh, size, layout, tile)
+    returned = {root[v] for v in graph.results}
+    buffers = _Buffers(root, made_by, size, returned, _fused(graph, root, made_by, returned))
+    when, made_at = _schedule(graph, buffers)
+    return _peak(graph, buffers, when, made_at, _last_reads(graph, buffers, when))
+
+
+@dataclass(frozen=True)
+class _Buffers:
+    """`root[v]`: the value whose buffer value v is; `made_by[b]`: the op that makes buffer b
+    (`_RESHARD`: a constraint that changes the layout); `size[b]` its bytes; `returned`: the
+    buffers the function returns; `fused`: those XLA never materializes."""
+
+    root: dict[int, int]
+    made_by: dict[int, str]
+    size: dict[int, int]
+    returned: set[int]
+    fused: set[int]
+
+    def temporary(self, v: int) -> bool:
+        """Whether buffer `v` is a materialized intermediate value."""
+        return v in self.made_by and v not in self.fused and v not in self.returned
+
+
+def _buffers(
+    graph: FuncGraph,
+    mesh: DeviceMesh | None,
+    size: dict[int, int],
+    layout: dict[int, TensorSharding | None],
+    tile: Callable[[int], float] | None,
+) -> tuple[dict[int, int], dict[int, str]]:
+    """Per value, the value whose buffer it is (itself, or what it is a view of); per buffer an
+    op makes, that op's name (`_RESHARD` for a constraint that changes the layout). Fills in
+    `layout` and `size` for the buffers made."""
     root: dict[int, int] = {v: v for v in graph.args}  # a view -> the value whose buffer it is
     made_by: dict[int, str] = {}
-    for op in ops:
+    for op in graph.ops:
         shardings = _op_shardings(op)
         for k, v in enumerate(op.results):
             name = op.name
@@ -238,20 +271,29 @@ def _temporaries(
             made_by[v] = name
             layout[v] = shardings[k] if k < len(shardings) else None
             size[v] = tile_bytes(graph.values[v], layout[v], mesh) if tile is None else tile(v)
+    return root, made_by
+
+
+def _fused(graph: FuncGraph, root: dict[int, int], made_by: dict[int, str], returned: set[int]) -> set[int]:
+    """The buffers XLA fuses into their readers (never materialized)."""
     readers: dict[int, set[str]] = {}  # what reads each buffer, views seen through
-    for op in ops:
+    for op in graph.ops:
         name = _RESHARD if op.results and made_by.get(op.results[0]) == _RESHARD else op.name
         if name not in _VIEWS:
             for u in op.operands:
                 readers.setdefault(root[u], set()).add(name)
-    returned = {root[v] for v in graph.results}
-    fused = {
+    return {
         v
         for v, name in made_by.items()
         if name in _FUSIBLE and v not in returned and readers.get(v, set()) <= _FUSING_READERS
     }
-    # XLA schedules to save memory: what makes a result (or only feeds one) runs as soon as
-    # its operands exist, freeing them (a gradient added into its accumulator right away).
+
+
+def _schedule(graph: FuncGraph, buffers: _Buffers) -> tuple[dict[int, int], dict[int, int]]:
+    """When each op runs (by op index) and when each value is made. XLA schedules to save
+    memory: what makes a result (or only feeds one) runs as soon as its operands exist,
+    freeing them (a gradient added into its accumulator right away)."""
+    ops, root, fused, returned = graph.ops, buffers.root, buffers.fused, buffers.returned
     early: dict[int, bool] = {}  # by op index (a view's ops keep the function's numbering)
     feeds_result: dict[int, bool] = {}
     for op in reversed(ops):
@@ -266,15 +308,29 @@ def _temporaries(
         when[op.index] = max((made_at[u] for u in op.operands), default=-1) if early[op.index] else op.index
         for v in op.results:
             made_at[v] = when[op.index]
-    # A buffer is needed until its last reader runs; read by a fused value, until that
-    # value's readers run (program order is topological: walk it backwards).
+    return when, made_at
+
+
+def _last_reads(graph: FuncGraph, buffers: _Buffers, when: dict[int, int]) -> dict[int, int]:
+    """Per buffer, when it is last needed: until its last reader runs; read by a fused value,
+    until that value's readers run (program order is topological: walk it backwards)."""
+    root, fused = buffers.root, buffers.fused
     last: dict[int, int] = {}
-    for op in reversed(ops):
+    for op in reversed(graph.ops):
         end = when[op.index]
         if op.results and all(root[v] in fused for v in op.results):
             end = max(last.get(root[v], end) for v in op.results)
         for u in op.operands:
             last[root[u]] = max(last.get(root[u], end), end)
+    return last
+
+
+def _peak(
+    graph: FuncGraph, buffers: _Buffers, when: dict[int, int], made_at: dict[int, int], last: dict[int, int]
+) -> int:
+    """The largest bytes live at once, walking the ops in order: materialized intermediates
+    from when they are made to their last read, and the copies of relaid operands."""
+    ops, root, size = graph.ops, buffers.root, buffers.size
     frees: dict[int, list[int]] = {}
     for v, end in last.items():
         frees.setdefault(end, []).append(v)
@@ -289,13 +345,13 @@ def _temporaries(
             live += nbytes
             frees.setdefault(end, []).append(-nbytes - 1)  # negative: a copy's bytes
         for v in op.results:
-            if root[v] == v and v in made_by and v not in fused and v not in returned and v in last:
+            if root[v] == v and buffers.temporary(v) and v in last:
                 live += size[v]
         peak = max(peak, live)
         for v in frees.get(op.index, ()):
             if v < 0:
                 live += v + 1
-            elif v in made_by and v not in fused and v not in returned:
+            elif buffers.temporary(v):
                 live -= size[v]
     return peak
 
