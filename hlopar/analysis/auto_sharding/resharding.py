@@ -100,22 +100,50 @@ def _collectives(
             return ()
         return (Collective("collective-permute", used, final),)
     if all(h % w == 0 for h, w in zip(have_tiles, want_tiles)):
-        # coarser tiles: gather each dimension, the last one first (after a permute when an
-        # axis that stays is minor to one that goes)
-        steps = []
-        if not all(have[: len(want)] == want for have, want in zip(src.dims, dst.dims)):
-            steps.append(Collective("collective-permute", used, per_device_bytes(shape, dtype_bytes, src, mesh)))
-        current = list(src.dims)
-        for dim in reversed(range(src.rank)):
-            gathered = tuple(a for a in order if a in src.dims[dim] and a not in dst.dims[dim])
-            if gathered:
-                current[dim] = tuple(a for a in current[dim] if a not in gathered)
-                steps.append(
-                    Collective(
-                        "all-gather", gathered, per_device_bytes(shape, dtype_bytes, ShardingSpec(tuple(current)), mesh)
-                    )
+        return _to_coarser(shape, dtype_bytes, src, dst, mesh, used)
+    return _gather_and_trade(shape, dtype_bytes, src, dst, mesh, used, final)
+
+
+def _to_coarser(
+    shape: tuple[int, ...],
+    dtype_bytes: int,
+    src: ShardingSpec,
+    dst: ShardingSpec,
+    mesh: LogicalMesh,
+    used: tuple[str, ...],
+) -> tuple[Collective, ...]:
+    """Coarser tiles: gather each dimension, the last one first (after a permute when an
+    axis that stays is minor to one that goes)."""
+    order = mesh.axis_names
+    steps = []
+    if not all(have[: len(want)] == want for have, want in zip(src.dims, dst.dims)):
+        steps.append(Collective("collective-permute", used, per_device_bytes(shape, dtype_bytes, src, mesh)))
+    current = list(src.dims)
+    for dim in reversed(range(src.rank)):
+        gathered = tuple(a for a in order if a in src.dims[dim] and a not in dst.dims[dim])
+        if gathered:
+            current[dim] = tuple(a for a in current[dim] if a not in gathered)
+            steps.append(
+                Collective(
+                    "all-gather", gathered, per_device_bytes(shape, dtype_bytes, ShardingSpec(tuple(current)), mesh)
                 )
-        return tuple(steps)
+            )
+    return tuple(steps)
+
+
+def _gather_and_trade(
+    shape: tuple[int, ...],
+    dtype_bytes: int,
+    src: ShardingSpec,
+    dst: ShardingSpec,
+    mesh: LogicalMesh,
+    used: tuple[str, ...],
+    final: int,
+) -> tuple[Collective, ...]:
+    """Tiles neither finer nor coarser: gather the axes that go, trade the axes that move
+    between dimensions by all-to-all, permute where the devices end up in another order."""
+    order = mesh.axis_names
+    dst_axes = set(dst.used_axes)
     dst_dim = {a: d for d, axes in enumerate(dst.dims) for a in axes}
     current = []  # the layout as the gathers leave it
     gathers: list[tuple[int, tuple[str, ...]]] = []
