@@ -207,6 +207,34 @@ def _layer_plan(
     def nbytes(value_id: int) -> float:
         return value_bytes(tensor_info(layer, value_id), layout(value_id), mesh)
 
+    activation, gradient = _stash_bytes(layer, roles, nbytes)
+    state = sum(nbytes(v) for v in layer.args if layer.values[v].is_arg)
+    temporaries = max(
+        peak_temporaries(layer.subgraph([op.index for op in layer.ops if roles[op.index] == role]), nbytes)
+        for role in (FORWARD, BACKWARD)
+    )
+    role_of = {op.id: roles[top.index] for top in layer.ops for op in top.walk()}
+    forward = [node.kind in ("op", "loop", "case") and role_of.get(node.index) == FORWARD for node in nodes]
+    return LayerPlan(
+        latency=solution.objective,
+        fixed_latency=_start_up_latency(problem, choices, mesh),
+        state_bytes=state,
+        gradient_bytes=gradient,
+        activation_bytes=activation,
+        updated_state_bytes=_updated_state_bytes(layer, roles, nbytes, new_state, donated),
+        temporary_bytes=temporaries,
+        forward_latency=_objective_share(problem.problem, choices, forward),
+        forward_fixed_latency=_start_up_latency(problem, choices, mesh, forward),
+        arg_layouts=tuple(layout(v) for v in layer.args),
+        result_layouts=tuple(layout(v) for v in layer.results),
+        status=solution.status,
+        solve_seconds=seconds,
+    )
+
+
+def _stash_bytes(layer: FuncGraph, roles, nbytes) -> tuple[float, float]:
+    """The bytes of the activations the layer's backward reads and of the gradients its
+    update reads, at the plan's layouts (`nbytes`)."""
     values = layer.values
     inside = {op.index for op in layer.ops}
     activation = gradient = 0.0
@@ -228,43 +256,30 @@ def _layer_plan(
         and roles[values[v].producer] == BACKWARD
         and any(roles[u] == UPDATE for u in values[v].users if u in inside)
     )
-    state = sum(nbytes(v) for v in layer.args if values[v].is_arg)
+    return activation, gradient
+
+
+def _updated_state_bytes(
+    layer: FuncGraph, roles, nbytes, new_state: Mapping[int, int], donated: frozenset[int]
+) -> float:
+    """The bytes of the new state the layer's update returns: at the layout of the state it
+    replaces (the layer's plan does not tie the two; the stage's does), with XLA's table of
+    result pointers as `fragment_memory` counts outputs. A donated argument that the update
+    reads holds its new value (aliased: the pointer only)."""
+    values = layer.values
+    inside = {op.index for op in layer.ops}
     results = set(layer.results)
-    # At the layout of the state it replaces (the layer's plan does not tie the two; the
-    # stage's does), with XLA's table of result pointers as `fragment_memory` counts outputs.
-    # A donated argument that the update reads holds its new value (aliased: the pointer only).
     in_place = {
         v
         for v in donated & results
         if v in new_state and any(roles[u] == UPDATE for u in values[new_state[v]].users if u in inside)
     }
-    updated = sum(
+    return sum(
         (0.0 if v in in_place else nbytes(new_state.get(v, v))) + TUPLE_POINTER_BYTES
         for op in layer.ops
         if roles[op.index] == UPDATE
         for v in op.results
         if v in results
-    )
-    temporaries = max(
-        peak_temporaries(layer.subgraph([op.index for op in layer.ops if roles[op.index] == role]), nbytes)
-        for role in (FORWARD, BACKWARD)
-    )
-    role_of = {op.id: roles[top.index] for top in layer.ops for op in top.walk()}
-    forward = [node.kind in ("op", "loop", "case") and role_of.get(node.index) == FORWARD for node in nodes]
-    return LayerPlan(
-        latency=solution.objective,
-        fixed_latency=_start_up_latency(problem, choices, mesh),
-        state_bytes=state,
-        gradient_bytes=gradient,
-        activation_bytes=activation,
-        updated_state_bytes=updated,
-        temporary_bytes=temporaries,
-        forward_latency=_objective_share(problem.problem, choices, forward),
-        forward_fixed_latency=_start_up_latency(problem, choices, mesh, forward),
-        arg_layouts=tuple(layout(v) for v in layer.args),
-        result_layouts=tuple(layout(v) for v in layer.results),
-        status=solution.status,
-        solve_seconds=seconds,
     )
 
 
@@ -283,7 +298,7 @@ def _split_state_choices(layer: FuncGraph, problem) -> dict[int, list[int]]:
     if not allowed:
         return allowed
     ilp_nodes = problem.problem.nodes
-    for v, node in enumerate(ilp_nodes):
+    for v in range(len(ilp_nodes)):
         root = v
         while ilp_nodes[root].follows is not None:
             root = ilp_nodes[root].follows
@@ -466,21 +481,21 @@ def plan_layers(
     `donated`: as `plan_layer`'s."""
     signatures = [layer_signature(layer, rules, roles, donated) for layer in layers]
     dims = {sig: None for sig in signatures}
-    for l, layer in enumerate(layers):
-        if dims[signatures[l]] is None:
-            dims[signatures[l]] = layer_dims(layer)
+    for k, layer in enumerate(layers):
+        if dims[signatures[k]] is None:
+            dims[signatures[k]] = layer_dims(layer)
     distinct: list[LogicalMesh] = []
     mesh_id = [distinct.index(m) if m in distinct else distinct.append(m) or len(distinct) - 1 for m, _ in meshes]
     first: dict = {}  # (signature, plan_key) -> (layer, mesh id) whose build solves it
     splits: dict = {}  # the same key -> the split_state options asked for
-    for l in range(len(layers)):
+    for k in range(len(layers)):
         for g, (mesh, split) in enumerate(meshes):
-            key = (signatures[l], plan_key(mesh, dims[signatures[l]]))
-            first.setdefault(key, (l, mesh_id[g]))
+            key = (signatures[k], plan_key(mesh, dims[signatures[k]]))
+            first.setdefault(key, (k, mesh_id[g]))
             splits.setdefault(key, set()).add(split)
     groups: dict[int, list] = {}
-    for key, (l, m) in first.items():
-        groups.setdefault(m, []).append((l, tuple(sorted(splits[key]))))
+    for key, (k, m) in first.items():
+        groups.setdefault(m, []).append((k, tuple(sorted(splits[key]))))
     work = _LayerWork(
         tuple(layers), rules, tuple(roles), tuple(distinct), time_limit, dict(new_state or {}), frozenset(donated)
     )
@@ -490,18 +505,18 @@ def plan_layers(
         results = [work.solve(task) for task in tasks]
     solved = {}
     for (m, items), plans in zip(tasks, results):
-        for (l, options), per_option in zip(items, plans):
+        for (k, options), per_option in zip(items, plans):
             for split, plan in zip(options, per_option):
-                solved[(l, m, split)] = plan
+                solved[(k, m, split)] = plan
     table = []
-    for l in range(len(layers)):
+    for k in range(len(layers)):
         row = []
         for g, (mesh, split) in enumerate(meshes):
-            source_l, source_m = first[(signatures[l], plan_key(mesh, dims[signatures[l]]))]
-            plan = solved[(source_l, source_m, split)]
+            source_k, source_m = first[(signatures[k], plan_key(mesh, dims[signatures[k]]))]
+            plan = solved[(source_k, source_m, split)]
             if source_m != mesh_id[g]:
                 names = dict(
-                    zip(useful_axes(distinct[source_m], dims[signatures[l]]), useful_axes(mesh, dims[signatures[l]]))
+                    zip(useful_axes(distinct[source_m], dims[signatures[k]]), useful_axes(mesh, dims[signatures[k]]))
                 )
                 plan = renamed(plan, names)
             row.append(plan)
@@ -526,7 +541,7 @@ class _LayerWork:
         cache = StrategyCache(mesh)
         return [
             plan_layer_options(
-                self.layers[l],
+                self.layers[k],
                 self.rules,
                 self.roles,
                 mesh,
@@ -536,7 +551,7 @@ class _LayerWork:
                 new_state=self.new_state,
                 donated=self.donated,
             )
-            for l, splits in items
+            for k, splits in items
         ]
 
 
