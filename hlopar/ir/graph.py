@@ -527,7 +527,10 @@ class _Builder:
         )
 
     def _ops(self, mlir_ops, top: int | None, parent: int | None) -> tuple[OpNode, ...]:
-        """Builds the nodes of one block's ops; `top`/`parent` are None at top level."""
+        """Builds the nodes of one block's ops; `top`/`parent` are None at top level.
+
+        It runs once per op of modules of 10^5 ops, so numbering operands and results stays
+        inline here (local names, no call per value) instead of in helpers of its own."""
         ids = self.ids
         defs = self.defs
         users = self.users
@@ -553,14 +556,12 @@ class _Builder:
                 if not used_by or used_by[-1] != user:
                     used_by.append(user)
             results = []
-            position = 0
-            for v in op.results:
+            for position, v in enumerate(op.results):
                 type_ = v.type
                 info = info_of.get(type_)
                 if info is None:
                     info = info_of[type_] = _type_info(type_)
                 definition = (info, user, op_id, position, None, nested)
-                position += 1
                 if self.forward:
                     results.append(self._value(v, definition))
                 else:
@@ -570,28 +571,7 @@ class _Builder:
                     users.append([])
                     results.append(vid)
             regions = op.regions
-            if len(regions):
-                regions = tuple(
-                    [
-                        tuple(
-                            [
-                                Block(
-                                    tuple(
-                                        [
-                                            self._value(arg, (self._info(arg.type), user, None, None, None, True))
-                                            for arg in block.arguments
-                                        ]
-                                    ),
-                                    self._ops(block.operations, user, op_id),
-                                )
-                                for block in region.blocks
-                            ]
-                        )
-                        for region in regions
-                    ]
-                )
-            else:
-                regions = ()
+            regions = self._regions(regions, user, op_id) if len(regions) else ()
             name = op.name
             decoder = decoders.get(name)
             node = OpNode(
@@ -610,3 +590,26 @@ class _Builder:
             nodes[op_id] = node
             out.append(node)
         return tuple(out)
+
+    def _regions(self, regions, user: int, op_id: int) -> tuple[tuple[Block, ...], ...]:
+        """The blocks of an op's regions: their arguments, then their ops (`user`: the
+        top-level op they belong to; `op_id`: the op holding them)."""
+        return tuple(
+            [
+                tuple(
+                    [
+                        Block(
+                            tuple(
+                                [
+                                    self._value(arg, (self._info(arg.type), user, None, None, None, True))
+                                    for arg in block.arguments
+                                ]
+                            ),
+                            self._ops(block.operations, user, op_id),
+                        )
+                        for block in region.blocks
+                    ]
+                )
+                for region in regions
+            ]
+        )
