@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_runtime import HLOPAR_WAYS, Runner, machine  # noqa: E402 - sets up this process's 8 devices
 
+# isort: split
 import jax  # noqa: E402
 
 import hlopar  # noqa: E402

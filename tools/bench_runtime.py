@@ -554,17 +554,17 @@ def print_table(report: dict) -> None:
         f"{'way':<24} {'step s':>8} {'x jit':>6} {'x plan-sh':>9} {'x whole':>7} {'x frags':>7} {'x one':>6} {'x dp':>6} "
         f"{'crit s':>7} {'step/crit':>9} {'1st call s':>10} {'loss':>9}  plan"
     )
+
+    def num(row, key, spec):
+        return format(row[key], spec) if row.get(key) is not None else "-"
+
     for r in report["rows"]:
-
-        def num(key, spec):
-            return format(r[key], spec) if r.get(key) is not None else "-"
-
         print(
-            f"{r['way']:<24} {r['step_s']:8.4f} {num('ratio_to_jit', '6.2f'):>6} "
-            f"{num('ratio_to_plan_shardings', '9.2f'):>9} {num('ratio_to_whole_plan', '7.2f'):>7} "
-            f"{num('ratio_to_fragments', '7.2f'):>7} {num('ratio_to_one_program', '6.2f'):>6} "
-            f"{num('ratio_to_data_parallel', '6.2f'):>6} "
-            f"{num('critical_s', '7.4f'):>7} {num('step_over_critical', '9.2f'):>9} {r['first_call_s']:10.1f} "
+            f"{r['way']:<24} {r['step_s']:8.4f} {num(r, 'ratio_to_jit', '6.2f'):>6} "
+            f"{num(r, 'ratio_to_plan_shardings', '9.2f'):>9} {num(r, 'ratio_to_whole_plan', '7.2f'):>7} "
+            f"{num(r, 'ratio_to_fragments', '7.2f'):>7} {num(r, 'ratio_to_one_program', '6.2f'):>6} "
+            f"{num(r, 'ratio_to_data_parallel', '6.2f'):>6} "
+            f"{num(r, 'critical_s', '7.4f'):>7} {num(r, 'step_over_critical', '9.2f'):>9} {r['first_call_s']:10.1f} "
             f"{r['loss']:9.5f}  " + (f"{r['method']} B={r['microbatches']} {r['meshes']}" if "meshes" in r else "")
         )
     for r in report["rows"]:

@@ -305,10 +305,7 @@ class DeviceMesh:
         cursor = _Cursor(text, "sdy mesh")
         if not cursor.accept("#sdy.mesh"):
             cursor.accept("mesh")
-        if cursor.peek("<"):
-            mesh = parse_mesh_body(cursor)
-        else:
-            mesh = _parse_mesh_contents(cursor)
+        mesh = parse_mesh_body(cursor) if cursor.peek("<") else _parse_mesh_contents(cursor)
         cursor.expect_end()
         return mesh
 

@@ -198,7 +198,7 @@ def unused_axes(mesh: DeviceMesh, used: Sequence[AxisRef]) -> tuple[AxisRef, ...
     free: list[AxisRef] = []
     for name, full in mesh.axes:
         taken = sorted(spans.get(name, []))
-        for (lo1, hi1), (lo2, _) in zip(taken, taken[1:]):
+        for (_, hi1), (lo2, _) in zip(taken, taken[1:]):
             if lo2 < hi1:
                 raise ValueError(f"axis {name!r} is used twice (overlapping pieces {taken})")
         cursor = 1

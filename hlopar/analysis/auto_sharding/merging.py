@@ -83,9 +83,9 @@ def follows_from(
         best = None
         if mergeable[node]:
             for p in operands:
-                if p != node and strategy_counts[p] == strategy_counts[node]:
-                    if best is None or depth[p] > depth[best]:
-                        best = p
+                same = p != node and strategy_counts[p] == strategy_counts[node]
+                if same and (best is None or depth[p] > depth[best]):
+                    best = p
         result.append(best)
     return result
 

@@ -10,6 +10,7 @@ that order never starts a task later.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -237,10 +238,8 @@ class _Search:
     def run(self) -> None:
         if self.best_span <= self.root_bound + self.eps:
             return
-        try:
+        with contextlib.suppress(_OutOfBudget):
             self._visit(0.0, 0.0, sum(self.min_duration), self.root_bound)
-        except _OutOfBudget:
-            pass
 
     def _visit(self, last_start: float, sender_sum: float, work_left: float, bound: float) -> bool:
         """Extends the order; True once an optimal schedule is known (stop everything)."""
@@ -306,10 +305,7 @@ def ensemble(problem: Problem, budget: SearchBudget = SearchBudget()) -> tuple[s
     for name in ("load-balance", "randomized-greedy", "dfs"):
         if best_span <= floor:
             break
-        if name == "dfs":
-            schedule = dfs(problem, budget, incumbent=best)
-        else:
-            schedule = run_algorithm(name, problem, budget)
+        schedule = dfs(problem, budget, incumbent=best) if name == "dfs" else run_algorithm(name, problem, budget)
         span = makespan(problem, schedule)
         if span < best_span * (1 - 1e-12):
             best_name, best, best_span = name, schedule, span

@@ -121,8 +121,9 @@ def span_table(
     (a != b; what a stage receives and sends, in its time and its memory); `meshes_of_submesh[m]`
     the logical meshes (indices g) of submesh m; `transfer_seconds(bytes, submesh_size)` the time
     to bring bytes into a stage of that size from another mesh; `in_flight(s)` the microbatches
-    whose activations a stage with s stages after it (itself included) keeps at once. With `per_microbatch`, the layers were planned
-    on the program of one microbatch already: their costs and activations are not scaled.
+    whose activations a stage with s stages after it (itself included) keeps at once. With
+    `per_microbatch`, the layers were planned on the program of one microbatch already: their
+    costs and activations are not scaled.
     `remat`: "auto" weighs the three options (module docstring), "always" rematerializes every
     span that stashes activations (the stage form), "layers" likewise per layer, "never" keeps
     them all."""
