@@ -362,7 +362,9 @@ def hlopar_way(way: str, step, args) -> Runner:
 def bench(args) -> dict:
     """Sets every way up (first calls), then `rounds` rounds of each way's warm-up and timed
     steps in turn (the hlopar functions stay open meanwhile), so that a load that comes and
-    goes on the machine falls on every way alike; medians over all timed steps."""
+    goes on the machine falls on every way alike; medians over all timed steps. One long
+    function: the ways, their rounds and the medians share the open functions and timings,
+    which helpers would only pass back and forth."""
     config = gpt.GPTConfig(
         hidden_size=args.hidden,
         num_layers=args.layers,

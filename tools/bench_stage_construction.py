@@ -35,6 +35,8 @@ TARGET_DP_S = 2.0
 
 
 def main() -> int:
+    """Export, plan in a subprocess, print. One sequential script: the reports it reads are
+    printed where they are read."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="gpt:39B")
     parser.add_argument("--hosts", type=int, default=8)
