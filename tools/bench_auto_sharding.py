@@ -85,12 +85,14 @@ def main() -> int:
         sizes = report["ilp_sizes"]
         print(
             f"{name:<28} {wall:>7.1f} {report['build_s']:>8.2f} {report['solve_s']:>8.2f} {report['status']:>9} "
-            f"{report['gap']:>8.1e} {sizes.get('nodes', 0):>7} {sizes.get('nodes_core', 0):>6} {sizes.get('variables', 0):>8}"
+            f"{report['gap']:>8.1e} {sizes.get('nodes', 0):>7} {sizes.get('nodes_core', 0):>6} "
+            f"{sizes.get('variables', 0):>8}"
         )
     gpt = next((r for r in rows if r[0] == "gpt:1.3B" and r[2] is not None), None)
     if gpt:
         print(
-            f"gpt:1.3B on {args.mesh}: {gpt[1]:.1f} s, target {TARGET_SECONDS:.0f} s, ratio {gpt[1] / TARGET_SECONDS:.2f}, "
+            f"gpt:1.3B on {args.mesh}: {gpt[1]:.1f} s, target {TARGET_SECONDS:.0f} s, "
+            f"ratio {gpt[1] / TARGET_SECONDS:.2f}, "
             f"status {gpt[2]['status']}"
         )
     return 0

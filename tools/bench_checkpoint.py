@@ -171,7 +171,8 @@ def main() -> int:
     print(
         f"ratio (checkpointing / not): mean {report['ratio_mean']:.3f}, median {report['ratio_median']:.3f} "
         f"(target 1.05); {saves['committed']} saves committed in {report['config']['calls']} calls (every "
-        f"{saves['every']}; one still being written when the next is due waits), each {saves['save_bytes'] / 2**20:.1f} MiB, "
+        f"{saves['every']}; one still being written when the next is due waits), "
+        f"each {saves['save_bytes'] / 2**20:.1f} MiB, "
         f"{statistics.median(saves['save_s'] or [0]):.2f} s from call to commit (median); errors "
         f"{saves['errors'] or 'none'}"
     )

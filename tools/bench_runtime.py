@@ -553,7 +553,8 @@ def print_table(report: dict) -> None:
         f"{c['rounds']} x {c['steps']} steps, each round after {c['warmup']} warm-up"
     )
     print(
-        f"{'way':<24} {'step s':>8} {'x jit':>6} {'x plan-sh':>9} {'x whole':>7} {'x frags':>7} {'x one':>6} {'x dp':>6} "
+        f"{'way':<24} {'step s':>8} {'x jit':>6} {'x plan-sh':>9} {'x whole':>7} {'x frags':>7} {'x one':>6} "
+        f"{'x dp':>6} "
         f"{'crit s':>7} {'step/crit':>9} {'1st call s':>10} {'loss':>9}  plan"
     )
 

@@ -133,7 +133,7 @@ def main() -> int:
         print(
             f"    layers {stage['layers'][0]:>2}-{stage['layers'][1]:<2} submesh {tuple(stage['submesh'])} "
             f"logical {tuple(stage['logical_shape'])} latency {stage['latency'] * 1e3:.1f} ms "
-            f"memory {stage['memory_bytes'] / 2**30:.1f} GiB{(' remat per layer' if stage.get('remat_form') == 'layers' else ' remat') if stage.get('remat') else ''}"
+            f"memory {stage['memory_bytes'] / 2**30:.1f} GiB{_remat_note(stage)}"
         )
     print(f"  predicted step {report['predicted_step_seconds']:.3f} s, bubble {report['bubble_fraction']:.1%}")
     tried = ", ".join(
@@ -146,6 +146,12 @@ def main() -> int:
         f"DP: {t['stage_dp']:.2f} s (target {TARGET_DP_S:.0f} s, ratio {t['stage_dp'] / TARGET_DP_S:.2f})"
     )
     return 0
+
+
+def _remat_note(stage: dict) -> str:
+    if not stage.get("remat"):
+        return ""
+    return " remat per layer" if stage.get("remat_form") == "layers" else " remat"
 
 
 if __name__ == "__main__":

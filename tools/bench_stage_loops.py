@@ -79,7 +79,8 @@ def _plan(args) -> str | None:
         source.write_text(get_train_step(model, config).lower(donate=True))
         pipeline = (
             f"builtin.module(hlopar-import,hlopar-unstack-layer-scans,"
-            f"hlopar-cluster-operators{{layers={args.layers}}},hlopar-stage-construction{{schedule=1f1b num-hosts={args.hosts} devices-per-host={args.devices} "
+            f"hlopar-cluster-operators{{layers={args.layers}}},"
+            f"hlopar-stage-construction{{schedule=1f1b num-hosts={args.hosts} devices-per-host={args.devices} "
             f"microbatches={args.microbatches} preset={args.preset}}})"
         )
         start = time.perf_counter()

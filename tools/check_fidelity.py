@@ -322,7 +322,10 @@ def fidelity(model: str, config: str = "tiny", mesh: str = "2x4", preset: str = 
     module = parse_module(get_train_step(model, config).lower())
     with tempfile.TemporaryDirectory() as scratch:
         report_path = Path(scratch) / "plan.json"
-        pipeline = f"builtin.module(hlopar-import,hlopar-auto-sharding{{mesh-shape={mesh} preset={preset} {options} report={report_path}}})"
+        pipeline = (
+            f"builtin.module(hlopar-import,hlopar-auto-sharding{{mesh-shape={mesh} preset={preset} {options} "
+            f"report={report_path}}})"
+        )
         Pipeline.parse(pipeline, module.context).run(module, PassContext())
         report = json.loads(report_path.read_text())
     mesh_shape = report["mesh"]["shape"]
@@ -361,7 +364,8 @@ def main() -> int:
         [],
     )
     print(
-        f"{'total':<22} {total.predicted:>9} {total.compiled:>9} {total.matched:>8} {total.matched_as_all_reduce:>8} {total.rate:>7.1%}"
+        f"{'total':<22} {total.predicted:>9} {total.compiled:>9} {total.matched:>8} "
+        f"{total.matched_as_all_reduce:>8} {total.rate:>7.1%}"
     )
     print("\n".join(all_notes))
     return 0

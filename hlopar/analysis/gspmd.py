@@ -127,7 +127,8 @@ class GspmdSharding:
             raise ValueError(f"tile shape must be positive, got {list(self.tile_shape)}")
         if len(self.devices) != math.prod(self.tile_shape):
             raise ValueError(
-                f"tile shape {list(self.tile_shape)} needs {math.prod(self.tile_shape)} devices, got {len(self.devices)}"
+                f"tile shape {list(self.tile_shape)} needs {math.prod(self.tile_shape)} devices, "
+                f"got {len(self.devices)}"
             )
         if any(d < 0 for d in self.devices) or len(set(self.devices)) != len(self.devices):
             raise ValueError(f"tile devices must be distinct and non-negative, got {list(self.devices)}")

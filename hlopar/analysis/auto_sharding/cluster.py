@@ -273,7 +273,8 @@ def logical_mesh(
     numbers; an axis with a group that crosses hosts is as slow as its slowest link, the
     inter-host one. `latencies` / `bandwidths` (one per axis) override the preset,
     `memory_budget` the device memory, and `devices_per_host` the preset's host size (a
-    submesh of a cluster whose hosts hold fewer devices than the preset's nodes). Names default to x, y, z, w (axis_0, ... past 4-D).
+    submesh of a cluster whose hosts hold fewer devices than the preset's nodes). Names default
+    to x, y, z, w (axis_0, ... past 4-D).
     """
     shape = tuple(shape)
     for size in shape:
