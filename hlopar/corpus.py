@@ -2,7 +2,7 @@
 
 `HLOPAR_CORPUS` names the folder; without it, `../shared/corpus` beside the repository. A
 fresh clone has none: tests that read it carry the `corpus` marker and are skipped there
-(`test/unit/conftest.py`), tools say where they looked.
+(`test/conftest.py`), tools say where they looked.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ MUTATIONS = (
                 "    return module\n",
             ),
         ),
-        ("test/unit/mpmd/test_train_steps.py",),
+        ("test/unit/passes/mpmd_program/test_train_steps.py",),
         why="an update fragment adds its last parameter's step instead of subtracting it",
     ),
     Mutation(
@@ -87,7 +87,7 @@ MUTATIONS = (
                 "        return [values[i] for i in self.results][:-1]\n",
             ),
         ),
-        ("test/unit/mpmd/test_mpmd_program.py", "test/unit/mpmd/test_train_steps.py"),
+        ("test/unit/passes/mpmd_program/test_mpmd_program.py", "test/unit/passes/mpmd_program/test_train_steps.py"),
         why="the MPMD runner returns one result less",
     ),
     Mutation(
@@ -100,7 +100,7 @@ MUTATIONS = (
                 "    for logical, index in zip(slices, list(slices.values())[::-1]):\n",
             ),
         ),
-        ("test/unit/resharding/test_reshard_executor.py", "test/unit/mpmd/test_pipeline_numerics.py"),
+        ("test/unit/runtime/test_reshard_executor.py", "test/integration/zoo/test_pipeline_numerics.py"),
         why="a planned transfer puts the destination's shards back in reverse order",
     ),
     Mutation(
@@ -113,7 +113,7 @@ MUTATIONS = (
                 "                                  + [s / split.microbatches for s in sums])\n",
             ),
         ),
-        ("test/unit/microbatch/test_microbatched_numerics.py",),
+        ("test/unit/passes/split_microbatches/test_microbatched_numerics.py",),
         why="the sums over microbatches (already means over the global batch) are divided by B again",
     ),
     Mutation(
@@ -125,7 +125,7 @@ MUTATIONS = (
                 '        self._free(f"stash.{m + 1}", self.topology.activation_bytes[k], last)\n',
             ),
         ),
-        ("test/unit/schedules/test_sched_instructions.py", "test/unit/microbatch/test_pipelined_executor.py"),
+        ("test/unit/analysis/schedules/test_sched_instructions.py", "test/unit/runtime/test_pipelined_executor.py"),
         why="after microbatch m's backward, the schedule frees the stash of microbatch m + 1",
     ),
     Mutation(
@@ -138,7 +138,7 @@ MUTATIONS = (
                 "                        for axes in reductions for nbytes in result_bytes)\n",
             ),
         ),
-        ("test/unit/auto_sharding/test_fidelity.py", "test/unit/auto_sharding/test_strategies.py"),
+        ("test/unit/analysis/auto_sharding/test_fidelity.py", "test/unit/analysis/auto_sharding/test_strategies.py"),
         lit=True,
         why="the plan's all-reduce of a split contraction names the other mesh axis",
     ),

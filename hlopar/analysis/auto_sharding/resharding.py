@@ -20,7 +20,7 @@ emits, following its cases in their order (`t_d` = how many tiles a spec cuts di
    When a dimension's axes spread over several dimensions, or several dimensions' merge into
    one, XLA finds no all-to-all: it gathers every dimension (last first) and slices.
 
-`tools/check_fidelity.py` and `test/unit/auto_sharding/test_fidelity.py` compare this with what
+`tools/check_fidelity.py` and `test/unit/analysis/auto_sharding/test_fidelity.py` compare this with what
 XLA compiles: on a 2x4 mesh it agrees for about 80% of all pairs of layouts of a 3-D tensor,
 and the rest (sub-axis collectives XLA uses for some multi-axis conversions) are rare in plans.
 Sizes are per device, rounded up per dimension as XLA pads uneven shards. Mesh axes of size 1

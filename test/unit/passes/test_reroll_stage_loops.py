@@ -1,5 +1,5 @@
 """hlopar-reroll-stage-loops: which runs of iterations it rolls, and that a rolled fragment
-computes what the unrolled one did (the lit test, test/lit/reroll_stage_loops, checks the IR;
+computes what the unrolled one did (the lit test, test/lit/reroll-stage-loops, checks the IR;
 test/unit/runtime/test_scan_pipelines.py the scanned models end to end)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hlopar.ir.module import parse_module, planned_functions
 from hlopar.passes.base import PassContext
 from hlopar.passes.reroll_stage_loops import RerollStageLoopsPass, stage_loop_lines
 
-LIT = Path(__file__).resolve().parents[2] / "lit" / "reroll_stage_loops" / "loops.mlir"
+LIT = Path(__file__).resolve().parents[2] / "lit" / "reroll-stage-loops" / "loops.mlir"
 
 
 def test_identical_runs_are_maximal_runs_of_consecutive_equal_iterations():

@@ -65,7 +65,7 @@ def meshes_reading(program, argument: int) -> set[str]:
 
 
 # The checkpointed Flax stack is heavy (`pytest -m heavy`, 31 s on 2 cores); its split
-# numerics stay in the default suite (test/unit/microbatch/test_scan_split.py).
+# numerics stay in the default suite (test/unit/passes/split_microbatches/test_scan_split.py).
 @pytest.mark.parametrize(
     "name", [pytest.param(n, marks=[pytest.mark.heavy] if n == "flax_scan_remat" else []) for n in MODELS]
 )

@@ -1,8 +1,7 @@
 """How tests compare a parallel run's numbers with one device's: exactly, closely, or by update.
 
-Importable as ``numerics`` from every test folder: `test/unit/conftest.py` lives in this folder,
-and pytest puts a conftest's folder on ``sys.path`` before loading it (rootdir-relative imports,
-the default "prepend" mode), so no test needs a path hack.
+Importable as ``numerics`` from every test folder: this folder, test/support, is on ``sys.path``
+through pytest's ``pythonpath`` setting (pyproject.toml), so no test needs a path hack.
 
 Every comparison first checks that both sides have the same pytree structure (so a missing or
 extra output fails, which ``zip`` would hide), then per leaf the shape and dtype, then the values;

@@ -1,4 +1,4 @@
-"""Every unit test sees 8 CPU devices, as the plans under test need several devices, and a
+"""Every test (test/unit, test/integration) sees 8 CPU devices, as the plans under test need several devices, and a
 thread pool their collectives cannot starve (`hlopar.runtime.host_devices`).
 
 Tests that read the shared corpus carry the `corpus` marker and find it through

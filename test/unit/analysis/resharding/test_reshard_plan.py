@@ -14,7 +14,7 @@ from hlopar.analysis.resharding import MeshLayout, paper_cluster, plan_transfer
 from hlopar.analysis.resharding.paper_cases import paper_cases
 from hlopar.analysis.sharding import ShardingSpec
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 MODEL = paper_cluster()
 CASES = {case.name: case for case in paper_cases()}
 

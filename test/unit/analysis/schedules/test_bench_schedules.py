@@ -13,7 +13,7 @@ import pytest
 
 from hlopar.analysis.schedules import build_streams, signal, simulate
 
-BENCH = Path(__file__).resolve().parents[3] / "tools" / "bench_schedules.py"
+BENCH = Path(__file__).resolve().parents[4] / "tools" / "bench_schedules.py"
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ state (stacked parameters, optimizer state) as it does for the same stack withou
 the loops kept (hlopar-auto-sharding on the imported step) and unrolled
 (hlopar-unstack-layer-scans first, as method="auto" does). The runs of the checkpointed
 stacks equal one device in test/unit/runtime/test_scan_pipelines.py (pipelined) and
-test/unit/microbatch/test_scan_split.py (split into microbatches)."""
+test/unit/passes/split_microbatches/test_scan_split.py (split into microbatches)."""
 
 from __future__ import annotations
 

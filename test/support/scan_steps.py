@@ -11,8 +11,8 @@ blocks run by one loop (`stablehlo.while`, forward and backward):
 
 `remat=True` wraps each block in `jax.checkpoint` (`nn.remat` for Flax), as large models do.
 
-Importable as ``scan_steps`` from every test folder (`test/unit/conftest.py`'s folder is on
-``sys.path``). Each builder returns ``(step, args)``: `step` exactly as a user hands it to
+Importable as ``scan_steps`` from every test folder (test/support is on ``sys.path``, pyproject's
+pytest ``pythonpath``). Each builder returns ``(step, args)``: `step` exactly as a user hands it to
 `jax.jit`, `args` its first arguments. The convention of both: the batch is the LAST argument
 (a dict of int32 ``tokens`` and ``targets``, `BATCH` x `SEQ`), the step returns the new training
 state (the arguments before the batch, in order) followed by the loss, so

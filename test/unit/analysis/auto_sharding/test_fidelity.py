@@ -22,7 +22,7 @@ from hlopar.analysis.auto_sharding.cluster import logical_mesh
 from hlopar.analysis.auto_sharding.resharding import resharding_collectives
 from hlopar.analysis.sharding import ShardingSpec, TensorSharding
 
-_TOOL = Path(__file__).resolve().parents[3] / "tools" / "check_fidelity.py"
+_TOOL = Path(__file__).resolve().parents[4] / "tools" / "check_fidelity.py"
 
 
 def _load_tool():

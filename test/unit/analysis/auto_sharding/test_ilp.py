@@ -16,7 +16,7 @@ from hlopar.analysis.auto_sharding.ilp import brute_force, solve
 from hlopar.analysis.auto_sharding.merging import Simplify, follows_from
 from hlopar.analysis.auto_sharding.problem import Edge, Node, Problem, evaluate, violations
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 _spec = importlib.util.spec_from_file_location("bench_ilp", ROOT / "tools" / "bench_ilp.py")
 bench_ilp = importlib.util.module_from_spec(_spec)
 sys.modules["bench_ilp"] = bench_ilp  # dataclasses look their module up there

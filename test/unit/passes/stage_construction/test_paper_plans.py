@@ -22,7 +22,7 @@ from program_checks import HLOPAR_OPT, fragments
 
 from hlopar.ir.module import parse_module
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def plan(tmp_path: Path, model: str, config: str, clustering: str, stages: str) -> tuple[dict, list]:

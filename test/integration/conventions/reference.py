@@ -10,7 +10,7 @@ computes (BatchNorm's batch statistics), `accumulated_step` is the reference: th
 `grads` on each microbatch, averaged (the global 1/N of a mean: each microbatch's mean
 counts 1/B), then its `apply` once; running statistics are the mean over microbatches.
 
-Comparison (`compare`), with the project's shared helpers (`test/unit/numerics.py`): every
+Comparison (`compare`), with the project's shared helpers (`test/support/numerics.py`): every
 result but the parameters to 1e-5 relative per entry plus 1e-5 of the leaf's largest
 magnitude (float32 sums in another order; Adam's moments of cancelling gradients), integers
 and keys exactly. The parameters by their UPDATE (new - old), so that a small update of a
