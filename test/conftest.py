@@ -1,5 +1,6 @@
-"""Every test (test/unit, test/integration) sees 8 CPU devices, as the plans under test need several devices, and a
-thread pool their collectives cannot starve (`hlopar.runtime.host_devices`).
+"""Every test (test/unit, test/integration) sees 8 CPU devices, as the plans under test need
+several devices, and a thread pool their collectives cannot starve (`hlopar.runtime.host_devices`).
+The helpers tests share are in test/support, on `sys.path` through pyproject's pytest `pythonpath`.
 
 Tests that read the shared corpus carry the `corpus` marker and find it through
 `hlopar.corpus.corpus_dir()` (`HLOPAR_CORPUS`, default `../shared/corpus`); where it is

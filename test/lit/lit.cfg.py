@@ -1,4 +1,9 @@
-"""lit configuration: RUN lines use hlopar-opt and FileCheck from the environment running lit."""
+"""lit configuration: RUN lines use hlopar-opt and FileCheck from the environment running lit.
+
+One folder per pass, named as the pass without `hlopar-` (`split-microbatches/`); `hlopar-opt/`
+and `hlopar-compile/` test the command lines themselves, `dialect/` hlopar's MPMD program form
+parsed, verified and printed back with no pass. Every `.mlir` under this folder is a test.
+"""
 
 import os
 import shutil
