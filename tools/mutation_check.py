@@ -80,7 +80,7 @@ MUTATIONS = (
     ),
     Mutation(
         "dropped-result",
-        "test/unit/oracles/sequential_mpmd.py",
+        "test/support/oracles/sequential_mpmd.py",
         (
             (
                 "        return [values[i] for i in self.results]\n",
@@ -105,7 +105,7 @@ MUTATIONS = (
     ),
     Mutation(
         "microbatch-mean-twice",
-        "test/unit/oracles/microbatched.py",
+        "test/support/oracles/microbatched.py",
         (
             (
                 "        results = self.update.run([arguments[i] for i in split.update_args] + sums)\n",
