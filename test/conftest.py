@@ -8,7 +8,11 @@ absent they are skipped with the reason "corpus not found at <path> (set HLOPAR_
 
 `ray_cluster` (module scope): a local Ray of hlopar's own, started as `parallelize` starts it
 (`runtime.local_ray`: no fork of the test process, never another cluster on the machine), and a
-plan cache of the module's own.
+plan cache of the module's own. The cluster is the session's: started by the first module that
+asks for it (a start costs about 10 s on CI's 2 cores, once instead of once per module) and
+started again only where a module left it dead or disconnected (the dead-raylet test kills it;
+a module may connect elsewhere). At each module's end a garbage collection lets go of the
+workers of the functions that module left unclosed.
 
 Strict skips (`HLOPAR_STRICT_SKIPS=1`, set by `.ci/run` for the run that has the corpus): a
 test skipped for any reason but one that a CI machine may truly lack fails instead, so that
@@ -31,22 +35,41 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ALLOWED_SKIPS = re.compile(r"\b(gpus?|cuda|nccl|rocm|tpus?|several hosts)\b", re.IGNORECASE)
 
 
+@pytest.fixture(scope="session")
+def _session_ray():
+    """The session's local Ray (`ray_cluster`), stopped at the session's end."""
+    held = {}
+    yield held
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    if held.get("local") is not None:
+        held["local"].stop()
+
+
 @pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory):
+def ray_cluster(_session_ray, tmp_path_factory):
+    import gc
+
     import ray
 
     from hlopar.runtime import local_ray
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("HLOPAR_CACHE_DIR", str(tmp_path_factory.mktemp("hlopar-cache")))
-        if ray.is_initialized():
-            ray.shutdown()
-        local = local_ray.connect(None, 4)
+        local = _session_ray.get("local")
+        if local is None or local.lost is not None or not ray.is_initialized() or local_ray.current() is not local:
+            if ray.is_initialized():
+                ray.shutdown()
+            local_ray.disconnected()
+            if local is not None:
+                local.stop()
+            local = _session_ray["local"] = local_ray.connect(None, 4)
         try:
             yield local
         finally:
-            ray.shutdown()
-            local.stop()
+            gc.collect()
 
 
 def pytest_collection_modifyitems(config, items):
