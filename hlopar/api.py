@@ -414,7 +414,9 @@ class ParallelizedFunction:
             None
             if checkpoint_every is None
             else PeriodicSaves(
-                Path(checkpoint_dir), checkpoint_every, warn=lambda message: warnings.warn(message, HloparWarning)
+                Path(checkpoint_dir),
+                checkpoint_every,
+                warn=lambda message: warnings.warn(message, HloparWarning, stacklevel=2),
             )
         )
         self.__wrapped__ = fn

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from hlopar.codegen.one_program import fuses
-from hlopar.passes.reroll_stage_loops import stage_loop_lines
 from hlopar.dialect.layers import LayerPieces
+from hlopar.passes.reroll_stage_loops import stage_loop_lines
 from hlopar.units import format_bytes
 
 if TYPE_CHECKING:

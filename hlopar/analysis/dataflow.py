@@ -29,13 +29,54 @@ __all__ = [
 # arithmetic on parameter-shaped tensors and the scalars it broadcasts.
 ELEMENTWISE_OPS = frozenset(
     "stablehlo." + name
-    for name in (
-        "abs cbrt ceil convert count_leading_zeros cosine exponential exponential_minus_one floor imag "
-        "is_finite log log_plus_one logistic not negate popcnt real round_nearest_afz round_nearest_even "
-        "rsqrt sign sine sqrt tan tanh reduce_precision add atan2 complex divide maximum minimum "
-        "multiply or power remainder shift_left shift_right_arithmetic shift_right_logical subtract xor "
-        "and compare clamp select"
-    ).split()
+    for name in [
+        "abs",
+        "cbrt",
+        "ceil",
+        "convert",
+        "count_leading_zeros",
+        "cosine",
+        "exponential",
+        "exponential_minus_one",
+        "floor",
+        "imag",
+        "is_finite",
+        "log",
+        "log_plus_one",
+        "logistic",
+        "not",
+        "negate",
+        "popcnt",
+        "real",
+        "round_nearest_afz",
+        "round_nearest_even",
+        "rsqrt",
+        "sign",
+        "sine",
+        "sqrt",
+        "tan",
+        "tanh",
+        "reduce_precision",
+        "add",
+        "atan2",
+        "complex",
+        "divide",
+        "maximum",
+        "minimum",
+        "multiply",
+        "or",
+        "power",
+        "remainder",
+        "shift_left",
+        "shift_right_arithmetic",
+        "shift_right_logical",
+        "subtract",
+        "xor",
+        "and",
+        "compare",
+        "clamp",
+        "select",
+    ]
 )
 CONSTANT_OPS = frozenset({"stablehlo.constant", "stablehlo.iota"})
 # What an optimizer's update is made of: the walk back from a new state value goes through these.

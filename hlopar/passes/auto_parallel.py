@@ -28,10 +28,10 @@ from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS
 from hlopar.analysis.cluster import Cluster
 from hlopar.analysis.limits import check_cluster, check_cluster_dimension, check_positive
 from hlopar.analysis.schedules import ScheduleName
-from hlopar.units import parse_bytes
 from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto, report_option
 from hlopar.passes.plan_options import METHODS, REMAT_MODES, RNG_MODES, PlanOptions, schedule_named
 from hlopar.passes.planning import REPORT_KEYS, Plan, import_step, plan
+from hlopar.units import parse_bytes
 
 
 @dataclass

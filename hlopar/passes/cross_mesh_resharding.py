@@ -127,7 +127,7 @@ class CrossMeshReshardingPass(ModulePass):
 
             def visit(op: ir.Operation) -> ir.WalkResult:
                 if op.name == TRANSFER:
-                    transfers.append(op.operation)
+                    transfers.append(op.operation)  # noqa: B023 (walked within this iteration)
                 return ir.WalkResult.ADVANCE
 
             func.walk(visit)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from hlopar.passes.base import ModulePass
 from hlopar.passes.auto_parallel import AutoParallelPass
 from hlopar.passes.auto_sharding import AutoShardingPass
+from hlopar.passes.base import ModulePass
 from hlopar.passes.cluster_operators import ClusterOperatorsPass
 from hlopar.passes.cross_mesh_resharding import CrossMeshReshardingPass
 from hlopar.passes.import_program import ImportPass

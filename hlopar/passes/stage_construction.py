@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -338,11 +338,11 @@ class StageConstructionPass(ModulePass):
                     )
                 except ValueError as error:
                     self.fail(ir.Location.unknown(), str(error))
-                for option in INTRA_OP_OPTIONS if mesh.size > 1 else INTRA_OP_OPTIONS[:1]:
-                    key = (trivial_axes_key(mesh), tuple(sorted(shape)), option)
+                for intra_op in INTRA_OP_OPTIONS if mesh.size > 1 else INTRA_OP_OPTIONS[:1]:
+                    key = (trivial_axes_key(mesh), tuple(sorted(shape)), intra_op)
                     if key not in index:
                         index[key] = len(meshes)
-                        meshes.append((mesh, option))
+                        meshes.append((mesh, intra_op))
                         shapes.append(shape)
                     if index[key] not in mine:
                         mine.append(index[key])

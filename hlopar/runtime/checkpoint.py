@@ -214,7 +214,7 @@ class PendingSave:
         with self.failing():
             staging = self.staging
             parts = written["parts"]
-            for name, part in parts.items():  # as each writer found it: checked again here
+            for part in parts.values():  # as each writer found it: checked again here
                 _check_part(staging / part["file"], part, recheck)
             manifest = {
                 "format": FORMAT,

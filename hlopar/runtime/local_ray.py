@@ -135,7 +135,7 @@ def start(num_cpus: int, timeout: float = 120.0) -> LocalRay:
     its log, if it is not up within `timeout` seconds."""
     directory = Path(tempfile.mkdtemp(prefix="hlopar-ray-"))
     _authentication(os.environ)
-    log = open(directory / "ray-start.log", "wb")
+    log = open(directory / "ray-start.log", "wb")  # noqa: SIM115 (the head process writes it for its whole life)
     command = [
         sys.executable,
         "-c",
@@ -159,7 +159,7 @@ def start(num_cpus: int, timeout: float = 120.0) -> LocalRay:
             env={
                 **os.environ,
                 "RAY_USAGE_STATS_ENABLED": "0",
-                "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0"),
+                "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0"),  # noqa: SIM112 (Ray spells it so)
             },
         )
     address_file = directory / "ray_current_cluster"

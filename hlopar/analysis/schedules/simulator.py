@@ -73,13 +73,16 @@ class SimResult:
     events: tuple[Event, ...]
 
 
-def simulate(
+def simulate(  # noqa: C901 (one event loop; reason in the docstring)
     streams: PipelineStreams,
     costs: Sequence[StageCost],
     comm: CommModel | Callable[[str, str, int], float] | None = None,
 ) -> SimResult:
     """Run `streams` with per-stage `costs` (indexed by stage) and transfers priced by `comm`
-    (default: alpha-beta at 10 Gbps); raises `DeadlockError` if some stream cannot finish."""
+    (default: alpha-beta at 10 Gbps); raises `DeadlockError` if some stream cannot finish.
+
+    One function on purpose: a discrete-event loop whose small closures (`push`, `offer`)
+    share its queues and clocks; split into functions they would hand a dozen values around."""
     comm = as_comm_model(comm)
     stage_of = {s.mesh: s.stage for s in streams.streams}
     for s in streams.streams:
@@ -135,7 +138,7 @@ def simulate(
         t = max((finish[d] for d in deps[i]), default=0.0)
         push(i, max(t, stream_free[key]) if key is not None else t)
 
-    for key, q in queues.items():
+    for q in queues.values():
         offer(q[0])
     for i, key in enumerate(stream_key):
         if key is None:

@@ -234,9 +234,7 @@ def _before_unit_dims(value: ir.Value) -> ir.Value:
     """The value `value` is a reshape of, through reshapes and broadcasts that only add unit dims."""
     while isinstance(value.owner, ir.OpView):
         op = value.owner.operation
-        if op.name == "stablehlo.reshape":
-            value = op.operands[0]
-        elif op.name == "stablehlo.broadcast_in_dim" and _adds_unit_dims(op):
+        if op.name == "stablehlo.reshape" or op.name == "stablehlo.broadcast_in_dim" and _adds_unit_dims(op):
             value = op.operands[0]
         else:
             break

@@ -349,6 +349,7 @@ class _Splitter:
             if r in chosen:
                 self.pieces[r] = made[k]
 
+
 def _constant_float(value: ir.Value) -> float | None:
     owner = value.owner
     if not isinstance(owner, ir.OpView) or owner.operation.name != "stablehlo.constant":

@@ -35,7 +35,11 @@ from hlopar.passes.microbatching.per_example_results import concatenated_dim
 class BatchChecks:
     """The propagation and the per-op checks of `_Splitter` (state: its `graph`, `ops`, `b`, `axis`)."""
 
-    def _propagate(self) -> None:
+    def _propagate(self) -> None:  # noqa: C901 (reason in the docstring)
+        """Propagates the batch dimension through a sharded clone of @main and checks each op.
+
+        Whole on purpose: each step reads what the previous left in the clone (the mesh, the
+        constraints, the propagated shardings), in the order Shardy's propagation needs."""
         size = math.gcd(*(self.graph.values[self.graph.args[i]].shape[0] for i in self.batch_args))
         if unshare_splats(self.main, size):
             self.graph, self.ops = FuncGraph.from_func(self.main), walk_ops(self.main)

@@ -27,12 +27,40 @@ TYPE_ONLY_OPS = (
     ELEMENTWISE_OPS
     | frozenset(
         "stablehlo." + n
-        for n in (
-            "broadcast_in_dim reshape transpose dot_general dot convolution reduce select compare convert bitcast_convert "
-            "concatenate gather scatter dynamic_update_slice while case if reverse sort map optimization_barrier "
-            "rng_bit_generator batch_norm_inference cholesky triangular_solve fft reduce_precision return copy "
-            "exponential_minus_one log_plus_one"
-        ).split()
+        for n in [
+            "broadcast_in_dim",
+            "reshape",
+            "transpose",
+            "dot_general",
+            "dot",
+            "convolution",
+            "reduce",
+            "select",
+            "compare",
+            "convert",
+            "bitcast_convert",
+            "concatenate",
+            "gather",
+            "scatter",
+            "dynamic_update_slice",
+            "while",
+            "case",
+            "if",
+            "reverse",
+            "sort",
+            "map",
+            "optimization_barrier",
+            "rng_bit_generator",
+            "batch_norm_inference",
+            "cholesky",
+            "triangular_solve",
+            "fft",
+            "reduce_precision",
+            "return",
+            "copy",
+            "exponential_minus_one",
+            "log_plus_one",
+        ]
     )
     | {"stablehlo.return", "func.return"}
 )
@@ -42,7 +70,7 @@ SUM_OPS = frozenset(
 )
 # Ops linear in a sum operand (with the other operands independent of the batch).
 STRUCTURAL_OPS = frozenset(
-    "stablehlo." + n for n in ("reshape transpose broadcast_in_dim slice reverse copy negate").split()
+    "stablehlo." + n for n in ["reshape", "transpose", "broadcast_in_dim", "slice", "reverse", "copy", "negate"]
 )
 
 

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
 import numerics
 from steps import Case
 

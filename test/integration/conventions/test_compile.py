@@ -8,9 +8,9 @@ import json
 
 import jax
 import pytest
+from steps import CASES
 
 from hlopar.cli.compile import main
-from steps import CASES
 
 
 @pytest.mark.parametrize("name", list(CASES))

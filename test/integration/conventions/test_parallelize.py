@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from numerics import assert_trees_equal
+from reference import compare, reference_step, trajectory
+from steps import CASES, cross_entropy, data, init_mlp, mlp
 
 import hlopar
-from numerics import assert_trees_equal
-from reference import reference_step, trajectory, compare
-from steps import CASES, cross_entropy, data, init_mlp, mlp
 
 CLUSTER = hlopar.Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu")
 STEPS = 3

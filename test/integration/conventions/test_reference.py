@@ -6,10 +6,9 @@ device, no Ray."""
 from __future__ import annotations
 
 import jax
+import numerics
 import numpy as np
 import pytest
-
-import numerics
 from reference import compare, microbatch_mean, reference_step
 from steps import CASES, mlp_loss
 

@@ -12,7 +12,6 @@ from hlopar.ir.module import parse_module
 from hlopar.passes.base import PassContext
 from hlopar.passes.pipeline import Pipeline
 
-
 # A graph reads the live IR (constants for trip counts): its module must outlive it.
 _modules: list[ir.Operation] = []
 

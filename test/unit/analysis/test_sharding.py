@@ -8,7 +8,6 @@ import re
 import pytest
 
 from hlopar.analysis.mesh import DeviceMesh
-from hlopar.corpus import corpus_dir
 from hlopar.analysis.sharding import (
     AxisRef,
     DimSharding,
@@ -19,6 +18,7 @@ from hlopar.analysis.sharding import (
     axes_size,
     unused_axes,
 )
+from hlopar.corpus import corpus_dir
 
 CORPUS = corpus_dir()
 MESH = DeviceMesh.of((2, 4), ("x", "y"))

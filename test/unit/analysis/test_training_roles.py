@@ -12,8 +12,8 @@ import optax
 import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
-
 from jaxlib.mlir import ir
+from reordered_steps import FLAT_ARGS, FLAT_RESULTS, reordered_step_text
 
 from hlopar.analysis.op_layers import layer_of_ops, marked_layers
 from hlopar.analysis.step_io import RolesError, batch_arguments, state_pairs
@@ -24,7 +24,6 @@ from hlopar.ir.signature import FuncSignature
 from hlopar.models import adam_update, get_train_step, init_adam
 from hlopar.passes.base import PassContext
 from hlopar.passes.pipeline import Pipeline
-from reordered_steps import FLAT_ARGS, FLAT_RESULTS, reordered_step_text
 
 FAMILIES = ["mlp", "gpt", "moe", "wide_resnet", "u_transformer"]
 DENSE = ["mlp", "gpt", "u_transformer"]

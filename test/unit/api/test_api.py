@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reordered_steps import reordered_step_text
 
 import hlopar
 from hlopar.api import Cluster, _key_data, describe_plan, plan_step
@@ -20,7 +21,6 @@ from hlopar.progress import Progress
 from hlopar.runtime.ray_placement import placement_of
 from hlopar.runtime.ray_worker import worker_programs
 from hlopar.runtime.remote_array import jax_value
-from reordered_steps import reordered_step_text
 
 CLUSTER = Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu").resolved()
 

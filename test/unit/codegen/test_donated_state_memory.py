@@ -18,9 +18,10 @@ import json
 from pathlib import Path
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from numerics import assert_updates_close
 
 from hlopar.analysis.fragment_memory import TUPLE_POINTER_BYTES, io_tiles
 from hlopar.api import Cluster, plan_step
@@ -28,7 +29,6 @@ from hlopar.ir.module import parse_module
 from hlopar.models import get_train_step
 from hlopar.passes.base import PassContext
 from hlopar.passes.pipeline import Pipeline
-from numerics import assert_updates_close
 
 N, K, ROWS = 128, 64, 2
 F32 = 4

@@ -564,7 +564,7 @@ def test_corpus_models(context, name):
     for graph in graphs.values():
         check_consistency(graph)
         counted = []
-        graph.mlir_func.walk(lambda op: (counted.append(op.name), ir.WalkResult.ADVANCE)[1])
+        graph.mlir_func.walk(lambda op: (counted.append(op.name), ir.WalkResult.ADVANCE)[1])  # noqa: B023
         # The walk also meets the func itself and its return.
         assert len(counted) == graph.num_ops + 2 and counted.count("func.return") == 1
         for op in graph.walk():

@@ -22,10 +22,12 @@ from hlopar.models import (
     adam_update,
     count_ops,
     get_train_step,
+    gpt,
     init_adam,
     list_configs,
+    mlp,
+    moe,
 )
-from hlopar.models import gpt, mlp, moe
 
 ROOT = Path(__file__).resolve().parents[3]
 TOOL = ROOT / "tools" / "export_model.py"

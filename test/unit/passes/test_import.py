@@ -18,7 +18,7 @@ from jaxlib import _jax
 from hlopar.corpus import corpus_dir
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.ir.graph import FuncGraph
-from hlopar.ir.module import load_module, parse_module, print_module
+from hlopar.ir.module import parse_module, print_module
 from hlopar.passes.base import PassContext
 from hlopar.passes.pipeline import Pipeline
 

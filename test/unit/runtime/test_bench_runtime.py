@@ -67,7 +67,7 @@ def test_quick_benchmark_rows(tmp_path):
         assert shard["ratio_to_plan_shardings"] == pytest.approx(shard["step_s"] / rows["jit-plan-shardings"]["step_s"])
         assert shard["ratio_to_data_parallel"] == pytest.approx(shard["step_s"] / rows["jit-data-parallel"]["step_s"])
         if workers:
-            assert 0 < shard["executables_s"] and 0 < shard["critical_s"] and "dispatch_s" not in shard
+            assert shard["executables_s"] > 0 and shard["critical_s"] > 0 and "dispatch_s" not in shard
         else:  # in process: no worker's step, the dispatch of a step not waited for
             assert 0 < shard["dispatch_s"] < shard["step_s"] and "critical_s" not in shard
         assert shard["ratio_to_fragments"] == pytest.approx(shard["step_s"] / rows["fragments-shard-plan"]["step_s"])

@@ -16,10 +16,10 @@ import jax
 import numpy as np
 import pytest
 import ray
+from numerics import assert_adam_step_close
 
 import hlopar
 from hlopar.models import get_train_step
-from numerics import assert_adam_step_close
 
 CLUSTER = hlopar.Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu")
 

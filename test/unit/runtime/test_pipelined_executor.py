@@ -88,7 +88,7 @@ def test_weight_delaying_streams_run_b_then_w(model):
             b, w = runs["B", m], runs["W", m]
             assert b.executables == names[BACKWARD] and w.executables == names[WEIGHT]
             assert b.id in w.deps and position[b.id] < position[w.id]
-            assert ("carry.%d" % m, program.topology.carry_bytes[stage]) in b.allocates
+            assert (f"carry.{m}", program.topology.carry_bytes[stage]) in b.allocates
             (free,) = [i for i in stream if i.op == FREE and i.buffer == f"carry.{m}"]
             assert [by_id[d] for d in free.deps] == [w]
             (acc,) = [i for i in stream if i.op == ACCUMULATE and i.microbatch == m]

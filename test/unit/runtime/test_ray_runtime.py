@@ -32,7 +32,6 @@ import hlopar
 from hlopar.models import get_train_step
 from hlopar.runtime.remote_array import RemoteArray
 
-
 CLUSTER = hlopar.Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu")
 FOUR_HOSTS = hlopar.Cluster.local(num_hosts=4, devices_per_host=2, device_kind="cpu")
 RTOL = 1e-5

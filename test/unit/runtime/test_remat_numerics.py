@@ -29,12 +29,12 @@ import json
 import jax
 import numpy as np
 import pytest
+from numerics import assert_adam_step_close
 
 import hlopar
 from hlopar.api import describe_plan, plan_step
 from hlopar.models import get_train_step
 from hlopar.models.gpt import GPTConfig, train_step
-from numerics import assert_adam_step_close
 
 CLUSTER = hlopar.Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu")
 

@@ -31,7 +31,6 @@ import subprocess
 from pathlib import Path
 
 import jax
-import numpy as np
 import pytest
 import ray
 from numerics import assert_step_close, assert_trees_equal

@@ -18,11 +18,11 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+import scan_steps
+from numerics import assert_adam_step_close
 
 import hlopar
-import scan_steps
 from hlopar.models import gpt
-from numerics import assert_adam_step_close
 
 CLUSTER = hlopar.Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu")
 STEPS = 3
@@ -163,7 +163,7 @@ def _assert_ranges_held(parallel, results) -> None:
         assert not overlapping, (o, p, r)
     step = leaves[0]._step
     arrays = runtime.fetch_finish(runtime.fetch_start(runtime.generation, step, [k for k, *_ in ranges]), "ranges")
-    for array, (k, o, p, r) in zip(arrays, ranges):
+    for array, (_k, o, p, r) in zip(arrays, ranges):
         assert array.shape == (r, *leaves[o].shape[1:])
         np.testing.assert_array_equal(array, np.asarray(leaves[o])[p : p + r])
 

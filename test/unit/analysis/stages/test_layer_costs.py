@@ -28,7 +28,7 @@ from hlopar.passes.cluster_operators import ClusterOperatorsPass
 from hlopar.passes.pipeline import Pipeline
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gpt_layers():
     module = parse_module(get_train_step("gpt", "tiny").lower())
     Pipeline.parse("builtin.module(hlopar-import)", module.context).run(module, PassContext())

@@ -4,11 +4,11 @@ cache is the fresh build, number for number."""
 
 from __future__ import annotations
 
+from test_layer_costs import gpt_layers
+
 from hlopar.analysis.auto_sharding.cluster import logical_mesh
 from hlopar.analysis.auto_sharding.graph_problem import StrategyCache, build_problem
 from hlopar.analysis.stages.layer_costs import _restricted, _split_state_choices
-
-from test_layer_costs import gpt_layers
 
 MESH = logical_mesh((2, 4), ("x", "y"))
 

@@ -12,8 +12,8 @@ import re
 
 import jax
 import pytest
-
 import scan_steps
+
 from hlopar.ir.module import parse_module, print_module
 from hlopar.passes.base import PassContext
 from hlopar.passes.pipeline import Pipeline

@@ -62,7 +62,7 @@ def step(params, opt_state, batch):
 
 def test_a_cut_inside_a_checkpointed_block_equals_one_device(ray_cluster):
     stacked = scan_steps.init_gpt(0, BLOCKS)
-    params = {**stacked, "blocks": [jax.tree_util.tree_map(lambda a: a[i], stacked["blocks"]) for i in range(BLOCKS)]}
+    params = {**stacked, "blocks": [jax.tree_util.tree_map(lambda a: a[i], stacked["blocks"]) for i in range(BLOCKS)]}  # noqa: B023
     args = (params, TX.init(params), scan_steps.batch())
     parallel = hlopar.parallelize(
         step, cluster=CLUSTER, method="pipeline", num_microbatches=2, schedule="1f1b", verbose=False

@@ -49,7 +49,7 @@ def layer_plans(checkpointed: bool, shape: tuple[int, int] = (1, 2)):
 
 def test_forward_share_and_kernels_of_a_layer():
     _, plans = layer_plans(False)
-    for plan, counts in plans:
+    for plan, _counts in plans:
         assert 0 < plan.forward_latency < plan.latency
         assert 0 <= plan.forward_fixed_latency <= plan.fixed_latency
     # Each block is two matmuls forward (the tanh fuses into them) and twice as many back.
