@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hlopar.analysis.limits import check_cluster, check_cluster_dimension, check_count, check_positive
+from hlopar.analysis.schedules.registry import SCHEDULES
 from hlopar.cli.arguments import ArgumentParser
 from hlopar.cli.guard import run_isolated
 from hlopar.passes.plan_options import METHODS, REMAT_MODES, RNG_MODES, SCHEDULE_NAMES
@@ -162,10 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--schedule",
         required=True,
         choices=SCHEDULE_NAMES,
-        help="pipeline schedule: gpipe (all forwards, then all backwards), 1f1b, eager-1f1b "
-        "(stage i warms up with 2(#stages-i)+1 forwards so transfers overlap compute), or "
-        "eager-1f1b-wd (eager-1f1b with backward weight delaying: each backward is cut into "
-        "B, the input gradients, sent at once, and W, the weight gradients, run after)",
+        help="pipeline schedule, from the registry (analysis/schedules/registry.py): "
+        + "; ".join(f"{name}: {schedule.description}" for name, schedule in SCHEDULES.items()),
     )
     parser.add_argument(
         "--method",

@@ -27,7 +27,7 @@ from jaxlib.mlir import ir
 from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS
 from hlopar.analysis.cluster import Cluster
 from hlopar.analysis.limits import check_cluster, check_cluster_dimension, check_positive
-from hlopar.analysis.schedules import ScheduleName
+from hlopar.analysis.schedules import DEFAULT_SCHEDULE, ScheduleName
 from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto, report_option
 from hlopar.passes.plan_options import METHODS, REMAT_MODES, RNG_MODES, PlanOptions, schedule_named
 from hlopar.passes.planning import REPORT_KEYS, Plan, import_step, plan
@@ -62,8 +62,9 @@ class AutoParallelPass(ModulePass):
         "auto: stages, submeshes and intra-op plans chosen; shard: one stage on one mesh of every device "
         "(intra-op only); pipeline: stages replicated over their submeshes (inter-op only)",
     )
-    # Not DEFAULT_SCHEDULE yet: pipelines that name no schedule plan as they did.
-    schedule: ScheduleName = option("1f1b", "pipeline schedule")
+    schedule: ScheduleName = option(
+        DEFAULT_SCHEDULE, "pipeline schedule (the registry's; default its DEFAULT_SCHEDULE)"
+    )
     memory_per_device: float | None = option(
         None, "bytes per device, e.g. 80GiB (default: the preset's)", parse=parse_bytes, check=check_positive
     )

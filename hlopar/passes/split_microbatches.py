@@ -169,6 +169,7 @@ from hlopar.passes.microbatching.global_iota import count_globally
 from hlopar.passes.microbatching.kinds import KindAnalysis
 from hlopar.passes.microbatching.per_example_results import place_rows
 from hlopar.passes.microbatching.resize import Resizer
+from hlopar.passes.plan_options import RNG_MODES
 
 __all__ = ["SplitError", "SplitMicrobatchesPass"]
 
@@ -187,7 +188,7 @@ class SplitMicrobatchesPass(ModulePass):
         None, "arguments cut along dim 0, e.g. 19,20 (default: the arguments that are not training state)"
     )
     loss_result: int | None = option(None, "the result that is the loss (default: found)")
-    rng: Literal["exact", "per-microbatch"] = option(
+    rng: Literal[RNG_MODES] = option(
         "exact",
         "per-microbatch: let whole-shape random generators (stablehlo.rng, rng_bit_generator) draw per "
         "microbatch, other numbers than the whole batch's (default: refuse them)",

@@ -108,7 +108,7 @@ class StageConstructionPass(ModulePass):
     stages: int | None = option(
         None, "exactly this many pipeline stages (default: the DP chooses)", check=lambda n: check_count(n, low=1)
     )
-    remat: Literal["auto", "always", "never", "layers"] = option(
+    remat: Literal[REMAT_MODES] = option(
         "auto",
         "rematerialize stages: auto (where it pays, per stage or per layer), always (every stage that "
         "stashes activations, per stage), layers (likewise, per layer), never",

@@ -51,7 +51,7 @@ def planned(model: str, whole: bool, tmp_dir: str) -> tuple[str, dict]:
     report = f"{tmp_dir}/{model}-{'auto' if whole else 'stages'}.json"
     layers = f"layers={LAYERS[model]}" if model in LAYERS else ""
     if whole:
-        pipeline = f"builtin.module(hlopar-auto-parallel{{{CLUSTER} {layers} report={report}}})"
+        pipeline = f"builtin.module(hlopar-auto-parallel{{{CLUSTER} {layers} schedule=1f1b report={report}}})"
     else:
         pipeline = (
             f"builtin.module(hlopar-import,hlopar-cluster-operators{{{layers}}},"

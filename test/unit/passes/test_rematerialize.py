@@ -113,7 +113,7 @@ def _mlp():
     arguments = [np.asarray(a) for a in jax.tree_util.tree_leaves((params, state, batch))]
     module = parse_module(step.lower())
     Pipeline.parse(
-        "builtin.module(hlopar-auto-parallel{num-hosts=2 devices-per-host=4 split=true microbatches=2 remat=never})",
+        "builtin.module(hlopar-auto-parallel{num-hosts=2 devices-per-host=4 split=true microbatches=2 remat=never schedule=1f1b})",
         module.context,
     ).run(module, PassContext())
     return print_module(module), arguments, params, step.jitted_step(params, state, batch), batch
@@ -207,7 +207,7 @@ def test_dropout_is_drawn_again_in_the_backward():
     module = parse_module(jax.jit(_dropout_step).lower(*args).as_text())
     Pipeline.parse(
         "builtin.module(hlopar-auto-parallel{num-hosts=1 devices-per-host=2 split=true microbatches=2 "
-        "batch-args=2,3 remat=never})",
+        "batch-args=2,3 remat=never schedule=1f1b})",
         module.context,
     ).run(module, PassContext())
     before = pipeline_program(module)
