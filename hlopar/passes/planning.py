@@ -225,7 +225,7 @@ def run_passes(step: ImportedStep, cluster: Cluster) -> Plan:
         StageConstructionPass(
             num_hosts=cluster.num_hosts,
             devices_per_host=cluster.devices_per_host,
-            microbatches=options.microbatches,
+            microbatches=None if options.split else options.microbatches,  # after the split: the IR says
             schedule=options.schedule.name,
             memory_per_device=options.memory_per_device,
             preset=cluster.preset,

@@ -262,11 +262,11 @@ class StageConstructionPass(ModulePass):
         best = None
         schedule = get_schedule(self.schedule)
         split = read_microbatches(func)  # the one channel where the split ran
-        if split is not None and self.microbatches not in (None, split):
+        if split is not None and self.microbatches is not None:
             self.fail(
                 func,
-                f"the program is already one of {split} microbatches (hlopar-split-microbatches); "
-                f"microbatches={self.microbatches} contradicts it",
+                f"the program is already one of {split} microbatches (hlopar-split-microbatches): that count "
+                f"is its hlopar.microbatches; leave microbatches unset (got microbatches={self.microbatches})",
             )
         for microbatches in [split] if split is not None else self._microbatch_candidates(graph):
             table_clock = time.perf_counter()

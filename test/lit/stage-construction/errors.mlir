@@ -18,6 +18,11 @@
 // RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-auto-parallel{split=true})' 2>&1 | FileCheck %s --check-prefix=SPLIT
 // SPLIT: error: hlopar-auto-parallel: split=true needs a number of microbatches (microbatches=B), not auto
 
+// The number of microbatches has one channel: after the split, the program's hlopar.microbatches.
+// RUN: not hlopar-opt %S/../../../examples/mlp_train_step.mlir -p 'builtin.module(hlopar-import,hlopar-split-microbatches{microbatches=2},hlopar-cluster-operators,hlopar-stage-construction{num-hosts=1 devices-per-host=2 microbatches=2})' 2>&1 | FileCheck %s --check-prefix=CHANNEL
+// CHANNEL: mlp_train_step.mlir:{{[0-9]+}}:{{[0-9]+}}: error: hlopar-stage-construction: the program is already one of 2 microbatches (hlopar-split-microbatches): that count is its hlopar.microbatches; leave microbatches unset (got microbatches=2)
+// CHANNEL-NOT: Traceback
+
 // A cluster of no devices: refused with the options, before the input is read.
 // HOSTS: errors.mlir: error: option 'num-hosts' of pass 'hlopar-stage-construction': invalid value '0': expected a positive integer, got 0
 // DEVICES: errors.mlir: error: option 'devices-per-host' of pass 'hlopar-auto-parallel': invalid value '0': expected a positive integer, got 0
