@@ -347,6 +347,9 @@ class ParallelizedFunction:
         memory_per_device: float | str | None = None,
         loss_result: int | None = None,
     ):
+        """Checks every argument where the user called `parallelize` (as `jax.jit` does), then
+        keeps them as `PlanOptions`. Long because each argument has its own check and message;
+        the checks and the modes' names are plan_options' and limits'."""
         check_choice("method", METHODS, method)
         schedule = schedule_named(schedule)
         check_choice("rng", RNG_MODES, rng)

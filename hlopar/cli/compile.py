@@ -143,6 +143,8 @@ def _index(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """hlopar-compile's flags. One function on purpose: it reads as the table of flags (one
+    `add_argument` each, choices from the planning options and the schedule registry)."""
     parser = _CompileArgumentParser(
         prog="hlopar-compile", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
