@@ -7,17 +7,20 @@ so hlopar reads their printed form (which jaxlib prints canonically):
     !mpmd.mesh_tensor<"m1", tensor<12x16xf32>, sharding=<@mesh, [{"x"}, {?}]>, memory_kind="...">
 
 A mesh tensor's sharding names a placeholder mesh symbol; its axes are those of the
-topology mesh the type names.
+topology mesh the type names. Where the type has none, an argument of `@main` may carry
+it as its `sdy.sharding` argument attribute (`argument_sharding`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxlib.mlir import ir
+
 from hlopar.analysis.mesh import DeviceMesh, _Cursor, parse_mesh_body
 from hlopar.analysis.sharding import TensorSharding
 
-__all__ = ["MeshTensorType", "parse_topology"]
+__all__ = ["MeshTensorType", "argument_sharding", "parse_topology"]
 
 
 def parse_topology(text: str) -> dict[str, DeviceMesh]:
@@ -71,6 +74,19 @@ class MeshTensorType:
         cursor.expect(">")
         cursor.expect_end()
         return cls(name, tensor, sharding, memory_kind)
+
+
+def argument_sharding(value: ir.Value) -> TensorSharding | None:
+    """The `sdy.sharding` argument attribute of a function argument, when the value is one:
+    where a transfer's source lives when its type says nothing (an argument of `@main`)."""
+    if not isinstance(value, ir.BlockArgument):
+        return None
+    parent = value.owner.owner
+    parent = parent.operation if parent is not None else None
+    if parent is None or parent.name != "func.func" or "arg_attrs" not in parent.attributes:
+        return None
+    attrs = ir.DictAttr(ir.ArrayAttr(parent.attributes["arg_attrs"])[value.arg_number])
+    return TensorSharding.parse(str(attrs["sdy.sharding"])) if "sdy.sharding" in attrs else None
 
 
 def _balanced(cursor: _Cursor) -> str:

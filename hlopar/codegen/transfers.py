@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from jaxlib.mlir import ir
 
 from hlopar.analysis.mesh import DeviceMesh
-from hlopar.analysis.mpmd import MeshTensorType
-from hlopar.analysis.resharding.simulator import UnitOp
+from hlopar.analysis.mpmd import MeshTensorType, argument_sharding
 from hlopar.analysis.resharding.unit_tasks import MeshLayout
 from hlopar.analysis.sharding import ShardingSpec
 from hlopar.dialect.attributes import CROSS_MESH_TRANSFER
-from hlopar.dialect.transfers import argument_sharding, read_transfer_op
+from hlopar.dialect.transfers import UnitOp, read_transfer_op
 from hlopar.ir.graph import bit_width
 
 __all__ = ["PlannedTransfer", "planned_transfer"]

@@ -18,13 +18,13 @@ from jaxlib.mlir import ir
 
 from hlopar.analysis.limits import MAX_SECONDS, check_cluster_dimension, check_number, check_positive
 from hlopar.analysis.mesh import DeviceMesh
-from hlopar.analysis.mpmd import MeshTensorType, parse_topology
+from hlopar.analysis.mpmd import MeshTensorType, argument_sharding, parse_topology
 from hlopar.analysis.resharding import HostModel, MeshLayout, SearchBudget, host_model_for, plan_transfer
 from hlopar.analysis.resharding.host_model import GBPS
 from hlopar.analysis.sharding import ShardingPerValue, ShardingSpec, TensorSharding
 from hlopar.dialect.attributes import DEVICES_ATTR
 from hlopar.dialect.mpmd import TOPOLOGY_ATTR, TRANSFER, read_devices, write_devices
-from hlopar.dialect.transfers import argument_sharding, build_transfer_op
+from hlopar.dialect.transfers import TransferOps, build_transfer_op
 from hlopar.ir.diagnostics import source_location
 from hlopar.ir.graph import bit_width
 from hlopar.passes.base import ModulePass, PassContext, option, report_option
@@ -208,7 +208,12 @@ class CrossMeshReshardingPass(ModulePass):
         except ValueError as error:
             self.fail(transfer, str(error))
         where = source_location(transfer.location)
-        build_transfer_op(plan, transfer)
+        build_transfer_op(
+            TransferOps(
+                tuple(p.op for p in plan.ops), plan.strategy, plan.algorithm, plan.predicted_time, plan.lower_bound
+            ),
+            transfer,
+        )
         return {
             "location": str(where) if where else None,
             "src_mesh": src_type.mesh_name,

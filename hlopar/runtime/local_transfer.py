@@ -22,10 +22,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hlopar.analysis.device_slices import all_device_slices
 from hlopar.analysis.resharding.plan import TransferPlan
-from hlopar.analysis.resharding.simulator import UnitOp
-from hlopar.analysis.resharding.unit_tasks import Box, MeshLayout, box_contains, box_slices
+from hlopar.analysis.resharding.unit_tasks import MeshLayout, box_contains, box_slices
 from hlopar.analysis.sharding import ShardingSpec, TensorSharding
 from hlopar.codegen.transfers import PlannedTransfer
+from hlopar.dialect.transfers import Box, UnitOp
 
 __all__ = [
     "TransferError",

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hlopar.analysis.resharding.unit_tasks import Box, box_of, box_slices
+from hlopar.analysis.resharding.unit_tasks import box_of, box_slices
+from hlopar.dialect.transfers import Box
 from hlopar.runtime.local_transfer import gather_shards
 
 __all__ = [

@@ -8,7 +8,7 @@ for each, with the completion time the host model predicts and a lower bound.
 from hlopar.analysis.resharding.host_model import PRESETS, HostModel, host_model_for, paper_cluster, place_meshes
 from hlopar.analysis.resharding.plan import PlannedOp, TransferPlan, plan_transfer
 from hlopar.analysis.resharding.scheduling import ALGORITHMS, SearchBudget
-from hlopar.analysis.resharding.simulator import UnitOp, lower_bound, op_cost, simulate
+from hlopar.analysis.resharding.simulator import lower_bound, op_cost, simulate
 from hlopar.analysis.resharding.strategies import STRATEGIES
 from hlopar.analysis.resharding.unit_tasks import MeshLayout, UnitTask, unit_tasks
 
@@ -22,7 +22,6 @@ __all__ = [
     "PlannedOp",
     "SearchBudget",
     "TransferPlan",
-    "UnitOp",
     "UnitTask",
     "lower_bound",
     "op_cost",

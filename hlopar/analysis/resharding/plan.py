@@ -14,9 +14,10 @@ from typing import Any
 
 from hlopar.analysis.resharding.host_model import HostModel
 from hlopar.analysis.resharding.scheduling import ALGORITHMS, Option, SearchBudget, ensemble, run_algorithm
-from hlopar.analysis.resharding.simulator import UnitOp, lower_bound, op_cost, simulate
+from hlopar.analysis.resharding.simulator import lower_bound, op_cost, simulate
 from hlopar.analysis.resharding.strategies import STRATEGIES, OpBuilder, Strategy
 from hlopar.analysis.resharding.unit_tasks import MeshLayout, UnitTask, unit_tasks
+from hlopar.dialect.transfers import UnitOp
 
 __all__ = ["PlannedOp", "TransferPlan", "plan_transfer"]
 

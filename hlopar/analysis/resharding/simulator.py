@@ -15,62 +15,14 @@ import itertools
 from collections import Counter, defaultdict
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from hlopar.analysis.resharding.host_model import HostModel
-from hlopar.analysis.resharding.unit_tasks import Box, UnitTask
+from hlopar.analysis.resharding.unit_tasks import UnitTask
+from hlopar.dialect.transfers import UnitOp
 
-__all__ = ["OP_KINDS", "OpCost", "Timeline", "UnitOp", "list_schedule", "lower_bound", "op_cost", "simulate"]
+__all__ = ["OpCost", "Timeline", "list_schedule", "lower_bound", "op_cost", "simulate"]
 
-OpKind = Literal["broadcast", "send_recv", "scatter_allgather"]
-OP_KINDS: tuple[str, ...] = ("broadcast", "send_recv", "scatter_allgather")
 Resource = Hashable
-
-
-@dataclass(frozen=True)
-class UnitOp:
-    """How one unit task is carried out: which box of the tensor, from where, to where.
-
-    - `broadcast`: the box, cut into `chunks` parts, flows down the chain sender → receivers[0]
-      → receivers[1] → ..., each device forwarding a part as soon as it has it (§3.1).
-    - `send_recv`: the sender sends the whole box to each receiver in turn.
-    - `scatter_allgather` (Alpa's local all-gather, Alpa §6): the box is cut into one part per
-      receiver along `split_dim`, part i goes to receivers[i], then the receivers all-gather
-      over a ring in their listed order.
-    """
-
-    task: int
-    kind: OpKind
-    sender: int
-    receivers: tuple[int, ...]
-    box: Box
-    nbytes: int
-    chunks: int = 1
-    split_dim: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in OP_KINDS:
-            raise ValueError(f"unknown unit op kind {self.kind!r} (one of {', '.join(OP_KINDS)})")
-        if not self.receivers:
-            raise ValueError(f"unit op of task {self.task} has no receivers")
-        if self.chunks < 1:
-            raise ValueError(f"chunks must be positive, got {self.chunks}")
-        if self.sender in self.receivers or len(set(self.receivers)) != len(self.receivers):
-            raise ValueError(
-                f"unit op of task {self.task}: sender {self.sender} and receivers "
-                f"{list(self.receivers)} must be distinct devices"
-            )
-        if self.kind == "scatter_allgather":
-            if self.split_dim is None or not 0 <= self.split_dim < len(self.box):
-                raise ValueError(
-                    f"unit op of task {self.task}: split_dim {self.split_dim} is not a dimension of the box"
-                )
-            lo, hi = self.box[self.split_dim]
-            if (hi - lo) % len(self.receivers):
-                raise ValueError(
-                    f"unit op of task {self.task}: {len(self.receivers)} receivers do not divide "
-                    f"dimension {self.split_dim} of the box ({hi - lo} elements)"
-                )
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from hlopar.analysis.resharding.host_model import HostModel
-from hlopar.analysis.resharding.simulator import UnitOp, op_cost
-from hlopar.analysis.resharding.unit_tasks import UnitTask, box_elements
+from hlopar.analysis.resharding.simulator import op_cost
+from hlopar.analysis.resharding.unit_tasks import UnitTask
+from hlopar.dialect.transfers import UnitOp, box_elements
 
 __all__ = ["STRATEGIES", "OpBuilder", "Strategy", "chain_order"]
 

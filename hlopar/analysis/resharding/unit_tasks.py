@@ -11,18 +11,15 @@ needs all of it; replication on either side, N-D tensors and uneven shapes (XLA'
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hlopar.analysis.device_slices import all_device_slices, devices_holding
 from hlopar.analysis.mesh import DeviceMesh
 from hlopar.analysis.sharding import ShardingSpec, TensorSharding
+from hlopar.dialect.transfers import Box, box_bytes
 
-__all__ = ["Box", "MeshLayout", "UnitTask", "box_bytes", "box_contains", "box_of", "box_slices", "unit_tasks"]
-
-# A box of a tensor: per dimension the half-open range [start, stop).
-Box = tuple[tuple[int, int], ...]
+__all__ = ["MeshLayout", "UnitTask", "box_contains", "box_of", "box_slices", "unit_tasks"]
 
 
 def box_of(index: Sequence[slice]) -> Box:
@@ -38,14 +35,6 @@ def box_slices(box: Box, origin: Box | None = None) -> tuple[slice, ...]:
 
 def box_contains(outer: Box, inner: Box) -> bool:
     return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner))
-
-
-def box_elements(box: Box) -> int:
-    return math.prod(stop - start for start, stop in box)
-
-
-def box_bytes(box: Box, dtype_bytes: int) -> int:
-    return box_elements(box) * dtype_bytes
 
 
 def intersect(a: Box, b: Box) -> Box | None:

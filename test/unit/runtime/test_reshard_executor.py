@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 
 from hlopar.analysis.device_slices import all_device_slices
 from hlopar.analysis.mesh import DeviceMesh
-from hlopar.analysis.resharding import ALGORITHMS, STRATEGIES, HostModel, MeshLayout, UnitOp, plan_transfer
+from hlopar.analysis.resharding import ALGORITHMS, STRATEGIES, HostModel, MeshLayout, plan_transfer
 from hlopar.analysis.sharding import ShardingSpec
+from hlopar.dialect.transfers import UnitOp
 from hlopar.runtime.local_transfer import TransferError, assemble, execute_ops, execute_plan, shard_array
 
 MESH_SHAPES = {1: [(1,)], 2: [(2,), (1, 2)], 3: [(3,), (3, 1)], 4: [(4,), (2, 2), (1, 4)], 5: [(5,)], 6: [(2, 3), (6,)]}

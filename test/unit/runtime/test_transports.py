@@ -14,9 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hlopar.analysis.mesh import DeviceMesh
-from hlopar.analysis.resharding import STRATEGIES, HostModel, MeshLayout, UnitOp, plan_transfer
+from hlopar.analysis.resharding import STRATEGIES, HostModel, MeshLayout, plan_transfer
 from hlopar.analysis.sharding import ShardingSpec
 from hlopar.codegen.transfers import PlannedTransfer
+from hlopar.dialect.transfers import UnitOp
 from hlopar.runtime.mesh_processes import Pieces, gather_pieces, routes, worker_layout
 from hlopar.runtime.transports import Mailbox, Payload, TransportError, pack, transport_for, unpack, unpack_shards
 

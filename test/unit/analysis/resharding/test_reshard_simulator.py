@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from hlopar.analysis.resharding import HostModel, UnitOp, lower_bound, op_cost, simulate
+from hlopar.analysis.resharding import HostModel, lower_bound, op_cost, simulate
 from hlopar.analysis.resharding.simulator import list_schedule
 from hlopar.analysis.resharding.unit_tasks import UnitTask
+from hlopar.dialect.transfers import UnitOp
 
 MODEL = HostModel(
     devices_per_host=2,
