@@ -239,6 +239,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     sizes = solution.sizes
     print(f"eq. 1 ilp:   {sizes['variables_eq1']} variables, {sizes['constraints_eq1']} constraints")
+    if "nodes_merged" in sizes:  # absent where the simplification proved the budget infeasible
+        _print_model(sizes, solution.timings, solution.solve_seconds)
+    print(
+        f"result:      {solution.status}, objective {solution.objective:.6g} s, gap {solution.gap:.3g} "
+        f"{solution.message}"
+    )
+    return 0
+
+
+def _print_model(sizes: dict, t: dict, total_s: float) -> None:
+    """The sizes of the model after each simplification and the times of each step."""
     print(f"merged:      {sizes['nodes_merged']} nodes, {sizes['edges_merged']} edges")
     print(
         f"simplified:  {sizes['nodes_simplified']} nodes, {sizes['edges_simplified']} edges "
@@ -250,16 +261,10 @@ def main(argv: list[str] | None = None) -> int:
         f"({sizes['fixed_by_bound']} by the bound), {sizes['eliminated']} nodes eliminated"
     )
     print(f"cp-sat:      {sizes['variables']} variables, {sizes['constraints']} constraints")
-    t = solution.timings
     print(
         f"times:       simplify {t['simplify']:.2f} s, build {t['build']:.2f} s, "
-        f"cp-sat {t['cpsat']:.2f} s, total {solution.solve_seconds:.2f} s"
+        f"cp-sat {t['cpsat']:.2f} s, total {total_s:.2f} s"
     )
-    print(
-        f"result:      {solution.status}, objective {solution.objective:.6g} s, gap {solution.gap:.3g} "
-        f"{solution.message}"
-    )
-    return 0
 
 
 if __name__ == "__main__":
