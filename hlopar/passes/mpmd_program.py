@@ -61,6 +61,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import func as func_dialect
 from jaxlib.mlir.dialects import mpmd, sdy
 
+from hlopar.analysis.auto_sharding.annotate import SDY_SHARDING, IntraOpOptions, plan_module
 from hlopar.analysis.mesh import quote_string
 from hlopar.analysis.sharding import ShardingPerValue, TensorSharding
 from hlopar.dialect.attributes import ROLES
@@ -69,8 +70,6 @@ from hlopar.ir.diagnostics import Diagnostic, DiagnosticError, source_location
 from hlopar.ir.extract import Extraction, clone_into, extract_function
 from hlopar.ir.graph import FuncGraph, reaches
 from hlopar.ir.module import main_func
-from hlopar.passes.auto_sharding import SDY_SHARDING, AutoShardingPass
-from hlopar.passes.base import PassContext
 
 __all__ = [
     "FragmentSpec",
@@ -94,7 +93,7 @@ class StageMesh:
     axis_names: tuple[str, ...]
     shape: tuple[int, ...]  # logical mesh shape
     devices: tuple[int, ...]  # physical device ids, logical order
-    # More `AutoShardingPass` fields for this stage's plan (e.g. prefer_reduce_scatter), as pairs.
+    # More `IntraOpOptions` fields for this stage's plan (e.g. prefer_reduce_scatter), as pairs.
     options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
@@ -334,7 +333,7 @@ def write_mpmd_program(
     """Rewrites `@main` of `module` in place into an MPMD program (see the module docstring).
 
     `stage_of_op[i]` (an index into `meshes`) and `roles[i]` are those of top-level op i of
-    `@main` (`FuncGraph` numbering). `auto_sharding`: more `AutoShardingPass` fields for the
+    `@main` (`FuncGraph` numbering). `auto_sharding`: more `IntraOpOptions` fields for the
     per-stage plans (e.g. `{"latency": (0.0, 0.0)}`). `pipelined=False` accepts a split that
     only runs fragment by fragment in program order (no pipeline schedule can run it).
     Raises `DiagnosticError` at the first op that reads a value made later in the pipeline.
@@ -493,9 +492,11 @@ class _Stage:
                 op.erase()
         with ir.InsertionPoint(body.operations[0]):
             sdy.MeshOp(self.mesh.name, ir.Attribute.parse(f"#sdy.mesh{self.mesh.axes_text()}"))
-        AutoShardingPass(
-            mesh_shape=self.mesh.shape, axis_names=self.mesh.axis_names, preset=preset, **dict(options)
-        ).run(module, PassContext())
+        plan_module(  # the stage plan's warnings are dropped
+            module,
+            IntraOpOptions(mesh_shape=self.mesh.shape, axis_names=self.mesh.axis_names, preset=preset, **dict(options)),
+            warn=lambda where, message: None,
+        )
         func = self.extraction.func
         for key, values in (("arg_attrs", self.extraction.inputs), ("res_attrs", self.extraction.outputs)):
             if key in func.attributes:

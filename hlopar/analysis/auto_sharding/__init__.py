@@ -9,6 +9,7 @@
 - `ilp`: Eq. 1 in CP-SAT, with the memory constraint; `merging` holds its exact
   simplifications (followers folded into leaders, dominated strategies, small nodes eliminated),
   `dual` the LP lower bound that proves most plans optimal before CP-SAT is needed.
-
-`hlopar.passes.auto_sharding` adapts a module to these and writes the chosen plan back.
+- `annotate`: a module's plan from end to end: its functions to the ILP and the chosen plan
+  written back as `sdy` shardings (the one writer of IR here), shared by
+  `hlopar.passes.auto_sharding` and stage construction's per-stage plans.
 """

@@ -1,0 +1,16 @@
+"""`hlopar-auto-sharding`'s options are the planner's (`annotate.IntraOpOptions`): the pass
+hands each over under its name, so both must list the same fields with the same defaults."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from hlopar.analysis.auto_sharding.annotate import IntraOpOptions
+from hlopar.passes.auto_sharding import AutoShardingPass
+
+
+def test_pass_options_are_the_planners():
+    planner = {f.name: f.default for f in dataclasses.fields(IntraOpOptions)}
+    pass_options = {f.name: f.default for f in AutoShardingPass.option_fields()}
+    assert set(pass_options) - set(planner) == {"report"}
+    assert {name: pass_options[name] for name in planner} == planner
