@@ -13,6 +13,7 @@ from hlopar.ir.graph import FuncGraph
 
 __all__ = [
     "CONSTANT_OPS",
+    "ELEMENTWISE_LIKE_OPS",
     "ELEMENTWISE_OPS",
     "MATMUL_OPS",
     "PASS_THROUGH_OPS",
@@ -78,6 +79,10 @@ ELEMENTWISE_OPS = frozenset(
         "select",
     ]
 )
+# Elementwise ops and sharding constraints: an op whose result is its operands' shape, row by
+# row. The layer-scan rewrites follow a stacked value through these and the stage-loop rewrite
+# clones them a row dimension wider (a constraint's sharding gains that dimension).
+ELEMENTWISE_LIKE_OPS = ELEMENTWISE_OPS | {"sdy.sharding_constraint"}
 CONSTANT_OPS = frozenset({"stablehlo.constant", "stablehlo.iota"})
 # What an optimizer's update is made of: the walk back from a new state value goes through these.
 UPDATE_WALK_OPS = ELEMENTWISE_OPS | CONSTANT_OPS | {"stablehlo.broadcast_in_dim"}

@@ -7,11 +7,12 @@ import numpy as np
 from jaxlib.mlir import ir, passmanager
 from jaxlib.mlir.dialects import stablehlo
 
+from hlopar.analysis.dataflow import ELEMENTWISE_LIKE_OPS
 from hlopar.dialect.attributes import LAYER_ITERATION_ATTR
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.ir.extract import clone_into
 from hlopar.ir.graph import FuncGraph
-from hlopar.passes.layer_scans.values import ELEMENTWISE, constant_int, dense_ints, is_constant, shape_of
+from hlopar.passes.layer_scans.values import constant_int, dense_ints, is_constant, shape_of
 
 __all__ = ["canonicalize", "fold_unit_reshapes", "merge_repeated_reshapes", "read_where_used", "unroll"]
 
@@ -107,7 +108,7 @@ _RECOMPUTABLE = (
             "stablehlo.convert",
         }
     )
-    | ELEMENTWISE
+    | ELEMENTWISE_LIKE_OPS
 )
 
 

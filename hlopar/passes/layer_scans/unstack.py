@@ -9,10 +9,11 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import func as func_dialect
 from jaxlib.mlir.dialects import stablehlo
 
+from hlopar.analysis.dataflow import ELEMENTWISE_LIKE_OPS
 from hlopar.dialect.attributes import LAYER_PIECES_ATTR
 from hlopar.dialect.layers import LayerPieces
 from hlopar.ir.signature import FuncSignature
-from hlopar.passes.layer_scans.values import ELEMENTWISE, constant_int, dense_ints, shape_of
+from hlopar.passes.layer_scans.values import constant_int, dense_ints, shape_of
 
 __all__ = ["SplitSummary", "unstack"]
 
@@ -61,7 +62,7 @@ class _Splitter:
         for use in value.uses:
             op, number = use.owner, use.operand_number
             op = op.operation if isinstance(op, ir.OpView) else op
-            if op == self.ret or op.name in ELEMENTWISE:
+            if op == self.ret or op.name in ELEMENTWISE_LIKE_OPS:
                 continue
             if op.parent != self.main:
                 return False
@@ -106,7 +107,7 @@ class _Splitter:
         if op.parent != self.main:
             return False
         name = op.name
-        if name in ELEMENTWISE or name == "stablehlo.dynamic_update_slice":
+        if name in ELEMENTWISE_LIKE_OPS or name == "stablehlo.dynamic_update_slice":
             return True
         if name == "stablehlo.constant":
             return ir.DenseElementsAttr(op.attributes["value"]).is_splat

@@ -1,59 +1,10 @@
-"""What the layer-scan rewrites ask of values: shapes, constant indices, elementwise ops."""
+"""What the layer-scan rewrites ask of values: shapes and constant indices."""
 
 from __future__ import annotations
 
 from jaxlib.mlir import ir
 
-__all__ = ["ELEMENTWISE", "constant_int", "dense_ints", "is_constant", "shape_of"]
-
-ELEMENTWISE = frozenset(
-    f"stablehlo.{name}"
-    for name in [
-        "abs",
-        "add",
-        "and",
-        "atan2",
-        "cbrt",
-        "ceil",
-        "clamp",
-        "compare",
-        "convert",
-        "cosine",
-        "divide",
-        "exponential",
-        "exponential_minus_one",
-        "floor",
-        "imag",
-        "is_finite",
-        "log",
-        "log_plus_one",
-        "logistic",
-        "maximum",
-        "minimum",
-        "multiply",
-        "negate",
-        "not",
-        "or",
-        "popcnt",
-        "power",
-        "real",
-        "remainder",
-        "round_nearest_afz",
-        "round_nearest_even",
-        "rsqrt",
-        "select",
-        "shift_left",
-        "shift_right_arithmetic",
-        "shift_right_logical",
-        "sign",
-        "sine",
-        "sqrt",
-        "subtract",
-        "tan",
-        "tanh",
-        "xor",
-    ]
-) | {"sdy.sharding_constraint"}
+__all__ = ["constant_int", "dense_ints", "is_constant", "shape_of"]
 
 
 def shape_of(value: ir.Value) -> list[int] | None:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, replace
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import stablehlo
 
+from hlopar.analysis.dataflow import ELEMENTWISE_LIKE_OPS
 from hlopar.analysis.sharding import DimSharding, TensorSharding
-from hlopar.passes.layer_scans.values import ELEMENTWISE
 from hlopar.passes.stage_loops.rolling import op_structure
 from hlopar.passes.stage_loops.rows import int_array, row_range, rows_of_one, shape_of
 
@@ -45,7 +45,7 @@ def widen_joins(fragment: ir.Operation) -> int:
 
 
 _SHARDING = re.compile(r"sdy\.sharding = #sdy\.sharding_per_value<\[(?:<[^<>]*>(?:, )?)*\]>,? ?")
-_PURE = ELEMENTWISE | {
+_PURE = ELEMENTWISE_LIKE_OPS | {
     "stablehlo.slice",
     "stablehlo.reshape",
     "stablehlo.concatenate",
@@ -111,7 +111,7 @@ class _Widen:
             return stablehlo.BroadcastInDimOp(
                 wide, operand, ir.DenseI64ArrayAttr.get([0] + [d if lead else d + 1 for d in dims])
             ).result
-        if name not in ELEMENTWISE:
+        if name not in ELEMENTWISE_LIKE_OPS:
             return self._joined(values, wide)
         operands = [self(tuple(op.operands[k] for op in ops), lead) for k in range(len(ops[0].operands))]
         if any(v is None for v in operands):
