@@ -1,7 +1,7 @@
 """`hlopar-auto-sharding`: choose how every tensor and op of `@main` is split on one mesh.
 
 Alpa's intra-op plan (§4) on StableHLO, written as `sdy` shardings that stock jaxlib
-compiles; `analysis/auto_sharding/annotate.py` does the planning and the writing (stage
+compiles; `passes/intra_op_plan.py` does the planning and the writing (stage
 construction runs it too, per stage). This module is the pass's options and its report.
 Shardings already in the input are kept as hard constraints.
 """
@@ -15,11 +15,11 @@ from pathlib import Path
 
 from jaxlib.mlir import ir
 
-from hlopar.analysis.auto_sharding.annotate import NAME, IntraOpOptions, plan_module
 from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS, LogicalMesh
 from hlopar.analysis.limits import check_mesh_shape, check_positive, check_seconds
 from hlopar.ir.output import write_output
 from hlopar.passes.base import ModulePass, PassContext, option, parse_str_tuple, report_option
+from hlopar.passes.intra_op_plan import NAME, IntraOpOptions, plan_module
 from hlopar.units import parse_bytes
 
 

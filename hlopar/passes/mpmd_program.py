@@ -61,7 +61,6 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import func as func_dialect
 from jaxlib.mlir.dialects import mpmd, sdy
 
-from hlopar.analysis.auto_sharding.annotate import SDY_SHARDING, IntraOpOptions, plan_module
 from hlopar.analysis.mesh import quote_string
 from hlopar.analysis.sharding import ShardingPerValue, TensorSharding
 from hlopar.dialect.attributes import ROLES
@@ -70,6 +69,7 @@ from hlopar.ir.diagnostics import Diagnostic, DiagnosticError, source_location
 from hlopar.ir.extract import Extraction, clone_into, extract_function
 from hlopar.ir.graph import FuncGraph, reaches
 from hlopar.ir.module import main_func
+from hlopar.passes.intra_op_plan import SDY_SHARDING, IntraOpOptions, plan_module
 
 __all__ = [
     "FragmentSpec",

@@ -9,7 +9,7 @@
 - `ilp`: Eq. 1 in CP-SAT, with the memory constraint; `merging` holds its exact
   simplifications (followers folded into leaders, dominated strategies, small nodes eliminated),
   `dual` the LP lower bound that proves most plans optimal before CP-SAT is needed.
-- `annotate`: a module's plan from end to end: its functions to the ILP and the chosen plan
-  written back as `sdy` shardings (the one writer of IR here), shared by
-  `hlopar.passes.auto_sharding` and stage construction's per-stage plans.
+
+A module's plan from end to end (its functions to the ILP, the choice written back as `sdy`
+shardings) is IR rewriting: `hlopar.passes.intra_op_plan`, shared by two passes.
 """

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from hlopar.analysis.auto_sharding.annotate import IntraOpOptions
 from hlopar.passes.auto_sharding import AutoShardingPass
+from hlopar.passes.intra_op_plan import IntraOpOptions
 
 
 def test_pass_options_are_the_planners():

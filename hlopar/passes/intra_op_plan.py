@@ -9,8 +9,8 @@ that it executes the plan). Shardings already in the input are kept as hard cons
 
 `plan_module` is the whole of `hlopar-auto-sharding` but its option parsing and report
 file (`passes/auto_sharding.py`); stage construction runs it on each stage's function
-(`passes/mpmd_program.py`). It is the one module of `analysis/` that writes IR: what two
-passes share lives below `passes/` (docs/architecture.md).
+(`passes/mpmd_program.py`). It is not a pass: the IR side of the intra-op planner that two
+passes share, so that neither imports the other (docs/architecture.md).
 """
 
 from __future__ import annotations
