@@ -126,7 +126,7 @@ from hlopar.passes.plan_options import (
 )
 from hlopar.passes.planning import default_microbatches, import_step
 from hlopar.passes.planning import plan as plan_module
-from hlopar.progress import Progress
+from hlopar.progress import Breakdown, Progress
 from hlopar.runtime.protocol import Runtime
 from hlopar.runtime.ray_runtime import WorkerError
 from hlopar.runtime.remote_array import RemoteArray, is_key, read_all, with_step
@@ -181,6 +181,10 @@ class PlannedStep:
     plan: dict
     cached: bool
     seconds: float
+    # The executables planning compiled (or the plan cache's, on disk), which the runtime runs
+    # (`codegen.executable_cache.ExecutableCache`); where planning's seconds went (`phases`).
+    executables: Any = None
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def _memory_bytes(value: float | str | None) -> float | None:
@@ -210,12 +214,14 @@ def plan_step(
     cache: bool = True,
     log: Callable[[str], None] = lambda message: None,
     host_callbacks: bool = False,
+    callbacks: Sequence = (),
 ) -> PlannedStep:
     """Plans a training step's StableHLO text for a (resolved) cluster and writes its bundle,
     or reads the cached one: `parallelize`'s planning, its arguments made `PlanOptions`
     (`batch_args` and `loss_result` number the step's leaves). Module docstring.
     `host_callbacks`: the caller runs a plan of one mesh and one microbatch in this process,
-    host callbacks included (`pipeline_program`)."""
+    host callbacks included (`pipeline_program`), `callbacks` the lowering's Python functions
+    they call (compiled into the executables)."""
     check_choice("method", METHODS, method)
     options = PlanOptions(
         method=method,
@@ -229,15 +235,28 @@ def plan_step(
         layers=layers,
         memory_per_device=_memory_bytes(memory_per_device),
     )
-    return _planned(text, cluster, options, cache=cache, log=log, host_callbacks=host_callbacks)
+    return _planned(text, cluster, options, cache=cache, log=log, host_callbacks=host_callbacks, callbacks=callbacks)
 
 
 def _planned(
-    text: str, cluster: Cluster, options: PlanOptions, *, cache: bool, log: Callable[[str], None], host_callbacks: bool
+    text: str,
+    cluster: Cluster,
+    options: PlanOptions,
+    *,
+    cache: bool,
+    log: Callable[[str], None],
+    host_callbacks: bool,
+    callbacks: Sequence = (),
 ) -> PlannedStep:
     """`plan_step` of options: the planning pipeline (`passes.planning`, with its microbatch
-    policy), codegen, and the bundle in the plan cache (`codegen.plan_cache`)."""
+    policy), codegen, and the bundle in the plan cache (`codegen.plan_cache`); the
+    executables compiled for the memory check kept for the runtime (`codegen.executable_cache`:
+    on disk with the plan cache, so that a plan read from it compiles nothing either)."""
+    from hlopar.codegen.executable_cache import ExecutableCache
+    from hlopar.codegen.plan_cache import executables_dir
+
     clock = time.perf_counter()
+    executables = ExecutableCache(executables_dir() if cache else None, host_callbacks=callbacks)
     split = options.schedule.split_backward
     step = import_step(parse_module(text), options)
     chosen = options.microbatches is None  # hlopar's choice, not the user's: it may fall back to 1
@@ -257,10 +276,14 @@ def _planned(
             raise DiagnosticError([error_at(error.location, str(error))]) from None
         plan = json.loads((bundle / "plan.json").read_text())
         log(f"plan read from the cache ({bundle})")
-        return PlannedStep(program, bundle, plan, True, time.perf_counter() - clock)
+        seconds = time.perf_counter() - clock
+        return PlannedStep(program, bundle, plan, True, seconds, executables, {"plan cache": seconds})
 
     step = replace(step, options=replace(step.options, microbatches=count))
+    before = time.perf_counter() - clock - sum(step.context.seconds.values())  # parsing, the cache's key
     planned = plan_module(step, cluster, chosen=chosen, load=lambda: import_step(parse_module(text), options))
+    phases = {"parse": before, **{name.removeprefix("hlopar-"): s for name, s in planned.seconds.items()}}
+    codegen = time.perf_counter()
     for note in planned.notes:
         log(note)
     plan = {
@@ -277,14 +300,19 @@ def _planned(
     except ProgramError as error:
         raise DiagnosticError([error_at(error.location, str(error))]) from None
     module_text = print_module(planned.module)
+    writing = time.perf_counter()
+    phases["codegen"] = writing - codegen
     if cache:
-        write_cached(bundle, program, module_text, plan, options.schedule, key, cluster.key())
+        write_cached(bundle, program, module_text, plan, options.schedule, key, cluster.key(), executables)
     else:
         bundle = Path(tempfile.mkdtemp(prefix="hlopar-plan-"))
-        write_bundle(bundle, program, module_text, plan, options.schedule)
+        write_bundle(bundle, program, module_text, plan, options.schedule, executables=executables)
+    compiling = sum(e.seconds for e in executables.events)
+    phases["compiling (memory check)"] = compiling
+    phases["bundle"] = time.perf_counter() - writing - compiling
     seconds = time.perf_counter() - clock
     log(f"planned in {seconds:.1f} s ({bundle})")
-    return PlannedStep(program, bundle, plan, False, seconds)
+    return PlannedStep(program, bundle, plan, False, seconds, executables, phases)
 
 
 # --------------------------------------------------------------------------- the callable
@@ -302,6 +330,8 @@ class _Compiled:
     # The RemoteArrays its calls returned that are still referenced (read before its workers
     # stop for another signature's, `ParallelizedFunction._stop`).
     issued: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
+    first_call: Breakdown | None = None  # where its first call's seconds went (`ParallelizedFunction.first_call`)
+    first_call_done: bool = False
 
 
 # Signatures a ParallelizedFunction keeps compiled (plans; in-process executables), and how
@@ -450,19 +480,24 @@ class ParallelizedFunction:
         return self._plan(_resolved(self.cluster), args)
 
     def _plan(self, cluster: Cluster, args: tuple) -> tuple[PlannedStep, Any]:
+        from hlopar.ir.host_callbacks import lowered_host_callbacks
+
         self._progress.phase("lowering")
+        self._breakdown = breakdown = Breakdown()
         clock = time.perf_counter()
         abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), args)
         lowered = jax.jit(self.fn, keep_unused=True, donate_argnums=self.donate_argnums).lower(*abstract)
         # With debug info: each op's location is the user's source line, each argument
         # named by its pytree path, so that messages speak of their code.
         text = lowered.as_text(debug_info=True)
+        breakdown.add("lowering", time.perf_counter() - clock)
         self._log(
             f"lowered {self.__name__} in {time.perf_counter() - clock:.1f} s; planning for "
             f"{cluster.num_hosts} host(s) x {cluster.devices_per_host} {cluster.device_kind} device(s), "
             f"method {self.options.method}, schedule {self.options.schedule.name}"
         )
         self._progress.phase("planning")
+        here = self.runtime_kind != "ray" and cluster.is_local and cluster.num_hosts == 1
         try:
             batch_args = self._batch_leaves(args)
             planned = _planned(
@@ -471,7 +506,8 @@ class ParallelizedFunction:
                 replace(self.options, batch_args=tuple(batch_args) if batch_args is not None else None),
                 cache=self.cache,
                 log=self._log,
-                host_callbacks=self.runtime_kind != "ray" and cluster.is_local and cluster.num_hosts == 1,
+                host_callbacks=here,
+                callbacks=lowered_host_callbacks(lowered) if here else (),
             )
         except (DiagnosticError, RolesError) as error:
             raise PlanningError(
@@ -479,6 +515,11 @@ class ParallelizedFunction:
             ) from None
         for message in planned.plan.get("warnings", ()):
             warnings.warn(in_api_terms(message), HloparWarning, stacklevel=3)
+        phases = dict(planned.phases)
+        compiling = phases.pop("compiling (memory check)", None)
+        breakdown.add("planning", sum(phases.values()), phases)
+        if compiling is not None:
+            breakdown.add("compiling (memory check)", compiling)
         self._log(describe_plan(planned))
         return planned, lowered
 
@@ -508,7 +549,6 @@ class ParallelizedFunction:
         from hlopar.codegen.pipeline_program import host_callback_message
         from hlopar.dialect.layers import LayerPieces
         from hlopar.ir.diagnostics import Diagnostic
-        from hlopar.ir.host_callbacks import lowered_host_callbacks
         from hlopar.runtime.in_process import InProcessRuntime, in_process_devices
         from hlopar.runtime.ray_placement import placement_of
         from hlopar.runtime.ray_runtime import RayRuntime
@@ -537,7 +577,7 @@ class ParallelizedFunction:
                     devices,
                     log=progress.message,
                     phase=progress.phase,
-                    host_callbacks=lowered_host_callbacks(lowered),
+                    executables=planned.executables,
                 )
                 self._log(
                     f"running in this process on {len(devices)} {cluster.device_kind} device(s), as jax.jit "
@@ -557,7 +597,9 @@ class ParallelizedFunction:
                 placement = placement_of(
                     planned.program, cluster.devices_per_host, local=cluster.is_local, device_kind=cluster.device_kind
                 )
+                clock = time.perf_counter()
                 _connect(cluster)
+                self._breakdown.add("connecting to Ray", time.perf_counter() - clock)
                 parts = _result_parts(pieces, len(outputs))
                 runtime = RayRuntime(
                     planned.program,
@@ -572,12 +614,15 @@ class ParallelizedFunction:
                         r for k, (out, _) in enumerate(outputs) if with_step(out.shape, out.dtype) for r in parts[k]
                     ],
                     connect=lambda: _connect(cluster),  # again, if the cluster died under this process
+                    executables=planned.executables,
                 )
                 self._log(f"starting {len(placement.workers.slots)} Ray worker(s) ({why_not})")
         except BaseException:
             progress.done()
             raise
-        return _Compiled(signature, lowered.out_tree, planned, runtime, cluster, outputs, pieces=pieces)
+        return _Compiled(
+            signature, lowered.out_tree, planned, runtime, cluster, outputs, pieces=pieces, first_call=self._breakdown
+        )
 
     def _restart(self) -> None:
         """Starts the current signature's runtime (its workers, or its executable here),
@@ -587,10 +632,13 @@ class ParallelizedFunction:
         self._make_room(compiled)
         if compiled.runtime.step_id:
             self._log(compiled.runtime.restart_message)
+        clock = time.perf_counter()
         try:
             compiled.runtime.start()
         finally:
             self._progress.done()
+        if compiled.first_call is not None and not compiled.first_call_done:
+            compiled.first_call.add("starting the runtime", time.perf_counter() - clock, compiled.runtime.start_seconds)
 
     def _make_room(self, compiled: _Compiled) -> None:
         """Before `compiled`'s runtime starts: Ray workers of other signatures keep running
@@ -659,9 +707,25 @@ class ParallelizedFunction:
                     continue
                 leaf = _read_argument(leaf, f"{self.__name__}'s argument {_leaf_path(args, i)}")
             arguments.append(leaf)  # typed keys go in as their key data (`step_arguments`)
+        clock = time.perf_counter()
         output = runtime.run(*_program_arguments(compiled, arguments, resident, args, self.__name__))
+        if compiled.first_call is not None and compiled.first_call_done is False:
+            self._first_call_done(compiled, time.perf_counter() - clock)
         self._donate(args)
         return self._outputs(compiled, output)
+
+    def _first_call_done(self, compiled: _Compiled, step_seconds: float) -> None:
+        """The first call's last phase, its step; where each second went printed (`verbose`)."""
+        breakdown = compiled.first_call
+        breakdown.add("first step", step_seconds)
+        counts = compiled.planned.executables.counts() if compiled.planned.executables is not None else {}
+        for info in getattr(compiled.runtime, "setup_info", {}).values():
+            for name, how, _ in info.get("compilations", ()):
+                row = counts.setdefault(name, {"compiled": 0, "loaded": 0, "reused": 0})
+                row[how] += 1
+        breakdown.compilations = counts
+        compiled.first_call_done = True
+        self._log(breakdown.line())
 
     @staticmethod
     def _outputs(compiled: _Compiled, output) -> Any:
@@ -682,6 +746,13 @@ class ParallelizedFunction:
             for leaf in jax.tree_util.tree_leaves(args[position]):
                 if isinstance(leaf, (jax.Array, RemoteArray)) and not leaf.is_deleted():
                     leaf.delete()
+
+    @property
+    def first_call(self) -> Breakdown | None:
+        """Where the seconds of the first call of the last signature called went
+        (`progress.Breakdown`: lowering, planning and its passes, compiling, starting the
+        runtime, the first step; the XLA compilations of each executable), or None."""
+        return self._compiled.first_call if self._compiled else None
 
     @property
     def last_stats(self):

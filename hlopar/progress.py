@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-__all__ = ["PHASES", "Progress"]
+__all__ = ["PHASES", "Breakdown", "Progress"]
 
 PHASES = ("lowering", "planning", "starting workers", "compiling")
 
@@ -59,3 +59,45 @@ class Progress:
         if self.tty and self.current:
             self._write("\r\x1b[K")
         self.current = None
+
+
+class Breakdown:
+    """Where the seconds of a first call went: its phases in order, each with its parts
+    (`add`); `line()` says it in one line, as `parallelize(verbose=True)` prints it at the
+    end of a first call (`ParallelizedFunction.first_call`)."""
+
+    def __init__(self):
+        self.phases: list[tuple[str, float, dict[str, float]]] = []
+        self.compilations: dict[str, dict[str, int]] = {}  # executable -> compiled/loaded/reused, everywhere
+
+    def add(self, name: str, seconds: float, parts: dict[str, float] | None = None) -> None:
+        self.phases.append((name, seconds, dict(parts or {})))
+
+    @property
+    def total(self) -> float:
+        return sum(seconds for _, seconds, _ in self.phases)
+
+    def seconds(self) -> dict[str, float]:
+        """Phase -> seconds (a phase seen twice, summed)."""
+        out: dict[str, float] = {}
+        for name, seconds, _ in self.phases:
+            out[name] = out.get(name, 0.0) + seconds
+        return out
+
+    def most_compilations(self) -> int:
+        """The most times one executable was compiled, over the driver and its workers."""
+        return max((c.get("compiled", 0) for c in self.compilations.values()), default=0)
+
+    def line(self) -> str:
+        parts = []
+        for name, seconds, inner in self.phases:
+            detail = ", ".join(f"{k} {v:.1f}" for k, v in inner.items() if v >= 0.05)
+            parts.append(f"{name} {seconds:.1f}" + (f" ({detail})" if detail else ""))
+        line = f"first call {self.total:.1f} s: " + "; ".join(parts)
+        if self.compilations:
+            counts = {how: sum(c.get(how, 0) for c in self.compilations.values()) for how in ("compiled", "loaded")}
+            line += (
+                f"; {len(self.compilations)} executable(s): {counts['compiled']} XLA compilation(s), "
+                f"{counts['loaded']} load(s), at most {self.most_compilations()} compilation(s) of one"
+            )
+        return line

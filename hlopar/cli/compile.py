@@ -71,7 +71,8 @@ bundle (DIR):
   memory.json                   every fragment's memory per device: predicted from the plan's
                                 layouts and as XLA compiles it (a plan that does not fit the
                                 device memory is refused); --no-memory-check skips it
-  timeline.png                  the simulated timeline, one row per mesh (time axis in s/ms/us)
+  timeline.png                  with --timeline-png: the simulated timeline, one row per mesh
+                                (time axis in s/ms/us; drawn with matplotlib only when asked)
   timeline.json                 the same as a Chrome trace: open it in ui.perfetto.dev
 
 simulation costs: a RUN takes its stage's latency per microbatch from the stage-construction
@@ -234,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="skip compiling every fragment to check its memory against the device's (memory.json)",
     )
+    parser.add_argument(
+        "--timeline-png",
+        action="store_true",
+        help="also draw the simulated timeline as timeline.png (matplotlib; timeline.json is always written)",
+    )
     parser.add_argument("--timing", action="store_true", help="print the wall time of each phase to stderr")
     return parser
 
@@ -297,7 +303,8 @@ def summary(directory: str) -> str:
     memory = bundle / "memory.json"
     if memory.exists():
         lines.append(_memory_line(json.loads(memory.read_text())))
-    lines.append(f"  bundle: {bundle} (timeline.png, timeline.json for Perfetto)")
+    drawn = "timeline.png, " if (bundle / "timeline.png").exists() else ""
+    lines.append(f"  bundle: {bundle} ({drawn}timeline.json for Perfetto)")
     return "\n".join(lines)
 
 
@@ -445,7 +452,15 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
         raise DiagnosticError([error_at(error.location, f"hlopar-compile: {error}")]) from None
     timings.append(("codegen", time.perf_counter() - clock))
     clock = time.perf_counter()
-    write_bundle(staging, program, print_module(module), plan, schedule, memory_check=args.memory_check)
+    write_bundle(
+        staging,
+        program,
+        print_module(module),
+        plan,
+        schedule,
+        memory_check=args.memory_check,
+        timeline_png=args.timeline_png,
+    )
     timings.append(("bundle", time.perf_counter() - clock))
     if args.timing:
         total = sum(seconds for _, seconds in timings)

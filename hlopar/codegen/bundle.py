@@ -5,7 +5,7 @@
     DIR/pipeline.json          the program as a pipeline reads it (`PipelineProgram.summary`)
     DIR/simulation.json        the simulated step: iteration time, bubble, peak memory, costs used
     DIR/memory.json            every fragment's per-device memory, predicted and as XLA compiles it
-    DIR/timeline.png           the simulated timeline, one row per mesh (matplotlib)
+    DIR/timeline.png           the simulated timeline, one row per mesh (matplotlib; when asked)
     DIR/timeline.json          the same as a Chrome trace (Perfetto, chrome://tracing)
     DIR/meshes/<mesh>/<fragment>.mlir   each fragment's executable module
     DIR/meshes/<mesh>/stream.txt        the mesh's instruction stream, as text
@@ -18,9 +18,10 @@ and W fragments; each SEND by the `predicted_time` of the cross-mesh transfers
 it carries (the cross-mesh resharding pass's simulator), summed; an `mpmd.transfer` that was
 not planned costs what `fallback` (an alpha-beta model) says for its bytes.
 
-Before anything is written, every fragment is compiled and its memory checked against the
+Before anything is written, every executable is compiled and its memory checked against the
 device memory of the plan's cluster (`codegen.memory_check`): a plan that does not fit is
-refused (`DiagnosticError`).
+refused (`DiagnosticError`). The executables compiled are kept for the runtime
+(`codegen.executable_cache`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hlopar.analysis.schedules import (
     AlphaBeta,
@@ -47,6 +49,9 @@ from hlopar.analysis.schedules.tasks import WEIGHT
 from hlopar.codegen.memory_check import check_memory
 from hlopar.codegen.pipeline_program import PipelineProgram
 from hlopar.ir.module import print_module
+
+if TYPE_CHECKING:
+    from hlopar.codegen.executable_cache import ExecutableCache
 
 __all__ = ["PlannedComm", "read_streams", "simulation_summary", "stage_costs", "write_bundle"]
 
@@ -142,13 +147,18 @@ def write_bundle(
     plan: Mapping,
     schedule: str | Schedule,
     memory_check: bool = True,
+    *,
+    executables: ExecutableCache | None = None,
+    timeline_png: bool = False,
 ) -> dict:
     """Writes the bundle into `directory` (which must exist and be empty); returns the
     simulation summary. `plan` is the hlopar-auto-parallel report (its `stages` give the
     per-stage latencies, its `stages.cluster` the device memory). With `memory_check`, every
-    fragment is compiled first and a plan that does not fit the device memory is refused
+    executable is compiled first (through `executables`, which keeps them for the runtime)
+    and a plan that does not fit the device memory is refused
     (`codegen.memory_check.check_memory` raises), nothing written; else the check is
-    `memory.json` and `plan["memory"]` (`plan` must then be a dict)."""
+    `memory.json` and `plan["memory"]` (`plan` must then be a dict). `timeline_png`: also
+    draw the simulated timeline (matplotlib, a second or two: only when asked)."""
     directory = Path(directory)
     streams = program.streams(schedule)
     memory = None
@@ -163,6 +173,7 @@ def write_bundle(
             program,
             streams,
             device_memory=(report.get("cluster") or {}).get("memory_per_device"),
+            executables=executables,
             stage_memory=estimates,
         ).to_json()
         plan["memory"] = memory
@@ -208,7 +219,8 @@ def write_bundle(
     if memory is not None:
         (directory / "memory.json").write_text(json.dumps(memory, indent=1) + "\n")
     timeline = Timeline.of(result)
-    draw_timeline(timeline, directory / "timeline.png")
+    if timeline_png:
+        draw_timeline(timeline, directory / "timeline.png")
     write_chrome_trace(timeline, directory / "timeline.json")
     return summary
 

@@ -29,7 +29,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import func as func_dialect
 from jaxlib.mlir.dialects import stablehlo
 
-from hlopar.codegen.spmd import SpmdExecutable, compile_spmd
+from hlopar.codegen.spmd import SpmdExecutable, compile_spmd, load_spmd
 from hlopar.dialect.attributes import PER_EXAMPLE_ATTR
 from hlopar.ir.extract import clone_into
 from hlopar.ir.module import main_func
@@ -40,6 +40,7 @@ __all__ = [
     "DeviceExecutable",
     "accumulating_module",
     "compile_executable",
+    "load_executable",
     "set_donation",
 ]
 
@@ -115,12 +116,21 @@ def compile_executable(
 ) -> DeviceExecutable:
     """Compiles `module`'s `@main` for `devices` (the order of its mesh); donation as its
     argument attributes say (`set_donation`, `accumulating_module`); `host_callbacks` as
-    `spmd.compile_spmd` takes them."""
-    main = main_func(module)
-    donated = frozenset(
-        i for i, attrs in enumerate(_arg_attrs(main)) if ALIASING_OUTPUT in attrs or BUFFER_DONOR in attrs
+    `spmd.compile_spmd` takes them. `executable_cache.ExecutableCache` compiles each
+    executable of a plan once through it."""
+    return DeviceExecutable(compile_spmd(module, devices, host_callbacks), _donated(module))
+
+
+def load_executable(module: ir.Operation, devices: Sequence[jax.Device], serialized: bytes) -> DeviceExecutable:
+    """`compile_executable`'s result for `module` and `devices`, from the bytes of the same
+    module compiled for as many devices (`spmd.load_spmd`), without compiling."""
+    return DeviceExecutable(load_spmd(module, devices, serialized), _donated(module))
+
+
+def _donated(module: ir.Operation) -> frozenset[int]:
+    return frozenset(
+        i for i, attrs in enumerate(_arg_attrs(main_func(module))) if ALIASING_OUTPUT in attrs or BUFFER_DONOR in attrs
     )
-    return DeviceExecutable(compile_spmd(module, devices, host_callbacks), donated)
 
 
 def set_donation(module: ir.Operation, donations: Mapping[int, int | None]) -> None:

@@ -16,7 +16,9 @@ own allocations, and fragmentation.
 A fragment whose compiled memory plus what stays resident exceeds the device memory is
 refused (`check_memory(..., device_memory=...)` raises a `DiagnosticError` naming the
 fragment, its mesh, both numbers and the device memory): the plan is rejected before any
-worker starts. The check compiles for the devices this process has; a mesh with more
+worker starts. The executables compiled here are the ones that run (`executable_cache`); a
+program that runs as one executable (`one_program`: one mesh, one microbatch) is checked as
+that one executable. The check compiles for the devices this process has; a mesh with more
 devices than that is reported unchecked (`skipped`), never refused.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from hlopar.analysis.fragment_memory import FragmentMemory, fragment_memory, io_tiles
 from hlopar.analysis.schedules import PipelineStreams
@@ -32,7 +35,12 @@ from hlopar.codegen.pipeline_program import BACKWARD, FORWARD, WEIGHT, PipelineP
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError
 from hlopar.units import format_bytes
 
-__all__ = ["FragmentCheck", "MemoryCheck", "check_memory", "compiled_memory"]
+if TYPE_CHECKING:
+    from hlopar.codegen.executable_cache import ExecutableCache
+
+__all__ = ["WHOLE", "FragmentCheck", "MemoryCheck", "check_memory", "compiled_memory"]
+
+WHOLE = "whole"  # the role of the check of a program compiled as one executable (`one_program`)
 
 
 @dataclass(frozen=True)
@@ -142,44 +150,44 @@ def check_memory(
     *,
     device_memory: float | None = None,
     devices: Sequence | None = None,
-    executables: Mapping[str, object] | None = None,
+    executables: ExecutableCache | None = None,
     stage_memory: Mapping[str, float] | None = None,
 ) -> MemoryCheck:
-    """Predicts, compiles (or reads from `executables`: fragment name -> `DeviceExecutable`)
-    and compares every fragment; raises `DiagnosticError` when one does not fit
+    """Predicts, compiles (through `executables`, which keeps them for the runtime: they are
+    what it runs) and compares every executable of the program: each fragment, or the
+    program as one (`one_program`, where it runs so: one check named by its fragments, role
+    `WHOLE`, nothing resident beside it); raises `DiagnosticError` when one does not fit
     `device_memory`. `devices`: the local devices, indexed by physical id (default
     `jax.devices()`); `stage_memory`: stage construction's estimate per mesh, reported
     beside."""
     import jax
 
-    from hlopar.codegen.executables import compile_executable
+    from hlopar.codegen.executable_cache import ExecutableCache
+    from hlopar.codegen.one_program import one_program
 
-    executables = dict(executables or {})
+    executables = executables if executables is not None else ExecutableCache()
     devices = list(jax.devices()) if devices is None else list(devices)
     skipped = {
         mesh: f"mesh {mesh} uses devices {list(ids)}; this process has {len(devices)}"
         for mesh, ids in program.devices.items()
         if max(ids, default=-1) >= len(devices)
     }
-    tiles = _value_tiles(program)
-    resident = _resident(program, streams, tiles)
+    whole = one_program(program)
+    if whole is not None:
+        units = [("+".join(f.name for f in program.fragments), program.meshes[0], WHOLE, whole)]
+        resident = {units[0][0]: 0}
+    else:
+        units = [(f.name, f.mesh, f.role, f.module) for f in program.fragments]
+        resident = _resident(program, streams, _value_tiles(program))
     checks = []
-    for fragment in program.fragments:
+    for name, mesh, role, module in units:
         compiled = None
-        if fragment.mesh not in skipped:
-            executable = executables.get(fragment.name)
-            if executable is None:
-                executable = compile_executable(fragment.module, [devices[i] for i in program.devices[fragment.mesh]])
+        if mesh not in skipped:
+            executable = executables.executable(module, [devices[i] for i in program.devices[mesh]], name)
             compiled = compiled_memory(executable.spmd.executable)
         checks.append(
             FragmentCheck(
-                fragment.name,
-                fragment.mesh,
-                fragment.role,
-                len(program.devices[fragment.mesh]),
-                fragment_memory(fragment.module),
-                compiled,
-                resident[fragment.name],
+                name, mesh, role, len(program.devices[mesh]), fragment_memory(module), compiled, resident[name]
             )
         )
     check = MemoryCheck(

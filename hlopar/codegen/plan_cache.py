@@ -3,7 +3,9 @@
 Under `$HLOPAR_CACHE_DIR` (default `~/.cache/hlopar`), `plans/<key>/` holds a bundle
 (`codegen.bundle`, docs/codegen.md) and `options.json`; the key is a hash of the program
 text, the cluster, the options, jax's version and `CACHE_VERSION`. A bundle is written
-beside its place and renamed there, so a reader never sees half of one.
+beside its place and renamed there, so a reader never sees half of one. `executables/`
+holds the plans' compiled executables (`codegen.executable_cache`), keyed by what they
+compile, so that a plan read from the cache compiles nothing either.
 """
 
 from __future__ import annotations
@@ -20,13 +22,18 @@ import jax
 from hlopar.codegen.bundle import write_bundle
 from hlopar.codegen.pipeline_program import PipelineProgram
 
-__all__ = ["CACHE_VERSION", "cache_root", "cached_bundle", "is_cached", "write_cached"]
+__all__ = ["CACHE_VERSION", "cache_root", "cached_bundle", "executables_dir", "is_cached", "write_cached"]
 
 CACHE_VERSION = "hlopar-plan-v9"  # bumped when the planner's output changes
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("HLOPAR_CACHE_DIR") or Path.home() / ".cache" / "hlopar")
+
+
+def executables_dir() -> Path:
+    """Where `parallelize` keeps compiled executables (`codegen.executable_cache`)."""
+    return cache_root() / "executables"
 
 
 def cached_bundle(text: str, cluster: dict, options: dict) -> Path:
@@ -45,13 +52,21 @@ def is_cached(bundle: Path) -> bool:
 
 
 def write_cached(
-    bundle: Path, program: PipelineProgram, module_text: str, plan: dict, schedule, options: dict, cluster: dict
+    bundle: Path,
+    program: PipelineProgram,
+    module_text: str,
+    plan: dict,
+    schedule,
+    options: dict,
+    cluster: dict,
+    executables=None,
 ) -> None:
-    """Writes the bundle beside its place and renames it there (readers never see half of one)."""
+    """Writes the bundle beside its place and renames it there (readers never see half of
+    one); `executables`: `write_bundle`'s."""
     bundle.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".hlopar-plan-", dir=bundle.parent))
     try:
-        write_bundle(staging, program, module_text, plan, schedule)
+        write_bundle(staging, program, module_text, plan, schedule, executables=executables)
         (staging / "options.json").write_text(json.dumps({"options": options, "cluster": cluster}, indent=1))
         try:
             os.rename(staging, bundle)

@@ -40,16 +40,23 @@ class SpmdExecutable:
         return results
 
 
+def compile_options(device_ids: Sequence[int]):
+    """XLA's options for a module partitioned by Shardy over the devices of these ids (the
+    device assignment, in their order)."""
+    options = backend.get_compile_options(
+        num_replicas=1, num_partitions=len(device_ids), device_assignment=np.array([list(device_ids)])
+    )
+    options.executable_build_options.use_shardy_partitioner = True
+    options.executable_build_options.use_spmd_partitioning = len(device_ids) > 1
+    return options
+
+
 def compile_spmd(module: ir.Operation, devices: Sequence[jax.Device], host_callbacks: Sequence = ()) -> SpmdExecutable:
     """Compiles `module` (its `@main`) for `devices`, in the order of the module's mesh;
     `host_callbacks`: the Python functions its host callbacks call, by their `index`
-    (`hlopar.ir.host_callbacks`), as `jax.jit` hands them to the compiler."""
-    func = main_func(module)
-    options = backend.get_compile_options(
-        num_replicas=1, num_partitions=len(devices), device_assignment=np.array([[d.id for d in devices]])
-    )
-    options.executable_build_options.use_shardy_partitioner = True
-    options.executable_build_options.use_spmd_partitioning = len(devices) > 1
+    (`hlopar.ir.host_callbacks`), as `jax.jit` hands them to the compiler. The one place
+    hlopar calls XLA's compiler."""
+    options = compile_options([d.id for d in devices])
     client, device_list = backend.get_backend(), _jax.DeviceList(tuple(devices))
     if host_callbacks:  # only the overload that takes a module object takes them
         with module.context:
@@ -59,6 +66,25 @@ def compile_spmd(module: ir.Operation, devices: Sequence[jax.Device], host_callb
         )
     else:
         executable = client.compile_and_load(print_module(module), device_list, options)
+    return spmd_executable(module, devices, executable)
+
+
+def load_spmd(module: ir.Operation, devices: Sequence[jax.Device], serialized: bytes) -> SpmdExecutable:
+    """`module`'s executable for `devices` from `serialized` (`serialize_spmd` of the same
+    module compiled for as many devices of the same kind, whichever their ids), not compiled."""
+    executable = backend.get_backend().deserialize_executable(
+        serialized, _jax.DeviceList(tuple(devices)), compile_options([d.id for d in devices])
+    )
+    return spmd_executable(module, devices, executable)
+
+
+def serialize_spmd(spmd: SpmdExecutable) -> bytes:
+    return backend.get_backend().serialize_executable(spmd.executable)
+
+
+def spmd_executable(module: ir.Operation, devices: Sequence[jax.Device], executable) -> SpmdExecutable:
+    """`module`'s loaded `executable` for `devices`, with its boundary's shardings and types."""
+    func = main_func(module)
     function_type = ir.FunctionType(ir.TypeAttr(func.attributes["function_type"]).value)
     return SpmdExecutable(
         executable,

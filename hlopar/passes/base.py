@@ -12,6 +12,7 @@ import dataclasses
 import json
 import re
 import shlex
+import time
 import types
 import typing
 from dataclasses import dataclass, field
@@ -66,6 +67,15 @@ class PassContext:
 
     diagnostics: list[Diagnostic] = field(default_factory=list)
     reports: dict[str, dict] | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # pass name -> time it ran (`timed`), summed
+
+    def timed(self, pass_: ModulePass, module: ir.Operation) -> None:
+        """Runs `pass_` on `module` in this context, its time added to `seconds`."""
+        clock = time.perf_counter()
+        try:
+            pass_.run(module, self)
+        finally:
+            self.seconds[pass_.name] = self.seconds.get(pass_.name, 0.0) + time.perf_counter() - clock
 
     def warn(self, op_or_location: Any, message: str) -> None:
         location = getattr(op_or_location, "location", op_or_location)

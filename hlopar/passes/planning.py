@@ -95,6 +95,7 @@ class Plan:
     options: PlanOptions
     pieces: LayerPieces | None
     notes: list[str] = field(default_factory=list)  # what the microbatch policy decided
+    seconds: dict[str, float] = field(default_factory=dict)  # pass name -> its time, summed over tries
 
     @property
     def warnings(self) -> list[str]:
@@ -109,10 +110,10 @@ def import_step(
     layer-scans, on `module` in place; the options renumbered to the module's arguments.
     The passes' warnings go to `diagnostics` (a pass context's, as they come) where given."""
     context = PassContext([] if diagnostics is None else diagnostics, reports={})
-    ImportPass().run(module, context)
+    context.timed(ImportPass(), module)
     if options.method == "shard" or not options.unstack_layers:  # one stage: the loops stay loops
         return ImportedStep(module, context, None, options)
-    UnstackLayerScansPass().run(module, context)
+    context.timed(UnstackLayerScansPass(), module)
     pieces = LayerPieces.of(planned_functions(module)[0])
     if pieces is not None:
         options = replace(
@@ -173,7 +174,7 @@ def plan(
         refusal = next((d for d in error.diagnostics if d.message.startswith(f"{SplitMicrobatchesPass.name}:")), None)
         if refusal is None:
             raise
-        planned = run_passes(_one_microbatch(load()), cluster)
+        planned = _after(run_passes(_one_microbatch(load()), cluster), step.context.seconds)
         planned.diagnostics.insert(
             0,
             replace(
@@ -192,8 +193,16 @@ def plan(
         except DiagnosticError:
             single = None
         if single is not None and _stages(single) == 1:
+            single = _after(single, planned.seconds)
             single.notes.append(f"one stage: planned with one microbatch, not the {count} hlopar would have split into")
             return single
+    return planned
+
+
+def _after(planned: Plan, before: dict[str, float]) -> Plan:
+    """`planned` with the time of the passes of an earlier try added (`Plan.seconds`)."""
+    for name, seconds in before.items():
+        planned.seconds[name] = planned.seconds.get(name, 0.0) + seconds
     return planned
 
 
@@ -211,38 +220,44 @@ def run_passes(step: ImportedStep, cluster: Cluster) -> Plan:
     the import's passes) in a `Plan`."""
     module, context, options = step.module, step.context, step.options
     if options.split:
-        SplitMicrobatchesPass(
-            microbatches=options.microbatches,
-            batch_args=options.batch_args,
-            loss_result=options.loss_result,
-            rng=options.rng,
-        ).run(module, context)
+        context.timed(
+            SplitMicrobatchesPass(
+                microbatches=options.microbatches,
+                batch_args=options.batch_args,
+                loss_result=options.loss_result,
+                rng=options.rng,
+            ),
+            module,
+        )
     stages = None
     if options.method == "shard":
         stages = _one_mesh_program(module, cluster, options.microbatches)
     else:
-        ClusterOperatorsPass(layers=options.layers).run(module, context)
-        StageConstructionPass(
-            num_hosts=cluster.num_hosts,
-            devices_per_host=cluster.devices_per_host,
-            microbatches=None if options.split else options.microbatches,  # after the split: the IR says
-            schedule=options.schedule.name,
-            memory_per_device=options.memory_per_device,
-            preset=cluster.preset,
-            plan_shardings=options.method != "pipeline",
-            remat=options.remat,
-        ).run(module, context)
-    RematerializePass(all=options.remat == "always").run(module, context)
+        context.timed(ClusterOperatorsPass(layers=options.layers), module)
+        context.timed(
+            StageConstructionPass(
+                num_hosts=cluster.num_hosts,
+                devices_per_host=cluster.devices_per_host,
+                microbatches=None if options.split else options.microbatches,  # after the split: the IR says
+                schedule=options.schedule.name,
+                memory_per_device=options.memory_per_device,
+                preset=cluster.preset,
+                plan_shardings=options.method != "pipeline",
+                remat=options.remat,
+            ),
+            module,
+        )
+    context.timed(RematerializePass(all=options.remat == "always"), module)
     if options.method != "shard":
-        RerollStageLoopsPass(reroll="auto" if options.stage_loops else "never").run(module, context)
-    CrossMeshReshardingPass(cluster=cluster.preset, devices_per_host=cluster.devices_per_host).run(module, context)
+        context.timed(RerollStageLoopsPass(reroll="auto" if options.stage_loops else "never"), module)
+    context.timed(CrossMeshReshardingPass(cluster=cluster.preset, devices_per_host=cluster.devices_per_host), module)
     reports = {key: context.reports.get(name) for name, key in REPORT_KEYS.items()}
     if stages is not None:
         reports["stages"] = stages
     pieces = step.pieces
     if pieces is not None:  # as planned: hlopar-reroll-stage-loops may have joined a stage's pieces into ranges
         pieces = LayerPieces.of(planned_functions(module)[0]) or pieces
-    return Plan(module, reports, list(context.diagnostics), options, pieces)
+    return Plan(module, reports, list(context.diagnostics), options, pieces, seconds=dict(context.seconds))
 
 
 def _one_mesh_program(module: ir.Operation, cluster: Cluster, microbatches: int | None) -> dict:

@@ -17,8 +17,10 @@ worker's bookkeeping, and the executable itself ran 1.03-1.05x slower in the wor
 a driver in most runs on this project's 2-core machine (`tools/bench_runtime.py`,
 docs/performance.md). `parallelize(runtime="ray")` keeps the workers anyway.
 
-Host callbacks (`jax.debug.print`, `io_callback`, ...) run here, and only here: the executable
-is compiled with the lowering's Python functions, as `jax.jit` compiles it
+The executable is the one planning compiled for its memory check (`codegen.executable_cache`,
+held by the plan's cache; loaded from disk for a plan read from the plan cache): the plan is
+compiled once. Host callbacks (`jax.debug.print`, `io_callback`, ...) run here, and only
+here: the executable is compiled with the lowering's Python functions, as `jax.jit` compiles it
 (`codegen.pipeline_program` refuses them in a plan for Ray workers).
 
 `save` writes what a Ray worker of the same plan writes (`<worker>.npz` of whole results,
@@ -31,6 +33,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -40,6 +43,9 @@ from hlopar.runtime.interpreter import ProgramIndex, StepInterpreter
 from hlopar.runtime.local_transport import LocalTransport
 from hlopar.runtime.step_arguments import check_batch, step_arguments, wrap_keys
 from hlopar.runtime.step_stats import StepStats
+
+if TYPE_CHECKING:
+    from hlopar.codegen.executable_cache import ExecutableCache
 
 __all__ = ["InProcessRuntime", "in_process_devices"]
 
@@ -73,7 +79,7 @@ class InProcessRuntime:
     """The plan's one executable, run here (module docstring); a `protocol.Runtime`."""
 
     holds_workers = False
-    restart_message = "compiling again"
+    restart_message = "loading the executable again"
 
     def __init__(
         self,
@@ -82,12 +88,14 @@ class InProcessRuntime:
         *,
         log=None,
         phase=None,
-        host_callbacks: Sequence = (),
+        executables: ExecutableCache | None = None,
     ):
+        from hlopar.codegen.executable_cache import ExecutableCache
         from hlopar.runtime.mesh_processes import worker_layout
 
         self.program = program
-        self.host_callbacks = list(host_callbacks)  # the lowering's, for the program's callbacks (by index)
+        # What planning compiled (with the lowering's host callbacks): the executable it holds is the one run.
+        self.executables = executables if executables is not None else ExecutableCache()
         self.devices = list(devices)
         self.mesh = program.meshes[0]
         self.name = worker_layout(program.devices).of_mesh(self.mesh)[0].name  # the Ray worker's, for saves
@@ -99,6 +107,7 @@ class InProcessRuntime:
         self.step_id = 0
         self.last: list[jax.Array] = []  # the last step's results (what `save` writes)
         self.last_stats = None
+        self.start_seconds: dict[str, float] = {}  # the last start's parts (`ParallelizedFunction.first_call`)
         self.placed = 0  # the last step's arguments placed (from the host, or moved to another layout)
 
     @property
@@ -109,15 +118,18 @@ class InProcessRuntime:
         """Nothing to reach: the devices are this process's."""
 
     def start(self) -> None:
-        from hlopar.codegen.executables import compile_executable
         from hlopar.codegen.one_program import one_program
 
         self.phase("compiling")
         clock = time.perf_counter()
-        self.executable = compile_executable(one_program(self.program), self.devices, self.host_callbacks)
+        name = "+".join(f.name for f in self.program.fragments)  # as the memory check names it
+        self.executable = self.executables.executable(one_program(self.program), self.devices, name)
+        how = self.executables.events[-1].how
+        seconds = time.perf_counter() - clock
+        self.start_seconds = {f"executable ({how})": seconds}
         self.log(
-            f"compiled the plan as one executable for {len(self.devices)} {self.devices[0].platform} "
-            f"device(s) of this process in {time.perf_counter() - clock:.1f} s (no workers)"
+            f"{how} the plan's one executable for {len(self.devices)} {self.devices[0].platform} "
+            f"device(s) of this process in {seconds:.1f} s (no workers)"
         )
 
     def shutdown(self) -> None:

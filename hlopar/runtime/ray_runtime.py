@@ -18,7 +18,9 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -30,6 +32,9 @@ from hlopar.runtime.ray_worker import MeshWorker, worker_programs
 from hlopar.runtime.remote_array import RemoteArray, is_key, jax_value
 from hlopar.runtime.step_arguments import check_batch, step_arguments
 from hlopar.runtime.step_stats import StepStats
+
+if TYPE_CHECKING:
+    from hlopar.codegen.executable_cache import ExecutableCache
 
 __all__ = ["RayRuntime", "WorkerError"]
 
@@ -61,8 +66,10 @@ class RayRuntime:
         returned: Collection[int] = (),
         copied: Collection[int] = (),
         connect: Callable[[], None] | None = None,
+        executables: ExecutableCache | None = None,
     ):
         self.program = program
+        self.executables = executables  # what planning compiled (`executable_cache`): shipped to the workers
         self._connect = connect or (lambda: None)
         self.returned = tuple(returned)  # results that come back with each step (typed keys)
         self.copied = tuple(copied)  # results kept on the workers whose copy comes back too (scalars)
@@ -81,6 +88,7 @@ class RayRuntime:
         self.log = log or (lambda message: None)
         self.phase = phase or (lambda name: None)  # "starting workers", "compiling" (a progress display)
         self.setup_info: dict[str, dict] = {}
+        self.start_seconds: dict[str, float] = {}  # the last start's parts (`ParallelizedFunction.first_call`)
         self.last_stats: StepStats | None = None
         self.released: deque[tuple[int, int, int]] = deque()  # (generation, step, result): to drop
         self.fetched_bytes = 0  # result bytes that reached the driver (read, or returned with a step), in all
@@ -168,21 +176,47 @@ class RayRuntime:
             for n, address in self._gather({n: self.actors[n].coordinator.remote() for n in firsts}, "start").items()
         }
         self.phase("compiling")
+        started = time.perf_counter()
+        programs = self._shipped()
         self.setup_info = self._gather(
             {
-                n: a.setup.remote(self.programs[slots[n].mesh], coordinators.get(slots[n].mesh))
+                n: a.setup.remote(programs[slots[n].mesh], coordinators.get(slots[n].mesh))
                 for n, a in self.actors.items()
             },
             "compile",
         )
+        done = time.perf_counter()
+        self.start_seconds = {"worker processes": started - clock, "workers' executables": done - started}
         self.log(
-            f"started {len(self.actors)} workers in {time.perf_counter() - clock:.1f} s: "
+            f"started {len(self.actors)} workers in {done - clock:.1f} s: "
             + ", ".join(
                 f"{n} ({len(slots[n].devices)} {kind} devices, {i['executables']} executables, "
-                f"compiled in {i['compile_s']:.1f} s)"
+                f"{_how(i['compilations'])} in {i['compile_s']:.1f} s)"
                 for n, i in self.setup_info.items()
             )
         )
+
+    def _shipped(self) -> dict:
+        """Per mesh, its `WorkerProgram` with the executables planning compiled for it, as
+        bytes its workers load (`executable_cache`): for this process's devices of the
+        workers' kind, where it has the mesh's (a worker of another host compiles anyway)."""
+        if self.executables is None:
+            return self.programs
+        import jax
+
+        try:
+            local = jax.devices(self.placement.device_kind)
+        except RuntimeError:
+            return self.programs
+        out = {}
+        for mesh, wp in self.programs.items():
+            ids = self.program.devices[mesh]
+            if max(ids) >= len(local):
+                out[mesh] = wp
+                continue
+            texts = [wp.whole] if wp.whole else list(wp.texts.values())
+            out[mesh] = replace(wp, executables=self.executables.shipment(texts, [local[d] for d in ids]))
+        return out
 
     def _place(self) -> None:
         """The workers' placement group, ready: refused at once if the cluster's nodes could
@@ -559,6 +593,12 @@ class RayRuntime:
             )
         self.step_id = step
         return step, self._assembled({n: {"results": a["results"]} for n, a in loaded.items()})
+
+
+def _how(compilations: Sequence) -> str:
+    """A worker's executables: how many it loaded (shipped) and compiled."""
+    hows = [how for _, how, _ in compilations]
+    return ", ".join(f"{hows.count(h)} {h}" for h in ("loaded", "compiled") if h in hows) or "none"
 
 
 def _whole(parts: Sequence) -> np.ndarray:

@@ -7,8 +7,9 @@ round trips to the driver (`ray_runtime.RayRuntime`). Here the program is what c
 core (`interpreter.StepInterpreter`, as the local runtime does for every mesh in one
 process) through its own transport (`worker_transport.WorkerTransport`):
 
-- `setup` compiles the mesh's fragment modules for the worker's own devices
-  (`codegen.executables.compile_executable`, donated accumulators included);
+- `setup` loads the mesh's executables for the worker's own devices from what the driver
+  compiled while planning and shipped (`codegen.executable_cache`), and compiles those it
+  cannot load (another host's, a mesh spanning hosts; donated accumulators included);
 - `run_step` runs the mesh's stream and then its update fragments. A value moved once (a
   sum read by another mesh's update, an update result read by another mesh) is pulled by
   its reader from its maker (`fetch`), which answers once the value exists. Arguments are
@@ -39,7 +40,7 @@ import sys
 import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +82,7 @@ class WorkerProgram:
     results: tuple[int, ...]  # positions in `program.results` of the values living on this mesh
     layout: WorkerLayout  # every worker of the program (mesh_processes)
     whole: str | None = None  # the program as one executable's module text (`codegen.one_program`), or None
+    executables: dict[str, bytes] = field(default_factory=dict)  # key -> serialized (`executable_cache`)
 
 
 def worker_programs(
@@ -164,19 +166,19 @@ class MeshWorker:
         if self.spans:
             join_mesh(coordinator, self.slot, len(wp.layout.of_mesh(wp.mesh)), self.device_kind, self.timeout)
 
-        from hlopar.codegen.executables import compile_executable
-        from hlopar.ir.module import parse_module
+        from hlopar.codegen.executable_cache import ExecutableCache
 
         self.devices = mesh_devices(wp.layout, wp.mesh)  # plan id -> jax device, the whole mesh
         self.plan_id = {device: d for d, device in self.devices.items()}
         self.mesh_devices = [self.devices[d] for d in wp.devices]
-        compiled: dict[str, object] = {}
-        self.executables = {}
-        for name, text in wp.texts.items():
-            if text not in compiled:
-                compiled[text] = compile_executable(parse_module(text), self.mesh_devices)
-            self.executables[name] = compiled[text]
-        self.whole = compile_executable(parse_module(wp.whole), self.mesh_devices) if wp.whole else None
+        # The driver's executables where it shipped them (compiled once, while planning);
+        # a spanning mesh's are one multi-process program, compiled here.
+        cache = ExecutableCache(shipped=wp.executables)
+        self.executables = {
+            name: cache.executable(text, self.mesh_devices, name, load=not self.spans)
+            for name, text in wp.texts.items()
+        }
+        self.whole = cache.executable(wp.whole, self.mesh_devices, "whole", load=not self.spans) if wp.whole else None
         self.landing, self.made = {}, {}  # value -> sharding its first reader reads / its maker writes
         if self.whole is not None:
             self.landing = {
@@ -207,7 +209,8 @@ class MeshWorker:
             "host": self.slot.host,
             "devices": [str(self.devices[d]) for d in self.slot.devices],
             "platform": self.devices[self.slot.devices[0]].platform,
-            "executables": len(compiled) + (self.whole is not None),
+            "executables": len(cache.held),
+            "compilations": [(e.name, e.how, e.seconds) for e in cache.events],
             "one_program": self.whole is not None,
             "compile_s": time.perf_counter() - clock,
         }

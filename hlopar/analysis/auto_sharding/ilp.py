@@ -58,7 +58,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from ortools.sat.python import cp_model
 
 from hlopar.analysis.auto_sharding.dual import decode
 from hlopar.analysis.auto_sharding.merging import Infeasible, Reduced, Simplify, reduce_problem
@@ -138,6 +137,8 @@ class _ProtoBuilder:
     more per variable, which matters at hundreds of thousands of edge booleans."""
 
     def __init__(self) -> None:
+        from ortools.sat.python import cp_model  # where used: 0.8 s of imports (pandas) a cached plan never needs
+
         self.model = cp_model.CpModel()
         self.proto = self.model.proto
         self.num_vars = 0
@@ -313,6 +314,8 @@ def solve(
     _hint(core, reduced)
     sizes.update(variables=core.builder.num_vars, constraints=len(core.builder.proto.constraints))
     timings["build"] = time.perf_counter() - start - timings["simplify"]
+    from ortools.sat.python import cp_model
+
     solver = cp_model.CpSolver()
     params = solver.parameters
     params.num_workers = num_workers

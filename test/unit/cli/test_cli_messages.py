@@ -122,6 +122,7 @@ def test_compile_prints_summary_and_takes_batch_args_and_loss_result(tmp_path, c
             "19,20",
             "--loss-result",
             "19",
+            "--timeline-png",
         ]
     )
     assert status == 0
@@ -142,7 +143,7 @@ def test_compile_prints_summary_and_takes_batch_args_and_loss_result(tmp_path, c
     assert lines[-2].startswith("  memory: at most ") and lines[-2].endswith("; every fragment in memory.json")
     assert lines[-1] == f"  bundle: {out} (timeline.png, timeline.json for Perfetto)"
     assert json.loads((out / "timeline.json").read_text())["traceEvents"]
-    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn: --timeline-png asked
     # The options reach hlopar-split-microbatches: a result that does not exist is refused there.
     assert (
         compile_cli.main(

@@ -1,0 +1,175 @@
+"""Each executable of a plan compiled once, then loaded wherever it runs.
+
+Planning compiles every executable the plan runs, to read its memory (`memory_check`); the
+runtime runs those same executables, not fresh compilations of the same modules:
+
+- in this process (`runtime.in_process`) the loaded executable is handed over as it is:
+  an `ExecutableCache` keeps, by key, each executable it compiled or loaded;
+- a Ray worker of this machine receives its mesh's executables serialized (`shipment`,
+  in its `WorkerProgram`) and loads them; a worker of another host finds no executable
+  under its own key (the host is part of it on CPU) and compiles, as does a worker of a
+  mesh spanning hosts (its executable is one multi-process program);
+- on disk, `<directory>/<key>` (`parallelize`'s `$HLOPAR_CACHE_DIR/executables`): a plan
+  read from the plan cache in a new process loads its executables from there.
+
+The key is what jax's persistent compilation cache hashes (`jax._src.cache_key.get`: the
+module, jaxlib's version, the backend's platform and version, the XLA flags, the compile
+options), less what differs between a driver and its workers on one machine and not in
+the executable: the device ids (the assignment made logical, as jax makes it between GPU
+processes; a serialized executable is loaded onto any devices of its kind and count) and
+the size of the process's CPU client (`--xla_force_host_platform_device_count`, which jax
+leaves out too); with the devices' kind and count and, on CPU, the host's name (XLA:CPU
+compiles for the host's instruction set). An executable that calls host callbacks (Python
+functions of this process) is kept in this process only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jaxlib
+from jax.extend import backend
+from jaxlib.mlir import ir
+
+from hlopar.codegen.executables import DeviceExecutable, compile_executable, load_executable
+from hlopar.codegen.spmd import compile_options, serialize_spmd
+from hlopar.ir.host_callbacks import host_callbacks as find_host_callbacks
+from hlopar.ir.module import parse_module, print_module
+
+__all__ = ["COMPILED", "LOADED", "REUSED", "Compilation", "ExecutableCache", "executable_key"]
+
+COMPILED, LOADED, REUSED = "compiled", "loaded", "reused"
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def executable_key(text: str, devices: Sequence[jax.Device]) -> str:
+    """The key of module `text` compiled for `devices` (module docstring)."""
+    options = compile_options(range(len(devices)))
+    options.executable_build_options.debug_options.xla_force_host_platform_device_count = 0
+    client = backend.get_backend()
+    flags = sorted(f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] != _DEVICE_COUNT_FLAG)
+    parts = [
+        text.encode(),
+        jaxlib.__version__.encode(),
+        jax.__version__.encode(),
+        client.platform.encode(),
+        client.platform_version.encode(),
+        " ".join(flags).encode(),
+        options.SerializeAsString(),
+        " ".join(d.device_kind for d in devices).encode(),
+        socket.gethostname().encode() if client.platform == "cpu" else b"",
+    ]
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class Compilation:
+    """How one executable came to be: compiled, loaded (from bytes: shipped or on disk) or
+    reused (held by this cache already), and in how many seconds."""
+
+    name: str
+    how: str
+    seconds: float
+
+
+class ExecutableCache:
+    """Executables by key: held in this process, read from `shipped` (key -> serialized
+    executable) or `directory`, else compiled (and written to `directory`). `host_callbacks`:
+    the lowering's Python functions, compiled into executables whose module calls one.
+    `events` says what each request did (`counts`)."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike | None = None,
+        *,
+        shipped: Mapping[str, bytes] | None = None,
+        host_callbacks: Sequence = (),
+    ):
+        self.directory = Path(directory) if directory is not None else None
+        self.shipped = dict(shipped or {})
+        self.host_callbacks = list(host_callbacks)
+        self.held: dict[str, DeviceExecutable] = {}
+        self.events: list[Compilation] = []
+
+    def executable(
+        self, module: ir.Operation | str, devices: Sequence[jax.Device], name: str = "", *, load: bool = True
+    ) -> DeviceExecutable:
+        """`module` (or its text) compiled for `devices`: held, loaded or compiled (class
+        docstring). `load=False`: bytes are not loaded (a mesh spanning hosts)."""
+        clock = time.perf_counter()
+        text = module if isinstance(module, str) else print_module(module)
+        key = executable_key(text, devices)
+        parsed = parse_module(text) if isinstance(module, str) else module
+        callbacks = bool(self.host_callbacks) and bool(find_host_callbacks(parsed))
+        if callbacks:  # this process's functions: never written, shipped or read back
+            key += "+callbacks:" + ",".join(str(id(f)) for f in self.host_callbacks)
+        found = self.held.get(key)
+        how = REUSED
+        if found is None:
+            serialized = None if callbacks or not load else self._bytes(key)
+            if serialized is not None:
+                found, how = load_executable(parsed, devices, serialized), LOADED
+            else:
+                found, how = compile_executable(parsed, devices, self.host_callbacks if callbacks else ()), COMPILED
+                if not callbacks:
+                    self._write(key, found)
+            self.held[key] = found
+        self.events.append(Compilation(name or key[:12], how, time.perf_counter() - clock))
+        return found
+
+    def shipment(self, texts: Iterable[str], devices: Sequence[jax.Device]) -> dict[str, bytes]:
+        """The serialized executables of these module texts for `devices` (this process's,
+        as many as a worker's and of their kind) that this cache holds or has on disk, by
+        key: what a worker of this machine loads instead of compiling."""
+        out = {}
+        for text in dict.fromkeys(texts):
+            key = executable_key(text, devices)
+            held = self.held.get(key)
+            serialized = serialize_spmd(held.spmd) if held is not None else self._bytes(key)
+            if serialized is not None:
+                out[key] = serialized
+        return out
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Per executable name: how many times it was compiled, loaded and reused."""
+        out: dict[str, dict[str, int]] = {}
+        for event in self.events:
+            row = out.setdefault(event.name, {COMPILED: 0, LOADED: 0, REUSED: 0})
+            row[event.how] += 1
+        return out
+
+    def _bytes(self, key: str) -> bytes | None:
+        if key in self.shipped:
+            return self.shipped[key]
+        if self.directory is None:
+            return None
+        try:
+            return (self.directory / key).read_bytes()
+        except OSError:
+            return None
+
+    def _write(self, key: str, executable: DeviceExecutable) -> None:
+        """Beside its place, then renamed there: a reader never sees half of one. Best
+        effort: a cache that cannot be written only costs compilations later."""
+        if self.directory is None:
+            return
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            handle, staging = tempfile.mkstemp(prefix=".executable-", dir=self.directory)
+            with os.fdopen(handle, "wb") as out:
+                out.write(serialize_spmd(executable.spmd))
+            os.replace(staging, self.directory / key)
+        except OSError:
+            pass
