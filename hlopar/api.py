@@ -555,6 +555,11 @@ class ParallelizedFunction:
 
         cluster = _resolved(self.cluster)
         self._progress = progress = Progress(self.verbose)
+        if cluster.is_local and (self.runtime_kind == "ray" or cluster.num_hosts > 1):
+            # Workers for certain: the local Ray comes up while the step is lowered and planned.
+            from hlopar.runtime.local_ray import prestart
+
+            prestart(os.cpu_count() or 1)
         try:
             planned, lowered = self._plan(cluster, args)
             outputs = _output_leaves(lowered, self.__name__)

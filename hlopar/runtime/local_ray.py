@@ -54,7 +54,19 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["LocalRay", "connect", "connection", "current", "disconnected", "log_to_driver", "lost", "start"]
+__all__ = [
+    "Launched",
+    "LocalRay",
+    "connect",
+    "connection",
+    "current",
+    "disconnected",
+    "launch",
+    "log_to_driver",
+    "lost",
+    "prestart",
+    "start",
+]
 
 LOG_TO_DRIVER_VARIABLE = "HLOPAR_RAY_LOG_TO_DRIVER"
 _AUTH_VARIABLES = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
@@ -133,6 +145,43 @@ class LocalRay:
 def start(num_cpus: int, timeout: float = 120.0) -> LocalRay:
     """Starts a head node of `num_cpus` CPUs (module docstring); raises RuntimeError, naming
     its log, if it is not up within `timeout` seconds."""
+    return launch(num_cpus).ready(timeout)
+
+
+@dataclass
+class Launched:
+    """A head node's `ray start`, started and not yet waited for (`ready`)."""
+
+    process: subprocess.Popen
+    directory: Path
+
+    def ready(self, timeout: float = 120.0) -> LocalRay:
+        """The head node once up; raises RuntimeError, naming its log, if it is not up within
+        `timeout` seconds."""
+        process, directory = self.process, self.directory
+        address_file = directory / "ray_current_cluster"
+        deadline = time.monotonic() + timeout
+        while not address_file.exists() or not address_file.read_text().strip():
+            if process.poll() is not None or time.monotonic() > deadline:
+                if process.poll() is None:
+                    process.kill()
+                raise RuntimeError(f"the local Ray cluster did not start (see {directory / 'ray-start.log'})")
+            time.sleep(0.05)
+        return LocalRay(process, directory, address_file.read_text().strip())
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def launch(num_cpus: int) -> Launched:
+    """Starts a head node's `ray start` and returns at once (module docstring)."""
     directory = Path(tempfile.mkdtemp(prefix="hlopar-ray-"))
     _authentication(os.environ)
     log = open(directory / "ray-start.log", "wb")  # noqa: SIM115 (the head process writes it for its whole life)
@@ -162,15 +211,20 @@ def start(num_cpus: int, timeout: float = 120.0) -> LocalRay:
                 "RAY_worker_niceness": os.environ.get("RAY_worker_niceness", "0"),  # noqa: SIM112 (Ray spells it so)
             },
         )
-    address_file = directory / "ray_current_cluster"
-    deadline = time.monotonic() + timeout
-    while not address_file.exists() or not address_file.read_text().strip():
-        if process.poll() is not None or time.monotonic() > deadline:
-            if process.poll() is None:
-                process.kill()
-            raise RuntimeError(f"the local Ray cluster did not start (see {directory / 'ray-start.log'})")
-        time.sleep(0.2)
-    return LocalRay(process, directory, address_file.read_text().strip())
+    return Launched(process, directory)
+
+
+def prestart(num_cpus: int) -> None:
+    """Launches the local cluster that the next `connect(None, ...)` would start, so that it
+    comes up while this process does other work (`parallelize` plans meanwhile); nothing
+    where this process is connected or one is launched already."""
+    import ray
+
+    if _launched or ray.is_initialized():
+        return
+    launched = launch(num_cpus)
+    atexit.register(launched.stop)
+    _launched.append(launched)
 
 
 def _authentication(environ) -> None:
@@ -190,6 +244,7 @@ def _authentication(environ) -> None:
 # every address it connected to (`connection`).
 _connected: list[LocalRay] = []
 _connections: list[str] = []
+_launched: list[Launched] = []  # `prestart`'s, which the next local `connect` takes
 
 
 def connect(address: str | None, num_cpus: int) -> LocalRay | None:
@@ -200,7 +255,7 @@ def connect(address: str | None, num_cpus: int) -> LocalRay | None:
 
     local = None
     if address is None:
-        local = start(num_cpus)
+        local = _launched.pop().ready() if _launched else start(num_cpus)
         atexit.register(local.stop)
         address = local.address
     _connected[:] = [local] if local is not None else []

@@ -17,7 +17,7 @@ import hlopar
 from hlopar.api import Cluster, _key_data, describe_plan, plan_step
 from hlopar.models import get_train_step
 from hlopar.passes import planning
-from hlopar.progress import Progress
+from hlopar.progress import Breakdown, Progress
 from hlopar.runtime.ray_placement import placement_of
 from hlopar.runtime.ray_worker import worker_programs
 from hlopar.runtime.remote_array import jax_value
@@ -171,6 +171,22 @@ def test_progress_shows_the_phases(tty):
     quiet.message("x")
     quiet.done()
     assert silent.getvalue() == ""
+
+
+def test_the_first_calls_breakdown_says_where_each_second_went():
+    breakdown = Breakdown()
+    breakdown.add("lowering", 1.0)
+    breakdown.add("planning", 2.5, {"stage-construction": 2.0, "codegen": 0.5, "cross-mesh-resharding": 0.01})
+    breakdown.add("starting the runtime", 3.0, {"worker processes": 2.5})
+    breakdown.add("planning", 0.5)
+    breakdown.compilations = {"a": {"compiled": 1, "loaded": 1, "reused": 0}, "b": {"compiled": 1, "loaded": 0}}
+    assert breakdown.total == 7.0 and breakdown.seconds()["planning"] == 3.0
+    assert breakdown.most_compilations() == 1
+    assert breakdown.line() == (
+        "first call 7.0 s: lowering 1.0; planning 2.5 (stage-construction 2.0, codegen 0.5); "
+        "starting the runtime 3.0 (worker processes 2.5); planning 0.5; 2 executable(s): "
+        "2 XLA compilation(s), 1 load(s), at most 1 compilation(s) of one"
+    )
 
 
 # --------------------------------------------------------------------------- the user's terms
