@@ -214,6 +214,19 @@ def launch(num_cpus: int) -> Launched:
     return Launched(process, directory)
 
 
+def _prestarted() -> LocalRay | None:
+    """`prestart`'s cluster once up, or None (none launched, or it ended meanwhile: a new one
+    is started instead)."""
+    if not _launched:
+        return None
+    launched = _launched.pop()
+    try:
+        return launched.ready()
+    except RuntimeError:
+        launched.stop()
+        return None
+
+
 def prestart(num_cpus: int) -> None:
     """Launches the local cluster that the next `connect(None, ...)` would start, so that it
     comes up while this process does other work (`parallelize` plans meanwhile); nothing
@@ -255,7 +268,7 @@ def connect(address: str | None, num_cpus: int) -> LocalRay | None:
 
     local = None
     if address is None:
-        local = _launched.pop().ready() if _launched else start(num_cpus)
+        local = _prestarted() or start(num_cpus)
         atexit.register(local.stop)
         address = local.address
     _connected[:] = [local] if local is not None else []
