@@ -20,15 +20,20 @@ The first call (per argument signature: pytree structure, shapes, dtypes):
      each stage replicated over its submesh (for comparison);
    - `"shard"`: pure intra-operator parallelism, one stage on one mesh of every device
      (num_hosts × devices_per_host), planned by hlopar-auto-sharding;
-   then codegen (`codegen.pipeline_program`) and the bundle (`codegen.bundle.write_bundle`);
-3. starts one Ray worker per (mesh, host) (`runtime.ray_runtime`), which compiles its
-   fragments; or, where the plan is one mesh and one executable on this machine's one host
-   and this process's jax sees its devices, compiles that executable here and runs it here,
+   then codegen (`codegen.pipeline_program`) and the bundle (`codegen.bundle.write_bundle`,
+   whose memory check compiles every executable of the plan, once: `codegen.executable_cache`);
+3. starts one Ray worker per (mesh, host) (`runtime.ray_runtime`), which loads its
+   fragments' executables as the driver compiled them (shipped serialized; another host's
+   worker compiles them); or, where the plan is one mesh and one executable on this
+   machine's one host and this process's jax sees its devices, runs that executable here,
    as `jax.jit` does (`runtime="auto"`, `runtime.in_process`: no worker, no Ray; results
    are `jax.Array`s on those devices). `runtime="ray"` always uses workers.
 
 With `verbose`, these phases show on stderr (`progress.Progress`: one line redrawn in place
-on a terminal, a line per phase otherwise); `verbose=False` prints nothing.
+on a terminal, a line per phase otherwise), and the first call ends with one line saying
+where its seconds went (`progress.Breakdown`, also `first_call`); `verbose=False` prints
+nothing. A local cluster of several hosts (or `runtime="ray"`) has its Ray head launched
+as the first call starts (`local_ray.prestart`), so that it comes up during planning.
 
 Later calls only run. Signatures: a call of another signature (a last partial batch, a batch
 in bf16) is lowered and planned while the workers of the current one keep running with what
@@ -51,7 +56,7 @@ signature). A signature set aside drops at each call what the caller no longer r
 The bundle is cached on disk (`codegen.plan_cache`) under `$HLOPAR_CACHE_DIR` (default
 `~/.cache/hlopar`), in `plans/<key>/`, the key a hash of the program text, the cluster and the
 options: a new process with the same step skips planning (codegen reads `program.mlir`
-back).
+back) and compilation (the executables are in `executables/`, `codegen.executable_cache`).
 
 Arguments and results. Results stay on the workers that computed them (in this process's
 devices for a plan run here): a call returns `fn`'s
@@ -424,6 +429,7 @@ class ParallelizedFunction:
         self.cache = cache
         self.verbose = verbose
         self._progress = Progress(verbose)
+        self._breakdown: Breakdown | None = None  # the first call being timed (`_plan`, `_build`)
         self._lock = threading.RLock()  # one call at a time (class docstring)
         self._signatures: OrderedDict[tuple, _Compiled] = OrderedDict()  # least recently called first
         self._compiled: _Compiled | None = None  # the signature of the last call (or `compile`)
