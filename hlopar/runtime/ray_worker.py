@@ -8,8 +8,9 @@ core (`interpreter.StepInterpreter`, as the local runtime does for every mesh in
 process) through its own transport (`worker_transport.WorkerTransport`):
 
 - `setup` loads the mesh's executables for the worker's own devices from what the driver
-  compiled while planning and shipped (`codegen.executable_cache`), and compiles those it
-  cannot load (another host's, a mesh spanning hosts; donated accumulators included);
+  compiled while planning and shipped (`codegen.executable_cache`; only with
+  `HLOPAR_LOAD_EXECUTABLES=1`), and compiles those it cannot load (all of them without it,
+  another host's, a mesh spanning hosts; donated accumulators included);
 - `run_step` runs the mesh's stream and then its update fragments. A value moved once (a
   sum read by another mesh's update, an update result read by another mesh) is pulled by
   its reader from its maker (`fetch`), which answers once the value exists. Arguments are
