@@ -26,12 +26,8 @@ are stashed.
 
 from __future__ import annotations
 
-import gc
 import math
-import multiprocessing
-import os
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -46,8 +42,8 @@ from hlopar.analysis.auto_sharding.rules import OpRule
 from hlopar.analysis.fragment_memory import TUPLE_POINTER_BYTES, peak_temporaries
 from hlopar.analysis.loops import trip_count
 from hlopar.analysis.sharding import ShardingSpec
+from hlopar.analysis.stages.ilp_pool import IlpPool
 from hlopar.ir.graph import FuncGraph
-from hlopar.processes import die_with_parent
 
 __all__ = ["LayerPlan", "kernel_counts", "layer_signature", "plan_layer", "value_bytes"]
 
@@ -166,21 +162,34 @@ def plan_layer_options(
     takes its argument's layout (`new_state`, as the stage's own plan ties them)."""
     new_state = new_state or {}
     start = time.perf_counter()
+    problem, options = _build(layer, rules, mesh, split_state, cache, new_state)
+    plans = []
+    for allowed, restricted in options:
+        solution = ilp.solve(restricted, time_limit=time_limit, num_workers=1)
+        plans.append(_finish(layer, roles, mesh, problem, allowed, solution, start, new_state, donated))
+        start = time.perf_counter()
+    return plans
+
+
+def _build(layer: FuncGraph, rules, mesh: LogicalMesh, split_state: Sequence[bool], cache, new_state) -> tuple:
+    """The layer's ILP on `mesh` and, per `split_state` option, (the strategies it keeps, the
+    problem restricted to them)."""
     position = {v: k for k, v in enumerate(layer.args)}
     tied = {k: position[new_state[v]] for k, v in enumerate(layer.results) if new_state.get(v) in position}
     problem = build_problem(layer, rules, mesh, cache=cache, tied_results=tied)
-    plans = []
+    options = []
     for split in split_state:
         allowed = _split_state_choices(layer, problem) if split else {}
-        solution = ilp.solve(_restricted(problem.problem, allowed), time_limit=time_limit, num_workers=1)
-        if solution.status not in ("OPTIMAL", "FEASIBLE"):
-            raise RuntimeError(f"the intra-op ILP of a layer found no plan on mesh {mesh}: {solution.message}")
-        choices = tuple(allowed[v][c] if v in allowed else c for v, c in enumerate(solution.choices))
-        plans.append(
-            _layer_plan(layer, roles, mesh, problem, choices, solution, time.perf_counter() - start, new_state, donated)
-        )
-        start = time.perf_counter()
-    return plans
+        options.append((allowed, _restricted(problem.problem, allowed)))
+    return problem, options
+
+
+def _finish(layer, roles, mesh, problem, allowed, solution, start: float, new_state, donated) -> LayerPlan:
+    """The plan of one option from its ILP's solution."""
+    if solution.status not in ("OPTIMAL", "FEASIBLE"):
+        raise RuntimeError(f"the intra-op ILP of a layer found no plan on mesh {mesh}: {solution.message}")
+    choices = tuple(allowed[v][c] if v in allowed else c for v, c in enumerate(solution.choices))
+    return _layer_plan(layer, roles, mesh, problem, choices, solution, time.perf_counter() - start, new_state, donated)
 
 
 def _layer_plan(
@@ -475,10 +484,10 @@ def plan_layers(
 
     Two pairs are one problem when the layers have one `layer_signature` and the meshes one
     `plan_key` for the layer's dimensions (its plan is renamed onto the other mesh's axes);
-    the options of one problem share one ILP build (`plan_layer_options`).
-    With `workers > 1` the problems are solved in forked processes, grouped by mesh so that
-    each process shares strategy work between the layers it plans on one mesh. `new_state`,
-    `donated`: as `plan_layer`'s."""
+    the options of one problem share one ILP build (`plan_layer_options`), and builds share
+    strategy work between the layers of one mesh. The builds read the IR, here; the ILPs are
+    plain data, solved once per content (`ilp_pool`), here or, where that pays and
+    `workers > 1`, in spawned processes. `new_state`, `donated`: as `plan_layer`'s."""
     signatures = [layer_signature(layer, rules, roles, donated) for layer in layers]
     dims = {sig: None for sig in signatures}
     for k, layer in enumerate(layers):
@@ -496,18 +505,31 @@ def plan_layers(
     groups: dict[int, list] = {}
     for key, (k, m) in first.items():
         groups.setdefault(m, []).append((k, tuple(sorted(splits[key]))))
-    work = _LayerWork(
-        tuple(layers), rules, tuple(roles), tuple(distinct), time_limit, dict(new_state or {}), frozenset(donated)
-    )
-    tasks = sorted(groups.items())
-    results = _solve_in_workers(work, tasks, workers) if workers > 1 and len(tasks) > 1 else None
-    if results is None:
-        results = [work.solve(task) for task in tasks]
+    new_state = dict(new_state or {})
     solved = {}
-    for (m, items), plans in zip(tasks, results):
-        for (k, options), per_option in zip(items, plans):
-            for split, plan in zip(options, per_option):
-                solved[(k, m, split)] = plan
+    pending: list = []  # (layer, mesh id, split, problem, allowed, solution getter, start)
+
+    def finish(done: list) -> None:
+        for k, m, split, problem, allowed, solution, start in done:
+            plan = _finish(layers[k], roles, distinct[m], problem, allowed, solution(), start, new_state, donated)
+            solved[(k, m, split)] = plan
+
+    with IlpPool(time_limit, workers, expected=sum(len(options) for _, options in splits.items())) as pool:
+        for m, items in sorted(groups.items()):
+            cache = StrategyCache(distinct[m])
+            for k, options in items:
+                start = time.perf_counter()
+                problem, built = _build(layers[k], rules, distinct[m], options, cache, new_state)
+                for split, (allowed, restricted) in zip(options, built):
+                    pending.append((k, m, split, problem, allowed, pool.submit(restricted), start))
+                # Solved here already: plan it now and let the build go. In workers: keep
+                # a few builds waiting, no more (each holds its problem).
+                keep = 2 * workers if pool.spawned else 0
+                if len(pending) > keep:
+                    finish(pending[: len(pending) - keep])
+                    del pending[: len(pending) - keep]
+        finish(pending)
+        count = pool.solved
     table = []
     for k in range(len(layers)):
         row = []
@@ -521,73 +543,4 @@ def plan_layers(
                 plan = renamed(plan, names)
             row.append(plan)
         table.append(tuple(row))
-    count = sum(len(options) for items in groups.values() for _, options in items)
     return LayerTable(tuple(table), count)
-
-
-@dataclass(frozen=True)
-class _LayerWork:
-    layers: tuple[FuncGraph, ...]
-    rules: Mapping[int, OpRule | None]
-    roles: tuple[str, ...]
-    meshes: tuple[LogicalMesh, ...]
-    time_limit: float
-    new_state: Mapping[int, int]
-    donated: frozenset[int]
-
-    def solve(self, task: tuple[int, list[tuple[int, tuple[bool, ...]]]]) -> list[list[LayerPlan]]:
-        """Plans of each (layer, split_state options) of a task on its mesh, one build each."""
-        mesh, items = self.meshes[task[0]], task[1]
-        cache = StrategyCache(mesh)
-        return [
-            plan_layer_options(
-                self.layers[k],
-                self.rules,
-                self.roles,
-                mesh,
-                splits,
-                time_limit=self.time_limit,
-                cache=cache,
-                new_state=self.new_state,
-                donated=self.donated,
-            )
-            for k, splits in items
-        ]
-
-
-_ADOPTED: list[_LayerWork] = []  # in a forked worker: the work it inherited
-
-
-def _adopt(work: _LayerWork, parent: int) -> None:
-    die_with_parent(parent)  # a killed planner leaves no worker solving
-    gc.disable()  # the inherited heap holds live IR and JAX objects: never let the child sweep it
-    _ADOPTED.append(work)
-
-
-def _solve_in_workers(work: _LayerWork, tasks: list, workers: int) -> list | None:
-    """The tasks solved in forked processes, or None if a worker died (the caller then solves
-    them in this process). Fork lets the children inherit the graphs, which hold live IR,
-    instead of pickling them; they run only Python and CP-SAT, never JAX. The parent's heap
-    is frozen first so that no collection in a child touches objects it shares with JAX."""
-    from concurrent.futures import ProcessPoolExecutor
-    from concurrent.futures.process import BrokenProcessPool
-
-    gc.freeze()
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="os.fork", category=RuntimeWarning)
-            with ProcessPoolExecutor(
-                min(workers, len(tasks)),
-                mp_context=multiprocessing.get_context("fork"),
-                initializer=_adopt,
-                initargs=(work, os.getpid()),
-            ) as pool:
-                return list(pool.map(_solve_group, tasks))
-    except BrokenProcessPool:
-        return None
-    finally:
-        gc.unfreeze()
-
-
-def _solve_group(task) -> list[list[LayerPlan]]:
-    return _ADOPTED[-1].solve(task)

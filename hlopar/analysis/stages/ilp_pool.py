@@ -1,0 +1,119 @@
+"""The layer ILPs of stage construction, each distinct one solved once, here or in spawned workers.
+
+A `Problem` is plain data (`auto_sharding.problem`), so it is its own key: two layers (or
+two intra-op options) whose ILPs have equal nodes and edges share one solve, whatever
+produced them. Node names are left out of the key: they only name nodes in messages.
+
+Where the solves run is decided as they go, by a measured rule: they start in this process;
+once the solves already made predict that the ones left would take longer here than in
+`workers` processes plus the start of those processes (`SPAWN_START_SECONDS`), the rest go to
+a pool of spawned processes, which receive each problem as plain data (pickled) and import
+only numpy and CP-SAT, never JAX. The planning process meanwhile builds the next problems.
+Small models (a tiny GPT's handful of ILPs) thus never start a process; CP-SAT runs with one
+thread and a fixed seed, so where a problem is solved does not change its solution.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field, replace
+
+from hlopar.analysis.auto_sharding import ilp
+from hlopar.analysis.auto_sharding.problem import Problem
+from hlopar.processes import die_with_parent
+
+__all__ = ["SPAWN_START_SECONDS", "IlpPool", "content_key", "worth_spawning"]
+
+# What starting the pool costs before its first solve: a spawned interpreter importing numpy,
+# ortools' CP-SAT (which imports pandas) and hlopar's ILP modules, and pickling a problem
+# over. Measured on the two-core development machine at a load of ~2 (docs/performance.md,
+# "Layer ILPs"): 1.2 to 2.1 s; the larger, so that a pool starts only where it clearly pays.
+SPAWN_START_SECONDS = 2.0
+
+
+def content_key(problem: Problem) -> Problem:
+    """`problem` without its node names: equal keys, equal solutions."""
+    return replace(problem, nodes=tuple(replace(node, name="") if node.name else node for node in problem.nodes))
+
+
+def worth_spawning(mean_seconds: float, remaining: int, workers: int) -> bool:
+    """Whether `remaining` solves of `mean_seconds` each finish sooner in `workers` spawned
+    processes, after `SPAWN_START_SECONDS` of start-up, than one after another here."""
+    if workers < 2 or remaining < 2:
+        return False
+    here = mean_seconds * remaining
+    return SPAWN_START_SECONDS + here / min(workers, remaining) < here
+
+
+@dataclass
+class IlpPool:
+    """Solves `Problem`s by `ilp.solve(problem, time_limit=..., num_workers=1)`. `submit`
+    hands back a callable that gives the solution (blocking until a worker has it); `expected`
+    solves still to come, which the rule weighs. Use as a context manager: the workers end
+    with it. `solved` counts the distinct problems solved, `spawned` whether a pool started."""
+
+    time_limit: float
+    workers: int
+    expected: int = 0
+    solved: int = 0
+    spawned: bool = False
+    _known: dict = field(default_factory=dict)
+    _seconds_here: float = 0.0
+    _solved_here: int = 0
+    _pool: ProcessPoolExecutor | None = None
+
+    def submit(self, problem: Problem) -> Callable[[], ilp.Solution]:
+        key = content_key(problem)
+        self.expected = max(self.expected - 1, 0)
+        if key not in self._known:
+            self.solved += 1
+            self._known[key] = self._start(problem)
+        found = self._known[key]
+        return lambda: self._result(found, problem)
+
+    def _start(self, problem: Problem) -> ilp.Solution | Future:
+        if self._pool is None and self._solved_here and not self.spawned:
+            mean = self._seconds_here / self._solved_here
+            if worth_spawning(mean, self.expected + 1, self.workers):
+                self._pool = ProcessPoolExecutor(
+                    min(self.workers, self.expected + 1),
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=die_with_parent,
+                    initargs=(os.getpid(),),
+                )
+                self.spawned = True
+        if self._pool is not None:
+            try:
+                return self._pool.submit(_solve, problem, self.time_limit)
+            except BrokenProcessPool:
+                self._pool = None
+        start = time.perf_counter()
+        solution = _solve(problem, self.time_limit)
+        self._seconds_here += time.perf_counter() - start
+        self._solved_here += 1
+        return solution
+
+    def _result(self, found: ilp.Solution | Future, problem: Problem) -> ilp.Solution:
+        if isinstance(found, ilp.Solution):
+            return found
+        try:
+            return found.result()
+        except BrokenProcessPool:  # a worker died (killed, out of memory): solve it here
+            return _solve(problem, self.time_limit)
+
+    def __enter__(self) -> IlpPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+
+def _solve(problem: Problem, time_limit: float) -> ilp.Solution:
+    return ilp.solve(problem, time_limit=time_limit, num_workers=1)
