@@ -1,7 +1,7 @@
 """The processes hlopar forks end with the process that forked them.
 
-A forked child (the command lines' isolated worker, `cli.guard.run_isolated`; the layer-ILP
-workers of stage construction, `analysis.stages.layer_costs`) calls `die_with_parent()` first:
+A forked child (the command lines' isolated worker, `cli.guard.run_isolated`) or a spawned
+worker (stage construction's layer-ILP pool, `analysis.stages.ilp_pool`) calls `die_with_parent()` first:
 on Linux the kernel then sends it SIGKILL when its parent dies, however the parent died
 (SIGTERM from `timeout`, SIGINT, SIGKILL, a crash), so that no child keeps planning, and
 holding memory, with no one to read its result. Elsewhere it does nothing.

@@ -226,7 +226,7 @@ class StageConstructionPass(ModulePass):
             new_state=new_state,
             donated=donated,
         )
-        plans, distinct = table.plans, table.solved
+        plans, distinct, spawned = table.plans, table.solved, table.spawned
         timings["layer_ilps"] = time.perf_counter() - clock
 
         arrays, received = _layer_arrays(graph, layering, layers, plans, meshes, CLUSTER_PRESETS[self.preset])
@@ -247,6 +247,7 @@ class StageConstructionPass(ModulePass):
         stats = {
             "timings": timings,
             "layer_ilps": distinct,
+            "layer_ilps_spawned": spawned,
             "logical_meshes": len(meshes),
             "num_layers": layering.num_layers,
             "submeshes": [[s.hosts, s.devices] for s in submeshes],
@@ -404,6 +405,7 @@ class StageConstructionPass(ModulePass):
             "submeshes": stats["submeshes"],
             "logical_meshes": stats["logical_meshes"],
             "layer_ilps_solved": stats["layer_ilps"],
+            "layer_ilps_spawned": stats["layer_ilps_spawned"],
             "timings": timings,
         }
 

@@ -463,10 +463,12 @@ def renamed(plan: LayerPlan, names: Mapping[str, str]) -> LayerPlan:
 
 @dataclass(frozen=True)
 class LayerTable:
-    """plans[l][g] for every layer l and (logical mesh, option) g, and how many ILPs it took."""
+    """plans[l][g] for every layer l and (logical mesh, option) g, how many ILPs it took and
+    whether they were solved in spawned processes (`ilp_pool`)."""
 
     plans: tuple[tuple[LayerPlan, ...], ...]
     solved: int
+    spawned: bool = False
 
 
 def plan_layers(
@@ -529,7 +531,7 @@ def plan_layers(
                     finish(pending[: len(pending) - keep])
                     del pending[: len(pending) - keep]
         finish(pending)
-        count = pool.solved
+        count, spawned = pool.solved, pool.spawned
     table = []
     for k in range(len(layers)):
         row = []
@@ -543,4 +545,4 @@ def plan_layers(
                 plan = renamed(plan, names)
             row.append(plan)
         table.append(tuple(row))
-    return LayerTable(tuple(table), count)
+    return LayerTable(tuple(table), count, spawned)
