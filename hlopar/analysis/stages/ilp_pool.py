@@ -30,9 +30,10 @@ from hlopar.processes import die_with_parent
 __all__ = ["SPAWN_START_SECONDS", "IlpPool", "content_key", "worth_spawning"]
 
 # What starting the pool costs before its first solve: a spawned interpreter importing numpy,
-# ortools' CP-SAT (which imports pandas) and hlopar's ILP modules, and pickling a problem
-# over. Measured on the two-core development machine at a load of ~2 (docs/performance.md,
-# "Layer ILPs"): 1.2 to 2.1 s; the larger, so that a pool starts only where it clearly pays.
+# ortools' CP-SAT (which imports pandas) and hlopar's ILP modules, and a problem pickled over.
+# Measured (docs/performance.md, "Layer ILPs without fork"): 1.0 to 1.15 CPU seconds per
+# worker; twice that in wall seconds leaves room for a loaded machine, so that a pool starts
+# only where it clearly pays.
 SPAWN_START_SECONDS = 2.0
 
 
