@@ -156,9 +156,9 @@ from hlopar.passes.base import ModulePass, PassContext, option, report_option
 from hlopar.passes.microbatching.batch_checks import BatchChecks
 from hlopar.passes.microbatching.batch_statistics import rescale_mean
 from hlopar.passes.microbatching.common import (
+    CONTROL_FLOW_OPS,
     LOCAL,
     LOCAL_SUM,
-    SUM_OPS,
     SplitError,
     invariant,
     top_op,
@@ -233,6 +233,8 @@ class _Splitter(BatchChecks, KindAnalysis, Resizer):
         self.rules: list[OpRule | None] = []
         self.iotas: list[ir.Operation] = []  # iotas along the batch, to count globally
         self.per_example_results: dict[int, int] = {}  # results carrying the batch -> their batch dim
+        self.scales = 0  # normalizers of the whole batch factored out of the microbatches
+        self.scale_refusal = "none is"  # why the statistics used per example are not such normalizers
 
     def run(self) -> dict:
         self._propagate()
@@ -286,6 +288,7 @@ class _Splitter(BatchChecks, KindAnalysis, Resizer):
             "means_per_microbatch": len(means),
             "iotas_counting_globally": len(self.iotas),
             "per_example_results": len(self.per_example_results),
+            "scales_factored": self.scales,
         }
 
     def _hand_off(self, kinds: list[str | None]) -> None:
@@ -334,7 +337,7 @@ class _Splitter(BatchChecks, KindAnalysis, Resizer):
         per_microbatch = {self.graph.ops[i].mlir_op for i in self.per_microbatch}
         for node, kind in zip(self.graph.ops, kinds):
             op = node.mlir_op
-            if kind is None or not op.regions or node.name in SUM_OPS:
+            if kind is None or node.name not in CONTROL_FLOW_OPS:
                 continue
             last = op
             for number, (vid, value) in enumerate(zip(node.results, op.results)):

@@ -14,9 +14,12 @@ from hlopar.analysis.sharding import ShardingPerValue, TensorSharding
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.ir.graph import FuncGraph
 from hlopar.ir.module import find_main
+from hlopar.ir.op_attrs import decode_attrs
 from hlopar.ir.signature import FuncSignature
+from hlopar.passes.microbatching.batch_positions import batch_gathers
 from hlopar.passes.microbatching.common import (
     AXIS,
+    CONTROL_FLOW_OPS,
     MESH,
     SDY_SHARDING,
     SUM_OPS,
@@ -41,7 +44,9 @@ class BatchChecks:
         Whole on purpose: each step reads what the previous left in the clone (the mesh, the
         constraints, the propagated shardings), in the order Shardy's propagation needs."""
         size = math.gcd(*(self.graph.values[self.graph.args[i]].shape[0] for i in self.batch_args))
-        if unshare_splats(self.main, size):
+        # Gathers by the batch's own positions as batched gathers (with B = 1, as written).
+        gathers = batch_gathers(self.main, self.batch_args) if self.b > 1 else 0
+        if unshare_splats(self.main, size) or gathers:
             self.graph, self.ops = FuncGraph.from_func(self.main), walk_ops(self.main)
         clone_module = self.module.clone()
         clone = find_main(clone_module)
@@ -150,11 +155,41 @@ class BatchChecks:
         if name in ("stablehlo.rng", "stablehlo.rng_bit_generator"):
             self._per_microbatch_random(op)  # refused, or resized with a warning
             return
+        if name in ("stablehlo.reduce_window", "stablehlo.select_and_scatter"):
+            self._check_window(op, next((d for d in operands if d), None))
         if rule is None or rule.is_custom:
             raise SplitError(
                 op, f"'{name}' has no sharding rule: hlopar cannot tell whether it mixes the examples of the batch"
             )
         self._check_factors(op, rule, operands, results)
+
+    @staticmethod
+    def _check_window(op: ir.Operation, div: tuple[int, ...] | None) -> None:
+        """A window op (pooling, a cumulative sum, their gradients) splits along the batch
+        like an elementwise op where its window holds one example of the batch dim: size 1,
+        stride 1, no dilation, no padding. Checked before the op's rule, whose verdict
+        ("moves data") would not say why."""
+        attrs = decode_attrs(op)
+        for d, parts in enumerate(div or ()):
+            if parts == 1:
+                continue
+            spans = {
+                "size": attrs.window_dimensions[d],
+                "stride": attrs.window_strides[d],
+                "dilation": getattr(attrs, "window_dilations", (1,) * len(div))[d],
+                "base dilation": getattr(attrs, "base_dilations", (1,) * len(div))[d],
+            }
+            wide = [f"{what} {n}" for what, n in spans.items() if n != 1]
+            low, high = attrs.padding[d]
+            if low or high:
+                wide.append(f"padding {low}, {high}")
+            if wide:
+                raise SplitError(
+                    op,
+                    f"'{op.name}' slides a window along the batch (dim {d}: {', '.join(wide)}): "
+                    "its windows would hold examples of several microbatches (pooling or a "
+                    "cumulative sum over the batch?); only windows over the other dims split",
+                )
 
     def _check_return(self, op: ir.Operation, operands: list[tuple[int, ...] | None]) -> None:
         """A function's results: per-example results concatenate along one dim; a region's:
@@ -174,7 +209,7 @@ class BatchChecks:
                 if div:
                     self.per_example_results[number] = dim
             return
-        if parent.name in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
+        if parent.name in CONTROL_FLOW_OPS:
             expected = [self.divided(v) for v in parent.results]
             if operands != expected:
                 raise SplitError(op, f"a value carried by '{parent.name}' changes its batch dims inside it")

@@ -35,6 +35,8 @@ TYPE_ONLY_OPS = (
             "dot",
             "convolution",
             "reduce",
+            "reduce_window",  # a window over the batch is refused (`BatchChecks._check_window`)
+            "select_and_scatter",
             "select",
             "compare",
             "convert",
@@ -68,6 +70,10 @@ TYPE_ONLY_OPS = (
 SUM_OPS = frozenset(
     {"stablehlo.reduce", "stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution", "stablehlo.scatter"}
 )
+# Real control flow: a loop or branch whose regions run the step's own ops, with kinds of their
+# own (`KindAnalysis._control_flow_kinds`). Other ops with a region (reduce, reduce_window,
+# select_and_scatter, scatter, sort, map) apply it to elements: their rule says how they split.
+CONTROL_FLOW_OPS = frozenset({"stablehlo.while", "stablehlo.case", "stablehlo.if"})
 # Ops linear in a sum operand (with the other operands independent of the batch).
 STRUCTURAL_OPS = frozenset(
     "stablehlo." + n for n in ["reshape", "transpose", "broadcast_in_dim", "slice", "reverse", "copy", "negate"]
@@ -150,9 +156,9 @@ def allocate(division: int, sizes: list[int]) -> list[int] | None:
     return shares if left == 1 else None
 
 
-def reduces_by_add(op: ir.Operation) -> bool:
-    """Whether the op's body returns the sum of its two block arguments."""
-    block = op.regions[0].blocks[0]
+def reduces_by_add(op: ir.Operation, region: int = 0) -> bool:
+    """Whether the op's body (its region `region`) returns the sum of its two block arguments."""
+    block = op.regions[region].blocks[0]
     ops = [o.operation for o in block.operations]
     if len(ops) != 2 or ops[0].name != "stablehlo.add" or len(block.arguments) != 2:
         return False
@@ -182,7 +188,7 @@ def linear_in_sums(name: str, op: ir.Operation, kinds: list[str | None]) -> bool
         return sums[0] and all(sums)
     if name in ("stablehlo.add", "stablehlo.subtract", "stablehlo.concatenate"):
         return all(s or z for s, z in zip(sums, zeros))
-    if name in ("stablehlo.multiply", "stablehlo.dot_general", "stablehlo.dot"):
+    if name in ("stablehlo.multiply", "stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"):
         return sum(sums) == 1
     if name == "stablehlo.divide":
         return sums == [True, False]
@@ -197,6 +203,12 @@ def linear_in_sums(name: str, op: ir.Operation, kinds: list[str | None]) -> bool
         return all(s or z for s, z in zip(sums[:2], zeros[:2])) and not any(sums[2:])
     if name in ("stablehlo.dynamic_slice", "stablehlo.gather"):
         return sums[0] and not any(sums[1:])
+    if name == "stablehlo.scatter":  # sums added at indices into a sum (or zeros)
+        return len(op.results) == 1 and reduces_by_add(op) and (sums[0] or zeros[0]) and sums[2] and not sums[1]
+    if name == "stablehlo.select_and_scatter":  # a sum scattered where a value independent of it selects
+        return sums == [False, True, False] and zeros[2] and reduces_by_add(op, region=1)
+    if name == "stablehlo.reduce_window":  # sums over windows
+        return len(op.results) == 1 and sums == [True, False] and zeros[1] and reduces_by_add(op)
     return False
 
 

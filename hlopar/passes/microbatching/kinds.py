@@ -14,12 +14,14 @@ from hlopar.analysis.auto_sharding.rules import PASS_THROUGH_OPS
 from hlopar.analysis.training_roles import classify
 from hlopar.dialect.attributes import BATCH, STEP, SUM
 from hlopar.ir.extract import value_of
+from hlopar.ir.graph import FuncGraph
 from hlopar.ir.signature import FuncSignature
+from hlopar.passes.microbatching.batch_scales import batch_only_values, factor_scales, scale_uses
 from hlopar.passes.microbatching.batch_statistics import mean_divisions, reduced_count
 from hlopar.passes.microbatching.common import (
+    CONTROL_FLOW_OPS,
     LOCAL,
     LOCAL_SUM,
-    SUM_OPS,
     ZERO,
     SplitError,
     ancestors,
@@ -29,6 +31,7 @@ from hlopar.passes.microbatching.common import (
     linear_in_sums,
     op_place,
     value_origin,
+    walk_ops,
 )
 
 
@@ -62,6 +65,8 @@ class KindAnalysis:
         found = self._kind_pass(frozenset(means))
         if found.refusals:
             raise found.refusals[0]
+        if self.b > 1 and found.statistics and self._factor_scales(found):
+            return self._kinds()  # the IR changed: its kinds anew
         self._mark_per_microbatch(found)
         error = None
         if self.b == 1:
@@ -77,9 +82,32 @@ class KindAnalysis:
                 "per example: a batch statistic that is not a mean over the batch (means "
                 "are taken per microbatch, as GPipe does), or the backward of a loss that "
                 "is not a sum or mean over the batch, cannot be split into microbatches "
-                "(with microbatches=1 the step runs as written)",
+                "(a normalizer such as sum(weights) is, where it is a scalar computed from "
+                f"the batch only and used linearly: here {self.scale_refusal}; with "
+                "microbatches=1 the step runs as written)",
             )
         return found.op_kinds, found.value_kind, error, means
+
+    def _factor_scales(self, found: KindPass) -> bool:
+        """Factors the batch's normalizers out of the microbatches (`batch_scales`) where the
+        statistics used per example are such; whether the IR changed (else why not, in
+        `scale_refusal`)."""
+        if any(i not in found.per_example for i, _ in found.statistics):
+            self.scale_refusal = "a statistic of the microbatch uses it"
+            return False
+        uses = scale_uses(
+            self.graph,
+            found.statistics,
+            batch_only_values(self.graph, self.batch_args),
+            lambda v: self.divided(value_of(self.graph, v)) is not None,
+        )
+        if isinstance(uses, str):
+            self.scale_refusal = uses
+            return False
+        factor_scales(self.graph, uses)
+        self.graph, self.ops = FuncGraph.from_func(self.main), walk_ops(self.main)
+        self.scales += len(uses.readers)
+        return True
 
     def _kind_pass(self, means: frozenset[int]) -> KindPass:
         """Kinds in program order; `means` (op indices) are per-microbatch statistics."""
@@ -109,7 +137,7 @@ class KindAnalysis:
             if any(carries) or BATCH in read_kinds:
                 found.per_example.add(index)
                 results = [BATCH if c else SUM for c in carries]  # a sum over the batch: checked by _check_op
-                if op.regions and node.name not in SUM_OPS:
+                if node.name in CONTROL_FLOW_OPS:
                     # A loop or branch: what it carries or returns, from the ops inside.
                     found.reductions[index] = None
                     if self.b > 1:
@@ -230,7 +258,7 @@ class KindAnalysis:
 
     def _inner_kinds(self, op: ir.Operation, known: dict[ir.Value, str | None], found: KindPass) -> list[str | None]:
         """The kinds of an op's results inside a loop or branch that runs per microbatch."""
-        if op.name in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
+        if op.name in CONTROL_FLOW_OPS:
             return self._control_flow_kinds(op, known, found)
         reads = [self._kind_in(v, known) for v in op.operands]
         carries = [self.divided(r) is not None for r in op.results]
@@ -308,7 +336,7 @@ class KindAnalysis:
                 f"({', '.join(names.arg(i) for i in self.batch_args)}); name them with "
                 "batch-args=...",
             )
-        if kind[value] == STEP:
+        if kind[value] == STEP and not self._scaled_sum(value, kind, batch_only_values(graph, self.batch_args)):
             culprit = self._first_nonlinear(value, kind)
             raise SplitError(
                 culprit,
@@ -318,6 +346,21 @@ class KindAnalysis:
                 "or dividing by values independent of the batch may appear",
             )
         return loss
+
+    def _scaled_sum(self, value: int, kind: dict[int, str | None], batch_only: set[int]) -> bool:
+        """Whether `value` (of kind STEP) is linear in the sums over the batch that depend on
+        the parameters, values computed from the batch only taken as constants: a sum over
+        the batch normalized by one (`sum(loss * weights) / sum(weights)`, `batch_scales`)."""
+        node = self.graph.ops[self.graph.values[value].producer]
+        kinds: list[str | None] = []
+        for v in node.operands:
+            if v in batch_only or kind[v] is None:
+                kinds.append(None)
+            elif kind[v] == SUM or (kind[v] == STEP and self._scaled_sum(v, kind, batch_only)):
+                kinds.append(SUM)
+            else:
+                return False
+        return linear_in_sums(node.name, node.mlir_op, kinds)
 
     def _first_nonlinear(self, value: int, kind: dict[int, str | None]) -> ir.Operation:
         """The STEP op on the way to `value` whose inputs are all sums or independent."""

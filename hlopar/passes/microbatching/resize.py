@@ -61,8 +61,6 @@ class Resizer:
                 values = list(ir.DenseI64ArrayAttr(op.attributes[key]))
                 if any(values[d] for d, div in enumerate(operands[0]) if div > 1):
                     raise SplitError(op, "'stablehlo.pad' pads the batch dim")
-        elif name in ("stablehlo.reduce_window", "stablehlo.select_and_scatter"):
-            self._check_window(op, operands[0])
         elif name == "stablehlo.rng":
             self._fix_rng_shape(op, results[0])
         elif name not in TYPE_ONLY_OPS and name not in ("sdy.sharding_constraint", "sdy.reshard"):
@@ -93,19 +91,6 @@ class Resizer:
                         op, f"'{op.name}' takes a slice of size {sizes[d]} of the batch dim (size {shape[d]})"
                     )
         op.attributes[key] = ir.DenseI64ArrayAttr.get(sizes)
-
-    def _check_window(self, op, div) -> None:
-        rank = len(div)
-        for key, neutral in (("window_dimensions", 1), ("window_strides", 1), ("base_dilations", 1)):
-            if key in op.attributes:
-                values = list(ir.DenseI64ArrayAttr(op.attributes[key]))
-                if any(values[d] != neutral for d in range(rank) if div[d] > 1):
-                    raise SplitError(op, f"'{op.name}' has a window along the batch dim")
-        if "padding" in op.attributes:
-            padding = ir.DenseIntElementsAttr(op.attributes["padding"])
-            flat = [int(x) for x in padding]
-            if any(flat[2 * d] or flat[2 * d + 1] for d in range(rank) if div[d] > 1):
-                raise SplitError(op, f"'{op.name}' pads the batch dim")
 
     def _fix_rng_shape(self, op, div) -> None:
         shape_value = op.operands[2]
