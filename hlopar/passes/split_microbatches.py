@@ -21,10 +21,17 @@ are divided by B (`ir.Value.set_type`), and the attributes that spell out sizes 
 (`slice` limits, `dynamic_slice`/`gather` slice sizes, splat constants, `rng` shapes,
 `while` block arguments).
 
+Ops with a region are loops or branches only where they are (`while`, `case`, `if`); a
+windowed reduction (pooling, a cumulative sum: `reduce_window`; max pooling's gradient:
+`select_and_scatter`) is checked by its rule like any op, its window along the batch dims
+first (`_check_window`: size, stride, dilation and padding 1, 1, 1, 0 there). Gathers and
+scatters that index the batch dim by the example's own position (`x[jnp.arange(B), i]`) are
+rewritten as batched ones before the propagation (`microbatching.batch_positions`).
+
 Refused with B > 1 (the pass fails, located; each message says what would need the
 split): a batch dim not divisible by B; an op that moves data along the batch (slicing or
 padding part of it, concatenating, sorting, reversing along it, a non-splat constant of
-batch shape); a reduction over the batch that is not a sum (max, a reduce of several
+batch shape, a window along it); a reduction over the batch that is not a sum (max, a reduce of several
 values, a reduce with a non-zero init, a scatter into a non-zero buffer); inside a loop or
 branch, anything but accumulating sums over the batch (below); a parameter combined with the
 batch along its batch dim;
@@ -78,6 +85,16 @@ sum: the result is the mean over microbatches of each microbatch's value. Both l
 through a reshape of kind `sum`, not elementwise, so that `training_roles` does not take
 it (nor what it reads) for the optimizer's arithmetic, with or without JAX's name stacks.
 The loss must not depend on a statistic other than through per-example values.
+
+## Normalizers of the batch only
+
+A float scalar computed from the batch arguments alone (no parameter, no state) and read per
+example, as the backward of `sum(loss * weights) / sum(weights)` reads `1 / sum(weights)`, is
+factored out of the microbatches where what is computed from it per example is linear in it
+(`microbatching.batch_scales`): the microbatches read 1 in its place, and each sum over the
+batch made from it is multiplied by it after the sums. The loss, the quotient of the two sums,
+is then accepted as a sum over the batch normalized by a value of the batch only. Any other
+statistic used per example is refused as above, saying why it is not such a normalizer.
 
 ## The IR contract (read through `hlopar.dialect.split`)
 

@@ -6,7 +6,8 @@ arguments follow from a step's results. Nothing here is written for hlopar: the 
 arguments and results, the nesting (dicts, `TrainState`, NNX states, Equinox modules) and
 the way keys and counters are threaded are the libraries' own.
 
-Sizes: a batch of 8 examples (32 for BatchNorm) of 4 features, hidden width 8, 3 classes.
+Sizes: a batch of 8 examples (32 for BatchNorm) of 4 features (images of 6x6x2 for the CNN),
+hidden width 8, 3 classes.
 """
 
 from __future__ import annotations
@@ -254,6 +255,47 @@ def case_linen_batch_norm() -> Case:
         "linen_batch_norm",
         train_step,
         (state, linen_batch(size=4 * BATCH)),
+        (1,),
+        advance=lambda a, r: (r[0], a[1]),
+        loss=lambda r: r[1]["loss"],
+        params=lambda a: a[0].params,
+        params_of=lambda r: r[0].params,
+        grads=batch_norm_grads,
+        apply=batch_norm_apply,
+        microbatch_semantics=True,
+    )
+
+
+class LinenBatchNormCNN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Conv(4, (3, 3))(x)
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9)(x)
+        x = nn.max_pool(nn.relu(x), (2, 2), strides=(2, 2))
+        return nn.Dense(CLASSES)(x.reshape(x.shape[0], -1))
+
+
+def case_linen_batch_norm_cnn() -> Case:
+    """The BatchNorm guide's step on a CNN with max pooling (`reduce_window`, and
+    `select_and_scatter` in its gradient), images of 6x6x2, a batch of 32."""
+    model = LinenBatchNormCNN()
+    kx, ky = jax.random.split(jax.random.PRNGKey(2))
+    batch = {
+        "image": jax.random.normal(kx, (4 * BATCH, 6, 6, 2)),
+        "label": jax.random.randint(ky, (4 * BATCH,), 0, CLASSES),
+    }
+    variables = model.init(jax.random.PRNGKey(0), batch["image"][:1], train=False)
+    state = BatchNormTrainState.create(
+        apply_fn=model.apply, params=variables["params"], batch_stats=variables["batch_stats"], tx=optax.adam(LR)
+    )
+
+    def train_step(state, batch):
+        return batch_norm_apply(state, *batch_norm_grads(state, batch))
+
+    return Case(
+        "linen_batch_norm_cnn",
+        train_step,
+        (state, batch),
         (1,),
         advance=lambda a, r: (r[0], a[1]),
         loss=lambda r: r[1]["loss"],
@@ -525,6 +567,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "jnp_metrics": case_jnp_metrics,
     "linen_train_state": case_linen_train_state,
     "linen_batch_norm": case_linen_batch_norm,
+    "linen_batch_norm_cnn": case_linen_batch_norm_cnn,
     "linen_dropout": case_linen_dropout,
     "nnx_optimizer": case_nnx_optimizer,
     "optax_clip_adam": case_optax_clip_adam,
