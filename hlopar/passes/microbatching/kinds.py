@@ -81,10 +81,9 @@ class KindAnalysis:
                 f"'{node.name}' uses a value computed from the whole batch (at {where}) "
                 "per example: a batch statistic that is not a mean over the batch (means "
                 "are taken per microbatch, as GPipe does), or the backward of a loss that "
-                "is not a sum or mean over the batch, cannot be split into microbatches "
-                "(a normalizer such as sum(weights) is, where it is a scalar computed from "
-                f"the batch only and used linearly: here {self.scale_refusal}; with "
-                "microbatches=1 the step runs as written)",
+                "is not a sum or mean over the batch, cannot be split into microbatches, "
+                "and it is not a normalizer that can (a float scalar of the batch only, used "
+                f"linearly: {self.scale_refusal}) (with microbatches=1 the step runs as written)",
             )
         return found.op_kinds, found.value_kind, error, means
 

@@ -12,7 +12,7 @@ func.func @main(%w: tensor<3xf32>, %x: tensor<8x3xf32>, %m: tensor<8xf32>) -> (t
   %num = stablehlo.reduce(%e init: %zero) applies stablehlo.add across dimensions = [0] : (tensor<8xf32>, tensor<f32>) -> tensor<f32>
   %den = stablehlo.reduce(%h init: %zero) applies stablehlo.add across dimensions = [0, 1] : (tensor<8x3xf32>, tensor<f32>) -> tensor<f32>
   %c = stablehlo.divide %num, %den : tensor<f32>
-  // CHECK: scale_errors.mlir:[[# @LINE + 1]]:{{[0-9]+}}: error: hlopar-split-microbatches: 'stablehlo.broadcast_in_dim' uses a value computed from the whole batch (at 'stablehlo.divide'{{.*}}) per example: {{.*}} here it depends on the parameters or the step's state; with microbatches=1 the step runs as written)
+  // CHECK: scale_errors.mlir:[[# @LINE + 1]]:{{[0-9]+}}: error: hlopar-split-microbatches: 'stablehlo.broadcast_in_dim' uses a value computed from the whole batch (at 'stablehlo.divide'{{.*}}) per example: {{.*}} (a float scalar of the batch only, used linearly: it depends on the parameters or the step's state) (with microbatches=1 the step runs as written)
   %cb = stablehlo.broadcast_in_dim %c, dims = [] : (tensor<f32>) -> tensor<8xf32>
   %ge = stablehlo.multiply %cb, %m : tensor<8xf32>
   %s = stablehlo.reduce(%ge init: %zero) applies stablehlo.add across dimensions = [0] : (tensor<8xf32>, tensor<f32>) -> tensor<f32>
@@ -30,7 +30,7 @@ func.func @main(%w: tensor<3xf32>, %x: tensor<8x3xf32>, %m: tensor<8xf32>) -> (t
   %e = stablehlo.reduce(%h init: %zero) applies stablehlo.add across dimensions = [1] : (tensor<8x3xf32>, tensor<f32>) -> tensor<8xf32>
   %den = stablehlo.reduce(%m init: %zero) applies stablehlo.add across dimensions = [0] : (tensor<8xf32>, tensor<f32>) -> tensor<f32>
   %c = stablehlo.divide %one, %den : tensor<f32>
-  // CHECK: scale_errors.mlir:[[# @LINE + 1]]:{{[0-9]+}}: error: hlopar-split-microbatches: 'stablehlo.broadcast_in_dim' uses a value computed from the whole batch {{.*}} here 'stablehlo.multiply' is not linear in it;
+  // CHECK: scale_errors.mlir:[[# @LINE + 1]]:{{[0-9]+}}: error: hlopar-split-microbatches: 'stablehlo.broadcast_in_dim' uses a value computed from the whole batch {{.*}} used linearly: 'stablehlo.multiply' is not linear in it)
   %cb = stablehlo.broadcast_in_dim %c, dims = [] : (tensor<f32>) -> tensor<8xf32>
   %c2 = stablehlo.multiply %cb, %cb : tensor<8xf32>
   %ge = stablehlo.multiply %c2, %e : tensor<8xf32>
