@@ -9,11 +9,15 @@ backward and update ops then follow their forward layer (`op_layers.layer_of_ops
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hlopar.analysis.flops import function_flops
 from hlopar.analysis.op_layers import layer_of_ops, marked_layers
 from hlopar.analysis.stages.clustering import choose_num_layers, cluster_operators
-from hlopar.analysis.training_roles import Role, classify
+from hlopar.analysis.training_roles import Role, TrainingRoles, classify
+from hlopar.dialect.attributes import STEP
 from hlopar.dialect.layers import Layering
+from hlopar.dialect.split import op_kinds
 from hlopar.ir.graph import FuncGraph
 
 __all__ = ["HEAVY", "MAX_AUTO_LAYERS", "cluster_layers"]
@@ -27,7 +31,7 @@ def cluster_layers(
 ) -> tuple[Layering, dict]:
     """The layering of a function and a report of it; `ValueError` where the training roles
     cannot be told (`training_roles.classify`). `layers` None: chosen."""
-    roles = classify(graph, loss_result=loss_result)
+    roles = _once_per_step(graph, classify(graph, loss_result=loss_result))
     flops = function_flops(graph)
     forward = [op.index for op in graph.ops if roles.roles[op.index] is Role.FORWARD]
     pinned = marked_layers(graph) or {}
@@ -61,6 +65,16 @@ def cluster_layers(
     )
     info.update(_summary(graph, layering, flops))
     return layering, info
+
+
+def _once_per_step(graph: FuncGraph, roles: TrainingRoles) -> TrainingRoles:
+    """In a step the microbatch split wrote, an op of kind `step` runs once, on the
+    microbatches' sums: UPDATE, whatever the data flow says. The loss of a loss normalized
+    by the whole batch's weights (`sum(l * w) / sum(w)`: the quotient of two sums) is one."""
+    kinds = op_kinds(graph)
+    if STEP not in kinds:
+        return roles
+    return replace(roles, roles=tuple(Role.UPDATE if k == STEP else r for r, k in zip(roles.roles, kinds)))
 
 
 def _forward_values(graph: FuncGraph, forward: list[int], position: dict[int, int]) -> list[tuple[int, list[int], int]]:

@@ -25,9 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from microbatch_steps import assert_leaves_close, run_split, split_jax_step
+from microbatch_steps import assert_leaves_close, run_pipeline, run_split, split_jax_step
 
+from hlopar.codegen.pipeline_program import pipeline_program
 from hlopar.ir.diagnostics import DiagnosticError
+from hlopar.runtime.local_executor import PipelinedStep
 
 N, CLASSES, LR = 8, 3, 0.1
 # Summation order only: the microbatches sum their gradients in another order than the
@@ -196,6 +198,22 @@ def test_a_loss_normalized_by_the_whole_batchs_weights(tmp_path):
         jax.grad(_padded_lm_loss)(w, *(jnp.split(a, 4)[k] for a in (x, targets, mask))) / 4 for k in range(4)
     )
     assert not np.allclose(per_microbatch, jax.grad(_padded_lm_loss)(w, x, targets, mask), rtol=1e-3)
+
+
+def test_a_normalized_loss_pipelined_on_two_stages():
+    """Planned into two stages on 2 x 4 CPU devices and run by `PipelinedStep`: the loss (the
+    quotient of two sums) and the gradients' scaling run once, in update fragments (ops of
+    kind `step` are the update's, whatever the data flow says)."""
+    args = _token_data()
+    step = _sgd(_padded_lm_loss)
+    module, _ = split_jax_step(step, args, 4)
+    plan = (
+        "hlopar-cluster-operators{layers=2},hlopar-stage-construction{schedule=1f1b num-hosts=2 "
+        "devices-per-host=4 workers=1 stages=2}"
+    )
+    program = pipeline_program(run_pipeline(str(module), plan))
+    assert len(program.meshes) == 2, "the plan does not pipeline: the test would prove less"
+    assert_leaves_close(PipelinedStep(program)(jax.tree_util.tree_leaves(args), "1f1b"), jax.jit(step)(*args), RTOL)
 
 
 def test_a_normalizer_computed_from_the_parameters_is_refused():
