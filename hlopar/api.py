@@ -137,6 +137,8 @@ from hlopar.runtime.protocol import Runtime
 from hlopar.runtime.ray_runtime import WorkerError
 from hlopar.runtime.remote_array import RemoteArray, is_key, read_all, with_step
 from hlopar.runtime.step_arguments import wrap_keys
+from hlopar.static_leaves import StaticLeaves, StaticResults
+from hlopar.step_loss import returning_loss, unreturned_loss
 from hlopar.units import parse_bytes
 
 __all__ = [
@@ -333,6 +335,7 @@ class _Compiled:
     cluster: Cluster
     outputs: list = field(default_factory=list)  # per result leaf: its shape and dtype, and its name
     pieces: Any = None  # dialect.layers.LayerPieces: stacked layers split per layer, or None
+    static_results: StaticResults = field(default_factory=StaticResults)  # result leaves returned as they are
     # The RemoteArrays its calls returned that are still referenced (read before its workers
     # stop for another signature's, `ParallelizedFunction._stop`).
     issued: weakref.WeakValueDictionary = field(default_factory=weakref.WeakValueDictionary)
@@ -382,6 +385,7 @@ class ParallelizedFunction:
         layers: int | None = None,
         memory_per_device: float | str | None = None,
         loss_result: int | None = None,
+        loss: str | Callable | None = None,
     ):
         """Checks every argument where the user called `parallelize` (as `jax.jit` does), then
         keeps them as `PlanOptions`. Long because each argument has its own check and message;
@@ -398,6 +402,14 @@ class ParallelizedFunction:
         if num_microbatches is not None:
             check_argument("num_microbatches", lambda n: check_count(n, low=1), num_microbatches)
         check_argument("timeout", check_seconds, timeout)
+        if loss is not None and not (isinstance(loss, str) or callable(loss)):
+            raise TypeError(
+                f"loss must be a result's path (a str, such as \"[2]['loss']\") or a function of the results "
+                f"(such as lambda out: out[2]['loss']), got {type(loss).__name__}"
+            )
+        if loss is not None and loss_result is not None:
+            raise ValueError("loss and loss_result both name the loss: give one of them")
+        self.loss = loss
         for name, numbers in (
             ("batch_argnums", () if batch_argnums is ... else batch_argnums),
             ("donate_argnums", donate_argnums),
@@ -475,25 +487,36 @@ class ParallelizedFunction:
 
     # -- building
 
-    @staticmethod
-    def _signature(args: tuple) -> tuple:
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        return (tree, tuple((np.shape(x), _dtype(x)) for x in leaves))
+    def _signature(self, args: tuple) -> tuple:
+        """The pytree, the traced leaves' shapes and dtypes, the static leaves' values
+        (`static_leaves`: as eqx.filter_jit keeps them)."""
+        split = StaticLeaves.of(args, self.__name__)
+        return (split.key, tuple((np.shape(x), _dtype(x)) for x in split.leaves()))
 
     def plan(self, *args) -> tuple[PlannedStep, Any]:
         """Lowers and plans the step for these arguments, starting nothing: the plan and
         JAX's lowering. Raises `PlanningError` in the user's terms; the passes' warnings are
         raised as `HloparWarning`s."""
-        return self._plan(_resolved(self.cluster), args)
+        return self._plan(_resolved(self.cluster), args)[:2]
 
-    def _plan(self, cluster: Cluster, args: tuple) -> tuple[PlannedStep, Any]:
+    def _plan(self, cluster: Cluster, args: tuple) -> tuple[PlannedStep, Any, StaticResults]:
         from hlopar.ir.host_callbacks import lowered_host_callbacks
 
         self._progress.phase("lowering")
         self._breakdown = breakdown = Breakdown()
         clock = time.perf_counter()
-        abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), args)
-        lowered = jax.jit(self.fn, keep_unused=True, donate_argnums=self.donate_argnums).lower(*abstract)
+        split = StaticLeaves.of(args, self.__name__)
+        abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), split.dynamic)
+        traced, static_results = split.traced(self.fn)
+        trace = jax.jit(traced, keep_unused=True, donate_argnums=self.donate_argnums).trace(*abstract)
+        loss = self._loss_leaf(trace.out_info)
+        dropped = unreturned_loss(trace.jaxpr) if loss is None else None
+        if dropped is not None:  # a step taking gradients of a loss it does not return (`step_loss`)
+            loss = len(jax.tree_util.tree_leaves(trace.out_info))
+            with_loss = returning_loss(traced, trace.jaxpr, dropped, jax.tree_util.tree_structure(trace.out_info))
+            trace = jax.jit(with_loss, keep_unused=True, donate_argnums=self.donate_argnums).trace(*abstract)
+            static_results.loss_added = True
+        lowered = trace.lower()
         # With debug info: each op's location is the user's source line, each argument
         # named by its pytree path, so that messages speak of their code.
         text = lowered.as_text(debug_info=True)
@@ -510,7 +533,9 @@ class ParallelizedFunction:
             planned = _planned(
                 text,
                 cluster,
-                replace(self.options, batch_args=tuple(batch_args) if batch_args is not None else None),
+                replace(
+                    self.options, batch_args=tuple(batch_args) if batch_args is not None else None, loss_result=loss
+                ),
                 cache=self.cache,
                 log=self._log,
                 host_callbacks=here,
@@ -528,7 +553,7 @@ class ParallelizedFunction:
         if compiling is not None:
             breakdown.add("compiling (memory check)", compiling)
         self._log(describe_plan(planned))
-        return planned, lowered
+        return planned, lowered, static_results
 
     def compile(self, *args) -> _Compiled:
         """Lowers, plans and starts the workers for these arguments (what the first call
@@ -568,7 +593,7 @@ class ParallelizedFunction:
 
             prestart(os.cpu_count() or 1)
         try:
-            planned, lowered = self._plan(cluster, args)
+            planned, lowered, static_results = self._plan(cluster, args)
             outputs = _output_leaves(lowered, self.__name__)
             pieces = LayerPieces.from_json(planned.plan.get("layer_pieces"))
             devices, why_not = (
@@ -633,7 +658,15 @@ class ParallelizedFunction:
             progress.done()
             raise
         return _Compiled(
-            signature, lowered.out_tree, planned, runtime, cluster, outputs, pieces=pieces, first_call=self._breakdown
+            signature,
+            lowered.out_tree,
+            planned,
+            runtime,
+            cluster,
+            outputs,
+            pieces=pieces,
+            first_call=self._breakdown,
+            static_results=static_results,
         )
 
     def _restart(self) -> None:
@@ -679,16 +712,40 @@ class ParallelizedFunction:
                 pass
         runtime.shutdown()
 
+    def _loss_leaf(self, out_info) -> int | None:
+        """The result leaf `loss` (or `loss_result`) names, checked to be a floating scalar;
+        None where it is to be found."""
+        if self.loss is None:
+            return self.options.loss_result
+        flat = jax.tree_util.tree_flatten_with_path(out_info)[0]
+        paths = [jax.tree_util.keystr(path) for path, _ in flat]
+        if isinstance(self.loss, str):
+            found = paths.index(self.loss) if self.loss in paths else None
+            what = repr(self.loss)
+        else:
+            numbered = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_info), range(len(flat)))
+            found = self.loss(numbered)
+            what = getattr(self.loss, "__name__", "the function")
+        if not isinstance(found, int) or isinstance(found, bool):
+            raise PlanningError(
+                f"hlopar cannot parallelize {self.__name__}{defined_at(self.fn)}:\nloss={what} names no result "
+                f"leaf of {self.__name__}; its results are {', '.join(paths) or 'none'}"
+            )
+        info = flat[found][1]
+        if info.shape != () or not jax.numpy.issubdtype(info.dtype, jax.numpy.floating):
+            raise PlanningError(
+                f"hlopar cannot parallelize {self.__name__}{defined_at(self.fn)}:\nloss={what} names "
+                f"{self.__name__}'s result {paths[found]}, a {info.dtype}{list(info.shape)}: the loss is a "
+                "floating-point scalar"
+            )
+        return found
+
     def _batch_leaves(self, args: tuple) -> list[int] | None:
+        """The traced leaves (`@main`'s arguments) of the `batch_argnums` arguments."""
         if self.batch_argnums is ...:
             return None
-        leaves, offset = [], 0
-        for position, arg in enumerate(args):
-            count = len(jax.tree_util.tree_leaves(arg))
-            if position in self.batch_argnums:
-                leaves += range(offset, offset + count)
-            offset += count
-        return leaves
+        positions = StaticLeaves.of(args, self.__name__).positions()
+        return [i for i, position in enumerate(positions) if position in self.batch_argnums]
 
     # -- running
 
@@ -709,18 +766,19 @@ class ParallelizedFunction:
                 except WorkerError:  # its workers died: stopped, what they held says so when read
                     pass
         runtime = compiled.runtime
+        split = StaticLeaves.of(args, self.__name__)  # the static leaves are in the plan
         arguments, resident = [], {}  # resident: leaf -> (step, result leaf) the runtime keeps
-        for i, leaf in enumerate(jax.tree_util.tree_leaves(args)):
+        for i, leaf in enumerate(split.leaves()):
             if isinstance(leaf, RemoteArray):
                 held = leaf.resident_in(runtime)
                 if held is not None:
                     arguments.append(_HELD)
                     resident[i] = held
                     continue
-                leaf = _read_argument(leaf, f"{self.__name__}'s argument {_leaf_path(args, i)}")
+                leaf = _read_argument(leaf, f"{self.__name__}'s argument {split.paths()[i]}")
             arguments.append(leaf)  # typed keys go in as their key data (`step_arguments`)
         clock = time.perf_counter()
-        output = runtime.run(*_program_arguments(compiled, arguments, resident, args, self.__name__))
+        output = runtime.run(*_program_arguments(compiled, arguments, resident, split, self.__name__))
         if compiled.first_call is not None and compiled.first_call_done is False:
             self._first_call_done(compiled, time.perf_counter() - clock)
         self._donate(args)
@@ -749,7 +807,7 @@ class ParallelizedFunction:
         for leaf in leaves:
             if isinstance(leaf, RemoteArray):
                 compiled.issued[id(leaf)] = leaf
-        return jax.tree_util.tree_unflatten(compiled.out_tree, leaves)
+        return compiled.static_results.rebuild(leaves, compiled.out_tree)
 
     def _donate(self, args: tuple) -> None:
         """As `jax.jit` donates: the donated arguments are deleted (a result kept on the
@@ -875,8 +933,8 @@ class ParallelizedFunction:
                 f"cannot restore from {directory}: {type(error).__name__}: {error}; nothing was "
                 "restored (the live state is as it was)"
             ) from error
-        return jax.tree_util.tree_unflatten(
-            compiled.out_tree, wrap_keys([jax.device_put(x, device) for x in leaves], compiled.outputs)
+        return compiled.static_results.rebuild(
+            wrap_keys([jax.device_put(x, device) for x in leaves], compiled.outputs), compiled.out_tree
         )
 
     def _save_every(self) -> None:
@@ -996,7 +1054,7 @@ def _read_argument(leaf: RemoteArray, what: str):
 
 
 def _program_arguments(
-    compiled: _Compiled, arguments: list, resident: dict, args: tuple, name: str
+    compiled: _Compiled, arguments: list, resident: dict, args: StaticLeaves, name: str
 ) -> tuple[list, dict]:
     """@main's arguments and resident ones ({argument: (step, result position)}) from the
     step's leaves: stacked layers cut into their pieces, each piece resident where the
@@ -1008,17 +1066,12 @@ def _program_arguments(
     found = pieces.resident({i: o for i, (s, o) in resident.items()})
     stray = {pieces.arg_origin[k] for k, a in enumerate(program) if a is _HELD and k not in found}
     if stray:  # kept, but cut otherwise than this argument: read it
-        leaves = jax.tree_util.tree_leaves(args)
+        leaves, paths = args.leaves(), args.paths()
         for i in stray:
-            arguments[i] = _key_data(_read_argument(leaves[i], f"{name}'s argument {_leaf_path(args, i)}"))
+            arguments[i] = _key_data(_read_argument(leaves[i], f"{name}'s argument {paths[i]}"))
             del resident[i]
         return _program_arguments(compiled, arguments, resident, args, name)
     return program, {k: (resident[pieces.arg_origin[k]][0], r) for k, r in found.items()}
-
-
-def _leaf_path(args: tuple, i: int) -> str:
-    """Leaf `i` of the step's arguments, named by its path (`[0]['w']`), for messages."""
-    return jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(args)[0][i][0])
 
 
 def _result_parts(pieces, count: int) -> list[tuple[int, ...]]:
@@ -1074,6 +1127,7 @@ def parallelize(
     layers: int | None = None,
     memory_per_device: float | str | None = None,
     loss_result: int | None = None,
+    loss: str | Callable | None = None,
 ):
     """`fn` (a pure JAX function, e.g. a training step) run over a cluster: a callable with
     `fn`'s signature and results. Usable as a decorator, with or without arguments.
@@ -1123,6 +1177,7 @@ def parallelize(
             layers=layers,
             memory_per_device=memory_per_device,
             loss_result=loss_result,
+            loss=loss,
         )
 
     return wrap if fn is None else wrap(fn)

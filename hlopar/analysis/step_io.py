@@ -6,8 +6,9 @@ Rules:
 
 - **State** (`state_pairs`): a result is the new value of an argument of its type that it
   is computed from by elementwise ops (or is, unchanged); donation (`tf.aliasing_output`)
-  pairs outright, JAX's pytree names and the fewest ops settle ties. Never by position:
-  users return `(loss, params)` as often as `(params, loss)`.
+  pairs outright, JAX's pytree names and the fewest ops settle ties. A result left over is
+  the new value of the argument its pytree path names, whatever computes it. Never by
+  position: users return `(loss, params)` as often as `(params, loss)`.
 - **Batch** (`batch_arguments`): the arguments the loss is computed from that are not
   state, not scalars and not random keys (`is_random_key`).
 - **Loss**: the rank-0 floating-point result that is not state (a rank-0 float result tied
@@ -71,6 +72,10 @@ def state_pairs(graph: FuncGraph) -> tuple[tuple[int, int], ...]:
        common tail of the two pytree paths JAX names them by (`params['w']` and
        `result[1]['w']`), the fewest elementwise ops between them, then program order.
     3. A random key result pairs with the one key argument of its type it is drawn from.
+    4. A result still unpaired is the new value of the argument of its type whose pytree
+       path ends as its own does (over the most keys; a tie pairs nothing), whatever
+       computes it: the power-iteration vectors of a spectral norm are a matrix-vector
+       product of the weight, not an elementwise function of their old value.
 
     The auto-sharding pass ties each pair to one layout.
     """
@@ -124,7 +129,30 @@ def _state_pairs(graph: FuncGraph) -> tuple[tuple[int, int], ...]:
         if len(keys) == 1:
             pairs[r] = keys[0]
             taken.add(keys[0])
+    _pair_by_paths(values, args, results, pairs, taken, arg_tails, result_tails)
     return tuple(sorted((arg, result) for result, arg in pairs.items()))
+
+
+def _pair_by_paths(values, args, results, pairs: dict, taken: set, arg_tails: list, result_tails: list) -> None:
+    """Rule 4 of `state_pairs`: a result still unpaired is the new value of the argument of
+    its type whose pytree path ends as its own does, over more keys than any other such
+    argument's, whatever computes it (a power iteration's vectors, a reset counter). A tie
+    pairs nothing (the batch's candidates then name both, `batch_arguments`)."""
+    free = [i for i in range(len(args)) if i not in taken]
+    for r, value in enumerate(results):
+        if r in pairs or r >= len(result_tails) or not result_tails[r]:
+            continue
+        scored = {}
+        for i in free:
+            if i not in taken and i < len(arg_tails) and values[args[i]].type == values[value].type:
+                common = _common_tail(arg_tails[i], result_tails[r])
+                if common:
+                    scored.setdefault(common, []).append(i)
+        if scored:
+            best = scored[max(scored)]
+            if len(best) == 1:
+                pairs[r] = best[0]
+                taken.add(best[0])
 
 
 def _elementwise_distances(graph: FuncGraph, value: int, targets: dict[int, int]) -> dict[int, int]:

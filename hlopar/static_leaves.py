@@ -1,0 +1,127 @@
+"""Non-array leaves of a step's arguments and results, kept static as `eqx.filter_jit` keeps
+them (`hlopar.parallelize`).
+
+An Equinox model is passed whole: beside its arrays it holds activation functions, strings
+(a BatchNorm's `axis_name`) and bools (`inference`). `jax.jit` refuses such leaves;
+`eqx.filter_jit` traces the arrays and keeps every other leaf as a Python value, baked into
+the program and part of its cache key. hlopar does the same, with jax.jit's rule for Python
+numbers (traced, weakly typed: `TrainState.create`'s `step=0` and the int32 the step returns
+are one signature):
+
+- **dynamic** (traced, an argument of `@main`): arrays (anything with a shape and a dtype:
+  jax and numpy arrays, numpy scalars, hlopar's `RemoteArray`) and Python ints, floats and
+  complex numbers;
+- **static**: every other leaf (functions, strings, bools, other objects), hashed into the
+  call's signature as jax hashes static arguments; an unhashable one is refused with its
+  pytree path. A result leaf that is not traced (the model's functions and strings coming
+  back) is returned as the Python value the step returned.
+
+The step is lowered with the static leaves replaced by `None` (an empty subtree, so that
+every array keeps its pytree path, which names `@main`'s arguments and results).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+__all__ = ["StaticLeaves", "is_static"]
+
+
+def is_static(leaf: Any) -> bool:
+    """Whether a leaf stays a Python value (module docstring)."""
+    if isinstance(leaf, bool):
+        return True
+    if isinstance(leaf, (int, float, complex)):
+        return False
+    return not (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
+
+
+@dataclass(frozen=True)
+class StaticLeaves:
+    """A call's arguments split into traced leaves and static ones: `key` is what the
+    signature holds of the static ones (their leaf numbers and values)."""
+
+    treedef: Any
+    static: dict[int, Any]  # leaf number -> value
+    dynamic: tuple  # the arguments with every static leaf replaced by None
+    key: tuple
+
+    @staticmethod
+    def of(args: tuple, name: str) -> StaticLeaves:
+        """Splits `args`; an unhashable static leaf is refused naming its path (`name`: the
+        step's, for the message)."""
+        flat, treedef = jax.tree_util.tree_flatten_with_path(args)
+        static = {i: leaf for i, (_, leaf) in enumerate(flat) if is_static(leaf)}
+        for i, leaf in static.items():
+            try:
+                hash(leaf)
+            except TypeError as error:
+                raise TypeError(
+                    f"{name}'s argument {jax.tree_util.keystr(flat[i][0])} is a {type(leaf).__name__}, not an "
+                    "array: hlopar keeps such leaves static, as eqx.filter_jit does, which needs them hashable "
+                    f"({error}); make it an array, or a hashable value"
+                ) from None
+        dynamic = jax.tree_util.tree_unflatten(treedef, [None if i in static else x for i, (_, x) in enumerate(flat)])
+        key = (treedef, tuple((i, type(v), v) for i, v in static.items()))
+        return StaticLeaves(treedef, static, tuple(dynamic), key)
+
+    def leaves(self) -> list:
+        """The traced leaves, in order: `@main`'s arguments."""
+        return jax.tree_util.tree_leaves(self.dynamic)
+
+    def paths(self) -> list[str]:
+        """Per traced leaf, its path in the arguments (`[0]['w']`), for messages."""
+        return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(self.dynamic)[0]]
+
+    def positions(self) -> list[int]:
+        """Per traced leaf, the positional argument it is in."""
+        return [i for i, arg in enumerate(self.dynamic) for _ in jax.tree_util.tree_leaves(arg)]
+
+    def traced(self, fn: Callable) -> tuple[Callable, StaticResults]:
+        """`fn` as jax lowers it here: it takes `dynamic` (the static leaves put back at trace
+        time) and returns its results with their static leaves replaced by None, which the
+        returned `StaticResults` puts back. Named and signed as `fn` (`functools.wraps`), so
+        that jax names `@main`'s arguments by `fn`'s parameters."""
+        results = StaticResults()
+        static, treedef = self.static, self.treedef
+
+        @functools.wraps(fn)
+        def step(*dynamic):
+            traced = iter(jax.tree_util.tree_leaves(dynamic))
+            args = [static[i] if i in static else next(traced) for i in range(treedef.num_leaves)]
+            out = fn(*jax.tree_util.tree_unflatten(treedef, args))
+            leaves, results.treedef = jax.tree_util.tree_flatten(out)
+            results.static = {k: x for k, x in enumerate(leaves) if is_static(x)}
+            return jax.tree_util.tree_unflatten(
+                results.treedef, [None if k in results.static else x for k, x in enumerate(leaves)]
+            )
+
+        return step, results
+
+
+@dataclass
+class StaticResults:
+    """The static leaves of a step's results, found when it is traced (`StaticLeaves.traced`)."""
+
+    treedef: Any = None
+    static: dict[int, Any] = field(default_factory=dict)
+    # The step was lowered returning `(its results, its loss)` (`step_loss.returning_loss`):
+    # the loss is dropped from what a call returns.
+    loss_added: bool = False
+
+    def rebuild(self, leaves: list, traced_tree: Any) -> Any:
+        """The step's results from its traced result leaves (`traced_tree`: their pytree, as
+        jax returned it): the loss hlopar added dropped, the static leaves put back."""
+        if self.loss_added:
+            leaves, traced_tree = list(leaves)[:-1], traced_tree.children()[0]
+        if not self.static:
+            return jax.tree_util.tree_unflatten(traced_tree, leaves)
+        traced = iter(leaves)
+        return jax.tree_util.tree_unflatten(
+            self.treedef, [self.static[k] if k in self.static else next(traced) for k in range(self.treedef.num_leaves)]
+        )
