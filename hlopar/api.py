@@ -543,7 +543,8 @@ class ParallelizedFunction:
             )
         except (DiagnosticError, RolesError) as error:
             raise PlanningError(
-                f"hlopar cannot parallelize {self.__name__}{defined_at(self.fn)}:\n{in_api_terms(str(error))}"
+                f"hlopar cannot parallelize {self.__name__}{defined_at(self.fn)}:\n"
+                f"{in_api_terms(str(error), self.__name__)}"
             ) from None
         for message in planned.plan.get("warnings", ()):
             warnings.warn(in_api_terms(message), HloparWarning, stacklevel=3)

@@ -34,15 +34,22 @@ _API_OPTIONS = (
     (re.compile(r"\bbatch-args="), "batch_argnums="),
     (re.compile(r"(?<![\w-])microbatches="), "num_microbatches="),
     (re.compile(r"\brng=per-microbatch"), 'rng="per-microbatch"'),
+    (
+        re.compile(r"\bgive loss-result=N\b"),
+        "name the loss with loss=..., a result's path such as \"[2]['loss']\" or a function of the results",
+    ),
     (re.compile(r"\bloss-result="), "loss_result="),
 )
 
 
-def in_api_terms(message: str) -> str:
+def in_api_terms(message: str, name: str | None = None) -> str:
     """A pass's message as a `parallelize` user reads it: options named as its arguments,
-    no placeholder file for what has no source line (an argument, the whole step)."""
+    `@main` as the step's `name`, no placeholder file for what has no source line (an
+    argument, the whole step)."""
     for pattern, replacement in _API_OPTIONS:
         message = pattern.sub(replacement, message)
+    if name is not None:
+        message = re.sub(r"@main\b", name, message)
     return re.sub(r"(?m)^-: ", "", message)
 
 

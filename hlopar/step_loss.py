@@ -74,7 +74,10 @@ def returning_loss(fn: Callable, closed: ClosedJaxpr, loss: Var, out_tree: Any) 
     """`fn` (whose trace is `closed`, its results of pytree `out_tree`) returning `(its
     results, loss)`: the trace evaluated again, each equation at its source line and name
     stack, so that `@main` keeps the user's locations. Signed as `fn`."""
-    jaxpr = closed.jaxpr.replace(outvars=[*closed.jaxpr.outvars, loss], debug_info=None)
+    debug = closed.jaxpr.debug_info
+    if debug.result_paths is not None:
+        debug = debug._replace(result_paths=(*debug.result_paths, "loss"))
+    jaxpr = closed.jaxpr.replace(outvars=[*closed.jaxpr.outvars, loss], debug_info=debug)
 
     @functools.wraps(fn)
     def step(*args):

@@ -317,7 +317,11 @@ class KindAnalysis:
         if self.b == 1:
             return loss
         if loss is None:
-            raise SplitError(self.main, "no loss found: @main does not look like a training step (give loss-result=N)")
+            raise SplitError(
+                self.main,
+                "no loss found: @main returns no floating-point scalar that it takes gradients of: "
+                "microbatches split a training step (give loss-result=N)",
+            )
         value = graph.results[loss]
         if kind[value] == LOCAL:
             raise SplitError(

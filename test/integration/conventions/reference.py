@@ -29,10 +29,13 @@ no larger than the largest update of any parameter.
 
 from __future__ import annotations
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numerics
 from steps import Case
+
+from hlopar.static_leaves import is_static
 
 RTOL = 1e-5
 
@@ -50,19 +53,33 @@ def split_batch(args: tuple, batch_argnums, microbatches: int) -> list[tuple]:
 
 
 def microbatch_mean(fn, args: tuple, batch_argnums, microbatches: int):
-    """Gradient accumulation on one device: `fn` on each microbatch, every result leaf
-    averaged over the microbatches."""
-    outs = [jax.jit(fn)(*a) for a in split_batch(args, batch_argnums, microbatches)]
-    return jax.tree_util.tree_map(lambda *xs: sum(xs[1:], xs[0]) / len(xs), *outs)
+    """Gradient accumulation on one device: `fn` on each microbatch, every floating result
+    leaf averaged over the microbatches (others, flags and counters, are every microbatch's
+    alike: the first's)."""
+    outs = [eqx.filter_jit(fn)(*a) for a in split_batch(args, batch_argnums, microbatches)]
+
+    def mean(*xs):
+        return sum(xs[1:], xs[0]) / len(xs) if jnp.issubdtype(xs[0].dtype, jnp.floating) else xs[0]
+
+    return jax.tree_util.tree_map(mean, *outs)
 
 
 def reference_step(case: Case, args: tuple, microbatches: int):
-    """What the step must compute on these arguments with `microbatches` microbatches."""
+    """What the step must compute on these arguments with `microbatches` microbatches
+    (`eqx.filter_jit`, which takes a model whole; hlopar's results read as jax arrays, Python
+    numbers as the arrays jax.jit traces them as)."""
+    args = jax.tree_util.tree_map(_traced_as_jax_jit_traces, args)
     if case.grads is None or microbatches == 1:
-        return jax.jit(case.step)(*args)
+        return eqx.filter_jit(case.step)(*args)
     accumulated = microbatch_mean(case.grads, args, case.batch_argnums, microbatches)
     rest = [a for i, a in enumerate(args) if i not in case.batch_argnums]
-    return jax.jit(case.apply)(*rest, *accumulated)
+    return eqx.filter_jit(case.apply)(*rest, *accumulated)
+
+
+def _traced_as_jax_jit_traces(x):
+    if hasattr(x, "__jax_array__") and not isinstance(x, jax.Array):
+        return x.__jax_array__()
+    return jnp.asarray(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x
 
 
 def trajectory(case: Case, steps: int, microbatches: int = 1) -> list:
@@ -76,5 +93,21 @@ def trajectory(case: Case, steps: int, microbatches: int = 1) -> list:
 
 def compare(case: Case, args: tuple, actual, expected) -> None:
     """`actual` (a parallel step's results) against `expected` (the reference): same pytree,
-    then every leaf (module docstring; `numerics.assert_adam_step_close`)."""
-    numerics.assert_adam_step_close(actual, expected, case.params(args), case.params_of, rtol=RTOL)
+    then every leaf (module docstring; `numerics.assert_adam_step_close`). Leaves that are no
+    arrays (an Equinox model's functions and strings, `hlopar.static_leaves`) are equal."""
+    actual, expected = _arrays(actual, expected)
+    params = case.params(args)
+    params = jax.tree_util.tree_map(lambda x: None if is_static(x) else x, params)
+    numerics.assert_adam_step_close(actual, expected, params, case.params_of, rtol=RTOL)
+
+
+def _arrays(actual, expected):
+    """Both pytrees with their non-array leaves, checked equal, replaced by None."""
+    have, tree = jax.tree_util.tree_flatten(actual)
+    want, want_tree = jax.tree_util.tree_flatten(expected)
+    assert tree == want_tree, f"results {tree}, expected {want_tree}"
+    for a, b in zip(have, want):
+        assert is_static(a) == is_static(b) and (not is_static(a) or a == b), (a, b)
+    return tuple(
+        jax.tree_util.tree_unflatten(tree, [None if is_static(x) else x for x in leaves]) for leaves in (have, want)
+    )

@@ -44,12 +44,16 @@ class Case:
     args: tuple
     batch_argnums: tuple[int, ...]
     advance: Callable[[tuple, Any], tuple]
-    loss: Callable[[Any], jax.Array]
+    loss: Callable[[Any], jax.Array] | None  # None: the step returns no loss
     params: Callable[[tuple], Any]
     params_of: Callable[[Any], Any]
     grads: Callable | None = None
     apply: Callable | None = None
     microbatch_semantics: bool = False  # several microbatches change the result (batch statistics)
+    # Whether `jax.jit(step).lower(*args)` exports it for hlopar-compile: not where the
+    # arguments hold non-array leaves (jax.jit refuses them) or the loss is not returned
+    # (only `parallelize` finds it, in jax's trace).
+    exported: bool = True
 
 
 def data(seed: int = 1, size: int = BATCH):
@@ -500,6 +504,156 @@ def case_equinox() -> Case:
     )
 
 
+class EqxClassifier(eqx.Module):
+    """An `eqx.nn.MLP` (its activations are fields) and a string: non-array leaves."""
+
+    mlp: eqx.nn.MLP
+    pooling: str
+
+    def __init__(self, key):
+        self.mlp = eqx.nn.MLP(FEATURES, CLASSES, HIDDEN, depth=2, activation=jax.nn.relu, key=key)
+        self.pooling = "none"
+
+    def __call__(self, x):
+        return self.mlp(x)
+
+
+def case_equinox_whole_model() -> Case:
+    """The model passed whole, functions and strings included, as `eqx.filter_jit` takes it."""
+    optim = optax.sgd(LR)
+    model = EqxClassifier(jax.random.PRNGKey(0))
+
+    @eqx.filter_value_and_grad
+    def compute_loss(model, x, y):
+        return cross_entropy(jax.vmap(model)(x), y)
+
+    def make_step(model, opt_state, x, y):
+        loss, grads = compute_loss(model, x, y)
+        updates, opt_state = optim.update(grads, opt_state)
+        return loss, eqx.apply_updates(model, updates), opt_state
+
+    x, y = data()
+    return Case(
+        "equinox_whole_model",
+        make_step,
+        (model, optim.init(eqx.filter(model, eqx.is_array)), x, y),
+        (2, 3),
+        advance=lambda a, r: (r[1], r[2], a[2], a[3]),
+        loss=lambda r: r[0],
+        params=lambda a: a[0],
+        params_of=lambda r: r[1],
+        exported=False,
+    )
+
+
+class EqxStatefulModel(eqx.Module):
+    """BatchNorm and SpectralNorm keeping their state in `eqx.nn.State`, as Equinox's
+    stateful-layers example."""
+
+    norm: eqx.nn.BatchNorm
+    spectral: eqx.nn.SpectralNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.norm = eqx.nn.BatchNorm(FEATURES, axis_name="batch", mode="ema")
+        self.spectral = eqx.nn.SpectralNorm(eqx.nn.Linear(FEATURES, HIDDEN, key=k1), "weight", key=k2)
+        self.head = eqx.nn.Linear(HIDDEN, CLASSES, key=k3)
+
+    def __call__(self, x, state):
+        x, state = self.norm(x, state)
+        x, state = self.spectral(x, state)
+        return self.head(jax.nn.relu(x)), state
+
+
+def eqx_stateful_grads(model, state, opt_state, x, y):
+    """The stateful example's gradients and new state (`eqx.filter_grad(..., has_aux=True)`)."""
+
+    def compute_loss(model, state, x, y):
+        batched = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+        logits, state = batched(x, state)
+        return cross_entropy(logits, y), state
+
+    return eqx.filter_grad(compute_loss, has_aux=True)(model, state, x, y)
+
+
+EQX_STATEFUL_OPTIM = optax.adam(LR)
+
+
+def eqx_stateful_apply(model, state, opt_state, grads, new_state):
+    updates, opt_state = EQX_STATEFUL_OPTIM.update(grads, opt_state)
+    return eqx.apply_updates(model, updates), new_state, opt_state
+
+
+def case_equinox_state() -> Case:
+    """`eqx.nn.make_with_state`, a step returning `(model, state, opt_state)` and no loss: the
+    spectral norm's power-iteration vectors are state no elementwise rule updates."""
+    model, state = eqx.nn.make_with_state(EqxStatefulModel)(jax.random.PRNGKey(0))
+
+    def make_step(model, state, opt_state, x, y):
+        return eqx_stateful_apply(model, state, opt_state, *eqx_stateful_grads(model, state, opt_state, x, y))
+
+    x, y = data(size=4 * BATCH)
+    return Case(
+        "equinox_state",
+        make_step,
+        (model, state, EQX_STATEFUL_OPTIM.init(eqx.filter(model, eqx.is_array)), x, y),
+        (3, 4),
+        advance=lambda a, r: (r[0], r[1], r[2], a[3], a[4]),
+        loss=None,
+        params=lambda a: a[0],
+        params_of=lambda r: r[0],
+        grads=eqx_stateful_grads,
+        apply=eqx_stateful_apply,
+        microbatch_semantics=True,
+        exported=False,
+    )
+
+
+# ----------------------------------------------------------------- a VAE returning no loss
+
+
+class LinenVAE(nn.Module):
+    """An encoder to a mean and a log-variance, a reparameterized draw, a decoder."""
+
+    @nn.compact
+    def __call__(self, x, z_rng):
+        h = nn.relu(nn.Dense(HIDDEN)(x))
+        mean, logvar = nn.Dense(2)(h), nn.Dense(2)(h)
+        z = mean + jnp.exp(0.5 * logvar) * jax.random.normal(z_rng, logvar.shape)
+        return nn.Dense(FEATURES)(nn.relu(nn.Dense(HIDDEN)(z))), mean, logvar
+
+
+def case_linen_vae() -> Case:
+    """The VAE example's step: `jax.grad` of the ELBO, only the new `TrainState` returned."""
+    model = LinenVAE()
+    x = jax.nn.sigmoid(data()[0])
+    params = model.init(jax.random.PRNGKey(0), x, jax.random.PRNGKey(1))["params"]
+    state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(LR))
+
+    def train_step(state, batch, z_rng):
+        def loss_fn(params):
+            logits, mean, logvar = model.apply({"params": params}, batch, z_rng)
+            bce = optax.sigmoid_binary_cross_entropy(logits, batch).sum(-1).mean()
+            kld = (-0.5 * jnp.sum(1 + logvar - mean**2 - jnp.exp(logvar), -1)).mean()
+            return bce + kld
+
+        grads = jax.grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads)
+
+    return Case(
+        "linen_vae",
+        train_step,
+        (state, x, jax.random.PRNGKey(2)),
+        (1,),
+        advance=lambda a, r: (r, a[1], jax.random.fold_in(a[2], 1)),
+        loss=None,
+        params=lambda a: a[0].params,
+        params_of=lambda r: r.params,
+        exported=False,
+    )
+
+
 # ----------------------------------------------------------------- has_aux, typed keys
 
 
@@ -577,4 +731,7 @@ CASES: dict[str, Callable[[], Case]] = {
     "has_aux": case_has_aux,
     "typed_key": case_typed_key,
     "nnx_dropout": case_nnx_dropout,
+    "equinox_whole_model": case_equinox_whole_model,
+    "equinox_state": case_equinox_state,
+    "linen_vae": case_linen_vae,
 }

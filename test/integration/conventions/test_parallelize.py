@@ -71,7 +71,8 @@ def train(name: str, method: str, schedule: str = "eager-1f1b") -> None:
             if k:
                 results.append(parallel(*args))
             compare(case, args, results[k], reference_step(case, args, microbatches))
-            np.testing.assert_allclose(float(case.loss(results[k])), float(case.loss(expected[k])), rtol=1e-5)
+            if case.loss is not None:
+                np.testing.assert_allclose(float(case.loss(results[k])), float(case.loss(expected[k])), rtol=1e-5)
             args = case.advance(args, results[k])
         if method == "shard":  # the state saved and restored as the step left it, in fn's own pytree
             with tempfile.TemporaryDirectory() as directory:
