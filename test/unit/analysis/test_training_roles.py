@@ -216,6 +216,54 @@ def test_donation_pairs_state_outright():
     assert state_pairs(graph) == ((0, 0), (1, 1))
 
 
+def _power_iteration_step(params, state, x, y):
+    """A spectral norm's step: `u`, `v` are updated by matrix-vector products of the weight,
+    not elementwise from their old values (`v` does not even read the old `v`)."""
+    w = params["w"]
+    v = w.T @ state["u"]
+    v = v / jnp.linalg.norm(v)
+    u = w @ v
+    u = u / jnp.linalg.norm(u)
+
+    def loss_fn(params):
+        sigma = jax.lax.stop_gradient(u @ params["w"] @ v)
+        return jnp.mean((x @ (params["w"] / sigma).T - y) ** 2)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return {"w": params["w"] - 0.1 * grads["w"]}, {"u": u, "v": v}, loss
+
+
+def test_state_is_what_the_step_returns_as_an_arguments_new_value_whatever_computes_it():
+    """Rule 4 of `state_pairs`: by pytree path. The batch is then the rest (before, u and v
+    were batch candidates of another leading dim than x and y)."""
+    f32 = jnp.float32
+    args = (
+        {"w": jax.ShapeDtypeStruct((4, 6), f32)},
+        {"u": jax.ShapeDtypeStruct((4,), f32), "v": jax.ShapeDtypeStruct((6,), f32)},
+        jax.ShapeDtypeStruct((8, 6), f32),
+        jax.ShapeDtypeStruct((8, 4), f32),
+    )
+    module, graph = imported(jax.jit(_power_iteration_step, keep_unused=True).lower(*args).as_text(debug_info=True))
+    # Arguments: w, u, v, x, y; results: w, u, v, loss.
+    assert state_pairs(graph) == ((0, 0), (1, 1), (2, 2))
+    assert batch_arguments(graph) == (3, 4)
+    roles = classify(graph)
+    assert roles.loss_result == 3 and roles.state_pairs == ((0, 0), (1, 1), (2, 2))
+
+
+def test_a_path_shared_by_two_arguments_pairs_neither():
+    """Two same-typed arguments whose paths end as the result's does, over as many keys: the
+    pair is left open, never guessed."""
+
+    def step(a, b, x):
+        w = a["w"] @ b["w"]
+        return {"w": w / jnp.linalg.norm(w)}, jnp.mean(x @ w)
+
+    spec = jax.ShapeDtypeStruct((4, 4), jnp.float32)
+    module, graph = imported(jax.jit(step).lower({"w": spec}, {"w": spec}, spec).as_text(debug_info=True))
+    assert state_pairs(graph) == ()
+
+
 def test_several_leading_dims_name_the_candidates():
     def step(w, x, z):
         return jnp.mean(x @ w) + jnp.mean(z @ w), w
