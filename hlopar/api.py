@@ -9,7 +9,10 @@ The first call (per argument signature: pytree structure, shapes, dtypes):
 
 1. lowers `fn` with jax (`jax.jit(fn, keep_unused=True, donate_argnums=...).lower(...)` on abstract
    arguments, with debug info: source lines and pytree paths name what messages speak of)
-   to StableHLO text, one `@main` argument per pytree leaf;
+   to StableHLO text, one `@main` argument per array leaf (the other leaves static, as
+   `eqx.filter_jit` keeps them: `static_leaves`); a step that takes gradients of a loss it
+   does not return is lowered returning it too (`step_loss`: found in jax's trace), which
+   the call then drops;
 2. plans it with the planning pipeline `hlopar-compile` runs too (`passes.planning`, from
    one `passes.plan_options.PlanOptions`; docs/codegen.md): hlopar-import,
    hlopar-split-microbatches, then per `method`
@@ -1151,8 +1154,10 @@ def parallelize(
     Orbax's format or hlopar's (`checkpoint_format="npz"`; `ParallelizedFunction.save`,
     docs/runtime.md). `layers`: operator clustering's number of layers (default: chosen);
     `memory_per_device`: the device memory stages are planned within, bytes or a size such
-    as "80GiB" (default: the cluster preset's); `loss_result`: which leaf of `fn`'s
-    flattened results is the loss (default: found). The options are the planning
+    as "80GiB" (default: the cluster preset's); `loss`: the result that is the loss, by its
+    path (`"[2]['loss']"`) or as a function of the results (`lambda out: out[2]['loss']`);
+    `loss_result`: the same as a leaf number of `fn`'s flattened results (default: found,
+    also where `fn` drops it, module docstring). The options are the planning
     pipeline's (`passes.plan_options.PlanOptions`), as `hlopar-compile`'s flags. Module
     docstring."""
 
