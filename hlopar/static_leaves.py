@@ -55,18 +55,19 @@ class StaticLeaves:
     def of(args: tuple, name: str) -> StaticLeaves:
         """Splits `args`; an unhashable static leaf is refused naming its path (`name`: the
         step's, for the message)."""
-        flat, treedef = jax.tree_util.tree_flatten_with_path(args)
-        static = {i: leaf for i, (_, leaf) in enumerate(flat) if is_static(leaf)}
+        flat, treedef = jax.tree_util.tree_flatten(args)  # every call: paths only for a message
+        static = {i: leaf for i, leaf in enumerate(flat) if is_static(leaf)}
         for i, leaf in static.items():
             try:
                 hash(leaf)
             except TypeError as error:
+                path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(args)[0][i][0])
                 raise TypeError(
-                    f"{name}'s argument {jax.tree_util.keystr(flat[i][0])} is a {type(leaf).__name__}, not an "
-                    "array: hlopar keeps such leaves static, as eqx.filter_jit does, which needs them hashable "
+                    f"{name}'s argument {path} is a {type(leaf).__name__}, not an array: hlopar keeps such "
+                    "leaves static, as eqx.filter_jit does, which needs them hashable "
                     f"({error}); make it an array, or a hashable value"
                 ) from None
-        dynamic = jax.tree_util.tree_unflatten(treedef, [None if i in static else x for i, (_, x) in enumerate(flat)])
+        dynamic = jax.tree_util.tree_unflatten(treedef, [None if i in static else x for i, x in enumerate(flat)])
         key = (treedef, tuple((i, type(v), v) for i, v in static.items()))
         return StaticLeaves(treedef, static, tuple(dynamic), key)
 

@@ -13,14 +13,15 @@ arguments and returns its results, in `@main`'s order:
   wrote another layout), so the plan is the plan;
 - an accumulator is a zero constant (one microbatch: the sum is that microbatch's value,
   and XLA folds the add of zero away);
-- an argument is laid out as its first reader reads it; one an update fragment donates
-  stays donated (to the same result when the layouts match, else to any); one no fragment
-  reads (jax keeps unused arguments) is taken and left alone;
+- `@main` takes the arguments some fragment reads (`fused_arguments`: jax keeps unused
+  ones, which the executor then leaves out), each laid out as its first reader reads it; one
+  an update fragment donates stays donated (to the same result when the layouts match, else
+  to any);
 - a mesh only one fragment holds joins the others' (a host callback's `@maximal_mesh_0`,
   the one device `jax.jit` calls it on: `jax.debug.print` runs in its fragment alone).
 
-None where the program is not such a program (several meshes or microbatches, transfers, a
-fragment with functions besides its `@main`, two fragments
+None where the program is not such a program (several meshes or microbatches, transfers, an
+argument no fragment reads returned as a result, a fragment with functions besides its `@main`, two fragments
 giving one mesh name different meshes): it then runs fragment by fragment.
 """
 
@@ -35,7 +36,7 @@ from hlopar.codegen.pipeline_program import PipelineProgram
 from hlopar.ir.extract import clone_into
 from hlopar.ir.module import main_func
 
-__all__ = ["fuses", "one_program"]
+__all__ = ["fused_arguments", "fuses", "one_program"]
 
 _SHARDING = "sdy.sharding"
 
@@ -45,7 +46,16 @@ def fuses(program: PipelineProgram) -> bool:
     fragments = program.fragments
     if len(program.meshes) != 1 or program.microbatches != 1 or program.transfers or not fragments:
         return False
-    return _merged_symbols(fragments) is not None and len(program.argument_types) == len(program.argument_shapes)
+    if _merged_symbols(fragments) is None:
+        return False
+    read = _first_reads(program)
+    return all(program.values[v].argument in read for v in program.results if program.values[v].argument is not None)
+
+
+def fused_arguments(program: PipelineProgram) -> list[int]:
+    """The program's arguments `one_program`'s `@main` takes, in its order: those some
+    fragment reads."""
+    return sorted(_first_reads(program))
 
 
 def _merged_symbols(fragments) -> dict[str, ir.Operation] | None:
@@ -93,14 +103,11 @@ def one_program(program: PipelineProgram) -> ir.Operation | None:
         if name not in have:  # a mesh of another fragment (a host callback's)
             op.clone(ip=ir.InsertionPoint(old))
     with module.context, ir.Location.unknown():
-        inputs = [
-            bodies[first_read[i][0]].arguments[first_read[i][1]].type
-            if i in first_read
-            else ir.Type.parse(program.argument_types[i])
-            for i in range(len(program.argument_shapes))
-        ]
+        taken = fused_arguments(program)
+        position = {i: p for p, i in enumerate(taken)}
+        inputs = [bodies[k].arguments[a].type for k, a in (first_read[i] for i in taken)]
         made = {v: (k, p) for k, f in enumerate(fragments) for p, v in enumerate(f.results)}
-        outputs = [_result_type(values[v], made.get(v), bodies, first_read, inputs) for v in program.results]
+        outputs = [_result_type(values[v], made.get(v), bodies, first_read, v) for v in program.results]
         main = func_dialect.FuncOp("main", ir.FunctionType.get(inputs, outputs), ip=ir.InsertionPoint(old))
         for name in old.attributes:
             if name not in ("function_type", "sym_name", "arg_attrs", "res_attrs"):
@@ -109,10 +116,9 @@ def one_program(program: PipelineProgram) -> ir.Operation | None:
         env: dict[int, ir.Value] = {}  # program value -> its value in the new body
         layout: dict[int, ir.Attribute | None] = {}  # program value -> the sdy sharding it has there
         for v, value in enumerate(values):
-            if value.argument is not None:
-                k, a = first_read.get(value.argument, (None, None))
-                env[v] = entry.arguments[value.argument]
-                layout[v] = arg_attrs[k][a].get(_SHARDING) if k is not None else None
+            if value.argument in position:
+                k, a = first_read[value.argument]
+                env[v], layout[v] = entry.arguments[position[value.argument]], arg_attrs[k][a].get(_SHARDING)
         with ir.InsertionPoint(entry):
             for k, f in enumerate(fragments):
                 arguments = bodies[k].arguments
@@ -156,11 +162,12 @@ def _symbols(module: ir.Operation) -> dict[str, ir.Operation] | None:
     return others
 
 
-def _result_type(value, made, bodies, first_read, inputs) -> ir.Type:
+def _result_type(value, made, bodies, first_read, v) -> ir.Type:
     if made is not None:
         k, p = made
         return bodies[k].operations[len(bodies[k].operations) - 1].operands[p].type
-    return inputs[value.argument]
+    k, a = first_read[value.argument]
+    return bodies[k].arguments[a].type
 
 
 def _zeros(tensor: ir.Type) -> ir.Value:
@@ -176,10 +183,7 @@ def _arguments(program: PipelineProgram, first_read, arg_attrs, layout) -> list[
     """Each argument's attributes: its first reader's layout, and the donation an update
     fragment made of it (to the same result where the layouts match)."""
     out = []
-    for i in range(len(program.argument_shapes)):
-        if i not in first_read:  # read by no fragment
-            out.append({})
-            continue
+    for i in fused_arguments(program):
         k, a = first_read[i]
         attrs = {_SHARDING: arg_attrs[k][a][_SHARDING]} if _SHARDING in arg_attrs[k][a] else {}
         for f in program.fragments:

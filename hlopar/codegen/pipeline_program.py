@@ -206,7 +206,6 @@ class PipelineProgram:
     split_backward: bool = False  # backwards cut into B and W fragments
     index_arg: int | None = None  # the microbatch index argument the split added (`dialect.split`)
     host_callbacks: tuple[HostCallback, ...] = ()  # run only in this process (module docstring)
-    argument_types: tuple[str, ...] = ()  # each argument's tensor type (global), as MLIR prints it
 
     @property
     def mesh_of_stage(self) -> dict[int, str]:
@@ -366,13 +365,12 @@ class _Reader:
         callbacks = self._host_callbacks()
         block = self.main.regions[0].blocks[0]
         number: dict[ir.Value, int] = {}
-        shapes, types = [], []
+        shapes = []
         for i, arg in enumerate(block.arguments):
             number[arg] = len(self.values)
             mesh, shape, nbytes = _mesh_tensor(arg)
             self.values.append(ProgramValue(mesh, i in self.batch_args, nbytes, argument=i))
             shapes.append(shape)
-            types.append(MeshTensorType.parse(str(arg.type)).tensor_type)
         results: tuple[int, ...] = ()
         for op in block.operations:
             op = op.operation
@@ -414,7 +412,6 @@ class _Reader:
             self.split_backward,
             read_index_arg(self.main),
             callbacks,
-            tuple(types),
         )
 
     def _host_callbacks(self) -> tuple[HostCallback, ...]:

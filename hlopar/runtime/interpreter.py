@@ -37,6 +37,7 @@ from hlopar.analysis.schedules import FREE, RECV, RUN, SEND
 from hlopar.analysis.schedules.instructions import Instruction, MeshStream
 from hlopar.analysis.schedules.timeline import COMPUTE, SEND_LANE
 from hlopar.codegen.executables import DeviceExecutable
+from hlopar.codegen.one_program import fused_arguments
 from hlopar.codegen.pipeline_program import UPDATE, PipelineProgram, ProgramFragment, ProgramTransfer
 from hlopar.runtime.fragment_calls import Placements, free_stash, run_fragment
 
@@ -189,7 +190,7 @@ class StepInterpreter:
     def whole(self, ex: DeviceExecutable) -> list:
         """The step as one executable (`codegen.one_program`): every argument in, every result out."""
         began = time.time() if self.spans is not None else 0.0
-        inputs = [self.arguments[i] for i in range(len(self.program.argument_shapes))]
+        inputs = [self.arguments[i] for i in fused_arguments(self.program)]
         outputs = self.transport.launch(self, lambda: ex.run(self.placements.inputs(ex, inputs, 0, tuple(ex.donated))))
         if self.spans is not None:
             self.spans.append((COMPUTE, "other", None, "", began, time.time()))
