@@ -48,6 +48,7 @@ import numpy as np
 
 from hlopar.analysis.schedules import PipelineStreams
 from hlopar.analysis.schedules.instructions import MeshStream
+from hlopar.codegen.one_program import fused_arguments
 from hlopar.codegen.pipeline_program import PipelineProgram
 from hlopar.runtime.interpreter import ProgramIndex, StepInterpreter, argument_origin
 from hlopar.runtime.mesh_processes import (
@@ -182,10 +183,11 @@ class MeshWorker:
         self.whole = cache.executable(wp.whole, self.mesh_devices, "whole", load=not self.spans) if wp.whole else None
         self.landing, self.made = {}, {}  # value -> sharding its first reader reads / its maker writes
         if self.whole is not None:
+            taken = {i: p for p, i in enumerate(fused_arguments(self.program))}  # argument -> @main's
             self.landing = {
-                v: self.whole.input_shardings[value.argument]
+                v: self.whole.input_shardings[taken[value.argument]]
                 for v, value in enumerate(self.program.values)
-                if value.argument is not None
+                if value.argument in taken
             }
             self.made = dict(zip(self.program.results, self.whole.output_shardings))
         for fragment in self.program.fragments:
