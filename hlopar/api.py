@@ -511,15 +511,19 @@ class ParallelizedFunction:
         split = StaticLeaves.of(args, self.__name__)
         abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), split.dynamic)
         traced, static_results = split.traced(self.fn)
-        trace = jax.jit(traced, keep_unused=True, donate_argnums=self.donate_argnums).trace(*abstract)
-        loss = self._loss_leaf(trace.out_info)
-        dropped = unreturned_loss(trace.jaxpr) if loss is None else None
-        if dropped is not None:  # a step taking gradients of a loss it does not return (`step_loss`)
-            loss = len(jax.tree_util.tree_leaves(trace.out_info))
-            with_loss = returning_loss(traced, trace.jaxpr, dropped, jax.tree_util.tree_structure(trace.out_info))
-            trace = jax.jit(with_loss, keep_unused=True, donate_argnums=self.donate_argnums).trace(*abstract)
-            static_results.loss_added = True
-        lowered = trace.lower()
+        jitted = jax.jit(traced, keep_unused=True, donate_argnums=self.donate_argnums)
+        # Lowered first: the locations then hold no frame of the caller (the plan cache's key).
+        lowered = jitted.lower(*abstract)
+        loss = self._loss_leaf(lowered.out_info)
+        if loss is None:  # a step taking gradients of a loss it does not return? (`step_loss`)
+            trace = jitted.trace(*abstract)  # jax's cached trace of the lowering
+            dropped = unreturned_loss(trace.jaxpr)
+            if dropped is not None:
+                loss = len(jax.tree_util.tree_leaves(lowered.out_info))
+                out_tree = jax.tree_util.tree_structure(lowered.out_info)
+                with_loss = returning_loss(traced, trace.jaxpr, dropped, out_tree)
+                lowered = jax.jit(with_loss, keep_unused=True, donate_argnums=self.donate_argnums).lower(*abstract)
+                static_results = replace(static_results, loss_added=True)  # the traced fn's is shared
         # With debug info: each op's location is the user's source line, each argument
         # named by its pytree path, so that messages speak of their code.
         text = lowered.as_text(debug_info=True)

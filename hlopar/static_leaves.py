@@ -23,6 +23,7 @@ every array keeps its pytree path, which names `@main`'s arguments and results).
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,12 @@ from typing import Any
 import jax
 
 __all__ = ["StaticLeaves", "is_static"]
+
+# fn -> {static leaves' key: (the callable jax lowers, its StaticResults)}: one callable per
+# step and static leaves, so that jax's trace cache serves a second lowering of the step (as
+# it serves `jax.jit(fn)` twice). A trace made anew would differ in its locations (they hold
+# the caller's frames), and so would the plan cache's key, the program text.
+_TRACED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def is_static(leaf: Any) -> bool:
@@ -87,7 +94,17 @@ class StaticLeaves:
         """`fn` as jax lowers it here: it takes `dynamic` (the static leaves put back at trace
         time) and returns its results with their static leaves replaced by None, which the
         returned `StaticResults` puts back. Named and signed as `fn` (`functools.wraps`), so
-        that jax names `@main`'s arguments by `fn`'s parameters."""
+        that jax names `@main`'s arguments by `fn`'s parameters. The same callable for the
+        same `fn` and static leaves (`_TRACED`)."""
+        try:
+            known = _TRACED.setdefault(fn, {})
+        except TypeError:  # not weakly referable or not hashable: traced anew
+            known = {}
+        if self.key not in known:
+            known[self.key] = self._traced(fn)
+        return known[self.key]
+
+    def _traced(self, fn: Callable) -> tuple[Callable, StaticResults]:
         results = StaticResults()
         static, treedef = self.static, self.treedef
 
