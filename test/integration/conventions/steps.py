@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import equinox as eqx
@@ -24,36 +23,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from flax.training import train_state
+from reference import Case
 
 BATCH, FEATURES, HIDDEN, CLASSES = 8, 4, 8, 3
 LR = 0.05
-
-
-@dataclass(frozen=True)
-class Case:
-    """A step and how to drive it for a few steps.
-
-    `advance(args, results)`: the next step's arguments. `grads`/`apply`: the step cut in
-    two where microbatches change its semantics (BatchNorm), for the reference
-    (`reference.reference_step`); None where the microbatched step is the full-batch step.
-    `params(args)`/`params_of(results)`: the trained parameters, compared as updates.
-    """
-
-    name: str
-    step: Callable
-    args: tuple
-    batch_argnums: tuple[int, ...]
-    advance: Callable[[tuple, Any], tuple]
-    loss: Callable[[Any], jax.Array] | None  # None: the step returns no loss
-    params: Callable[[tuple], Any]
-    params_of: Callable[[Any], Any]
-    grads: Callable | None = None
-    apply: Callable | None = None
-    microbatch_semantics: bool = False  # several microbatches change the result (batch statistics)
-    # Whether `jax.jit(step).lower(*args)` exports it for hlopar-compile: not where the
-    # arguments hold non-array leaves (jax.jit refuses them) or the loss is not returned
-    # (only `parallelize` finds it, in jax's trace).
-    exported: bool = True
 
 
 def data(seed: int = 1, size: int = BATCH):

@@ -1,4 +1,5 @@
-"""Single-device references and the comparison of a parallel run with them.
+"""Training-step cases, their single-device references, and the comparison of a parallel run
+with them: shared by the conventions suite and the model garden (test/integration).
 
 Reference: `jax.jit(step)` on one device, from the same arguments as the parallel step
 (so that differences do not compound over steps). Where the step is linear in the batch (a
@@ -29,15 +30,46 @@ no larger than the largest update of any parameter.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numerics
-from steps import Case
 
 from hlopar.static_leaves import is_static
 
 RTOL = 1e-5
+
+
+@dataclass(frozen=True)
+class Case:
+    """A step and how to drive it for a few steps.
+
+    `advance(args, results)`: the next step's arguments. `grads`/`apply`: the step cut in
+    two where microbatches change its semantics (BatchNorm), for the reference
+    (`reference_step`); None where the microbatched step is the full-batch step.
+    `params(args)`/`params_of(results)`: the trained parameters, compared as updates.
+    `loss(results)`: the loss, None for a step that returns none.
+    """
+
+    name: str
+    step: Callable
+    args: tuple
+    batch_argnums: tuple[int, ...]
+    advance: Callable[[tuple, Any], tuple]
+    loss: Callable[[Any], jax.Array] | None
+    params: Callable[[tuple], Any]
+    params_of: Callable[[Any], Any]
+    grads: Callable | None = None
+    apply: Callable | None = None
+    microbatch_semantics: bool = False  # several microbatches change the result (batch statistics)
+    # Whether `jax.jit(step).lower(*args)` exports it for hlopar-compile: not where the
+    # arguments hold non-array leaves (jax.jit refuses them) or the loss is not returned
+    # (only `parallelize` finds it, in jax's trace).
+    exported: bool = True
 
 
 def split_batch(args: tuple, batch_argnums, microbatches: int) -> list[tuple]:
