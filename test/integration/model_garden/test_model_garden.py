@@ -53,7 +53,23 @@ CASES = {
 }
 
 # What today's hlopar does not do yet: (case, method) -> the issue 27 item and what happens.
-KNOWN = {}
+POOLING = (
+    "issue 27 item 1: pooling's reduce_window is taken for a branch ('chooses its branch from a sum over the batch')"
+)
+LEAVES = "issue 27 item 5: a non-array leaf of the model fails in api._dtype (numpy dtype error)"
+KNOWN = {
+    ("resnet", "auto"): POOLING,
+    ("cnn", "auto"): POOLING,
+    ("transformer_lm", "auto"): "issue 27 item 3: sum(loss * w) / sum(w) refused ('stablehlo.divide' is not linear)",
+    ("lstm", "auto"): "issue 27 item 2: nn.RNN(seq_lengths)'s gather of each last carry 'sums over part of the batch'",
+    ("vae", "auto"): "issue 27 item 4: a step returning no loss: 'no loss found ... (give loss_result=N)'",
+    ("eqx_cnn", "auto"): LEAVES + "; then item 1 (MaxPool2d)",
+    ("eqx_cnn", "shard"): LEAVES,
+    ("eqx_stateful", "auto"): LEAVES + " (BatchNorm.axis_name); then item 6 (SpectralNorm's u, v not state)",
+    ("eqx_stateful", "shard"): LEAVES + " (BatchNorm.axis_name); then item 6 (SpectralNorm's u, v not state)",
+    ("gru", "shard"): "issue 27 item 4 (one mesh, one microbatch runs in this process): a batch leaf the step never "
+    "reads (batch['lengths']) keeps codegen.one_program.fuses from fusing, so runtime='process' is refused",
+}
 
 
 def is_array(x) -> bool:
