@@ -117,7 +117,7 @@ def train(case: Case, method: str) -> None:
                 results = parallel(*args)
             want = reference_step(case, on_host(args), microbatches)
             assert others(results) == others(want)
-            compare(case, args, arrays(results), arrays(want))
+            compare(case, arrays(args), arrays(results), arrays(want))
             if case.loss is not None:
                 np.testing.assert_allclose(float(case.loss(results)), float(case.loss(expected[k])), rtol=1e-5)
             args = case.advance(args, results)
