@@ -53,23 +53,11 @@ CASES = {
 }
 
 # What today's hlopar does not do yet: (case, method) -> the issue 27 item and what happens.
-POOLING = (
-    "issue 27 item 1: pooling's reduce_window is taken for a branch ('chooses its branch from a sum over the batch')"
-)
-LEAVES = "issue 27 item 5: a non-array leaf of the model fails in api._dtype (numpy dtype error)"
-KNOWN = {
-    ("resnet", "auto"): POOLING,
-    ("cnn", "auto"): POOLING,
-    ("transformer_lm", "auto"): "issue 27 item 3: sum(loss * w) / sum(w) refused ('stablehlo.divide' is not linear)",
-    ("lstm", "auto"): "issue 27 item 2: nn.RNN(seq_lengths)'s gather of each last carry 'sums over part of the batch'",
-    ("vae", "auto"): "issue 27 item 4: a step returning no loss: 'no loss found ... (give loss_result=N)'",
-    ("eqx_cnn", "auto"): LEAVES + "; then item 1 (MaxPool2d)",
-    ("eqx_cnn", "shard"): LEAVES,
-    ("eqx_stateful", "auto"): LEAVES + " (BatchNorm.axis_name); then item 6 (SpectralNorm's u, v not state)",
-    ("eqx_stateful", "shard"): LEAVES + " (BatchNorm.axis_name); then item 6 (SpectralNorm's u, v not state)",
-    ("gru", "shard"): "issue 27 item 4 (one mesh, one microbatch runs in this process): a batch leaf the step never "
-    "reads (batch['lengths']) keeps codegen.one_program.fuses from fusing, so runtime='process' is refused",
-}
+# A Python float inside an Equinox model (MaxPool2d's init, -inf) is traced as jax.jit traces
+# Python numbers, where eqx.filter_jit keeps it static: jax then differentiates the pool's
+# init value and refuses ("reduce_window jvp does not support non-zero init_value_tangent").
+FLOAT_IN_MODULE = "issue 27 item 5: a Python float of an Equinox module traced (MaxPool2d.init), not static"
+KNOWN: dict[tuple[str, str], str] = {("eqx_cnn", "auto"): FLOAT_IN_MODULE, ("eqx_cnn", "shard"): FLOAT_IN_MODULE}
 
 
 def is_array(x) -> bool:
