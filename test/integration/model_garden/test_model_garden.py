@@ -16,8 +16,7 @@ other leaves (functions, strings, flags) must come back as the step returned the
 device. Steps that return no loss are compared by their state alone.
 
 Cases that today's hlopar refuses or gets wrong are `xfail(strict=True)` with the issue 27 item
-that covers them (/work/wt/garden-findings.md at the time of writing): they turn into failures
-when fixed, so that the mark is removed.
+that covers them: they turn into failures when fixed, so that the mark is removed.
 """
 
 from __future__ import annotations
