@@ -10,8 +10,10 @@ are one signature):
 
 - **dynamic** (traced, an argument of `@main`): arrays (anything with a shape and a dtype:
   jax and numpy arrays, numpy scalars, hlopar's `RemoteArray`) and Python ints, floats and
-  complex numbers;
-- **static**: every other leaf (functions, strings, bools, other objects), hashed into the
+  complex numbers outside Equinox modules;
+- **static**: every other leaf (functions, strings, bools, other objects, and Python numbers
+  held by an Equinox module: `eqx.nn.MaxPool2d`'s `init = -inf`, which `eqx.filter_jit` keeps
+  static and jax could not differentiate through a pool's init value), hashed into the
   call's signature as jax hashes static arguments; an unhashable one is refused with its
   pytree path. A result leaf that is not traced (the model's functions and strings coming
   back) is returned as the Python value the step returned.
@@ -30,7 +32,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["StaticLeaves", "is_static"]
+__all__ = ["StaticLeaves", "is_static", "static_mask"]
 
 # fn -> {static leaves' key: (the callable jax lowers, its StaticResults)}: one callable per
 # step and static leaves, so that jax's trace cache serves a second lowering of the step (as
@@ -48,6 +50,24 @@ def is_static(leaf: Any) -> bool:
     return not (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
 
 
+def _is_equinox_module(x: Any) -> bool:
+    """Whether `x` is an `equinox.Module` (found by its classes: equinox is not a dependency)."""
+    return any(c.__name__ == "Module" and c.__module__.startswith("equinox") for c in type(x).__mro__)
+
+
+def static_mask(tree: Any) -> list[bool]:
+    """Per leaf of `tree` (in `tree_flatten`'s order), whether it stays a Python value: the
+    leaves of an Equinox module by `eqx.filter_jit`'s rule (only arrays traced), the others
+    by `is_static`."""
+    mask: list[bool] = []
+    for piece in jax.tree_util.tree_leaves(tree, is_leaf=_is_equinox_module):
+        if _is_equinox_module(piece):
+            mask += [isinstance(x, (int, float, complex)) or is_static(x) for x in jax.tree_util.tree_leaves(piece)]
+        else:
+            mask.append(is_static(piece))
+    return mask
+
+
 @dataclass(frozen=True)
 class StaticLeaves:
     """A call's arguments split into traced leaves and static ones: `key` is what the
@@ -63,7 +83,7 @@ class StaticLeaves:
         """Splits `args`; an unhashable static leaf is refused naming its path (`name`: the
         step's, for the message)."""
         flat, treedef = jax.tree_util.tree_flatten(args)  # every call: paths only for a message
-        static = {i: leaf for i, leaf in enumerate(flat) if is_static(leaf)}
+        static = {i: leaf for i, (leaf, fixed) in enumerate(zip(flat, static_mask(args), strict=True)) if fixed}
         for i, leaf in static.items():
             try:
                 hash(leaf)
@@ -114,7 +134,7 @@ class StaticLeaves:
             args = [static[i] if i in static else next(traced) for i in range(treedef.num_leaves)]
             out = fn(*jax.tree_util.tree_unflatten(treedef, args))
             leaves, results.treedef = jax.tree_util.tree_flatten(out)
-            results.static = {k: x for k, x in enumerate(leaves) if is_static(x)}
+            results.static = {k: x for k, (x, fixed) in enumerate(zip(leaves, static_mask(out), strict=True)) if fixed}
             return jax.tree_util.tree_unflatten(
                 results.treedef, [None if k in results.static else x for k, x in enumerate(leaves)]
             )

@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numerics
 
-from hlopar.static_leaves import is_static
+from hlopar.static_leaves import static_mask
 
 RTOL = 1e-5
 
@@ -100,7 +100,10 @@ def reference_step(case: Case, args: tuple, microbatches: int):
     """What the step must compute on these arguments with `microbatches` microbatches
     (`eqx.filter_jit`, which takes a model whole; hlopar's results read as jax arrays, Python
     numbers as the arrays jax.jit traces them as)."""
-    args = jax.tree_util.tree_map(_traced_as_jax_jit_traces, args)
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    args = jax.tree_util.tree_unflatten(
+        tree, [x if fixed else _traced_as_jax_jit_traces(x) for x, fixed in zip(leaves, static_mask(args), strict=True)]
+    )
     if case.grads is None or microbatches == 1:
         return eqx.filter_jit(case.step)(*args)
     accumulated = microbatch_mean(case.grads, args, case.batch_argnums, microbatches)
@@ -129,7 +132,10 @@ def compare(case: Case, args: tuple, actual, expected) -> None:
     arrays (an Equinox model's functions and strings, `hlopar.static_leaves`) are equal."""
     actual, expected = _arrays(actual, expected)
     params = case.params(args)
-    params = jax.tree_util.tree_map(lambda x: None if is_static(x) else x, params)
+    leaves, tree = jax.tree_util.tree_flatten(params)
+    params = jax.tree_util.tree_unflatten(
+        tree, [None if s else x for x, s in zip(leaves, static_mask(params), strict=True)]
+    )
     numerics.assert_adam_step_close(actual, expected, params, case.params_of, rtol=RTOL)
 
 
@@ -138,8 +144,10 @@ def _arrays(actual, expected):
     have, tree = jax.tree_util.tree_flatten(actual)
     want, want_tree = jax.tree_util.tree_flatten(expected)
     assert tree == want_tree, f"results {tree}, expected {want_tree}"
-    for a, b in zip(have, want):
-        assert is_static(a) == is_static(b) and (not is_static(a) or a == b), (a, b)
+    fixed, want_fixed = static_mask(actual), static_mask(expected)
+    for a, b, s, t in zip(have, want, fixed, want_fixed, strict=True):
+        assert s == t and (not s or a == b), (a, b)
     return tuple(
-        jax.tree_util.tree_unflatten(tree, [None if is_static(x) else x for x in leaves]) for leaves in (have, want)
+        jax.tree_util.tree_unflatten(tree, [None if s else x for x, s in zip(leaves, fixed, strict=True)])
+        for leaves in (have, want)
     )

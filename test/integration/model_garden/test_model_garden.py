@@ -52,11 +52,7 @@ CASES = {
 }
 
 # What today's hlopar does not do yet: (case, method) -> the issue 27 item and what happens.
-# A Python float inside an Equinox model (MaxPool2d's init, -inf) is traced as jax.jit traces
-# Python numbers, where eqx.filter_jit keeps it static: jax then differentiates the pool's
-# init value and refuses ("reduce_window jvp does not support non-zero init_value_tangent").
-FLOAT_IN_MODULE = "issue 27 item 5: a Python float of an Equinox module traced (MaxPool2d.init), not static"
-KNOWN: dict[tuple[str, str], str] = {("eqx_cnn", "auto"): FLOAT_IN_MODULE, ("eqx_cnn", "shard"): FLOAT_IN_MODULE}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def is_array(x) -> bool:

@@ -15,7 +15,7 @@ import pytest
 
 import hlopar
 from hlopar.runtime.in_process import InProcessRuntime
-from hlopar.static_leaves import StaticLeaves, is_static
+from hlopar.static_leaves import StaticLeaves, is_static, static_mask
 from hlopar.step_loss import returning_loss, unreturned_loss
 
 CLUSTER = hlopar.Cluster.local(num_hosts=1, devices_per_host=2, device_kind="cpu")
@@ -191,6 +191,20 @@ def test_non_array_leaves_are_static_and_part_of_the_signature():
         "eqx.filter_jit does, which needs them hashable (unhashable type: '_Unhashable'); make it an array, "
         "or a hashable value"
     )
+
+
+def test_python_numbers_of_an_equinox_module_are_static_as_eqx_filter_jit_keeps_them():
+    """MaxPool2d's `init = -inf` traced would be differentiated as the pool's init value (jax
+    refuses); a Python number outside a module (a TrainState's `step`) is traced, as jax.jit
+    traces it."""
+    pool, x = eqx.nn.MaxPool2d(2), jnp.ones((1, 4, 4))
+    assert static_mask((pool, {"step": 0, "x": x})) == [True, True, False, False]  # init, operation
+    split = StaticLeaves.of((pool, x), "step")
+    assert split.static == {0: -jnp.inf, 1: jax.lax.max} and split.paths() == ["[1]"]
+    step, results = split.traced(lambda pool, x: (pool, pool(x)))
+    out = jax.jit(step)(*split.dynamic)
+    back = results.rebuild(jax.tree_util.tree_leaves(out), jax.tree_util.tree_structure(out))
+    assert back[0].init == -jnp.inf and isinstance(back[0].init, float) and back[1].shape == (1, 3, 3)
 
 
 class _Unhashable:
