@@ -164,7 +164,7 @@ def test_a_pipelined_plan_is_refused_at_the_users_line():
 
 def test_an_ordered_callback_is_refused_at_the_users_line():
     parallel = hlopar.parallelize(ordered_step, cluster=ONE_HOST, method="shard", verbose=False)
-    with _refused_at("ordered", "takes a token of @main: an ordered effect (ordered=True"):
+    with _refused_at("ordered", "takes a token of ordered_step: an ordered effect (ordered=True"):
         parallel.compile(W, X)
 
 
@@ -174,11 +174,20 @@ def unused_argument_step(w, x, unused):
     return w - 0.1 * grad, loss
 
 
-def test_a_one_mesh_plan_that_goes_to_ray_is_refused_at_the_users_line():
-    """One mesh and one microbatch, but not one executable (an argument no fragment reads):
-    where the runtime is chosen, Ray workers; refused there, saying why, before they start."""
+def test_a_one_mesh_plan_with_an_argument_nothing_reads_runs_here_with_its_callback(capfd):
+    """One mesh and one microbatch with an argument no fragment reads (jax keeps it): fused
+    without it (`one_program.fused_arguments`, issue 27), so it runs in this process and
+    prints once per step, as jax.jit does; it went to Ray workers and was refused before."""
+    capfd.readouterr()
+    want_w, _ = jax.block_until_ready(jax.jit(unused_argument_step)(W, X, jnp.ones(3)))
+    expected = _printed(capfd.readouterr().out)
     parallel = hlopar.parallelize(unused_argument_step, cluster=ONE_HOST, method="shard", verbose=False)
-    with _refused_at(
-        "unused", "host callback", "the plan runs on Ray workers (the plan is not one mesh compiling as one executable"
-    ):
-        parallel.compile(W, X, jnp.ones(3))
+    try:
+        w, _ = jax.block_until_ready(parallel(W, X, jnp.ones(3)))
+        assert isinstance(parallel.runtime, InProcessRuntime)
+        printed = _printed(capfd.readouterr().out)
+        assert len(printed) == len(expected) == 1
+        np.testing.assert_allclose(printed, expected, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(w), np.asarray(want_w), rtol=1e-6)
+    finally:
+        parallel.close()
