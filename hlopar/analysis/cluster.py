@@ -11,8 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import jax
-
 from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS
 from hlopar.analysis.limits import check_argument, check_cluster, check_cluster_dimension
 
@@ -68,6 +66,8 @@ class Cluster:
         preset: str | None = None,
     ) -> Cluster:
         """This machine: by default one host with all the local devices jax sees."""
+        import jax  # here, not at the top: hlopar-opt reads .mlir files and needs no jax (1 s to import)
+
         check_argument("Cluster num_hosts", check_cluster_dimension, num_hosts)
         kind = device_kind or ("gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "cpu")
         if devices_per_host is None:
