@@ -100,9 +100,10 @@ def report_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("reports"))
 
 
-# Each family runs in the default suite in one of the two tests (U-Transformer: skip connections
-# across stages); -m heavy runs the rest.
-@pytest.mark.parametrize("model", list(cases({"mlp", "gpt", "moe"})))
+# The default suite runs the MLP and the GPT in both tests and the U-Transformer (skip
+# connections across stages) planned end to end; -m heavy runs the rest (the MoE and the
+# Wide-ResNet, 35-40 s each on CI's 2 cores; both run sharded in test_numerics.py).
+@pytest.mark.parametrize("model", list(cases({"mlp", "gpt"})))
 def test_stage_construction_matches_one_device(model, report_dir, tmp_path):
     text, report = planned(model, False, report_dir)
     module = parse_module(text)
@@ -111,7 +112,7 @@ def test_stage_construction_matches_one_device(model, report_dir, tmp_path):
     compare(model, run_mpmd(module, step_data(model)[1]))
 
 
-@pytest.mark.parametrize("model", list(cases({"mlp", "gpt", "wide_resnet", "u_transformer"})))
+@pytest.mark.parametrize("model", list(cases({"mlp", "gpt", "u_transformer"})))
 def test_auto_parallel_matches_one_device(model, report_dir, tmp_path):
     text, report = planned(model, True, report_dir)
     module = parse_module(text)

@@ -10,8 +10,8 @@ largest, 1e-4 after the first step; Adam's noise masked), the losses with
 single-device training from the start to 1e-5. Two ways: the split step run by the local
 executor (`MicrobatchedStep`, no Ray: seconds), and `hlopar.parallelize` on 2 hosts x 4 CPU
 devices with `method="shard"` and 4 microbatches (the loops stay loops: one stage; Ray,
-about 45 s a case on 2 cores; the Flax models and the checkpointed twins `heavy`, the Flax
-scan stacks pipelined in test/unit/runtime/test_scan_pipelines.py). Also: `lax.cond` inside the
+about 45 s a case on 2 cores; the Flax models, the checkpointed twins and method="auto" `heavy`:
+the GPT and the Flax scan stacks are pipelined in test/unit/runtime/test_scan_pipelines.py). Also: `lax.cond` inside the
 scanned layer (branches that sum over the batch), and a batch statistic inside the loop,
 refused at the user's line.
 """
@@ -190,7 +190,7 @@ def test_statistic_inside_the_loop_is_refused_at_the_users_line():
     ("name", "method"),
     [
         ("gpt", "shard"),
-        ("gpt", "auto"),
+        pytest.param("gpt", "auto", marks=pytest.mark.heavy),
         pytest.param("flax_remat", "shard", marks=pytest.mark.heavy),
         pytest.param("gpt_remat", "shard", marks=pytest.mark.heavy),
         pytest.param("flax", "shard", marks=pytest.mark.heavy),
