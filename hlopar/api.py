@@ -25,9 +25,9 @@ The first call (per argument signature: pytree structure, shapes, dtypes):
      (num_hosts × devices_per_host), planned by hlopar-auto-sharding;
    then codegen (`codegen.pipeline_program`) and the bundle (`codegen.bundle.write_bundle`,
    whose memory check compiles every executable of the plan, once: `codegen.executable_cache`);
-3. starts one Ray worker per (mesh, host) (`runtime.ray_runtime`), which compiles its
-   fragments, or with `HLOPAR_LOAD_EXECUTABLES=1` loads them as the driver compiled them
-   (shipped serialized; another host's worker compiles them); or, where the plan is one mesh and one executable on this
+3. starts one Ray worker per (mesh, host) (`runtime.ray_runtime`), which loads its
+   fragments as the driver compiled them (shipped serialized; another host's worker, or
+   one that cannot load them, compiles them; all compile with `HLOPAR_LOAD_EXECUTABLES=0`); or, where the plan is one mesh and one executable on this
    machine's one host and this process's jax sees its devices, runs that executable here,
    as `jax.jit` does (`runtime="auto"`, `runtime.in_process`: no worker, no Ray; results
    are `jax.Array`s on those devices). `runtime="ray"` always uses workers.
@@ -59,8 +59,8 @@ signature). A signature set aside drops at each call what the caller no longer r
 The bundle is cached on disk (`codegen.plan_cache`) under `$HLOPAR_CACHE_DIR` (default
 `~/.cache/hlopar`), in `plans/<key>/`, the key a hash of the program text, the cluster and the
 options: a new process with the same step skips planning (codegen reads `program.mlir`
-back) and, with `HLOPAR_LOAD_EXECUTABLES=1`, compilation (the executables are in
-`executables/`, `codegen.executable_cache`).
+back) and compilation (the executables are in `executables/`, `codegen.executable_cache`;
+not with `HLOPAR_LOAD_EXECUTABLES=0`).
 
 Arguments and results. Results stay on the workers that computed them (in this process's
 devices for a plan run here): a call returns `fn`'s

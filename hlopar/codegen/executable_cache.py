@@ -22,12 +22,17 @@ leaves out too); with the devices' kind and count and, on CPU, the host's name (
 compiles for the host's instruction set). An executable that calls host callbacks (Python
 functions of this process) is kept in this process only.
 
-Loading serialized executables (shipped to workers, read from disk) is off unless
-`HLOPAR_LOAD_EXECUTABLES=1` (`loading_enabled`): with it on, a Ray worker running the same
-plan's steps failed at its second step with XLA:CPU's "NOT_FOUND: Function
-convert_power_fusion not found" (test/unit/api/test_new_signatures.py), cause not found
-yet. Off, the in-process runtime still runs the memory check's executable itself (no
-serialization: compiled once), and workers and cached plans compile as before.
+The bytes shipped or written are always those XLA made when it compiled the executable:
+the ones it was loaded from where it was loaded (`serialized`). XLA:CPU (jaxlib 0.10) cannot
+serialize a loaded executable again: the bytes come out without the kernels' code (41 of
+75 KB for the tiny MLP's update), they load, and the first call fails with "NOT_FOUND:
+Function <fusion> not found". A new signature's plan whose fragment was on disk (an
+optimizer update reads no batch) shipped such bytes, and its worker failed at its first
+step (`tools/repro_reserialize.py` shows it without hlopar).
+
+A worker that cannot load what it was shipped (bytes another XLA refuses) compiles it.
+`HLOPAR_LOAD_EXECUTABLES=0` turns shipping and the disk off (`loading_enabled`): every
+process compiles what it runs.
 """
 
 from __future__ import annotations
@@ -67,8 +72,9 @@ LOAD_VARIABLE = "HLOPAR_LOAD_EXECUTABLES"
 
 
 def loading_enabled() -> bool:
-    """Whether serialized executables are written, shipped and loaded (module docstring)."""
-    return os.environ.get(LOAD_VARIABLE, "") not in ("", "0")
+    """Whether serialized executables are written, shipped and loaded (module docstring):
+    unless `HLOPAR_LOAD_EXECUTABLES=0`."""
+    return os.environ.get(LOAD_VARIABLE, "1") != "0"
 
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -101,18 +107,22 @@ def executable_key(text: str, devices: Sequence[jax.Device]) -> str:
 @dataclass(frozen=True)
 class Compilation:
     """How one executable came to be: compiled, loaded (from bytes: shipped or on disk) or
-    reused (held by this cache already), and in how many seconds."""
+    reused (held by this cache already), and in how many seconds. `refused`: why bytes found
+    for it did not load (then it was compiled)."""
 
     name: str
     how: str
     seconds: float
+    refused: str = ""
 
 
 class ExecutableCache:
     """Executables by key: held in this process, read from `shipped` (key -> serialized
     executable) or `directory`, else compiled (and written to `directory`). `host_callbacks`:
     the lowering's Python functions, compiled into executables whose module calls one.
-    `events` says what each request did (`counts`)."""
+    `events` says what each request did (`counts`); `serialized` holds, by key, the bytes
+    each held executable was loaded from or serialized to (never a loaded one serialized
+    again: module docstring)."""
 
     def __init__(
         self,
@@ -125,6 +135,7 @@ class ExecutableCache:
         self.shipped = dict(shipped or {})
         self.host_callbacks = list(host_callbacks)
         self.held: dict[str, DeviceExecutable] = {}
+        self.serialized: dict[str, bytes] = {}
         self.events: list[Compilation] = []
 
     def executable(
@@ -140,17 +151,21 @@ class ExecutableCache:
         if callbacks:  # this process's functions: never written, shipped or read back
             key += "+callbacks:" + ",".join(str(id(f)) for f in self.host_callbacks)
         found = self.held.get(key)
-        how = REUSED
+        how, refused = REUSED, ""
         if found is None:
             serialized = None if callbacks or not load else self._bytes(key)
             if serialized is not None:
-                found, how = load_executable(parsed, devices, serialized), LOADED
-            else:
+                try:
+                    found, how = load_executable(parsed, devices, serialized), LOADED
+                    self.serialized[key] = serialized
+                except (RuntimeError, ValueError) as error:  # bytes another XLA made, torn: compile
+                    refused = f"{type(error).__name__}: {error}"
+            if found is None:
                 found, how = compile_executable(parsed, devices, self.host_callbacks if callbacks else ()), COMPILED
-                if not callbacks:
-                    self._write(key, found)
             self.held[key] = found
-        self.events.append(Compilation(name or key[:12], how, time.perf_counter() - clock))
+            if how == COMPILED and not callbacks:
+                self._write(key)
+        self.events.append(Compilation(name or key[:12], how, time.perf_counter() - clock, refused))
         return found
 
     def shipment(self, texts: Iterable[str], devices: Sequence[jax.Device]) -> dict[str, bytes]:
@@ -162,8 +177,7 @@ class ExecutableCache:
             return out
         for text in dict.fromkeys(texts):
             key = executable_key(text, devices)
-            held = self.held.get(key)
-            serialized = serialize_spmd(held.spmd) if held is not None else self._bytes(key)
+            serialized = self._serialized(key) if key in self.held else self._bytes(key)
             if serialized is not None:
                 out[key] = serialized
         return out
@@ -176,6 +190,13 @@ class ExecutableCache:
             row[event.how] += 1
         return out
 
+    def _serialized(self, key: str) -> bytes:
+        """The bytes of held executable `key`: those it was loaded from, else serialized once
+        (it was compiled here)."""
+        if key not in self.serialized:
+            self.serialized[key] = serialize_spmd(self.held[key].spmd)
+        return self.serialized[key]
+
     def _bytes(self, key: str) -> bytes | None:
         if key in self.shipped:
             return self.shipped[key]
@@ -186,7 +207,7 @@ class ExecutableCache:
         except OSError:
             return None
 
-    def _write(self, key: str, executable: DeviceExecutable) -> None:
+    def _write(self, key: str) -> None:
         """Beside its place, then renamed there: a reader never sees half of one. Best
         effort: a cache that cannot be written only costs compilations later."""
         if self.directory is None:
@@ -195,7 +216,7 @@ class ExecutableCache:
             self.directory.mkdir(parents=True, exist_ok=True)
             handle, staging = tempfile.mkstemp(prefix=".executable-", dir=self.directory)
             with os.fdopen(handle, "wb") as out:
-                out.write(serialize_spmd(executable.spmd))
+                out.write(self._serialized(key))
             os.replace(staging, self.directory / key)
         except OSError:
             pass

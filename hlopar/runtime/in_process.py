@@ -18,8 +18,8 @@ a driver in most runs on this project's 2-core machine (`tools/bench_runtime.py`
 docs/performance.md). `parallelize(runtime="ray")` keeps the workers anyway.
 
 The executable is the one planning compiled for its memory check (`codegen.executable_cache`,
-held by the plan's cache; for a plan read from the plan cache, loaded from disk with
-`HLOPAR_LOAD_EXECUTABLES=1`, else compiled): the plan is compiled once. Host callbacks (`jax.debug.print`, `io_callback`, ...) run here, and only
+held by the plan's cache; for a plan read from the plan cache, loaded from disk, unless
+`HLOPAR_LOAD_EXECUTABLES=0`): the plan is compiled once. Host callbacks (`jax.debug.print`, `io_callback`, ...) run here, and only
 here: the executable is compiled with the lowering's Python functions, as `jax.jit` compiles it
 (`codegen.pipeline_program` refuses them in a plan for Ray workers).
 

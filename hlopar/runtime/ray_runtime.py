@@ -195,6 +195,9 @@ class RayRuntime:
                 for n, i in self.setup_info.items()
             )
         )
+        for n, i in self.setup_info.items():
+            for name, why in i.get("refused", {}).items():
+                self.log(f"{n} could not load {name} and compiled it: {why}")
 
     def _shipped(self) -> dict:
         """Per mesh, its `WorkerProgram` with the executables planning compiled for it, as

@@ -8,8 +8,8 @@ core (`interpreter.StepInterpreter`, as the local runtime does for every mesh in
 process) through its own transport (`worker_transport.WorkerTransport`):
 
 - `setup` loads the mesh's executables for the worker's own devices from what the driver
-  compiled while planning and shipped (`codegen.executable_cache`; only with
-  `HLOPAR_LOAD_EXECUTABLES=1`), and compiles those it cannot load (all of them without it,
+  compiled while planning and shipped (`codegen.executable_cache`; unless
+  `HLOPAR_LOAD_EXECUTABLES=0`), and compiles those it cannot load (all of them with it,
   another host's, a mesh spanning hosts; donated accumulators included);
 - `run_step` runs the mesh's stream and then its update fragments. A value moved once (a
   sum read by another mesh's update, an update result read by another mesh) is pulled by
@@ -214,6 +214,7 @@ class MeshWorker:
             "platform": self.devices[self.slot.devices[0]].platform,
             "executables": len(cache.held),
             "compilations": [(e.name, e.how, e.seconds) for e in cache.events],
+            "refused": {e.name: e.refused for e in cache.events if e.refused},  # bytes that did not load
             "one_program": self.whole is not None,
             "compile_s": time.perf_counter() - clock,
         }

@@ -42,15 +42,7 @@ def mlp():
     return step, (params, step.init_opt_state(params), step.make_batch(jax.random.PRNGKey(1)))
 
 
-@pytest.fixture
-def loading(monkeypatch):
-    """Serialized executables loaded (off by default: `executable_cache`'s docstring)."""
-    monkeypatch.setenv("HLOPAR_LOAD_EXECUTABLES", "1")
-
-
-def test_in_process_compiles_the_plan_once_and_a_cached_plan_not_at_all(
-    mlp, compilations, tmp_path, monkeypatch, loading
-):
+def test_in_process_compiles_the_plan_once_and_a_cached_plan_not_at_all(mlp, compilations, tmp_path, monkeypatch):
     monkeypatch.setenv("HLOPAR_CACHE_DIR", str(tmp_path))
     step, args = mlp
     cluster = hlopar.Cluster.local(1, 8, device_kind="cpu")
@@ -82,7 +74,7 @@ def test_in_process_compiles_the_plan_once_and_a_cached_plan_not_at_all(
         ]
 
 
-def test_ray_workers_load_what_planning_compiled(mlp, compilations, ray_cluster, loading):
+def test_ray_workers_load_what_planning_compiled(mlp, compilations, ray_cluster):
     """Two meshes on two local workers: each fragment compiled once, by the memory check;
     each worker loads its mesh's from the bytes the driver shipped. The same plan read from
     the plan cache by a new function compiles nothing, here or on its workers."""
