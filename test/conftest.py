@@ -6,6 +6,10 @@ Tests that read the shared corpus carry the `corpus` marker and find it through
 `hlopar.corpus.corpus_dir()` (`HLOPAR_CORPUS`, default `../shared/corpus`); where it is
 absent they are skipped with the reason "corpus not found at <path> (set HLOPAR_CORPUS)".
 
+The plan and executable caches (`HLOPAR_CACHE_DIR`) are the session's own, in a temporary
+folder removed at its end, unless the caller set one: no test reads what an earlier run left
+in `~/.cache/hlopar` or leaves anything there.
+
 `ray_cluster` (module scope): a local Ray of hlopar's own, started as `parallelize` starts it
 (`runtime.local_ray`: no fork of the test process, never another cluster on the machine), and a
 plan cache of the module's own. The cluster is the session's: started by the first module that
@@ -21,8 +25,11 @@ case-insensitive): a GPU, CUDA, NCCL, ROCm or TPU; several hosts. The corpus is 
 them. Expected failures (`xfail`) are not skips and are left alone.
 """
 
+import atexit
 import os
 import re
+import shutil
+import tempfile
 
 import pytest
 
@@ -31,6 +38,9 @@ from hlopar.runtime.host_devices import use_host_devices
 
 use_host_devices(8)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "HLOPAR_CACHE_DIR" not in os.environ:
+    os.environ["HLOPAR_CACHE_DIR"] = _cache = tempfile.mkdtemp(prefix="hlopar-test-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 ALLOWED_SKIPS = re.compile(r"\b(gpus?|cuda|nccl|rocm|tpus?|several hosts)\b", re.IGNORECASE)
 
