@@ -9,9 +9,11 @@ paper's testbed (§5: 2 hosts x 4 V100, NVLink inside a host, 10 Gbps between ho
 on a 2-device mesh, stages 0-1 on host 0 and 2-3 on host 1), each schedule of the registry
 is simulated twice: with real transfer sizes, and with every transfer costing one byte (the
 paper's upper bound, §4). Prints time, signal time, their ratio, bubble fraction and peak
-stash memory per device, then ZB-H1's bubble next to 1F1B's and the zero-bubble paper's
-formulas; or with `--json` a list of rows (model, schedule, microbatches, time_s,
-signal_time_s, bubble_fraction, peak_memory_bytes per mesh, ...). The global batch is the zoo
+stash memory per device, then ZB-H1's and ZB-H2's bubbles next to 1F1B's and the zero-bubble
+paper's formulas; or with `--json` a list of rows (model, schedule, microbatches, time_s,
+signal_time_s, bubble_fraction, steady_time_s and steady_bubble_fraction (steps back to back
+without a barrier at the optimizer step, `SimResult.steady_period`), peak_memory_bytes per
+mesh, ...). The global batch is the zoo
 config's; more microbatches make them smaller.
 
 The cost model, stated: a transformer layer's forward is 2 FLOPs per parameter per token
@@ -165,6 +167,8 @@ def run(microbatch_counts: list[int], stages: int, device_tflops: float, timelin
                     "time_s": real.iteration_time,
                     "signal_time_s": bound.iteration_time,
                     "bubble_fraction": real.bubble_fraction,
+                    "steady_time_s": real.steady_period,
+                    "steady_bubble_fraction": real.steady_bubble_fraction,
                     "peak_memory_bytes": max(real.peak_memory.values()),
                     "devices_per_mesh": HOSTS * DEVICES_PER_HOST // stages,
                     "edges": [[e.src, e.dst, e.nbytes] for e in case.topology.edges],
@@ -243,7 +247,8 @@ def zero_bubble(rows: list[dict]) -> list[str]:
     """Per model and B, ZB-H1's simulated bubble next to 1F1B's and the paper's formulas (Qi et
     al., 2024: idle over compute (p-1)/3m against (p-1)/m when F, B and W cost the same, as
     here, backward = 2 forward and half of it W, and communication is free, which here it is
-    not), written as this table's bubble, idle over the step: (p-1)/(3m+p-1), (p-1)/(m+p-1)."""
+    not), written as this table's bubble, idle over the step: (p-1)/(3m+p-1), (p-1)/(m+p-1);
+    then ZB-H2's bubble of back-to-back steps, 0 by the paper's formula once m >= 2p-1."""
     out = []
     by_key = {(r["model"], r["microbatches"], r["schedule"]): r for r in rows}
     for model, m, schedule in by_key:
@@ -256,6 +261,14 @@ def zero_bubble(rows: list[dict]) -> list[str]:
             f"(formula (p-1)/(3m+p-1) = {100 * (p - 1) / (3 * m + p - 1):.1f}%), 1f1b "
             f"{100 * one['bubble_fraction']:.1f}% (formula (p-1)/(m+p-1) = {100 * (p - 1) / (m + p - 1):.1f}%)"
         )
+    for (model, m, schedule), row in by_key.items():
+        if schedule == "zb-h2":
+            p = row["stages"]
+            out.append(
+                f"{model}, B={m}: zb-h2 bubble of back-to-back steps {100 * row['steady_bubble_fraction']:.1f}% "
+                f"(formula: 0 once m >= 2p-1 = {2 * p - 1}), one step alone "
+                f"{100 * row['bubble_fraction']:.1f}%"
+            )
     return out
 
 

@@ -16,6 +16,15 @@
                    of 1f1b's, (#stages - 1) / 3B of the compute against (#stages - 1) / B.
                    Stage i also keeps i - 1 stashes until their W, so every stage holds as
                    many as 1f1b's first; the memory check, which reads the streams, counts them
+    zb-h2          eager-1f1b's warm-up, 2 (#stages - i) + 1 forwards, with backwards split into B
+                   and W (Qi et al., ICLR 2024, ZB-H2): stage i runs W(m) right after
+                   B(m + 2 (i - 1)), so with F, B and W of equal cost each stage works without
+                   a gap from its first F to its last W (the paper's parallelogram, §2.2) once
+                   B >= 2 #stages - 1. Steps then
+                   overlap only when a stage starts its next step as soon as its own ends (no
+                   barrier at the optimizer step: the paper's post-validation, which hlopar's
+                   executors do not do); the simulator's `steady_period` prices that. The first
+                   stage keeps 2 #stages - 1 forwards in flight, about twice 1f1b's (Eq. 5)
 
 All are warm-up-then-1F1B orders (`Schedule`); GPipe is the one whose warm-up is every
 microbatch. A variant is `dataclasses.replace(get_schedule("eager-1f1b-wd"), weight_delay=2)`.
@@ -52,6 +61,10 @@ def _lag_of_stage(num_stages: int, stage: int, num_microbatches: int) -> int:
     return stage  # i - 1 with i = stage + 1: the last stage holds back the most W
 
 
+def _twice_lag_of_stage(num_stages: int, stage: int, num_microbatches: int) -> int:
+    return 2 * stage  # 2 (i - 1): the fewest held-back W that close every stage's gaps
+
+
 SCHEDULES: dict[str, Schedule] = {
     "gpipe": Schedule("gpipe", _all_forwards, "all forwards, then all backwards"),
     "1f1b": Schedule("1f1b", _one_f_one_b, "warm-up of #stages - i + 1 forwards, then 1F1B"),
@@ -64,6 +77,12 @@ SCHEDULES: dict[str, Schedule] = {
         _one_f_one_b,
         "1f1b's warm-up; stage i's W(m) after B(m + i - 1), filling the cool-down",
         weight_lag=_lag_of_stage,
+    ),
+    "zb-h2": Schedule(
+        "zb-h2",
+        _eager,
+        "eager-1f1b's warm-up; stage i's W(m) after B(m + 2 (i - 1)), filling each stage's gaps",
+        weight_lag=_twice_lag_of_stage,
     ),
 }
 

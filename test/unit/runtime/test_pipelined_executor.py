@@ -13,7 +13,7 @@ from hlopar.analysis.schedules import ACCUMULATE, FREE, RUN, get_schedule
 from hlopar.codegen.pipeline_program import BACKWARD, FORWARD, WEIGHT, pipeline_program
 from hlopar.runtime.local_executor import PipelinedStep
 
-SCHEDULES = ["gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd", "zb-h1"]
+SCHEDULES = ["gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd", "zb-h1", "zb-h2"]
 PLAN = "hlopar-cluster-operators,hlopar-stage-construction{schedule=1f1b num-hosts=2 devices-per-host=4 workers=1}"
 
 

@@ -24,10 +24,10 @@ SHAPES = st.tuples(st.integers(1, 9), st.integers(1, 30))
 
 
 def test_registry_names():
-    assert list(SCHEDULES) == ["gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd", "zb-h1"]
+    assert list(SCHEDULES) == ["gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd", "zb-h1", "zb-h2"]
     assert get_schedule("1f1b") is SCHEDULES["1f1b"]
     assert get_schedule(SCHEDULES["gpipe"]) is SCHEDULES["gpipe"]
-    assert [s.split_backward for s in SCHEDULES.values()] == [False, False, False, True, True]
+    assert [s.split_backward for s in SCHEDULES.values()] == [False, False, False, True, True, True]
     assert DEFAULT_SCHEDULE in SCHEDULES
     assert typing.get_args(ScheduleName) == tuple(sorted(SCHEDULES))
 
@@ -177,6 +177,35 @@ def test_zb_h1_in_flight_is_1f1b(stages, micro):
         assert max_in_flight(zb.stage_tasks(stages, k, micro)) == max_in_flight(one.stage_tasks(stages, k, micro))
         assert zb.in_flight(stages - k, micro) == one.in_flight(stages - k, micro) == min(stages - k, micro)
         assert _held_until_w(zb.stage_tasks(stages, k, micro)) == min(stages, micro)
+
+
+def test_zb_h2_task_order():
+    """Qi et al. (2024), ZB-H2: eager-1F1B's warm-up (2 (p - k) - 1 forwards on stage k, from 0);
+    stage k runs W(m) right after B(m + 2k), so the last stage holds back the most W."""
+    zb = [" ".join(map(str, o)) for o in SCHEDULES["zb-h2"].tasks(4, 8)]
+    assert zb == [
+        "F0 F1 F2 F3 F4 F5 F6 B0 W0 F7 B1 W1 B2 W2 B3 W3 B4 W4 B5 W5 B6 W6 B7 W7",
+        "F0 F1 F2 F3 F4 B0 F5 B1 F6 B2 W0 F7 B3 W1 B4 W2 B5 W3 B6 W4 B7 W5 W6 W7",
+        "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 F6 B4 W0 F7 B5 W1 B6 W2 B7 W3 W4 W5 W6 W7",
+        "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 W0 F7 B7 W1 W2 W3 W4 W5 W6 W7",
+    ]
+    for stages, micro in ((4, 8), (3, 2), (5, 12)):
+        for zb_order, eager in zip(
+            SCHEDULES["zb-h2"].tasks(stages, micro), SCHEDULES["eager-1f1b"].tasks(stages, micro)
+        ):
+            assert [t for t in zb_order if t.kind != "W"] == eager
+
+
+@pytest.mark.parametrize("stages, micro", [(1, 1), (2, 3), (4, 3), (4, 8), (4, 7), (5, 12), (8, 16)])
+def test_zb_h2_in_flight_is_twice_1f1b(stages, micro):
+    """Eq. 5's count for ZB-H2 is min(2s - 1, B) for a stage with s stages from it to the last,
+    eager-1F1B's; from F to W every stage holds min(2p - 1, B), the paper's peak of (2p - 1) M_B
+    activations (Qi et al., 2024, §2.2) against 1F1B's p M_B."""
+    zb = SCHEDULES["zb-h2"]
+    for k in range(stages):
+        assert zb.in_flight(stages - k, micro) == min(2 * (stages - k) - 1, micro)
+        assert max_in_flight(zb.stage_tasks(stages, k, micro)) == min(2 * (stages - k) - 1, micro)
+        assert _held_until_w(zb.stage_tasks(stages, k, micro)) == min(2 * stages - 1, micro)
 
 
 def test_weight_placements_are_exclusive():

@@ -204,3 +204,37 @@ def test_zb_h1_bubble_is_a_third_of_1f1b(stages, micro):
         idle[name] = (result.iteration_time - compute) / compute
     assert idle["1f1b"] == pytest.approx((stages - 1) / micro)
     assert idle["zb-h1"] == pytest.approx((stages - 1) / (3 * micro))
+
+
+@pytest.mark.parametrize(
+    "stages, micro", [(2, 1), (2, 3), (3, 4), (3, 5), (4, 4), (4, 7), (4, 8), (4, 16), (5, 12), (8, 32)]
+)
+def test_zb_h2_bubble_is_zero_from_2p_minus_1_microbatches(stages, micro):
+    """Qi et al. (2024), ZB-H2: with F, B and W of equal cost and free communication each stage
+    works without a gap from its first F to its last W once B >= 2p - 1 (their bubble
+    (p-1)(T_F + T_B - 2 T_W) = 0, §2.2), so back-to-back steps without a barrier at the
+    optimizer step (`steady_period`) idle nothing; below that, each stage's first B waits
+    2p - 1 - B slots. One step alone still takes 3m + p - 1 there, ZB-H1's time; the first stage
+    stashes min(2p - 1, B) microbatches, ZB-H1's min(p, B)."""
+    topo = PipelineTopology.chain(stages, 0, 1000)
+    costs = [StageCost(1.0, 2.0, weight_fraction=0.5)] * stages  # F = B = W = 1 s
+    compute = 3.0 * micro
+    result = simulate(build_streams(topo, "zb-h2", micro), costs, ZERO_COST)
+    assert all(b == pytest.approx(compute) for b in result.compute_busy.values())
+    assert result.steady_period == pytest.approx(compute + max(0, 2 * stages - 1 - micro))
+    if micro >= 2 * stages - 1:
+        assert result.steady_bubble_fraction == pytest.approx(0.0, abs=1e-12)
+        assert result.iteration_time == pytest.approx(compute + stages - 1)
+    assert max(result.peak_memory.values()) == min(2 * stages - 1, micro) * 1000
+    zb_h1 = simulate(build_streams(topo, "zb-h1", micro), costs, ZERO_COST)
+    assert zb_h1.steady_period == pytest.approx(zb_h1.iteration_time)  # its first stage spans the step
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd", "zb-h1"])
+def test_steady_period_of_schedules_whose_first_stage_spans_the_step(name):
+    """The first stage runs the step's first F and its last B (or W), so back-to-back steps
+    gain nothing over `iteration_time` for every schedule but ZB-H2."""
+    topo = PipelineTopology.chain(4, 0, 1000)
+    result = simulate(build_streams(topo, name, 8), [StageCost(1.0, 2.0, weight_fraction=0.5)] * 4, ZERO_COST)
+    assert result.steady_period == pytest.approx(result.iteration_time)
+    assert result.steady_bubble_fraction == pytest.approx(result.bubble_fraction)
