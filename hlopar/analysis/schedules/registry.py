@@ -24,7 +24,8 @@
                    overlap only when a stage starts its next step as soon as its own ends (no
                    barrier at the optimizer step: the paper's post-validation, which hlopar's
                    executors do not do); the simulator's `steady_period` prices that. The first
-                   stage keeps 2 #stages - 1 forwards in flight, about twice 1f1b's (Eq. 5)
+                   stage keeps 2 #stages - 1 forwards in flight, about twice 1f1b's (Eq. 5),
+                   and every stage as many stashes until their W, which Eq. 5 does not count
 
 All are warm-up-then-1F1B orders (`Schedule`); GPipe is the one whose warm-up is every
 microbatch. A variant is `dataclasses.replace(get_schedule("eager-1f1b-wd"), weight_delay=2)`.
