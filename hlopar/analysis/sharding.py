@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from hlopar.analysis.hashing import cached_hash, state_without_hash
 from hlopar.analysis.mesh import DeviceMesh, _Cursor, format_symbol, parse_mesh_body, quote_string
 
 __all__ = [
@@ -46,15 +47,19 @@ class ShardingSpec:
 
     def __post_init__(self) -> None:
         dims = tuple(tuple(axes) for axes in self.dims)
-        for axes in dims:
-            for name in axes:
-                if not isinstance(name, str) or not name:
-                    raise ValueError(f"sharding spec axes are non-empty strings, got {name!r}")
         names = [name for axes in dims for name in axes]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
-        if duplicates:
+        for name in names:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"sharding spec axes are non-empty strings, got {name!r}")
+        if len(set(names)) != len(names):
+            duplicates = sorted({name for name in names if names.count(name) > 1})
             raise ValueError(f"mesh axes {duplicates} split more than one dimension (or one twice)")
         object.__setattr__(self, "dims", dims)
+        object.__setattr__(self, "_used_axes", tuple(names))
+
+    # Specs key the cost model's caches (`auto_sharding.resharding`): hashed once.
+    __hash__ = cached_hash
+    __getstate__ = state_without_hash
 
     @classmethod
     def replicated(cls, rank: int) -> ShardingSpec:
@@ -72,7 +77,7 @@ class ShardingSpec:
     @property
     def used_axes(self) -> tuple[str, ...]:
         """Axes that split some dimension, in order of appearance."""
-        return tuple(name for axes in self.dims for name in axes)
+        return self._used_axes
 
     @property
     def is_replicated(self) -> bool:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hlopar.analysis.hashing import cached_hash, state_without_hash
 from hlopar.analysis.limits import check_mesh_shape
 from hlopar.analysis.mesh import DeviceMesh
 
@@ -54,6 +55,9 @@ class MeshAxis:
         object.__setattr__(self, "latency_s", float(self.latency_s))
         object.__setattr__(self, "bandwidth_bytes_per_s", float(self.bandwidth_bytes_per_s))
 
+    __hash__ = cached_hash
+    __getstate__ = state_without_hash
+
 
 @dataclass(frozen=True)
 class LogicalMesh:
@@ -80,6 +84,11 @@ class LogicalMesh:
         if not self.device_memory_bytes > 0:
             raise ValueError(f"device_memory_bytes must be > 0, got {self.device_memory_bytes!r}")
         object.__setattr__(self, "axes", axes)
+        object.__setattr__(self, "_by_name", {axis.name: axis for axis in axes})
+
+    # Meshes key the cost model's caches: hashed once, axes looked up by name in a dict.
+    __hash__ = cached_hash
+    __getstate__ = state_without_hash
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -95,14 +104,21 @@ class LogicalMesh:
         return math.prod(self.shape)
 
     def axis(self, name: str) -> MeshAxis:
-        for axis in self.axes:
-            if axis.name == name:
-                return axis
-        raise ValueError(f"mesh {self.axis_names} has no axis {name!r}")
+        found = self._by_name.get(name)
+        if found is None:
+            raise ValueError(f"mesh {self.axis_names} has no axis {name!r}")
+        return found
 
     def axes_size(self, names: Iterable[str]) -> int:
         """How many pieces splitting over all of `names` makes (1 for none)."""
-        return math.prod(self.axis(name).size for name in names)
+        by_name = self._by_name
+        size = 1
+        for name in names:
+            found = by_name.get(name)
+            if found is None:
+                raise ValueError(f"mesh {self.axis_names} has no axis {name!r}")
+            size *= found.size
+        return size
 
     def to_device_mesh(self) -> DeviceMesh:
         """The same axes as a `DeviceMesh` on devices 0..n-1 in row-major order."""

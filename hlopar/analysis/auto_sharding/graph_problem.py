@@ -417,10 +417,27 @@ class StrategyCache:
             key,
             lambda: tuple(
                 _mirror(
-                    rule, k, leader_strategies, result_number, operands, results, self.mesh, flops, self.strategy_for
+                    rule,
+                    k,
+                    leader_strategies,
+                    result_number,
+                    operands,
+                    results,
+                    self.mesh,
+                    flops,
+                    self.strategy_for,
+                    self.factor_axes_for,
                 )
             ),
         )
+
+    def factor_axes_for(self, rule, k, spec, mesh):
+        """`_factor_axes_for`, once per rule, operand and layout."""
+        key = ("factor axes", rule, k, spec)
+        found = self.cache.get(key, self)
+        if found is self:
+            found = self.cache[key] = _factor_axes_for(rule, k, spec, mesh)
+        return found
 
     def strategy_for(self, rule, factor_axes, operands, results, mesh, flops) -> Strategy:
         """`strategies.strategy_for`, once per distinct op and split: the mirrors of different
@@ -519,16 +536,26 @@ def _leader_operand(op: OpNode, operand_nodes, depth, operands, results) -> int 
 
 
 def _mirror(
-    rule, k, leader_strategies, result_number, operands, results, mesh, flops, make=strategy_for
+    rule,
+    k,
+    leader_strategies,
+    result_number,
+    operands,
+    results,
+    mesh,
+    flops,
+    make=strategy_for,
+    factor_axes_for=None,
 ) -> list[Strategy]:
     """One strategy per leader strategy: the one that takes operand `k` in the layout the
     leader produces it (or, where no strategy can, the replicated one), made by `make`
-    (`strategy_for`'s arguments)."""
+    (`strategy_for`'s arguments); `factor_axes_for`: `_factor_axes_for` or a cache of it."""
+    factor_axes_for = factor_axes_for or _factor_axes_for
     fallback = None
     mirrored = []
     for leader_strategy in leader_strategies:
         spec = leader_strategy.result_specs[result_number]
-        factor_axes = _factor_axes_for(rule, k, spec, mesh) if spec is not None else None
+        factor_axes = factor_axes_for(rule, k, spec, mesh) if spec is not None else None
         if factor_axes is None:
             fallback = fallback or make(rule, tuple(() for _ in rule.factor_sizes), operands, results, mesh, flops)
             mirrored.append(fallback)

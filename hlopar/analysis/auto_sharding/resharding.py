@@ -34,7 +34,7 @@ import functools
 from collections.abc import Sequence
 
 from hlopar.analysis.auto_sharding.cluster import LogicalMesh
-from hlopar.analysis.auto_sharding.collectives import Collective
+from hlopar.analysis.auto_sharding.collectives import TRAFFIC, Collective
 from hlopar.analysis.sharding import ShardingSpec
 
 __all__ = ["per_device_bytes", "resharding_collectives", "resharding_cost"]
@@ -70,76 +70,97 @@ def _as_shape(shape: Sequence[int]) -> tuple[int, ...]:
     return shape if type(shape) is tuple else tuple(shape)
 
 
+# A resharding's collectives depend on the tensor only through the bytes they move: which
+# collectives, over which axes, follows from the two layouts and the mesh. `_steps` finds them
+# once per (rank, src, dst, mesh), each with the layout whose per-device tile names its size;
+# `_cost` and `_collectives` then only size them for a shape (the ILP asks for the same pairs
+# of layouts for many tensors).
+_Step = tuple[str, tuple[str, ...], ShardingSpec]  # (kind, axes, layout that sizes it)
+
+
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _cost(shape: tuple[int, ...], dtype_bytes: int, src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> float:
-    return sum((c.cost(mesh) for c in _collectives(shape, dtype_bytes, src, dst, mesh)), 0.0)
+    _check_rank(shape, src, "source spec")
+    _check_rank(shape, dst, "target spec")
+    total = 0.0
+    for alpha, traffic, beta, spec in _priced_steps(src, dst, mesh):
+        total += alpha + traffic * per_device_bytes(shape, dtype_bytes, spec, mesh) / beta if beta else 0.0
+    return total
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
+def _priced_steps(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> tuple:
+    """Per step: (alpha, traffic factor, beta, layout that sizes it), as `collective_cost`
+    prices it (beta 0: a group of one device, free)."""
+    priced = []
+    for kind, axes, spec in _steps(src, dst, mesh):
+        links = [mesh.axis(name) for name in axes]
+        n = 1
+        for link in links:
+            n *= link.size
+        if n == 1:
+            priced.append((0.0, 0.0, 0.0, spec))
+            continue
+        alpha = max(link.latency_s for link in links)
+        beta = min(link.bandwidth_bytes_per_s for link in links)
+        priced.append((alpha, TRAFFIC[kind](n), beta, spec))
+    return tuple(priced)
+
+
 def _collectives(
     shape: tuple[int, ...], dtype_bytes: int, src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh
 ) -> tuple[Collective, ...]:
     _check_rank(shape, src, "source spec")
     _check_rank(shape, dst, "target spec")
+    return tuple(
+        Collective(kind, axes, per_device_bytes(shape, dtype_bytes, spec, mesh))
+        for kind, axes, spec in _steps(src, dst, mesh)
+    )
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _steps(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> tuple[_Step, ...]:
     src, dst = _without_trivial_axes(src, mesh), _without_trivial_axes(dst, mesh)
     if src == dst:
         return ()
     order = mesh.axis_names
     src_axes, dst_axes = set(src.used_axes), set(dst.used_axes)
     used = tuple(a for a in order if a in src_axes | dst_axes)
-    final = per_device_bytes(shape, dtype_bytes, dst, mesh)
     have_tiles = [mesh.axes_size(axes) for axes in src.dims]
     want_tiles = [mesh.axes_size(axes) for axes in dst.dims]
     if have_tiles == want_tiles:
         # the same tiles on other devices
-        return (Collective("collective-permute", used, final),)
+        return (("collective-permute", used, dst),)
     if all(w % h == 0 for h, w in zip(have_tiles, want_tiles)):
         # each new tile lies in one a device holds: slice it out, then move it if it is
         # not on the device that wants it
         if all(want[: len(have)] == have for have, want in zip(src.dims, dst.dims)):
             return ()
-        return (Collective("collective-permute", used, final),)
+        return (("collective-permute", used, dst),)
     if all(h % w == 0 for h, w in zip(have_tiles, want_tiles)):
-        return _to_coarser(shape, dtype_bytes, src, dst, mesh, used)
-    return _gather_and_trade(shape, dtype_bytes, src, dst, mesh, used, final)
+        return _to_coarser(src, dst, mesh, used)
+    return _gather_and_trade(src, dst, mesh, used)
 
 
-def _to_coarser(
-    shape: tuple[int, ...],
-    dtype_bytes: int,
-    src: ShardingSpec,
-    dst: ShardingSpec,
-    mesh: LogicalMesh,
-    used: tuple[str, ...],
-) -> tuple[Collective, ...]:
+def _to_coarser(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh, used: tuple[str, ...]) -> tuple[_Step, ...]:
     """Coarser tiles: gather each dimension, the last one first (after a permute when an
     axis that stays is minor to one that goes)."""
     order = mesh.axis_names
     steps = []
     if not all(have[: len(want)] == want for have, want in zip(src.dims, dst.dims)):
-        steps.append(Collective("collective-permute", used, per_device_bytes(shape, dtype_bytes, src, mesh)))
+        steps.append(("collective-permute", used, src))
     current = list(src.dims)
     for dim in reversed(range(src.rank)):
         gathered = tuple(a for a in order if a in src.dims[dim] and a not in dst.dims[dim])
         if gathered:
             current[dim] = tuple(a for a in current[dim] if a not in gathered)
-            steps.append(
-                Collective(
-                    "all-gather", gathered, per_device_bytes(shape, dtype_bytes, ShardingSpec(tuple(current)), mesh)
-                )
-            )
+            steps.append(("all-gather", gathered, ShardingSpec(tuple(current))))
     return tuple(steps)
 
 
 def _gather_and_trade(
-    shape: tuple[int, ...],
-    dtype_bytes: int,
-    src: ShardingSpec,
-    dst: ShardingSpec,
-    mesh: LogicalMesh,
-    used: tuple[str, ...],
-    final: int,
-) -> tuple[Collective, ...]:
+    src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh, used: tuple[str, ...]
+) -> tuple[_Step, ...]:
     """Tiles neither finer nor coarser: gather the axes that go, trade the axes that move
     between dimensions by all-to-all, permute where the devices end up in another order."""
     order = mesh.axis_names
@@ -169,13 +190,12 @@ def _gather_and_trade(
     if len({d for d, _ in pairs}) < len(pairs) or len({e for _, e in pairs}) < len(pairs):
         # axes of one dimension spread over several, or of several merged into one: XLA
         # finds no all-to-all for it, gathers the whole tensor, then slices
-        return _gather_all(shape, dtype_bytes, src, mesh)
+        return _gather_all(src, mesh)
     steps = []
     # XLA gathers each tensor dimension on its own, the last one first.
     for dim, gathered in reversed(gathers):
         current[dim] = tuple(a for a in current[dim] if a in dst_axes)
-        nbytes = per_device_bytes(shape, dtype_bytes, ShardingSpec(tuple(current)), mesh)
-        steps.append(Collective("all-gather", gathered, nbytes))
+        steps.append(("all-gather", gathered, ShardingSpec(tuple(current))))
     # One all-to-all per pair of tensor dimensions that trade axes; two dimensions that swap
     # their splits trade only the smaller one's shards, then the devices get reordered.
     swapped = False
@@ -185,15 +205,15 @@ def _gather_and_trade(
                 continue
             axes = min(axes, moves[e, d], key=lambda a: (mesh.axes_size(tuple(a)), sorted(a)))
             swapped = True
-        steps.append(Collective("all-to-all", tuple(a for a in order if a in axes), final))
+        steps.append(("all-to-all", tuple(a for a in order if a in axes), dst))
     # Axes that end up elsewhere in their own dimension: the devices are in another order.
     arrived = {dst_dim[a] for axes in moves.values() for a in axes}
     if swapped or reordered or any(_arrival_breaks_order(src, dst, dim) for dim in arrived):
-        steps.append(Collective("collective-permute", used, final))
+        steps.append(("collective-permute", used, dst))
     return tuple(steps)
 
 
-def _gather_all(shape, dtype_bytes: int, src: ShardingSpec, mesh: LogicalMesh) -> tuple[Collective, ...]:
+def _gather_all(src: ShardingSpec, mesh: LogicalMesh) -> tuple[_Step, ...]:
     """Every dimension gathered on its own, the last one first."""
     steps = []
     current = list(src.dims)
@@ -201,11 +221,7 @@ def _gather_all(shape, dtype_bytes: int, src: ShardingSpec, mesh: LogicalMesh) -
         if current[dim]:
             gathered = tuple(a for a in mesh.axis_names if a in current[dim])
             current[dim] = ()
-            steps.append(
-                Collective(
-                    "all-gather", gathered, per_device_bytes(shape, dtype_bytes, ShardingSpec(tuple(current)), mesh)
-                )
-            )
+            steps.append(("all-gather", gathered, ShardingSpec(tuple(current))))
     return tuple(steps)
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import sdy
 
+from hlopar.analysis.hashing import cached_hash, state_without_hash
+
 RULE_ATTRIBUTE = "sdy.sharding_rule"
 
 # Per tensor dimension, the factors it is made of (major first); per tensor, its dims.
@@ -31,6 +33,9 @@ class OpRule:
     permutation: frozenset[int] = frozenset()
     blocked: frozenset[int] = frozenset()
     is_custom: bool = False
+
+    __hash__ = cached_hash  # a key of `graph_problem.StrategyCache`, hashed once
+    __getstate__ = state_without_hash
 
     @property
     def num_factors(self) -> int:

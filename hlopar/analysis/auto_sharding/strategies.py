@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hlopar.analysis.auto_sharding.cluster import LogicalMesh
+from hlopar.analysis.hashing import cached_hash, state_without_hash
 from hlopar.analysis.auto_sharding.collectives import Collective
 from hlopar.analysis.auto_sharding.resharding import per_device_bytes
 from hlopar.analysis.auto_sharding.rules import OpRule, TensorFactors
@@ -33,6 +34,9 @@ class TensorInfo:
 
     shape: Shape | None
     dtype_bytes: int
+
+    __hash__ = cached_hash  # a key of `graph_problem.StrategyCache`, hashed once
+    __getstate__ = state_without_hash
 
     @property
     def is_tensor(self) -> bool:
