@@ -25,7 +25,9 @@ XLA compiles: on a 2x4 mesh it agrees for about 80% of all pairs of layouts of a
 and the rest (sub-axis collectives XLA uses for some multi-axis conversions) are rare in plans.
 Sizes are per device, rounded up per dimension as XLA pads uneven shards. Mesh axes of size 1
 split nothing and are ignored. The ILP asks for every pair of strategies on every edge, so
-results are cached per (shape, dtype size, src, dst, mesh): all arguments are hashable values.
+costs are cached per (shape, dtype size, src, dst, mesh), and the collectives themselves per
+(src, dst, mesh shape): which collectives a resharding takes does not depend on the tensor's
+shape, only the bytes they move do. All arguments are hashable values.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from hlopar.analysis.auto_sharding.cluster import LogicalMesh
+from hlopar.analysis.auto_sharding.cluster import LogicalMesh, MeshAxis
 from hlopar.analysis.auto_sharding.collectives import TRAFFIC, Collective
 from hlopar.analysis.sharding import ShardingSpec
 
@@ -93,7 +95,7 @@ def _priced_steps(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> tu
     """Per step: (alpha, traffic factor, beta, layout that sizes it), as `collective_cost`
     prices it (beta 0: a group of one device, free)."""
     priced = []
-    for kind, axes, spec in _steps(src, dst, mesh):
+    for kind, axes, spec in _steps(src, dst, _geometry(mesh)):
         links = [mesh.axis(name) for name in axes]
         n = 1
         for link in links:
@@ -114,12 +116,21 @@ def _collectives(
     _check_rank(shape, dst, "target spec")
     return tuple(
         Collective(kind, axes, per_device_bytes(shape, dtype_bytes, spec, mesh))
-        for kind, axes, spec in _steps(src, dst, mesh)
+        for kind, axes, spec in _steps(src, dst, _geometry(mesh))
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def _geometry(mesh: LogicalMesh) -> LogicalMesh:
+    """The mesh's axes (names, sizes) with unit link costs: what `_steps` reads of a mesh, so
+    that meshes of one shape and other links (a stage's logical shapes on several
+    submeshes) share their steps."""
+    return LogicalMesh(tuple(MeshAxis(a.name, a.size, 0.0, 1.0) for a in mesh.axes), 1.0, 1.0)
 
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _steps(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> tuple[_Step, ...]:
+    """The collectives from `src` to `dst` on a mesh of this geometry (`_geometry`)."""
     src, dst = _without_trivial_axes(src, mesh), _without_trivial_axes(dst, mesh)
     if src == dst:
         return ()

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hlopar.analysis.auto_sharding.cluster import LogicalMesh
-from hlopar.analysis.hashing import cached_hash, state_without_hash
 from hlopar.analysis.auto_sharding.collectives import Collective
 from hlopar.analysis.auto_sharding.resharding import per_device_bytes
 from hlopar.analysis.auto_sharding.rules import OpRule, TensorFactors
+from hlopar.analysis.hashing import cached_hash, state_without_hash
 from hlopar.analysis.sharding import ShardingSpec
 
 Shape = tuple[int, ...]

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from hlopar.analysis.auto_sharding import ilp
 from hlopar.analysis.auto_sharding.problem import Problem
@@ -37,9 +37,16 @@ __all__ = ["SPAWN_START_SECONDS", "IlpPool", "content_key", "worth_spawning"]
 SPAWN_START_SECONDS = 2.0
 
 
-def content_key(problem: Problem) -> Problem:
-    """`problem` without its node names: equal keys, equal solutions."""
-    return replace(problem, nodes=tuple(replace(node, name="") if node.name else node for node in problem.nodes))
+def content_key(problem: Problem) -> tuple:
+    """`problem`'s fields without its node names, as plain tuples: equal keys, equal
+    solutions. (Tuples hash in C; the dataclasses' generated hashes would call Python per
+    node and edge, and GPT-39B's layers make thousands of each.)"""
+    return (
+        tuple((node.costs, node.memory, node.fixed, node.follows) for node in problem.nodes),
+        tuple((edge.src, edge.dst, edge.costs) for edge in problem.edges),
+        problem.memory_budget,
+        problem.live_sets,
+    )
 
 
 def worth_spawning(mean_seconds: float, remaining: int, workers: int) -> bool:

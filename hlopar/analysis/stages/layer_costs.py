@@ -490,18 +490,23 @@ def plan_layers(
     strategy work between the layers of one mesh. The builds read the IR, here; the ILPs are
     plain data, solved once per content (`ilp_pool`), here or, where that pays and
     `workers > 1`, in spawned processes. `new_state`, `donated`: as `plan_layer`'s."""
-    signatures = [layer_signature(layer, rules, roles, donated) for layer in layers]
+    # Each distinct signature by a number: the signatures are long tuples, hashed once here.
+    numbered: dict[tuple, int] = {}
+    signatures = [numbered.setdefault(layer_signature(layer, rules, roles, donated), len(numbered)) for layer in layers]
     dims = {sig: None for sig in signatures}
     for k, layer in enumerate(layers):
         if dims[signatures[k]] is None:
             dims[signatures[k]] = layer_dims(layer)
     distinct: list[LogicalMesh] = []
     mesh_id = [distinct.index(m) if m in distinct else distinct.append(m) or len(distinct) - 1 for m, _ in meshes]
+    keys = {  # (signature, mesh number) -> its problem's key
+        (sig, g): (sig, plan_key(mesh, dims[sig])) for sig in dims for g, (mesh, _) in enumerate(meshes)
+    }
     first: dict = {}  # (signature, plan_key) -> (layer, mesh id) whose build solves it
     splits: dict = {}  # the same key -> the split_state options asked for
     for k in range(len(layers)):
-        for g, (mesh, split) in enumerate(meshes):
-            key = (signatures[k], plan_key(mesh, dims[signatures[k]]))
+        for g, (_, split) in enumerate(meshes):
+            key = keys[(signatures[k], g)]
             first.setdefault(key, (k, mesh_id[g]))
             splits.setdefault(key, set()).add(split)
     groups: dict[int, list] = {}
@@ -532,17 +537,15 @@ def plan_layers(
                     del pending[: len(pending) - keep]
         finish(pending)
         count, spawned = pool.solved, pool.spawned
-    table = []
-    for k in range(len(layers)):
+    rows: dict[int, tuple[LayerPlan, ...]] = {}  # layers of one signature share their row
+    for sig in dims:
         row = []
         for g, (mesh, split) in enumerate(meshes):
-            source_k, source_m = first[(signatures[k], plan_key(mesh, dims[signatures[k]]))]
+            source_k, source_m = first[keys[(sig, g)]]
             plan = solved[(source_k, source_m, split)]
             if source_m != mesh_id[g]:
-                names = dict(
-                    zip(useful_axes(distinct[source_m], dims[signatures[k]]), useful_axes(mesh, dims[signatures[k]]))
-                )
+                names = dict(zip(useful_axes(distinct[source_m], dims[sig]), useful_axes(mesh, dims[sig])))
                 plan = renamed(plan, names)
             row.append(plan)
-        table.append(tuple(row))
-    return LayerTable(tuple(table), count, spawned)
+        rows[sig] = tuple(row)
+    return LayerTable(tuple(rows[sig] for sig in signatures), count, spawned)
