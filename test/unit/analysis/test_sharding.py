@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pickle
 import random
 import re
 
 import pytest
 
+from hlopar.analysis.auto_sharding.cluster import logical_mesh
 from hlopar.analysis.mesh import DeviceMesh
 from hlopar.analysis.sharding import (
     AxisRef,
@@ -36,6 +38,23 @@ def test_spec_basics():
     assert ShardingSpec.replicated(2).is_replicated
     assert ShardingSpec.of("x", None, ("y", "z")) == spec
     assert ShardingSpec.of() == ShardingSpec(())
+
+
+def test_spec_hash_is_kept_per_process():
+    """The cost model's caches key on specs and meshes: hashed once, equal values equal
+    hashes; a pickle leaves the hash out (a string's hash differs in another process), and
+    the copy computes its own."""
+    spec = ShardingSpec.of("x", None, ("y", "z"))
+    same = ShardingSpec((("x",), (), ("y", "z")))
+    assert hash(spec) == hash(same) == hash(spec) and spec == same and {spec: 1}[same] == 1
+    assert hash(spec) != hash(ShardingSpec.of(("y", "z"), None, "x"))
+    state = pickle.dumps(spec)
+    assert b"_cached_hash" not in state
+    copy = pickle.loads(state)
+    assert copy == spec and hash(copy) == hash(spec) and copy.used_axes == ("x", "y", "z")
+    mesh = logical_mesh((2, 4), preset="a100-80g-nvlink")
+    assert b"_cached_hash" not in pickle.dumps((hash(mesh), mesh)) and pickle.loads(pickle.dumps(mesh)) == mesh
+    assert hash(logical_mesh((2, 4), preset="a100-80g-nvlink")) == hash(mesh) != hash(logical_mesh((4, 2)))
 
 
 def test_spec_num_shards_and_check():
