@@ -111,14 +111,7 @@ class LogicalMesh:
 
     def axes_size(self, names: Iterable[str]) -> int:
         """How many pieces splitting over all of `names` makes (1 for none)."""
-        by_name = self._by_name
-        size = 1
-        for name in names:
-            found = by_name.get(name)
-            if found is None:
-                raise ValueError(f"mesh {self.axis_names} has no axis {name!r}")
-            size *= found.size
-        return size
+        return math.prod(self.axis(name).size for name in names)
 
     def to_device_mesh(self) -> DeviceMesh:
         """The same axes as a `DeviceMesh` on devices 0..n-1 in row-major order."""

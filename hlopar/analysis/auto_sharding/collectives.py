@@ -27,7 +27,6 @@ from hlopar.analysis.auto_sharding.cluster import LogicalMesh
 from hlopar.units import format_bytes
 
 __all__ = [
-    "TRAFFIC",
     "Collective",
     "CollectiveKind",
     "all_gather_cost",
@@ -41,7 +40,7 @@ __all__ = [
 CollectiveKind = Literal["all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"]
 
 # Bytes each device sends per byte of `nbytes`, as a function of the group size.
-TRAFFIC = {
+_TRAFFIC = {
     "all-reduce": lambda n: 2 * (n - 1) / n,
     "all-gather": lambda n: (n - 1) / n,
     "reduce-scatter": lambda n: (n - 1) / n,
@@ -65,8 +64,8 @@ class Collective:
     nbytes: int
 
     def __post_init__(self) -> None:
-        if self.kind not in TRAFFIC:
-            raise ValueError(f"unknown collective {self.kind!r}; expected one of {', '.join(TRAFFIC)}")
+        if self.kind not in _TRAFFIC:
+            raise ValueError(f"unknown collective {self.kind!r}; expected one of {', '.join(_TRAFFIC)}")
         axes = (self.axes,) if isinstance(self.axes, str) else tuple(self.axes)
         if len(set(axes)) != len(axes):
             raise ValueError(f"{self.kind} names a mesh axis twice: {axes}")
@@ -86,9 +85,9 @@ class Collective:
 def collective_cost(kind: CollectiveKind, mesh: LogicalMesh, axes: Sequence[str], nbytes: float) -> float:
     """alpha + traffic(n) · nbytes / beta over the groups of `axes`; 0 when the group is one device."""
     try:
-        traffic = TRAFFIC[kind]
+        traffic = _TRAFFIC[kind]
     except KeyError:
-        raise ValueError(f"unknown collective {kind!r}; expected one of {', '.join(TRAFFIC)}") from None
+        raise ValueError(f"unknown collective {kind!r}; expected one of {', '.join(_TRAFFIC)}") from None
     links = [mesh.axis(name) for name in axes]
     n = 1
     for link in links:

@@ -36,7 +36,7 @@ import functools
 from collections.abc import Sequence
 
 from hlopar.analysis.auto_sharding.cluster import LogicalMesh, MeshAxis
-from hlopar.analysis.auto_sharding.collectives import TRAFFIC, Collective
+from hlopar.analysis.auto_sharding.collectives import Collective
 from hlopar.analysis.sharding import ShardingSpec
 
 __all__ = ["per_device_bytes", "resharding_collectives", "resharding_cost"]
@@ -82,31 +82,7 @@ _Step = tuple[str, tuple[str, ...], ShardingSpec]  # (kind, axes, layout that si
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _cost(shape: tuple[int, ...], dtype_bytes: int, src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> float:
-    _check_rank(shape, src, "source spec")
-    _check_rank(shape, dst, "target spec")
-    total = 0.0
-    for alpha, traffic, beta, spec in _priced_steps(src, dst, mesh):
-        total += alpha + traffic * per_device_bytes(shape, dtype_bytes, spec, mesh) / beta if beta else 0.0
-    return total
-
-
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _priced_steps(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> tuple:
-    """Per step: (alpha, traffic factor, beta, layout that sizes it), as `collective_cost`
-    prices it (beta 0: a group of one device, free)."""
-    priced = []
-    for kind, axes, spec in _steps(src, dst, _geometry(mesh)):
-        links = [mesh.axis(name) for name in axes]
-        n = 1
-        for link in links:
-            n *= link.size
-        if n == 1:
-            priced.append((0.0, 0.0, 0.0, spec))
-            continue
-        alpha = max(link.latency_s for link in links)
-        beta = min(link.bandwidth_bytes_per_s for link in links)
-        priced.append((alpha, TRAFFIC[kind](n), beta, spec))
-    return tuple(priced)
+    return sum((c.cost(mesh) for c in _collectives(shape, dtype_bytes, src, dst, mesh)), 0.0)
 
 
 def _collectives(
