@@ -3,10 +3,11 @@
 
     python examples/parallelize_gpt.py [--steps 5] [--hosts 2] [--devices-per-host 4]
                                        [--schedule NAME] [--microbatches 2] [--method auto]
-                                       [--address ray://head:10001]
+                                       [--runtime auto] [--address ray://head:10001]
 
-Without `--address`, the machine at hand: hosts are simulated by Ray workers on local CPU
-devices (Ray is started here). Prints the plan (stages, meshes, shardings), then each step's
+Without `--address`, the machine at hand: hosts are simulated on local CPU devices, and the
+plan runs in this process, every mesh on its own devices (`--runtime ray`: a local Ray of
+its own, one worker per mesh and host). Prints the plan (stages, meshes, shardings), then each step's
 loss next to single-device JAX's and its time.
 """
 
@@ -33,6 +34,7 @@ def main() -> int:
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--method", default="auto", choices=("auto", "shard", "pipeline"))
     parser.add_argument("--model", default="gpt", help="a zoo model with a 'tiny' configuration")
+    parser.add_argument("--runtime", default="auto", choices=("auto", "ray", "process"))
     parser.add_argument("--address", default=None, help="an existing Ray cluster (default: this machine)")
     args = parser.parse_args()
     from hlopar.runtime.host_devices import use_host_devices
@@ -59,6 +61,7 @@ def main() -> int:
         schedule=args.schedule,
         method=args.method,
         batch_argnums=(2,),
+        runtime=args.runtime,
     )
     p, s, rp, rs = params, state, params, state
     for k in range(args.steps):

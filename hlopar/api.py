@@ -27,15 +27,16 @@ The first call (per argument signature: pytree structure, shapes, dtypes):
    whose memory check compiles every executable of the plan, once: `codegen.executable_cache`);
 3. starts one Ray worker per (mesh, host) (`runtime.ray_runtime`), which loads its
    fragments as the driver compiled them (shipped serialized; another host's worker, or
-   one that cannot load them, compiles them; all compile with `HLOPAR_LOAD_EXECUTABLES=0`); or, where the plan is one mesh and one executable on this
-   machine's one host and this process's jax sees its devices, runs that executable here,
-   as `jax.jit` does (`runtime="auto"`, `runtime.in_process`: no worker, no Ray; results
-   are `jax.Array`s on those devices). `runtime="ray"` always uses workers.
+   one that cannot load them, compiles them; all compile with `HLOPAR_LOAD_EXECUTABLES=0`); or, where the cluster is this machine
+   (`Cluster.local`), no layer stack is cut into pieces and this process's jax sees the
+   plan's devices, runs the plan here, as `jax.jit` does (`runtime="auto"`,
+   `runtime.in_process`: its one executable, or every mesh's instruction stream; no worker,
+   no Ray; results are `jax.Array`s on those devices). `runtime="ray"` always uses workers.
 
 With `verbose`, these phases show on stderr (`progress.Progress`: one line redrawn in place
 on a terminal, a line per phase otherwise), and the first call ends with one line saying
 where its seconds went (`progress.Breakdown`, also `first_call`); `verbose=False` prints
-nothing. A local cluster of several hosts (or `runtime="ray"`) has its Ray head launched
+nothing. With `runtime="ray"`, a local cluster has its Ray head launched
 as the first call starts (`local_ray.prestart`), so that it comes up during planning.
 
 Later calls only run. Signatures: a call of another signature (a last partial batch, a batch
@@ -62,8 +63,10 @@ options: a new process with the same step skips planning (codegen reads `program
 back) and compilation (the executables are in `executables/`, `codegen.executable_cache`;
 not with `HLOPAR_LOAD_EXECUTABLES=0`).
 
-Arguments and results. Results stay on the workers that computed them (in this process's
-devices for a plan run here): a call returns `fn`'s
+Arguments and results. Results stay on the workers that computed them (on this process's
+devices for a plan run here: `jax.Array`s, a pipelined plan's on each mesh's own devices,
+which one other jax computation does not take together: `jax.device_get` them first): on
+Ray a call returns `fn`'s
 output pytree of `runtime.remote_array.RemoteArray`s (shape and dtype known; reading one,
 `float(loss)`, `np.asarray`, `jax.device_get`, printing, a jax function, fetches that one
 value, once; a scalar, such as the loss, came back with its step's reply). When the next
@@ -534,7 +537,7 @@ class ParallelizedFunction:
             f"method {self.options.method}, schedule {self.options.schedule.name}"
         )
         self._progress.phase("planning")
-        here = self.runtime_kind != "ray" and cluster.is_local and cluster.num_hosts == 1
+        here = self.runtime_kind != "ray" and cluster.is_local
         try:
             batch_args = self._batch_leaves(args)
             planned = _planned(
@@ -595,7 +598,7 @@ class ParallelizedFunction:
 
         cluster = _resolved(self.cluster)
         self._progress = progress = Progress(self.verbose)
-        if cluster.is_local and (self.runtime_kind == "ray" or cluster.num_hosts > 1):
+        if cluster.is_local and self.runtime_kind == "ray":
             # Workers for certain: the local Ray comes up while the step is lowered and planned.
             from hlopar.runtime.local_ray import prestart
 
@@ -610,7 +613,7 @@ class ParallelizedFunction:
                 else in_process_devices(
                     planned.program,
                     cluster.device_kind,
-                    one_host=cluster.is_local and cluster.num_hosts == 1,
+                    local=cluster.is_local,
                     pieces=pieces is not None,
                 )
             )
@@ -620,6 +623,8 @@ class ParallelizedFunction:
                 runtime = InProcessRuntime(
                     planned.program,
                     devices,
+                    self.schedule,
+                    devices_per_host=cluster.devices_per_host,
                     log=progress.message,
                     phase=progress.phase,
                     executables=planned.executables,
@@ -632,7 +637,9 @@ class ParallelizedFunction:
                 where = planned.program.host_callbacks[0]
                 refusal = Diagnostic(
                     "error",
-                    host_callback_message(where.target, f"the plan runs on Ray workers ({why_not})"),
+                    host_callback_message(
+                        where.target, f"the plan runs on Ray workers ({why_not}): other processes, which do not hold it"
+                    ),
                     where.location,
                 )
                 raise PlanningError(
@@ -1150,8 +1157,8 @@ def parallelize(
     stack as one loop (`hlopar-reroll-stage-loops`), holding those layers' slices of the
     stacked parameters and state as one range; off by default, as on XLA:CPU the rolled
     stage still compiles slower than the unrolled one (docs/stage_construction.md, measured).
-    `runtime`: "process" runs the plan in this process, as `jax.jit` does (one host, one mesh,
-    one executable, on devices this process's jax sees: `runtime.in_process`); "ray" on Ray
+    `runtime`: "process" runs the plan in this process, as `jax.jit` does (a local cluster,
+    on devices this process's jax sees, no layer stack cut into pieces: `runtime.in_process`); "ray" on Ray
     workers; "auto" in this process where the plan allows it, else on Ray.
     `checkpoint_every=N, checkpoint_dir=DIR`: every N calls the state is saved to
     `DIR/<call>` in the background, the steps going on meanwhile (the last two kept), in

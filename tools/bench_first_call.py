@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """The README main job's first call under hlopar against `jax.jit`'s, side by side, by phase.
 
-    python tools/bench_first_call.py [--rounds 3] [--json]
+    python tools/bench_first_call.py [--rounds 3] [--runtime auto|ray] [--json]
 
 The step is `examples/parallelize_gpt.py`'s (the README's main job): the zoo's tiny GPT,
 `hlopar.parallelize(..., cluster=Cluster.local(2, 4), num_microbatches=2,
-batch_argnums=(2,))` on 8 local CPU devices (a local Ray of its own, one worker per stage).
+batch_argnums=(2,))` on 8 local CPU devices (run in this process, every stage on its own
+devices; `--runtime ray`: a local Ray of its own, one worker per stage).
 Each round runs three fresh processes, one after the other (interleaved: a load that comes
 and goes on a shared machine falls on every round's three alike):
 
@@ -13,8 +14,9 @@ and goes on a shared machine falls on every round's three alike):
   compilation cache directory: lowered, compiled and run once (jax's AOT path, which is
   what a first `jitted(...)` does, timed by phase), the loss read as a float;
 - `hlopar-cold`: `parallelize` with a fresh, empty plan cache (`HLOPAR_CACHE_DIR`) and jax
-  cache: the first call (lowering, planning, compiling for the memory check, Ray's start,
-  the workers' start, the first step; `ParallelizedFunction.first_call`), the loss read;
+  cache: the first call (lowering, planning, compiling for the memory check, starting the
+  runtime - on Ray, Ray's and the workers' start -, the first step;
+  `ParallelizedFunction.first_call`), the loss read;
 - `hlopar-warm`: the same in a new process with `hlopar-cold`'s caches: the plan read
   from the plan cache and its executables loaded, none compiled.
 
@@ -41,8 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {"hlopar-cold": 2.0, "hlopar-warm": 1.2}
 
 
-def child(way: str) -> dict:
-    """One way's first call, in this (fresh) process."""
+def child(way: str, runtime: str = "auto") -> dict:
+    """One way's first call, in this (fresh) process (`runtime`: `parallelize`'s)."""
     clock = time.perf_counter()
     sys.path.insert(0, str(ROOT))
     from hlopar.runtime.host_devices import use_host_devices
@@ -77,7 +79,9 @@ def child(way: str) -> dict:
 
     out["import_s"] = time.perf_counter() - clock
     cluster = hlopar.Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu")
-    step = hlopar.parallelize(model.step, cluster=cluster, num_microbatches=2, batch_argnums=(2,), verbose=False)
+    step = hlopar.parallelize(
+        model.step, cluster=cluster, num_microbatches=2, batch_argnums=(2,), runtime=runtime, verbose=False
+    )
     start = time.perf_counter()
     loss = float(step(params, state, batch)[-1])
     done = time.perf_counter()
@@ -97,9 +101,13 @@ def child(way: str) -> dict:
     return out
 
 
-def run_child(way: str, env: dict) -> dict:
+def run_child(way: str, env: dict, runtime: str = "auto") -> dict:
     done = subprocess.run(
-        [sys.executable, __file__, "--child", way], capture_output=True, text=True, env=env, timeout=1800
+        [sys.executable, __file__, "--child", way, "--runtime", runtime],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
     )
     if done.returncode != 0:
         raise RuntimeError(f"{way} failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -110,7 +118,7 @@ def load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
 
 
-def rounds(count: int) -> list[dict]:
+def rounds(count: int, runtime: str = "auto") -> list[dict]:
     out = []
     for k in range(count):
         with tempfile.TemporaryDirectory(prefix="bench-first-call-") as tmp:
@@ -124,8 +132,8 @@ def rounds(count: int) -> list[dict]:
             before = load()
             rows = [
                 run_child("jax-cold", jax_env),
-                run_child("hlopar-cold", hlopar_env),
-                run_child("hlopar-warm", hlopar_env),
+                run_child("hlopar-cold", hlopar_env, runtime),
+                run_child("hlopar-warm", hlopar_env, runtime),
             ]
             out.append({"round": k, "load_before": before, "load_after": load(), "rows": rows})
             print(report_round(out[-1]), file=sys.stderr, flush=True)
@@ -171,12 +179,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--runtime", default="auto", choices=("auto", "ray", "process"), help="parallelize's")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child)))
+        print(json.dumps(child(args.child, args.runtime)))
         return 0
-    results = rounds(args.rounds)
+    results = rounds(args.rounds, args.runtime)
     total = summary(results)
     print(f"{'way':<12} {'first call s (range)':>22} {'x jax.jit cold (range)':>24}  target")
     for way, (low, high) in total["seconds"].items():

@@ -32,11 +32,13 @@ workers (each its own 8 or 4 CPU devices, on the same cores):
   that `hlopar-shard-1x8` over it is the runtime's own cost;
 - `hlopar-<method>-<hosts>x<devices>`: `hlopar.parallelize(method=...)` on
   `Cluster.local(hosts, devices)`: shard, auto and pipeline on 1 x 8, each run in this
-  process where the plan allows it (`runtime="auto"`: one mesh, one executable;
-  `runtime.in_process`); `hlopar-shard-1x8-ray`: the "shard" plan on a Ray worker
+  process where the plan allows it (`runtime="auto"`: its one executable, or every mesh's
+  stream; `runtime.in_process`); `hlopar-shard-1x8-ray`: the "shard" plan on a Ray worker
   (`runtime="ray"`), the Ray runtime's own cost; `hlopar-pipelined-2x4`:
   a pipelined plan on two simulated hosts of 4 devices, 1f1b, the first of method
-  pipeline or auto, 2 or 4 microbatches, whose plan has several meshes (the row says which).
+  pipeline or auto, 2 or 4 microbatches, whose plan has several meshes (the row says which),
+  run in this process (every mesh's stream here); `hlopar-pipelined-2x4-ray`: the same on
+  Ray workers, one per mesh.
 
 A step is the call and reading the loss as a Python float (what a training loop that logs
 does); its time is the time from the end of one step to the end of the next, so a runtime
@@ -113,6 +115,15 @@ HLOPAR_WAYS = {  # way -> hosts, devices per host, the (method, options) to try 
         2,
         4,
         [(method, {"num_microbatches": b, "schedule": "1f1b"}) for b in (2, 4) for method in ("pipeline", "auto")],
+    ),
+    "hlopar-pipelined-2x4-ray": (
+        2,
+        4,
+        [
+            (method, {"num_microbatches": b, "schedule": "1f1b", "runtime": "ray"})
+            for b in (2, 4)
+            for method in ("pipeline", "auto")
+        ],
     ),
 }
 WAYS = IN_PROCESS_WAYS + tuple(HLOPAR_WAYS)

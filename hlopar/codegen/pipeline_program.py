@@ -56,10 +56,11 @@ lowered the step. A program holding one is read only for a caller that runs it i
 process (`pipeline_program(..., host_callbacks=True)`: `parallelize`'s in-process runtime),
 and only where it is one mesh and one microbatch, which that runtime compiles as one
 executable with the lowering's functions, calling each as `jax.jit` would (once per step,
-or once per device where `partitioned=True`). Otherwise it runs on Ray workers, other
-processes that do not hold the function: refused (`ProgramError` at the callback's line,
-`host_callback_message`), never run to crash a worker, and never dropped (a user's print
-lost, an `io_callback`'s effect skipped).
+or once per device where `partitioned=True`). Otherwise it would run on Ray workers, other
+processes that do not hold the function, or per microbatch and stage (a pipelined plan in
+that process: an `io_callback`'s answer would differ per microbatch): refused
+(`ProgramError` at the callback's line, `host_callback_message`), never run to crash a
+worker, and never dropped (a user's print lost, an `io_callback`'s effect skipped).
 """
 
 from __future__ import annotations
@@ -178,10 +179,9 @@ def host_callback_message(target: str, reason: str) -> str:
     """Why a program with a host callback cannot run where `reason` says it would."""
     return (
         f"host callback '{target}' (jax.debug.print, jax.debug.callback, io_callback or pure_callback) "
-        f"calls a Python function of the process that lowered the step, and {reason}: other processes, which "
-        "do not hold it. "
-        "hlopar runs it only where the plan runs in that process: one mesh and one microbatch on this "
-        "machine's one host (parallelize(..., method='shard', runtime='process'))"
+        f"calls a Python function of the process that lowered the step, and {reason}. "
+        "hlopar runs it only where the plan runs in that process as one executable, as jax.jit runs it: one "
+        "mesh and one microbatch on this machine (parallelize(..., method='shard', runtime='process'))"
     )
 
 
@@ -420,10 +420,11 @@ class _Reader:
         if not ops:
             return ()
         if not self.runs_here:
-            reason = "the plan runs on Ray workers"
+            reason = "the plan runs on Ray workers: other processes, which do not hold it"
         elif len(self.topology) != 1 or self.microbatches != 1:
             reason = (
-                f"a plan of {len(self.topology)} mesh(es) and {self.microbatches} microbatch(es) runs on Ray workers"
+                f"the plan runs in {self.microbatches} microbatch(es) on {len(self.topology)} mesh(es), which would "
+                "call it once per microbatch and stage, not once per step as jax.jit does"
             )
         else:
             return tuple(HostCallback(callback_target(op), source_location(op.location)) for op in ops)

@@ -74,8 +74,8 @@ def _refuse_ordered_effects(module: ir.Operation) -> None:
                                 f"host callback '{target}' takes a token of @main: an ordered effect (ordered=True of "
                                 "jax.debug.print, jax.debug.callback or io_callback), ordered across steps by jax.jit's "
                                 "runtime; hlopar plans none: without ordered=True a callback runs once per step where "
-                                "hlopar runs the plan in the process that lowered it (one mesh and one microbatch on this "
-                                "machine's one host)"
+                                "hlopar runs the plan in the process that lowered it as one executable (one mesh and one "
+                                "microbatch on this machine)"
                             ),
                         )
                     ]

@@ -311,6 +311,26 @@ def load_part(path: Path, keys: Sequence[str] = ()) -> dict[str, np.ndarray]:
         return {key: np.array(data[key]) for key in data.files if key != RECORD}
 
 
+def sharded_result(data: Mapping[str, np.ndarray], r: int, sharding, plan_id: Mapping) -> object:
+    """Result `r` of a mesh spanning hosts, from its per-device shards in `data` (`r<r>.shape`,
+    `r<r>@<plan device id>`, as its workers save them), laid out as `sharding` on the devices
+    this process addresses (`plan_id`: device -> the plan's id of it). Raises
+    `CheckpointError` where a shard is not the plan's shape."""
+    import jax
+
+    shape = tuple(int(n) for n in data[f"r{r}.shape"])
+    shards = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        shard = data[f"r{r}@{plan_id[device]}"]
+        want = tuple(len(range(*i.indices(n))) for i, n in zip(index, shape))
+        if shard.shape != want:
+            raise CheckpointError(
+                f"result {r}'s shard on device {plan_id[device]} is {shard.shape}, the plan's is {want}"
+            )
+        shards.append(jax.device_put(shard, device))
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
+
+
 def part_arrays(path: Path) -> dict[str, list]:
     """The arrays of a part (its record left out) as `{key: [shape, dtype]}`, from their
     `.npy` headers (nothing else is read)."""

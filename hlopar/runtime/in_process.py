@@ -1,30 +1,36 @@
-"""A one-mesh plan run in the calling process, on devices its jax already holds.
+"""A plan run in the calling process, on devices its jax already holds.
 
 `jax.jit` runs a program in the process that calls it, on that process's devices. So does
-this runtime, where the plan allows it (`in_process_devices`): a local cluster of one host,
-a plan of one mesh that compiles as one executable (`codegen.one_program`: one stage, one
-microbatch), no stacked layers cut into pieces, and a jax in this process that sees the
-mesh's devices (the devices of the cluster's kind, in order: the plan's physical ids are
-indices into them, as a worker's are into its own). A step is then what `jax.jit`'s is:
-each argument placed as the executable reads it (`fragment_calls.Placements`: an array
-already so laid out is used as it is), one launch, the results returned as `jax.Array`s on
-the devices without waiting for them (jax's asynchronous dispatch). No worker process, no
-Ray call, nothing through the object store; on one GPU host, also no second process
-claiming the GPUs this one's jax has claimed.
+this runtime, where the plan allows it (`in_process_devices`): a local cluster (its hosts,
+if several, simulated on this machine), no stacked layers cut into pieces, and a jax in this
+process that sees the plan's devices (the devices of the cluster's kind, in order: the
+plan's physical ids are indices into them, as a worker's are into its own). A plan of one
+mesh that compiles as one executable (`codegen.one_program`: one stage, one microbatch) runs
+as `jax.jit`'s program: each argument placed as the executable reads it
+(`fragment_calls.Placements`: an array already so laid out is used as it is), one launch,
+the results returned as `jax.Array`s on the devices without waiting for them (jax's
+asynchronous dispatch). A pipelined plan runs every mesh's instruction stream here with the
+executor core (`interpreter.StepInterpreter`, `local_transport.LocalTransport`: values move
+between meshes as copies, planned transfers device to device), as the local runtime does,
+its fragments dispatched without waiting. No worker process, no Ray call, nothing through
+the object store; on one GPU host, also no second process claiming the GPUs this one's jax
+has claimed.
 
 The Ray runtime costs more than that even for one worker: the call and its reply, the
 worker's bookkeeping, and the executable itself ran 1.03-1.05x slower in the worker than in
 a driver in most runs on this project's 2-core machine (`tools/bench_runtime.py`,
 docs/performance.md). `parallelize(runtime="ray")` keeps the workers anyway.
 
-The executable is the one planning compiled for its memory check (`codegen.executable_cache`,
-held by the plan's cache; for a plan read from the plan cache, loaded from disk, unless
-`HLOPAR_LOAD_EXECUTABLES=0`): the plan is compiled once. Host callbacks (`jax.debug.print`, `io_callback`, ...) run here, and only
-here: the executable is compiled with the lowering's Python functions, as `jax.jit` compiles it
+The executables are the ones planning compiled for its memory check
+(`codegen.executable_cache`, held by the plan's cache; for a plan read from the plan cache,
+loaded from disk, unless `HLOPAR_LOAD_EXECUTABLES=0`): the plan is compiled once. Host
+callbacks (`jax.debug.print`, `io_callback`, ...) run here, and only here: the executables
+are compiled with the lowering's Python functions, as `jax.jit` compiles them
 (`codegen.pipeline_program` refuses them in a plan for Ray workers).
 
-`save` writes what a Ray worker of the same plan writes (`<worker>.npz` of whole results,
-named as `worker_layout` names the mesh's worker), so a save restores in either runtime.
+`save` writes what the Ray workers of the same plan write (a `<worker>.npz` per mesh of
+whole results, named as `worker_layout` names the mesh's worker), so a save restores in
+either runtime.
 """
 
 from __future__ import annotations
@@ -37,9 +43,12 @@ from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
+from hlopar.analysis.schedules import DEFAULT_SCHEDULE
+from hlopar.codegen.executables import DeviceExecutable
 from hlopar.codegen.pipeline_program import PipelineProgram
-from hlopar.runtime.interpreter import ProgramIndex, StepInterpreter
+from hlopar.runtime.interpreter import ProgramIndex, StepInterpreter, value_layouts
 from hlopar.runtime.local_transport import LocalTransport
 from hlopar.runtime.step_arguments import check_batch, step_arguments, wrap_keys
 from hlopar.runtime.step_stats import StepStats
@@ -51,59 +60,69 @@ __all__ = ["InProcessRuntime", "in_process_devices"]
 
 
 def in_process_devices(
-    program: PipelineProgram, device_kind: str, *, one_host: bool, pieces: bool
-) -> tuple[list[jax.Device] | None, str]:
-    """The devices of this process that would run `program` in it (module docstring), or
-    None and why not."""
-    from hlopar.codegen.one_program import fuses
-
-    if not one_host:
-        return None, "the cluster is not this machine's one host"
+    program: PipelineProgram, device_kind: str, *, local: bool, pieces: bool
+) -> tuple[dict[int, jax.Device] | None, str]:
+    """The devices of this process that would run `program` in it (module docstring), by
+    the plan's physical id, or None and why not. `local`: the cluster is this machine (its
+    hosts, if several, simulated: their devices are this process's too)."""
+    if not local:
+        return None, "the cluster is not this machine"
     if pieces:
         return None, "the plan cuts stacked layers into pieces"
-    if not fuses(program):
-        return None, "the plan is not one mesh compiling as one executable (one stage, one microbatch)"
     try:
         local = jax.devices(device_kind)
     except RuntimeError:
         local = []
-    ids = program.devices[program.meshes[0]]
-    if max(ids) >= len(local):
+    ids = sorted({d for mesh in program.meshes for d in program.devices[mesh]})
+    if ids[-1] >= len(local):
         return None, (
-            f"this process's jax sees {len(local)} {device_kind} device(s), the plan's mesh needs {max(ids) + 1}"
+            f"this process's jax sees {len(local)} {device_kind} device(s), the plan's meshes need {ids[-1] + 1}"
         )
-    return [local[d] for d in ids], ""
+    return {d: local[d] for d in ids}, ""
 
 
 class InProcessRuntime:
-    """The plan's one executable, run here (module docstring); a `protocol.Runtime`."""
+    """The plan run here (module docstring); a `protocol.Runtime`. `devices`: physical id ->
+    this process's device (`in_process_devices`); `schedule`: the pipeline schedule a plan
+    of several meshes or microbatches runs under."""
 
     holds_workers = False
-    restart_message = "loading the executable again"
+    restart_message = "loading the executables again"
 
     def __init__(
         self,
         program: PipelineProgram,
-        devices: Sequence[jax.Device],
+        devices: Mapping[int, jax.Device],
+        schedule: str = DEFAULT_SCHEDULE,
         *,
+        devices_per_host: int | None = None,
         log=None,
         phase=None,
         executables: ExecutableCache | None = None,
     ):
         from hlopar.codegen.executable_cache import ExecutableCache
+        from hlopar.codegen.one_program import fuses
         from hlopar.runtime.mesh_processes import worker_layout
 
         self.program = program
-        # What planning compiled (with the lowering's host callbacks): the executable it holds is the one run.
+        # What planning compiled (with the lowering's host callbacks): the executables it holds are the ones run.
         self.executables = executables if executables is not None else ExecutableCache()
-        self.devices = list(devices)
-        self.mesh = program.meshes[0]
-        self.name = worker_layout(program.devices).of_mesh(self.mesh)[0].name  # the Ray worker's, for saves
+        self.devices = dict(devices)
+        self.mesh_devices = {mesh: [self.devices[d] for d in program.devices[mesh]] for mesh in program.meshes}
+        self.whole = fuses(program)  # one executable for the whole step, as jax.jit's
+        self.streams = None if self.whole else program.streams(schedule)
+        # A save's parts are the plan's Ray workers' (`devices_per_host`: the cluster's
+        # hosts), so that a save restores in either runtime.
+        self.layout = worker_layout(program.devices, devices_per_host)
+        self.plan_id = {device: d for d, device in self.devices.items()}
         self.log = log or (lambda message: None)
         self.phase = phase or (lambda name: None)
-        self.executable = None
+        self.executable = None  # the whole step's, or None (`fragments`)
+        self.fragments: dict[str, DeviceExecutable] = {}
+        self.made: dict[int, object] = {}  # value -> the layout its maker writes
+        self.landing: dict[int, object] = {}  # value -> the layout its first reader reads
         self.index = ProgramIndex.of(program)
-        self.transport = LocalTransport()  # one executable: nothing moves between meshes
+        self.transport = LocalTransport()
         self.step_id = 0
         self.last: list[jax.Array] = []  # the last step's results (what `save` writes)
         self.last_stats = None
@@ -112,7 +131,7 @@ class InProcessRuntime:
 
     @property
     def alive(self) -> bool:
-        return self.executable is not None
+        return self.executable is not None or bool(self.fragments)
 
     def connect(self) -> None:
         """Nothing to reach: the devices are this process's."""
@@ -122,18 +141,31 @@ class InProcessRuntime:
 
         self.phase("compiling")
         clock = time.perf_counter()
-        name = "+".join(f.name for f in self.program.fragments)  # as the memory check names it
-        self.executable = self.executables.executable(one_program(self.program), self.devices, name)
-        how = self.executables.events[-1].how
+        program = self.program
+        if self.whole:
+            name = "+".join(f.name for f in program.fragments)  # as the memory check names it
+            devices = self.mesh_devices[program.meshes[0]]
+            self.executable = self.executables.executable(one_program(program), devices, name)
+            self.made = dict(zip(program.results, self.executable.output_shardings))
+            what, count = "the plan's one executable", len(devices)
+        else:
+            self.fragments = {
+                f.name: self.executables.executable(f.module, self.mesh_devices[f.mesh], f.name)
+                for f in program.fragments
+            }
+            self.landing, self.made = value_layouts(program, self.fragments)
+            self.transport = LocalTransport(self.fragments, self.landing, self.devices)
+            what, count = f"{len(self.fragments)} fragments of {len(program.meshes)} meshes", len(self.devices)
+        hows = [event.how for event in self.executables.events[-max(1, len(self.fragments)) :]]
+        how = ", ".join(f"{hows.count(h)} {h}" for h in dict.fromkeys(hows))
         seconds = time.perf_counter() - clock
-        self.start_seconds = {f"executable ({how})": seconds}
-        self.log(
-            f"{how} the plan's one executable for {len(self.devices)} {self.devices[0].platform} "
-            f"device(s) of this process in {seconds:.1f} s (no workers)"
-        )
+        self.start_seconds = {f"executables ({how})": seconds}
+        platform = next(iter(self.devices.values())).platform
+        self.log(f"{what} for {count} {platform} device(s) of this process ({how}) in {seconds:.1f} s (no workers)")
 
     def shutdown(self) -> None:
         self.executable = None
+        self.fragments = {}
         self.last = []
 
     def set_aside(self) -> None:
@@ -144,18 +176,23 @@ class InProcessRuntime:
 
     def run(self, arguments: Sequence, resident: Mapping[int, tuple[int, int]] | None = None) -> list[jax.Array]:
         """One step: @main's results, not waited for (`resident`: none, as it keeps no results)."""
-        if self.executable is None:
+        if not self.alive:
             raise RuntimeError("the runtime is not started")
         program = self.program
         arguments = step_arguments(arguments, len(program.argument_shapes), program.index_arg, program.microbatches)
         check_batch(program, arguments)
         clock, started = time.perf_counter(), time.time()
         run = StepInterpreter(self.index, arguments, self.transport)
-        outputs = run.whole(self.executable)
+        if self.executable is not None:
+            outputs = run.whole(self.executable)
+        else:  # every mesh's stream, played here (`local_executor`'s way)
+            run.streams(self.streams.streams)
+            run.updates()
+            outputs = [run.result(v) for v in program.results]
         self.step_id += 1
         self.last = outputs
         # No worker, and the step is not waited for: its time is its dispatch's (placing the
-        # arguments, the launch).
+        # arguments, the launches).
         self.last_stats = StepStats(time.perf_counter() - clock, started=started)
         self.placed = run.placements.moved
         return outputs
@@ -166,19 +203,35 @@ class InProcessRuntime:
 
     def save(self, directory: str | Path, record: Mapping, values: Sequence[jax.Array] | None = None) -> dict:
         """Writes the last step's results (or `values`) into `directory` (a save's staging
-        directory, `checkpoint.save`) as the plan's Ray worker writes its part; returns what
-        the manifest says of it."""
+        directory, `checkpoint.save`), a part per worker the plan has on Ray, each as that
+        worker writes its own (`ray_worker.MeshWorker.save`: its mesh's results whole, or,
+        for a mesh spanning hosts, its devices' shards); returns what the manifest says."""
         from hlopar.runtime.checkpoint import CheckpointError, write_part
 
         values = self.last if values is None else values
         if not values or any(x.is_deleted() for x in values):
             raise CheckpointError("the step's results were donated or deleted: nothing whole to save")
-        part = write_part(directory, self.name, {f"r{r}": np.asarray(x) for r, x in enumerate(values)}, record)
-        return {
-            "results": {r: self.mesh for r in range(len(self.program.results))},
-            "workers": self.worker_meshes(),
-            "parts": {self.name: part},
-        }
+        meshes = self.result_meshes()
+        parts = {}
+        for name, slot in self.layout.slots.items():
+            arrays = {}
+            for r, x in enumerate(values):
+                if meshes[r] != slot.mesh:
+                    continue
+                if not self.layout.spans(slot.mesh) or x.sharding.device_set != set(self.mesh_devices[slot.mesh]):
+                    arrays[f"r{r}"] = np.asarray(x)  # whole (an argument passed through stays where it was)
+                    continue
+                arrays[f"r{r}.shape"] = np.array(x.shape, np.int64)
+                for shard in x.addressable_shards:
+                    if self.plan_id[shard.device] in slot.devices:
+                        arrays[f"r{r}@{self.plan_id[shard.device]}"] = np.asarray(shard.data)
+            parts[name] = write_part(directory, name, arrays, record)
+        return {"results": meshes, "workers": self.worker_meshes(), "parts": parts}
+
+    def result_meshes(self) -> dict[int, str]:
+        """The mesh of each of @main's results (whose part of a save holds it)."""
+        program = self.program
+        return {r: program.values[v].mesh for r, v in enumerate(program.results)}
 
     def save_start(self, directory: str | Path, record: Mapping):
         """`save` in a thread (`parallelize(checkpoint_every=...)`): the host copies start
@@ -208,19 +261,29 @@ class InProcessRuntime:
         return finish
 
     def worker_meshes(self) -> dict[str, str]:
-        """The one part of a save, as the plan's Ray worker names it."""
-        return {self.name: self.mesh}
+        """The parts of a save, as the plan's Ray workers name theirs: each one's mesh."""
+        return {name: slot.mesh for name, slot in self.layout.slots.items()}
 
     def load(self, directory: str | Path, keys: Sequence[str] = ()) -> list[jax.Array]:
-        """What `save` wrote (here or by a Ray worker of the plan; checked by the caller,
-        `checkpoint.read_manifest`), laid out as the executable makes it, as the results of
-        a new step."""
-        from hlopar.runtime.checkpoint import load_part
+        """What `save` wrote (here or by the plan's Ray workers; checked by the caller,
+        `checkpoint.read_manifest`), laid out as the executables make it, as the results of
+        a new step; nothing changes if a part cannot be read."""
+        from hlopar.runtime.checkpoint import load_part, sharded_result
 
-        item = Path(directory) / self.name
-        data = load_part(item if item.is_dir() else Path(directory) / f"{self.name}.npz", keys)
-        self.last = [
-            jax.device_put(data[f"r{r}"], sharding) for r, sharding in enumerate(self.executable.output_shardings)
-        ]
+        data: dict[str, np.ndarray] = {}  # every part's arrays (their names do not collide)
+        for name in self.layout.slots:
+            item = Path(directory) / name
+            data.update(load_part(item if item.is_dir() else Path(directory) / f"{name}.npz", keys))
+        loaded = []
+        meshes = self.result_meshes()
+        for r, v in enumerate(self.program.results):
+            # As the plan makes it; a result no executable makes (an argument passed through)
+            # as its first reader reads it, else on its mesh's first device.
+            sharding = self.made.get(v) or self.landing.get(v) or SingleDeviceSharding(self.mesh_devices[meshes[r]][0])
+            if f"r{r}" in data:
+                loaded.append(jax.device_put(data[f"r{r}"], sharding))
+            else:  # a mesh spanning hosts: its workers' shards
+                loaded.append(sharded_result(data, r, sharding, self.plan_id))
+        self.last = loaded
         self.step_id += 1
         return self.last

@@ -41,7 +41,7 @@ from hlopar.codegen.one_program import fused_arguments
 from hlopar.codegen.pipeline_program import UPDATE, PipelineProgram, ProgramFragment, ProgramTransfer
 from hlopar.runtime.fragment_calls import Placements, free_stash, run_fragment
 
-__all__ = ["ProgramIndex", "StepInterpreter", "Transport", "argument_origin"]
+__all__ = ["ProgramIndex", "StepInterpreter", "Transport", "argument_origin", "value_layouts"]
 
 
 class Transport(Protocol):
@@ -81,6 +81,30 @@ def argument_origin(program: PipelineProgram, v: int) -> int | None:
     while values[v].transfer is not None:
         v = program.transfers[values[v].transfer].source
     return values[v].argument
+
+
+def value_layouts(
+    program: PipelineProgram,
+    executables: Mapping[str, DeviceExecutable],
+    landing: dict[int, object] | None = None,
+    made: dict[int, object] | None = None,
+) -> tuple[dict[int, object], dict[int, object]]:
+    """Where values land and are made, from the executables of the fragments played here
+    (fragment name -> executable): value -> the layout its first reader reads it in
+    (`landing`: where a copy is placed), value -> the layout its maker writes it in (`made`:
+    where a restored result is placed). Entries already in `landing` / `made` stay."""
+    landing = {} if landing is None else landing
+    made = {} if made is None else made
+    for fragment in program.fragments:
+        ex = executables.get(fragment.name)
+        if ex is None:
+            continue
+        offset = len(fragment.accumulate)
+        for position, v in enumerate(fragment.operands):
+            landing.setdefault(v, ex.input_shardings[offset + position])
+        for position, v in enumerate(fragment.results):
+            made.setdefault(v, ex.output_shardings[position])
+    return landing, made
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from jaxlib.mlir import ir
 from hlopar.analysis.schedules import DEFAULT_SCHEDULE, PipelineStreams, get_schedule
 from hlopar.codegen.executables import DeviceExecutable, compile_executable
 from hlopar.codegen.pipeline_program import PipelineProgram, pipeline_program
-from hlopar.runtime.interpreter import ProgramIndex, StepInterpreter
+from hlopar.runtime.interpreter import ProgramIndex, StepInterpreter, value_layouts
 from hlopar.runtime.local_transport import LocalTransport
 from hlopar.runtime.step_arguments import check_batch, step_arguments
 
@@ -75,12 +75,7 @@ class PipelinedStep:
         self.compiled = len(cache)
         self.index = ProgramIndex.of(self.program)
         # Where a copy lands: as the first fragment that reads it lays it out.
-        self.landing = {}
-        for fragment in self.program.fragments:
-            executable = self.executables[fragment.name]
-            offset = len(fragment.accumulate)
-            for position, v in enumerate(fragment.operands):
-                self.landing.setdefault(v, executable.input_shardings[offset + position])
+        self.landing, _ = value_layouts(self.program, self.executables)
         self.transport = LocalTransport(self.executables, self.landing, self.devices)
 
     # -- running

@@ -50,7 +50,7 @@ from hlopar.analysis.schedules import PipelineStreams
 from hlopar.analysis.schedules.instructions import MeshStream
 from hlopar.codegen.one_program import fused_arguments
 from hlopar.codegen.pipeline_program import PipelineProgram
-from hlopar.runtime.interpreter import ProgramIndex, StepInterpreter, argument_origin
+from hlopar.runtime.interpreter import ProgramIndex, StepInterpreter, argument_origin, value_layouts
 from hlopar.runtime.mesh_processes import (
     Pieces,
     WorkerLayout,
@@ -190,15 +190,7 @@ class MeshWorker:
                 if value.argument in taken
             }
             self.made = dict(zip(self.program.results, self.whole.output_shardings))
-        for fragment in self.program.fragments:
-            if fragment.mesh != wp.mesh or fragment.name not in self.executables:
-                continue
-            ex = self.executables[fragment.name]
-            offset = len(fragment.accumulate)
-            for position, v in enumerate(fragment.operands):
-                self.landing.setdefault(v, ex.input_shardings[offset + position])
-            for position, v in enumerate(fragment.results):
-                self.made.setdefault(v, ex.output_shardings[position])
+        value_layouts(self.program, self.executables, self.landing, self.made)  # this mesh's fragments only
         self.index = ProgramIndex.of(self.program, (wp.mesh,))
         self.routes = {
             t.name: routes(t.plan, wp.layout, t.src_mesh, t.dst_mesh)
@@ -397,7 +389,6 @@ class MeshWorker:
         `keys`: an Orbax save's, per result) and keeps it as the results of `step`; returns
         those of `returned` and `copied` (as `run_step`) under "results", or `{"error": ...}`
         with nothing changed."""
-        import jax
 
         from hlopar.runtime import checkpoint
 
@@ -409,19 +400,8 @@ class MeshWorker:
                 if f"r{r}" in data:
                     carry[r] = data[f"r{r}"]
                 elif f"r{r}.shape" in data:
-                    shape = tuple(int(n) for n in data[f"r{r}.shape"])
                     sharding = self.made.get(self.program.results[r]) or self.landing[self.program.results[r]]
-                    shards = []
-                    for device, index in sharding.addressable_devices_indices_map(shape).items():
-                        shard = data[f"r{r}@{self.plan_id[device]}"]
-                        want = tuple(len(range(*i.indices(n))) for i, n in zip(index, shape))
-                        if shard.shape != want:
-                            raise checkpoint.CheckpointError(
-                                f"result {r}'s shard on device {self.plan_id[device]} "
-                                f"is {shard.shape}, the plan's is {want}"
-                            )
-                        shards.append(jax.device_put(shard, device))
-                    carry[r] = jax.make_array_from_single_device_arrays(shape, sharding, shards)
+                    carry[r] = checkpoint.sharded_result(data, r, sharding, self.plan_id)
             missing = set(self.wp.results) - set(carry)
             if missing:
                 raise checkpoint.CheckpointError(f"{self.name}: the save holds no results {sorted(missing)}")

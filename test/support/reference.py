@@ -38,6 +38,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numerics
+import numpy as np
 
 from hlopar.static_leaves import static_mask
 
@@ -98,8 +99,8 @@ def microbatch_mean(fn, args: tuple, batch_argnums, microbatches: int):
 
 def reference_step(case: Case, args: tuple, microbatches: int):
     """What the step must compute on these arguments with `microbatches` microbatches
-    (`eqx.filter_jit`, which takes a model whole; hlopar's results read as jax arrays, Python
-    numbers as the arrays jax.jit traces them as)."""
+    (`eqx.filter_jit`, which takes a model whole; hlopar's results read as jax arrays on one
+    device, Python numbers as the arrays jax.jit traces them as)."""
     leaves, tree = jax.tree_util.tree_flatten(args)
     args = jax.tree_util.tree_unflatten(
         tree, [x if fixed else _traced_as_jax_jit_traces(x) for x, fixed in zip(leaves, static_mask(args), strict=True)]
@@ -114,6 +115,10 @@ def reference_step(case: Case, args: tuple, microbatches: int):
 def _traced_as_jax_jit_traces(x):
     if hasattr(x, "__jax_array__") and not isinstance(x, jax.Array):
         return x.__jax_array__()
+    if isinstance(x, jax.Array) and x.sharding.device_set != {jax.devices()[0]}:
+        # A result of a pipelined plan run in this process, on its mesh's devices: the
+        # reference's one device takes it from the host (two meshes' arrays do not mix).
+        return jnp.asarray(np.asarray(x))
     return jnp.asarray(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x
 
 

@@ -80,7 +80,9 @@ def test_ray_workers_load_what_planning_compiled(mlp, compilations, ray_cluster)
     the plan cache by a new function compiles nothing, here or on its workers."""
     step, args = mlp
     cluster = hlopar.Cluster.local(2, 4, device_kind="cpu")
-    options = dict(cluster=cluster, method="pipeline", num_microbatches=2, batch_argnums=(2,), verbose=False)
+    options = dict(
+        cluster=cluster, method="pipeline", num_microbatches=2, batch_argnums=(2,), runtime="ray", verbose=False
+    )
     with hlopar.parallelize(step.step, **options) as first:
         out = first(*args)
         program = first.planned.program
@@ -98,3 +100,32 @@ def test_ray_workers_load_what_planning_compiled(mlp, compilations, ray_cluster)
         assert second.planned.cached and compilations == []
         counts = second.first_call.compilations
         assert all(c == {"compiled": 0, "loaded": 1, "reused": 0} for c in counts.values()), counts
+
+
+def test_a_pipeline_in_process_runs_what_planning_compiled(mlp, compilations, tmp_path, monkeypatch):
+    """Two meshes, two microbatches, in this process (a local cluster, `runtime="auto"`):
+    each fragment compiled once, by the memory check, and run as it is; the same plan read
+    from the plan cache by a new function loads each fragment and compiles nothing."""
+    monkeypatch.setenv("HLOPAR_CACHE_DIR", str(tmp_path))
+    step, args = mlp
+    cluster = hlopar.Cluster.local(2, 4, device_kind="cpu")
+    options = dict(cluster=cluster, method="pipeline", num_microbatches=2, batch_argnums=(2,), verbose=False)
+    with hlopar.parallelize(step.step, **options) as first:
+        out = first(*args)
+        assert type(first.runtime).__name__ == "InProcessRuntime"
+        program = first.planned.program
+        assert len(program.meshes) == 2 and program.microbatches == 2
+        assert sorted(compilations) == sorted(f.text for f in program.fragments)
+        counts = first.first_call.compilations
+        assert counts == {f.name: {"compiled": 1, "loaded": 0, "reused": 1} for f in program.fragments}
+        assert_step_close(
+            jax.tree_util.tree_leaves(out), step.jitted_step(*args), args[0], rtol=RTOL, update_max_rtol=UPDATE_MAX_RTOL
+        )
+    compilations.clear()
+    with hlopar.parallelize(step.step, **options) as second:
+        again = second(*args)
+        assert second.planned.cached and compilations == []
+        counts = second.first_call.compilations
+        assert counts == {f.name: {"compiled": 0, "loaded": 1, "reused": 0} for f in program.fragments}
+        for x, y in zip(jax.tree_util.tree_leaves(again), jax.tree_util.tree_leaves(out)):
+            assert (x == y).all()  # the same executables on the same inputs

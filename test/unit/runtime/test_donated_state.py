@@ -7,7 +7,8 @@ two steps equals one device's step from the same state to 1e-5 (the second: 3e-5
 leaf's largest update), the caller's donated arrays are deleted as `jax.jit` deletes them
 (reading one raises), and on the workers the previous step's state, passed back, is consumed
 by the update that replaces it (deleted during the step, not kept until the next call drops
-it). The loss, not donated, stays readable.
+it). The loss, not donated, stays readable. In this process (`runtime="auto"` on a local
+cluster), the same plan consumes the caller's arrays of the previous step in its updates.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ CLUSTER = hlopar.Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu
 # 1F1B by default; the others (the update of one stage runs while the other stage still
 # computes, with weight-gradient fragments in the stream for eager-1f1b-wd) are heavy.
 SCHEDULES = [
-    pytest.param("1f1b"),
-    pytest.param("gpipe", marks=pytest.mark.heavy),
-    pytest.param("eager-1f1b-wd", marks=pytest.mark.heavy),
+    pytest.param("1f1b", "process"),
+    pytest.param("1f1b", "ray"),
+    pytest.param("gpipe", "ray", marks=pytest.mark.heavy),
+    pytest.param("eager-1f1b-wd", "process", marks=pytest.mark.heavy),
 ]
 
 
@@ -46,8 +48,10 @@ def deleted_on_workers(parallel, step: int) -> dict[int, bool]:
     return found
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_donated_state_is_updated_in_place_and_equals_one_device(ray_cluster, schedule):
+@pytest.mark.parametrize("schedule,runtime", SCHEDULES)
+def test_donated_state_is_updated_in_place_and_equals_one_device(request, schedule, runtime):
+    if runtime == "ray":
+        request.getfixturevalue("ray_cluster")
     ts = get_train_step("gpt", "tiny")
     params = ts.init(jax.random.key(0))
     opt_state = ts.init_opt_state(params)
@@ -63,6 +67,7 @@ def test_donated_state_is_updated_in_place_and_equals_one_device(ray_cluster, sc
         num_microbatches=2,
         schedule=schedule,
         donate_argnums=(0, 1),
+        runtime=runtime,
         verbose=False,
     )
     try:
@@ -82,7 +87,10 @@ def test_donated_state_is_updated_in_place_and_equals_one_device(ray_cluster, sc
         want_second = reference(*first_state, batch)  # one device's step from the same state
 
         second = parallel(first[0], first[1], batch)
-        kept = deleted_on_workers(parallel, 1)  # step 1's results: the state consumed by step 2's updates
+        if runtime == "ray":
+            kept = deleted_on_workers(parallel, 1)  # step 1's results: the state consumed by step 2's updates
+        else:  # in this process, step 1's results are the caller's arrays, consumed by step 2's updates
+            kept = {r: x.is_deleted() for r, x in enumerate(jax.tree_util.tree_leaves(first))}
         assert sorted(kept) == list(range(num_state + 1))
         assert all(kept[r] for r in range(num_state)) and not kept[num_state]  # the loss is not donated
         with pytest.raises(RuntimeError, match="has been deleted"):

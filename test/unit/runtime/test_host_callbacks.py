@@ -1,9 +1,10 @@
 """Host callbacks in a parallelized step (issue 25 item 5): `jax.debug.print`,
 `jax.debug.callback` and `io_callback` call a Python function of the process that lowered
-the step. Where hlopar runs the plan in that process (one mesh, one microbatch, this
-machine's one host: `runtime/in_process.py`) they run there, called as `jax.jit` calls them,
-with the same values; a plan for Ray workers (other processes, which do not hold the
-function) is refused at the user's line before any worker starts
+the step. Where hlopar runs the plan in that process as one executable (one mesh, one
+microbatch, this machine: `runtime/in_process.py`) they run there, called as `jax.jit` calls
+them, with the same values; a plan for Ray workers (other processes, which do not hold the
+function) or a pipelined one (calling it per microbatch and stage) is refused at the user's
+line before anything starts
 (`codegen/pipeline_program.py`), and so is an ordered one (`ordered=True`, at import).
 No test here starts Ray: the refusals come first."""
 
@@ -154,11 +155,12 @@ def test_a_plan_for_ray_workers_is_refused_at_the_users_line():
 
 
 def test_a_pipelined_plan_is_refused_at_the_users_line():
-    """2 hosts x 4 devices, 2 microbatches: Ray workers, whatever the plan; the print and the
-    io_callback are refused where the user wrote them, not as an internal error."""
+    """2 hosts x 4 devices, 2 microbatches: a pipelined plan (in this process, or on Ray
+    workers) would call it per microbatch and stage; the print and the io_callback are
+    refused where the user wrote them, not as an internal error."""
     for step, marker in ((printing_step, "print"), (io_step([]), "io")):
         pipelined = hlopar.parallelize(step, cluster=hlopar.Cluster.local(2, 4), num_microbatches=2, verbose=False)
-        with _refused_at(marker, "host callback", "the plan runs on Ray workers"):
+        with _refused_at(marker, "host callback", "microbatch(es) on", "once per microbatch and stage"):
             pipelined.compile(W, X)
 
 

@@ -1,5 +1,5 @@
-"""A plan of one mesh and one executable on this machine's one host runs in the calling
-process, as `jax.jit` does (`runtime/in_process.py`, issue 18 item 2): no worker, the
+"""A plan on this machine runs in the calling process, as `jax.jit` does
+(`runtime/in_process.py`, issue 18 item 2; pipelined plans, issue 28): no worker, the
 results `jax.Array`s on this process's devices laid out as the plan makes them, passed back
 as they are; the numbers single-device JAX's; save and restore bit for bit, and a save
 restores in either runtime. A plan that cannot run here goes to Ray under "auto" and is
@@ -24,6 +24,7 @@ from hlopar.runtime.ray_runtime import RayRuntime
 from hlopar.runtime.remote_array import RemoteArray
 
 ONE_HOST = hlopar.Cluster.local(1, 8, device_kind="cpu")
+TWO_HOSTS = hlopar.Cluster.local(2, 4, device_kind="cpu")
 RTOL = 1e-5
 UPDATE_MAX_RTOL = 1e-4
 
@@ -88,9 +89,15 @@ def test_save_and_restore_here_and_on_ray(mlp, tmp_path, ray_cluster):
     on_ray = hlopar.parallelize(
         step.step, cluster=ONE_HOST, method="shard", batch_argnums=(2,), runtime="ray", verbose=False
     )
+    _restores_on_ray_and_back(parallel, on_ray, args, out, tmp_path, ["m0"])
+
+
+def _restores_on_ray_and_back(parallel, on_ray, args, out, tmp_path, workers: list[str]) -> None:
+    """`on_ray` (the same plan on Ray workers, named `workers`) restores the save made here in
+    `tmp_path / "here"` to `out`, steps from it, and its save restores here."""
     try:
         on_ray.compile(*args)
-        assert isinstance(on_ray.runtime, RayRuntime) and len(on_ray.runtime.actors) == 1
+        assert isinstance(on_ray.runtime, RayRuntime) and sorted(on_ray.runtime.actors) == workers
         from_here = on_ray.restore(tmp_path / "here")
         assert_trees_equal(jax.device_get(from_here), out)
         after = on_ray(*from_here[:2], args[2])
@@ -135,13 +142,82 @@ def test_typed_keys_and_donation(tmp_path):
         parallel.close()
 
 
+@pytest.fixture(scope="module")
+def pipelined(mlp, tmp_path_factory):
+    """The tiny MLP's "pipeline" plan on two simulated hosts (two meshes, two microbatches,
+    1F1B), run in this process (a plan cache of the module's own)."""
+    step, args, _ = mlp
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HLOPAR_CACHE_DIR", str(tmp_path_factory.mktemp("hlopar-cache")))
+        options = dict(
+            cluster=TWO_HOSTS, method="pipeline", num_microbatches=2, schedule="1f1b", batch_argnums=(2,), verbose=False
+        )
+        parallel = hlopar.parallelize(step.step, **options)
+        yield parallel, options
+        parallel.close()
+
+
+def test_a_pipelined_plan_runs_every_mesh_here(mlp, pipelined):
+    """Two meshes and two microbatches: every mesh's stream of the schedule played here,
+    each result on its own mesh's devices as its fragment makes it, no worker."""
+    step, args, _ = mlp
+    parallel, _ = pipelined
+    first = parallel(*args)
+    runtime = parallel.runtime
+    assert isinstance(runtime, InProcessRuntime) and runtime.executable is None
+    program = parallel.planned.program
+    assert len(program.meshes) == 2 and program.microbatches == 2
+    assert sorted(runtime.fragments) == sorted(f.name for f in program.fragments)
+    leaves = jax.tree_util.tree_leaves(first)
+    assert all(isinstance(x, jax.Array) for x in leaves)
+    devices = jax.devices()
+    for x, v in zip(leaves, program.results):
+        mesh = program.values[v].mesh
+        assert x.sharding.device_set == {devices[d] for d in program.devices[mesh]}
+        assert x.sharding == runtime.made[v]
+    assert_step_close(leaves, step.jitted_step(*args), args[0], rtol=RTOL, update_max_rtol=UPDATE_MAX_RTOL)
+    # The reference reads them from the host: the state lives on two meshes' devices, which
+    # one jax.jit computation does not take together (as jax's own arrays of two device sets).
+    state = jax.device_get(first[:2])
+    with pytest.raises(ValueError, match="incompatible devices"):
+        step.jitted_step(first[0], first[1], args[2])
+    second = parallel(first[0], first[1], args[2])  # passed back as they are
+    assert_step_close(
+        jax.tree_util.tree_leaves(second),
+        step.jitted_step(*state, args[2]),
+        state[0],
+        rtol=RTOL,
+        update_max_rtol=UPDATE_MAX_RTOL,
+    )
+    assert runtime.step_id == 2
+
+
+def test_a_pipelined_save_restores_here_and_on_ray(mlp, pipelined, tmp_path, ray_cluster):
+    """A save of the pipelined plan made here has the Ray workers' parts (one per mesh) and
+    restores here bit for bit; the same plan on Ray workers restores it, and its save
+    restores here."""
+    step, args, _ = mlp
+    parallel, options = pipelined
+    out = parallel(*args)
+    parallel.save(tmp_path / "here")
+    assert sorted(p.name for p in (tmp_path / "here").iterdir()) == ["m0.npz", "m1.npz", "manifest.json"]
+    restored = parallel.restore(tmp_path / "here")
+    assert all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(restored))
+    assert_trees_equal(restored, out)
+    assert [x.sharding for x in jax.tree_util.tree_leaves(restored)] == [
+        x.sharding for x in jax.tree_util.tree_leaves(out)
+    ]
+    on_ray = hlopar.parallelize(step.step, runtime="ray", **options)
+    _restores_on_ray_and_back(parallel, on_ray, args, out, tmp_path, ["m0", "m1"])
+
+
 def test_what_cannot_run_here():
     w, x = jnp.ones((4, 3), jnp.float32), jnp.ones((8, 4), jnp.float32)
     with pytest.raises(ValueError, match="runtime must be one of auto, ray, process, got 'thread'"):
         hlopar.parallelize(keyed_step, runtime="thread")
-    two_hosts = hlopar.parallelize(
+    more_devices = hlopar.parallelize(
         keyed_step,
-        cluster=hlopar.Cluster.local(2, 4),
+        cluster=hlopar.Cluster.local(2, 8),
         method="shard",
         batch_argnums=(2,),
         runtime="process",
@@ -149,19 +225,7 @@ def test_what_cannot_run_here():
     )
     with pytest.raises(
         ValueError,
-        match=r"keyed_step cannot run in this process \(runtime='process'\): the "
-        "cluster is not this machine's one host",
+        match=r"keyed_step cannot run in this process \(runtime='process'\): this process's jax sees 8 cpu "
+        r"device\(s\), the plan's meshes need 16",
     ):
-        two_hosts.compile(w, jax.random.key(0), x)
-    microbatched = hlopar.parallelize(
-        keyed_step,
-        cluster=ONE_HOST,
-        method="shard",
-        num_microbatches=2,
-        batch_argnums=(2,),
-        runtime="process",
-        rng="per-microbatch",
-        verbose=False,
-    )
-    with pytest.raises(ValueError, match="not one mesh compiling as one executable"):
-        microbatched.compile(w, jax.random.key(0), x)
+        more_devices.compile(w, jax.random.key(0), x)

@@ -24,6 +24,7 @@ def test_measured_timeline(ray_cluster, tmp_path, monkeypatch):
         model.step,
         cluster=hlopar.Cluster.local(2, 2, device_kind="cpu"),
         method="pipeline",
+        runtime="ray",  # the workers' measured timelines
         num_microbatches=2,
         schedule="1f1b",
         batch_argnums=(2,),

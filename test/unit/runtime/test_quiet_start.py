@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 
-# Ten lines, as a user writes them. Two simulated hosts of one device each: one mesh spans
+# Ten lines, as a user writes them. Two simulated hosts of one device each, on Ray: one mesh spans
 # both workers, so they join one multi-process jax runtime over gloo, whose connection lines
 # are among what must not reach the user.
 SCRIPT = textwrap.dedent("""\
@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""\
         return w - 0.1 * g, loss
 
     w, x = jnp.ones((4, 4)), jnp.ones((8, 4))
-    fast = hlopar.parallelize(step, cluster=hlopar.Cluster.local(2, 1), method="shard", verbose=False)
+    fast = hlopar.parallelize(step, cluster=hlopar.Cluster.local(2, 1), method="shard", runtime="ray", verbose=False)
     print(float(fast(w, x)[1])); fast.shutdown()
 """)
 

@@ -66,7 +66,9 @@ def only_batch_sent(parallel, state_leaves: int | None = None) -> None:
 def train(model: str, steps: int, cluster=CLUSTER, **options) -> hlopar.api.ParallelizedFunction:
     """Trains `steps` steps through parallelize, checking each against single-device JAX."""
     step, params, state, batch = start(model)
-    parallel = hlopar.parallelize(step.step, cluster=cluster, batch_argnums=(2,), verbose=False, **options)
+    parallel = hlopar.parallelize(
+        step.step, cluster=cluster, batch_argnums=(2,), runtime="ray", verbose=False, **options
+    )
     p, s = params, state
     rp, rs = params, state
     try:
@@ -193,7 +195,14 @@ def test_a_killed_worker_raises_and_the_next_call_restarts(ray_cluster, tmp_path
     process of the mesh's jax runtime dies and every worker of it is restarted."""
     step, params, state, batch = start("mlp")
     parallel = hlopar.parallelize(
-        step.step, cluster=CLUSTER, num_microbatches=2, schedule="1f1b", batch_argnums=(2,), verbose=False, **options
+        step.step,
+        cluster=CLUSTER,
+        num_microbatches=2,
+        schedule="1f1b",
+        batch_argnums=(2,),
+        runtime="ray",
+        verbose=False,
+        **options,
     )
     try:
         first = parallel(params, state, batch)

@@ -102,12 +102,15 @@ def test_functions_share_the_machine_and_close_gives_back(ray_cluster):
         num_microbatches=2,
         schedule="1f1b",
         batch_argnums=(2,),
+        runtime="ray",
         verbose=False,
     )
     one_mesh = hlopar.parallelize(
         step.step, cluster=hlopar.Cluster.local(1, 8), method="shard", runtime="ray", verbose=False
     )
-    across = hlopar.parallelize(step.step, cluster=hlopar.Cluster.local(2, 4), method="shard", verbose=False)
+    across = hlopar.parallelize(
+        step.step, cluster=hlopar.Cluster.local(2, 4), method="shard", runtime="ray", verbose=False
+    )
     functions = (pipelined, one_mesh, across)
     try:
         outputs = [check_step(f, step, args) for f in functions]
