@@ -43,6 +43,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,30 +144,52 @@ class ExecutableCache:
     ) -> DeviceExecutable:
         """`module` (or its text) compiled for `devices`: held, loaded or compiled (class
         docstring). `load=False`: bytes are not loaded (a mesh spanning hosts)."""
-        clock = time.perf_counter()
-        text = module if isinstance(module, str) else print_module(module)
-        key = executable_key(text, devices)
-        parsed = parse_module(text) if isinstance(module, str) else module
-        callbacks = bool(self.host_callbacks) and bool(find_host_callbacks(parsed))
-        if callbacks:  # this process's functions: never written, shipped or read back
-            key += "+callbacks:" + ",".join(str(id(f)) for f in self.host_callbacks)
-        found = self.held.get(key)
-        how, refused = REUSED, ""
-        if found is None:
+        return self.executables([(module, devices, name)], load=load)[0]
+
+    def executables(
+        self, requests: Sequence[tuple[ir.Operation | str, Sequence[jax.Device], str]], *, load: bool = True
+    ) -> list[DeviceExecutable]:
+        """Each (module or its text, devices, name) as `executable` answers it, one event
+        each in order; the compilations among them run at once, in threads (XLA compiles
+        without holding the GIL; what reads the modules, MLIR, holds it), as many as the
+        machine's cores."""
+        wanted = []  # (name, key, parsed module, devices, callbacks)
+        for module, devices, name in requests:
+            text = module if isinstance(module, str) else print_module(module)
+            key = executable_key(text, devices)
+            parsed = parse_module(text) if isinstance(module, str) else module
+            callbacks = bool(self.host_callbacks) and bool(find_host_callbacks(parsed))
+            if callbacks:  # this process's functions: never written, shipped or read back
+                key += "+callbacks:" + ",".join(str(id(f)) for f in self.host_callbacks)
+            wanted.append((name or key[:12], key, parsed, devices, callbacks))
+        made: dict[str, tuple[str, float, str]] = {}  # key -> how, seconds, refused
+        compile_now = {}
+        for _, key, parsed, devices, callbacks in wanted:
+            if key in self.held or key in made or key in compile_now:
+                continue
+            clock = time.perf_counter()
             serialized = None if callbacks or not load else self._bytes(key)
+            refused = ""
             if serialized is not None:
                 try:
-                    found, how = load_executable(parsed, devices, serialized), LOADED
+                    self.held[key] = load_executable(parsed, devices, serialized)
                     self.serialized[key] = serialized
+                    made[key] = (LOADED, time.perf_counter() - clock, "")
+                    continue
                 except (RuntimeError, ValueError) as error:  # bytes another XLA made, torn: compile
                     refused = f"{type(error).__name__}: {error}"
-            if found is None:
-                found, how = compile_executable(parsed, devices, self.host_callbacks if callbacks else ()), COMPILED
-            self.held[key] = found
-            if how == COMPILED and not callbacks:
+            compile_now[key] = (parsed, devices, self.host_callbacks if callbacks else (), refused)
+        for key, (executable, seconds) in _compiled_at_once(compile_now).items():
+            self.held[key] = executable
+            made[key] = (COMPILED, seconds, compile_now[key][3])
+            if not compile_now[key][2]:
                 self._write(key)
-        self.events.append(Compilation(name or key[:12], how, time.perf_counter() - clock, refused))
-        return found
+        out = []
+        for name, key, *_ in wanted:
+            how, seconds, refused = made.pop(key, (REUSED, 0.0, ""))
+            self.events.append(Compilation(name, how, seconds, refused))
+            out.append(self.held[key])
+        return out
 
     def shipment(self, texts: Iterable[str], devices: Sequence[jax.Device]) -> dict[str, bytes]:
         """The serialized executables of these module texts for `devices` (this process's,
@@ -220,3 +243,25 @@ class ExecutableCache:
             os.replace(staging, self.directory / key)
         except OSError:
             pass
+
+
+def _compiled_at_once(
+    jobs: Mapping[str, tuple[ir.Operation, Sequence[jax.Device], Sequence, str]],
+) -> dict[str, tuple[DeviceExecutable, float]]:
+    """key -> (its module compiled, the seconds it took), for jobs (key -> module, devices,
+    host callbacks, ...): in threads where there are several (`ExecutableCache.executables`),
+    those with host callbacks in this thread."""
+
+    def one(key: str) -> tuple[DeviceExecutable, float]:
+        module, devices, callbacks, _ = jobs[key]
+        clock = time.perf_counter()
+        return compile_executable(module, devices, callbacks), time.perf_counter() - clock
+
+    threaded = [k for k, job in jobs.items() if not job[2]]
+    out = {k: one(k) for k, job in jobs.items() if job[2]}
+    if len(threaded) > 1 and (os.cpu_count() or 1) > 1:
+        with ThreadPoolExecutor(min(len(threaded), os.cpu_count() or 1), thread_name_prefix="hlopar-compile") as pool:
+            out.update(zip(threaded, pool.map(one, threaded)))
+    else:
+        out.update((k, one(k)) for k in threaded)
+    return out

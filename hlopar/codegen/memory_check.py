@@ -179,12 +179,15 @@ def check_memory(
     else:
         units = [(f.name, f.mesh, f.role, f.module) for f in program.fragments]
         resident = _resident(program, streams, _value_tiles(program))
+    # Compiled at once (`ExecutableCache.executables`: XLA's compilations in threads).
+    here = [(name, mesh, module) for name, mesh, _, module in units if mesh not in skipped]
+    made = executables.executables(
+        [(module, [devices[i] for i in program.devices[mesh]], name) for name, mesh, module in here]
+    )
+    compiled_units = {name: compiled_memory(executable.spmd.executable) for (name, *_), executable in zip(here, made)}
     checks = []
     for name, mesh, role, module in units:
-        compiled = None
-        if mesh not in skipped:
-            executable = executables.executable(module, [devices[i] for i in program.devices[mesh]], name)
-            compiled = compiled_memory(executable.spmd.executable)
+        compiled = compiled_units.get(name)
         checks.append(
             FragmentCheck(
                 name, mesh, role, len(program.devices[mesh]), fragment_memory(module), compiled, resident[name]

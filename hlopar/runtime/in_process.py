@@ -149,10 +149,10 @@ class InProcessRuntime:
             self.made = dict(zip(program.results, self.executable.output_shardings))
             what, count = "the plan's one executable", len(devices)
         else:
-            self.fragments = {
-                f.name: self.executables.executable(f.module, self.mesh_devices[f.mesh], f.name)
-                for f in program.fragments
-            }
+            made = self.executables.executables(
+                [(f.module, self.mesh_devices[f.mesh], f.name) for f in program.fragments]
+            )
+            self.fragments = {f.name: ex for f, ex in zip(program.fragments, made)}
             self.landing, self.made = value_layouts(program, self.fragments)
             self.transport = LocalTransport(self.fragments, self.landing, self.devices)
             what, count = f"{len(self.fragments)} fragments of {len(program.meshes)} meshes", len(self.devices)

@@ -176,10 +176,10 @@ class MeshWorker:
         # The driver's executables where it shipped them (compiled once, while planning);
         # a spanning mesh's are one multi-process program, compiled here.
         cache = ExecutableCache(shipped=wp.executables)
-        self.executables = {
-            name: cache.executable(text, self.mesh_devices, name, load=not self.spans)
-            for name, text in wp.texts.items()
-        }
+        made = cache.executables(
+            [(text, self.mesh_devices, name) for name, text in wp.texts.items()], load=not self.spans
+        )
+        self.executables = dict(zip(wp.texts, made))
         self.whole = cache.executable(wp.whole, self.mesh_devices, "whole", load=not self.spans) if wp.whole else None
         self.landing, self.made = {}, {}  # value -> sharding its first reader reads / its maker writes
         if self.whole is not None:
