@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jaxlib.mlir import ir
 
@@ -48,7 +48,15 @@ from hlopar.analysis.module_meshes import module_meshes
 from hlopar.analysis.sharding import ShardingPerValue, TensorSharding, axes_size
 from hlopar.ir.graph import FuncGraph, Value
 
-__all__ = ["FragmentMemory", "TUPLE_POINTER_BYTES", "fragment_memory", "io_tiles", "peak_temporaries", "tile_bytes"]
+__all__ = [
+    "FragmentMemory",
+    "TUPLE_POINTER_BYTES",
+    "fragment_memory",
+    "io_tiles",
+    "Temporaries",
+    "peak_temporaries",
+    "tile_bytes",
+]
 
 TUPLE_POINTER_BYTES = 8  # one entry of XLA's result tuple table (a 64-bit host pointer)
 
@@ -185,7 +193,38 @@ def peak_temporaries(graph: FuncGraph, tile: Callable[[int], float]) -> float:
     """The temporaries of `graph` (a view of some ops: `FuncGraph.subgraph`) when the bytes
     per device of each value are `tile(value id)`: a plan's layouts not written into the IR
     (stage construction's per-layer plans)."""
-    return _temporaries(graph, None, {v: tile(v) for v in graph.args}, dict.fromkeys(graph.args), tile)
+    return Temporaries(graph).peak(tile)
+
+
+class Temporaries:
+    """`peak_temporaries` of one graph at many plans' tiles: which values are buffers, which
+    fuse, when each op runs and each buffer is last read do not depend on the tiles, so they
+    are found once here and `peak(tile)` only adds up bytes (stage construction prices each
+    layer at the layouts of every logical mesh it plans it on)."""
+
+    def __init__(self, graph: FuncGraph):
+        self.graph = graph
+        root, made_by = _buffers(graph, None, None, dict.fromkeys(graph.args))
+        returned = {root[v] for v in graph.results}
+        self._buffers = _Buffers(root, made_by, {}, returned, _fused(graph, root, made_by, returned))
+        self._when, self._made_at = _schedule(graph, self._buffers)
+        self._last = _last_reads(graph, self._buffers, self._when)
+
+    def peak(self, tile: Callable[[int], float]) -> float:
+        buffers = replace(self._buffers, size=_Tiles(tile))
+        return _peak(self.graph, buffers, self._when, self._made_at, self._last)
+
+
+class _Tiles(dict):
+    """Bytes per buffer, each asked of `tile` the first time it is read."""
+
+    def __init__(self, tile: Callable[[int], float]):
+        super().__init__()
+        self.tile = tile
+
+    def __missing__(self, v: int) -> float:
+        found = self[v] = self.tile(v)
+        return found
 
 
 def _read(module: ir.Operation):
@@ -207,15 +246,11 @@ def _tiles(graph: FuncGraph, mesh: DeviceMesh | None, arg_attrs, res_attrs) -> t
 
 
 def _temporaries(
-    graph: FuncGraph,
-    mesh: DeviceMesh | None,
-    size: dict[int, int],
-    layout: dict[int, TensorSharding | None],
-    tile: Callable[[int], float] | None = None,
+    graph: FuncGraph, mesh: DeviceMesh | None, size: dict[int, int], layout: dict[int, TensorSharding | None]
 ) -> int:
-    """The peak bytes of materialized intermediate values live at once (module docstring);
-    a made value's bytes from `tile` if given, else from the layout its op's sharding says."""
-    root, made_by = _buffers(graph, mesh, size, layout, tile)
+    """The peak bytes of materialized intermediate values live at once (module docstring),
+    each made value's bytes from the layout its op's sharding says."""
+    root, made_by = _buffers(graph, mesh, size, layout)
     returned = {root[v] for v in graph.results}
     buffers = _Buffers(root, made_by, size, returned, _fused(graph, root, made_by, returned))
     when, made_at = _schedule(graph, buffers)
@@ -242,13 +277,12 @@ class _Buffers:
 def _buffers(
     graph: FuncGraph,
     mesh: DeviceMesh | None,
-    size: dict[int, int],
+    size: dict[int, int] | None,
     layout: dict[int, TensorSharding | None],
-    tile: Callable[[int], float] | None,
 ) -> tuple[dict[int, int], dict[int, str]]:
     """Per value, the value whose buffer it is (itself, or what it is a view of); per buffer an
     op makes, that op's name (`_RESHARD` for a constraint that changes the layout). Fills in
-    `layout` and `size` for the buffers made."""
+    `layout` and (unless None) `size` for the buffers made."""
     root: dict[int, int] = {v: v for v in graph.args}  # a view -> the value whose buffer it is
     made_by: dict[int, str] = {}
     for op in graph.ops:
@@ -270,7 +304,8 @@ def _buffers(
             root[v] = v
             made_by[v] = name
             layout[v] = shardings[k] if k < len(shardings) else None
-            size[v] = tile_bytes(graph.values[v], layout[v], mesh) if tile is None else tile(v)
+            if size is not None:
+                size[v] = tile_bytes(graph.values[v], layout[v], mesh)
     return root, made_by
 
 

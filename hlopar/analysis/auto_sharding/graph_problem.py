@@ -387,11 +387,17 @@ class StrategyCache:
         self.mesh = mesh
         self.cache: dict = {}
         self._keyed_on: list = []
+        self._ops: dict = {}  # (rule, operands, results, flops) -> a number that keys its strategies
 
-    def once(self, key, make):
-        if key not in self.cache:
-            self.cache[key] = make()
-        return self.cache[key]
+    def once(self, key, make, keep=None):
+        """`make()`, once per key (one lookup: keys hash their rules and tensor infos in
+        Python); `keep`: what a key made of identities must keep alive."""
+        found = self.cache.get(key, self)
+        if found is self:
+            if keep is not None:
+                self._keyed_on.append(keep)
+            found = self.cache[key] = make()
+        return found
 
     def enumerate(self, rule, operands, results, flops) -> tuple[Strategy, ...]:
         key = ("enumerate", rule, tuple(operands), tuple(results), flops)
@@ -410,80 +416,66 @@ class StrategyCache:
         return self.enumerate(OpRule.elementwise(info.shape, 1, 1), (info,), (info,), 0.0)
 
     def mirror(self, rule, k, leader_strategies, result_number, operands, results, flops) -> tuple[Strategy, ...]:
-        key = ("mirror", rule, k, id(leader_strategies), result_number, tuple(operands), tuple(results), flops)
-        if key not in self.cache:
-            self._keyed_on.append(leader_strategies)
-        return self.once(
-            key,
-            lambda: tuple(
-                _mirror(
-                    rule,
-                    k,
-                    leader_strategies,
-                    result_number,
-                    operands,
-                    results,
-                    self.mesh,
-                    flops,
-                    self.strategy_for,
-                    self.factor_axes_for,
-                )
-            ),
+        op = (rule, tuple(operands), tuple(results), flops)
+        key = ("mirror", op, k, id(leader_strategies), result_number)
+        return self.once(key, lambda: self._mirror(op, k, leader_strategies, result_number), keep=leader_strategies)
+
+    def _mirror(self, op, k, leader_strategies, result_number) -> tuple[Strategy, ...]:
+        """`_mirror` with its strategies and factor axes cached per op: the op's key is
+        hashed once here, not once per leader strategy."""
+        rule, operands, results, flops = op
+        number = self._ops.setdefault(op, len(self._ops))
+
+        def make(rule, factor_axes, operands, results, mesh, flops) -> Strategy:
+            return self.once(
+                ("strategy", number, factor_axes),
+                lambda: strategy_for(rule, factor_axes, operands, results, mesh, flops),
+            )
+
+        def factor_axes_for(rule, k, spec, mesh):
+            return self.once(("factor axes", number, k, spec), lambda: _factor_axes_for(rule, k, spec, mesh))
+
+        return tuple(
+            _mirror(
+                rule, k, leader_strategies, result_number, operands, results, self.mesh, flops, make, factor_axes_for
+            )
         )
-
-    def factor_axes_for(self, rule, k, spec, mesh):
-        """`_factor_axes_for`, once per rule, operand and layout."""
-        key = ("factor axes", rule, k, spec)
-        found = self.cache.get(key, self)
-        if found is self:
-            found = self.cache[key] = _factor_axes_for(rule, k, spec, mesh)
-        return found
-
-    def strategy_for(self, rule, factor_axes, operands, results, mesh, flops) -> Strategy:
-        """`strategies.strategy_for`, once per distinct op and split: the mirrors of different
-        leader lists ask for the same strategies again."""
-        key = ("strategy", rule, factor_axes, tuple(operands), tuple(results), flops)
-        return self.once(key, lambda: strategy_for(rule, factor_axes, operands, results, mesh, flops))
 
     def node_costs(self, strategies: tuple[Strategy, ...], scale: float) -> tuple[float, ...]:
         """An ILP node's costs: each strategy's, run `scale` times, plus the memory tie-break."""
-        key = ("costs", id(strategies), scale)
-        if key not in self.cache:
-            self._keyed_on.append(strategies)
-        return self.once(key, lambda: tuple(scale * s.cost + MEMORY_TIE_BREAK * s.memory for s in strategies))
+        return self.once(
+            ("costs", id(strategies), scale),
+            lambda: tuple(scale * s.cost + MEMORY_TIE_BREAK * s.memory for s in strategies),
+            keep=strategies,
+        )
 
     def node_memory(self, strategies: tuple[Strategy, ...]) -> tuple[float, ...]:
-        key = ("memory", id(strategies))
-        if key not in self.cache:
-            self._keyed_on.append(strategies)
-        return self.once(key, lambda: tuple(s.memory for s in strategies))
+        return self.once(("memory", id(strategies)), lambda: tuple(s.memory for s in strategies), keep=strategies)
 
     def filtered(self, keep, strategies, shapes) -> tuple[Strategy, ...]:
         key = ("filter", id(keep), id(strategies), tuple(map(tuple, filter(None, shapes))))
-        if key not in self.cache:
-            self._keyed_on.append((keep, strategies))
-        return self.once(key, lambda: tuple(s for s in strategies if keep(shapes, s)) or strategies)
+        return self.once(
+            key, lambda: tuple(s for s in strategies if keep(shapes, s)) or strategies, keep=(keep, strategies)
+        )
 
     def matrix(self, info: TensorInfo, sources, number: int, targets, k: int) -> np.ndarray:
-        key = ("matrix", info, id(sources), number, id(targets), k)
-        if key not in self.cache:
-            self._keyed_on.append((sources, targets))
         return self.once(
-            key,
+            ("matrix", info, id(sources), number, id(targets), k),
             lambda: self._layout_matrix(
                 info, self._layouts(sources, "result_specs", number), self._layouts(targets, "operand_specs", k)
             ),
+            keep=(sources, targets),
         )
 
     def _layouts(self, strategies, side: str, number: int) -> tuple:
         """Layout `number` of each strategy's results or operands (`side`), one tuple object per
         distinct list of layouts, so that matrices can be keyed on its identity."""
-        key = ("layouts of", id(strategies), side, number)
-        if key not in self.cache:
-            self._keyed_on.append(strategies)
+
+        def interned() -> tuple:
             layouts = tuple(getattr(s, side)[number] for s in strategies)
-            self.cache[key] = self.once(("layout list", layouts), lambda: layouts)
-        return self.cache[key]
+            return self.once(("layout list", layouts), lambda: layouts)
+
+        return self.once(("layouts of", id(strategies), side, number), interned, keep=strategies)
 
     def _layout_matrix(self, info: TensorInfo, sources: tuple, targets: tuple):
         """`_cost_matrix` per distinct (value, layouts) pair: different ops' strategy lists

@@ -36,7 +36,7 @@ import functools
 from collections.abc import Sequence
 
 from hlopar.analysis.auto_sharding.cluster import LogicalMesh, MeshAxis
-from hlopar.analysis.auto_sharding.collectives import Collective
+from hlopar.analysis.auto_sharding.collectives import Collective, collective_cost
 from hlopar.analysis.sharding import ShardingSpec
 
 __all__ = ["per_device_bytes", "resharding_collectives", "resharding_cost"]
@@ -82,7 +82,16 @@ _Step = tuple[str, tuple[str, ...], ShardingSpec]  # (kind, axes, layout that si
 
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _cost(shape: tuple[int, ...], dtype_bytes: int, src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> float:
-    return sum((c.cost(mesh) for c in _collectives(shape, dtype_bytes, src, dst, mesh)), 0.0)
+    # `Collective.cost` of each of `_collectives`, without making the (validated) objects.
+    _check_rank(shape, src, "source spec")
+    _check_rank(shape, dst, "target spec")
+    return sum(
+        (
+            collective_cost(kind, mesh, axes, per_device_bytes(shape, dtype_bytes, spec, mesh))
+            for kind, axes, spec in _steps(src, dst, _geometry(mesh))
+        ),
+        0.0,
+    )
 
 
 def _collectives(

@@ -1,8 +1,9 @@
 """The layer ILPs of stage construction, each distinct one solved once, here or in spawned workers.
 
-A `Problem` is plain data (`auto_sharding.problem`), so it is its own key: two layers (or
+A `Problem` is plain data (`auto_sharding.problem`), compared as such: two layers (or
 two intra-op options) whose ILPs have equal nodes and edges share one solve, whatever
-produced them. Node names are left out of the key: they only name nodes in messages.
+produced them. Node names are left out: they only name nodes in messages. Problems are
+looked up by their shape (`shape_key`), then compared by their costs (`same_content`).
 
 Where the solves run is decided as they go, by a measured rule: they start in this process;
 once the solves already made predict that the ones left would take longer here than in
@@ -27,7 +28,7 @@ from hlopar.analysis.auto_sharding import ilp
 from hlopar.analysis.auto_sharding.problem import Problem
 from hlopar.processes import die_with_parent
 
-__all__ = ["SPAWN_START_SECONDS", "IlpPool", "content_key", "worth_spawning"]
+__all__ = ["SPAWN_START_SECONDS", "IlpPool", "same_content", "shape_key", "worth_spawning"]
 
 # What starting the pool costs before its first solve: a spawned interpreter importing numpy,
 # ortools' CP-SAT (which imports pandas) and hlopar's ILP modules, and a problem pickled over.
@@ -37,13 +38,25 @@ __all__ = ["SPAWN_START_SECONDS", "IlpPool", "content_key", "worth_spawning"]
 SPAWN_START_SECONDS = 2.0
 
 
-def content_key(problem: Problem) -> tuple:
-    """`problem`'s fields without its node names, as plain tuples: equal keys, equal
-    solutions. (Tuples hash in C; the dataclasses' generated hashes would call Python per
-    node and edge, and GPT-39B's layers make thousands of each.)"""
+def same_content(a: Problem, b: Problem) -> bool:
+    """Whether two problems of one `shape_key` are equal but for their node names (equal
+    problems, equal solutions): cost tuple by cost tuple, shared tuples by identity, up to
+    the first that differs (the problems of two meshes differ early). Hashing every cost of
+    GPT-39B's 400 layer ILPs took longer than the few solves it saved."""
+    if a is b:
+        return True
+    for x, y in zip(a.nodes, b.nodes):
+        if not (x.costs is y.costs or x.costs == y.costs) or not (x.memory is y.memory or x.memory == y.memory):
+            return False
+    return all(x.costs is y.costs or x.costs == y.costs for x, y in zip(a.edges, b.edges))
+
+
+def shape_key(problem: Problem) -> tuple:
+    """What equal problems share besides their costs: strategy counts, followers, fixed
+    strategies, edges, budget, live sets. Only problems of one shape can be equal."""
     return (
-        tuple((node.costs, node.memory, node.fixed, node.follows) for node in problem.nodes),
-        tuple((edge.src, edge.dst, edge.costs) for edge in problem.edges),
+        tuple((len(node.costs), node.fixed, node.follows) for node in problem.nodes),
+        tuple((edge.src, edge.dst) for edge in problem.edges),
         problem.memory_budget,
         problem.live_sets,
     )
@@ -70,18 +83,19 @@ class IlpPool:
     expected: int = 0
     solved: int = 0
     spawned: bool = False
-    _known: dict = field(default_factory=dict)
+    _known: dict = field(default_factory=dict)  # shape_key -> [(problem, its solution or future)]
     _seconds_here: float = 0.0
     _solved_here: int = 0
     _pool: ProcessPoolExecutor | None = None
 
     def submit(self, problem: Problem) -> Callable[[], ilp.Solution]:
-        key = content_key(problem)
         self.expected = max(self.expected - 1, 0)
-        if key not in self._known:
+        same_shape = self._known.setdefault(shape_key(problem), [])
+        found = next((solution for known, solution in same_shape if same_content(problem, known)), None)
+        if found is None:
             self.solved += 1
-            self._known[key] = self._start(problem)
-        found = self._known[key]
+            found = self._start(problem)
+            same_shape.append((problem, found))
         return lambda: self._result(found, problem)
 
     def _start(self, problem: Problem) -> ilp.Solution | Future:

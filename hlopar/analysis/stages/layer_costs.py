@@ -26,6 +26,7 @@ are stashed.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Mapping, Sequence
@@ -39,7 +40,7 @@ from hlopar.analysis.auto_sharding.graph_problem import HEAVY_OPS, StrategyCache
 from hlopar.analysis.auto_sharding.problem import Edge, Problem
 from hlopar.analysis.auto_sharding.resharding import per_device_bytes
 from hlopar.analysis.auto_sharding.rules import OpRule
-from hlopar.analysis.fragment_memory import TUPLE_POINTER_BYTES, peak_temporaries
+from hlopar.analysis.fragment_memory import TUPLE_POINTER_BYTES, Temporaries
 from hlopar.analysis.loops import trip_count
 from hlopar.analysis.sharding import ShardingSpec
 from hlopar.analysis.stages.ilp_pool import IlpPool
@@ -164,9 +165,10 @@ def plan_layer_options(
     start = time.perf_counter()
     problem, options = _build(layer, rules, mesh, split_state, cache, new_state)
     plans = []
+    views = LayerViews(layer, roles)
     for allowed, restricted in options:
         solution = ilp.solve(restricted, time_limit=time_limit, num_workers=1)
-        plans.append(_finish(layer, roles, mesh, problem, allowed, solution, start, new_state, donated))
+        plans.append(_finish(views, mesh, problem, allowed, solution, start, new_state, donated))
         start = time.perf_counter()
     return plans
 
@@ -184,17 +186,37 @@ def _build(layer: FuncGraph, rules, mesh: LogicalMesh, split_state: Sequence[boo
     return problem, options
 
 
-def _finish(layer, roles, mesh, problem, allowed, solution, start: float, new_state, donated) -> LayerPlan:
+class LayerViews:
+    """What pricing a layer's plans reads of the layer whatever the mesh, found once per
+    layer: its forward's and its backward's temporaries model (`fragment_memory.Temporaries`),
+    each op's role, each value's `TensorInfo`."""
+
+    def __init__(self, layer: FuncGraph, roles: Sequence[str]):
+        self.layer, self.roles = layer, roles
+        self.temporaries = tuple(
+            Temporaries(layer.subgraph([op.index for op in layer.ops if roles[op.index] == role]))
+            for role in (FORWARD, BACKWARD)
+        )
+        self.role_of = {op.id: roles[top.index] for top in layer.ops for op in top.walk()}
+        self._infos: dict[int, TensorInfo] = {}
+
+    def info(self, value_id: int) -> TensorInfo:
+        found = self._infos.get(value_id)
+        if found is None:
+            found = self._infos[value_id] = tensor_info(self.layer, value_id)
+        return found
+
+
+def _finish(views: LayerViews, mesh, problem, allowed, solution, start: float, new_state, donated) -> LayerPlan:
     """The plan of one option from its ILP's solution."""
     if solution.status not in ("OPTIMAL", "FEASIBLE"):
         raise RuntimeError(f"the intra-op ILP of a layer found no plan on mesh {mesh}: {solution.message}")
     choices = tuple(allowed[v][c] if v in allowed else c for v, c in enumerate(solution.choices))
-    return _layer_plan(layer, roles, mesh, problem, choices, solution, time.perf_counter() - start, new_state, donated)
+    return _layer_plan(views, mesh, problem, choices, solution, time.perf_counter() - start, new_state, donated)
 
 
 def _layer_plan(
-    layer,
-    roles,
+    views: LayerViews,
     mesh,
     problem,
     choices,
@@ -203,6 +225,7 @@ def _layer_plan(
     new_state: Mapping[int, int],
     donated: frozenset[int],
 ) -> LayerPlan:
+    layer, roles = views.layer, views.roles
     nodes = problem.nodes
 
     def layout(value_id: int) -> ShardingSpec | None:
@@ -213,16 +236,18 @@ def _layer_plan(
         specs = nodes[node].strategies[choices[node]].result_specs
         return specs[number] if number < len(specs) else None
 
+    sizes: dict[int, float] = {}
+
     def nbytes(value_id: int) -> float:
-        return value_bytes(tensor_info(layer, value_id), layout(value_id), mesh)
+        found = sizes.get(value_id)
+        if found is None:
+            found = sizes[value_id] = value_bytes(views.info(value_id), layout(value_id), mesh)
+        return found
 
     activation, gradient = _stash_bytes(layer, roles, nbytes)
     state = sum(nbytes(v) for v in layer.args if layer.values[v].is_arg)
-    temporaries = max(
-        peak_temporaries(layer.subgraph([op.index for op in layer.ops if roles[op.index] == role]), nbytes)
-        for role in (FORWARD, BACKWARD)
-    )
-    role_of = {op.id: roles[top.index] for top in layer.ops for op in top.walk()}
+    temporaries = max(model.peak(nbytes) for model in views.temporaries)
+    role_of = views.role_of
     forward = [node.kind in ("op", "loop", "case") and role_of.get(node.index) == FORWARD for node in nodes]
     return LayerPlan(
         latency=solution.objective,
@@ -362,18 +387,29 @@ def _start_up_latency(problem, choices: Sequence[int], mesh: LogicalMesh, only: 
     """Alpha terms of the chosen plan: each collective of a chosen strategy at its axes'
     latency, each resharding edge that costs anything at the mesh's largest latency. With
     `only`, of the nodes it marks and the edges into them."""
-    fast = LogicalMesh(
-        tuple(replace(a, bandwidth_bytes_per_s=1e30) for a in mesh.axes), mesh.device_flops, mesh.device_memory_bytes
-    )
+    fast = _start_ups_only(mesh)
+    start_ups: dict[int, float] = {}  # by strategy: nodes share strategy objects
     total = 0.0
     for v, (node, choice) in enumerate(zip(problem.nodes, choices)):
         if only is None or only[v]:
-            total += node.scale * sum(c.cost(fast) for c in node.strategies[choice].collectives)
+            strategy = node.strategies[choice]
+            found = start_ups.get(id(strategy))
+            if found is None:
+                found = start_ups[id(strategy)] = sum(c.cost(fast) for c in strategy.collectives)
+            total += node.scale * found
     worst = max((a.latency_s for a in mesh.axes if a.size > 1), default=0.0)
     for edge in problem.problem.edges:
         if (only is None or only[edge.dst]) and edge.costs[choices[edge.src]][choices[edge.dst]] > 0:
             total += worst
     return total
+
+
+@functools.lru_cache(maxsize=256)
+def _start_ups_only(mesh: LogicalMesh) -> LogicalMesh:
+    """`mesh` with links of unbounded bandwidth: a collective's cost on it is its start-up."""
+    return LogicalMesh(
+        tuple(replace(a, bandwidth_bytes_per_s=1e30) for a in mesh.axes), mesh.device_flops, mesh.device_memory_bytes
+    )
 
 
 def _objective_share(problem: Problem, choices: Sequence[int], only: Sequence[bool]) -> float:
@@ -516,9 +552,13 @@ def plan_layers(
     solved = {}
     pending: list = []  # (layer, mesh id, split, problem, allowed, solution getter, start)
 
+    views: dict[int, LayerViews] = {}  # by layer: each is planned on many meshes
+
     def finish(done: list) -> None:
         for k, m, split, problem, allowed, solution, start in done:
-            plan = _finish(layers[k], roles, distinct[m], problem, allowed, solution(), start, new_state, donated)
+            if k not in views:
+                views[k] = LayerViews(layers[k], roles)
+            plan = _finish(views[k], distinct[m], problem, allowed, solution(), start, new_state, donated)
             solved[(k, m, split)] = plan
 
     with IlpPool(time_limit, workers, expected=sum(len(options) for _, options in splits.items())) as pool:
