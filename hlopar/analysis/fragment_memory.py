@@ -54,7 +54,6 @@ __all__ = [
     "fragment_memory",
     "io_tiles",
     "Temporaries",
-    "peak_temporaries",
     "tile_bytes",
 ]
 
@@ -189,18 +188,13 @@ def io_tiles(module: ir.Operation) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return _tiles(*_read(module))
 
 
-def peak_temporaries(graph: FuncGraph, tile: Callable[[int], float]) -> float:
+class Temporaries:
     """The temporaries of `graph` (a view of some ops: `FuncGraph.subgraph`) when the bytes
     per device of each value are `tile(value id)`: a plan's layouts not written into the IR
-    (stage construction's per-layer plans)."""
-    return Temporaries(graph).peak(tile)
-
-
-class Temporaries:
-    """`peak_temporaries` of one graph at many plans' tiles: which values are buffers, which
-    fuse, when each op runs and each buffer is last read do not depend on the tiles, so they
-    are found once here and `peak(tile)` only adds up bytes (stage construction prices each
-    layer at the layouts of every logical mesh it plans it on)."""
+    (stage construction's per-layer plans). Which values are buffers, which fuse, when each
+    op runs and each buffer is last read do not depend on the tiles: found once here, and
+    `peak(tile)` only adds up bytes (stage construction prices each layer at the layouts of
+    every logical mesh it plans it on)."""
 
     def __init__(self, graph: FuncGraph):
         self.graph = graph
