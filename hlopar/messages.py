@@ -62,11 +62,13 @@ def defined_at(fn: Callable) -> str:
 def describe_plan(planned: PlannedStep) -> str:
     """The plan in a few lines: stages, meshes and devices, how many tensors are sharded."""
     program = planned.program
+    report = planned.plan.get("stages") or {}
     lines = [
-        f"plan: {len(program.meshes)} stage(s), {program.microbatches} microbatch(es)"
-        f"{' (cached)' if planned.cached else ''}"
+        f"plan: {len(program.meshes)} stage(s), {program.microbatches} microbatch(es), schedule "
+        f"{planned.schedule.name}{' (cached)' if planned.cached else ''}"
     ]
-    stages = {s["stage"]: s for s in ((planned.plan.get("stages") or {}).get("stages") or [])}
+    lines += schedule_choice_lines(report.get("schedule_choice"))
+    stages = {s["stage"]: s for s in (report.get("stages") or [])}
     for mesh in program.meshes:
         stage = program.stage_of_mesh.get(mesh)
         info = stages.get(stage, {})
@@ -103,6 +105,21 @@ def describe_plan(planned: PlannedStep) -> str:
             lines += stage_loop_lines(reroll)
     lines += memory_lines(planned.plan.get("memory"))
     return "\n".join(lines)
+
+
+def schedule_choice_lines(choice: dict | None) -> list[str]:
+    """What `schedule="auto"` chose and the runner-up, with their simulated step times
+    (stage construction's `schedule_choice`)."""
+    if not choice:
+        return []
+
+    def said(c: dict) -> str:
+        return f"{c['schedule']}, {c['microbatches']} microbatch(es): {c['simulated_step_seconds'] * 1e3:.3g} ms a step"
+
+    line = f"  schedule chosen (auto, simulated): {said(choice['chosen'])}"
+    if choice.get("runner_up"):
+        line += f"; runner-up {said(choice['runner_up'])}"
+    return [line]
 
 
 def memory_lines(memory: dict | None) -> list[str]:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hlopar.analysis.limits import check_cluster, check_cluster_dimension, check_count, check_positive
-from hlopar.analysis.schedules.registry import SCHEDULES
+from hlopar.analysis.schedules.registry import SCHEDULES, get_schedule
 from hlopar.cli.arguments import ArgumentParser
 from hlopar.cli.guard import run_isolated
 from hlopar.passes.plan_options import METHODS, REMAT_MODES, RNG_MODES, SCHEDULE_NAMES
@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         choices=SCHEDULE_NAMES,
         help="pipeline schedule, from the registry (analysis/schedules/registry.py): "
-        + "; ".join(f"{name}: {schedule.description}" for name, schedule in SCHEDULES.items()),
+        + "; ".join(f"{name}: {schedule.description}" for name, schedule in SCHEDULES.items())
+        + "; auto: the one of least simulated step time, chosen with the stages (plan.json's stages.schedule)",
     )
     parser.add_argument(
         "--method",
@@ -443,7 +444,7 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
     for diagnostic in context.diagnostics:
         sys.stderr.write(diagnostic.reworded(in_cli_terms).format(args.input) + "\n")
     plan = context.reports[planner.name]
-    schedule = planner.plan_options().schedule
+    schedule = get_schedule(plan["stages"]["schedule"])  # the option's, or the one chosen (auto)
 
     clock = time.perf_counter()
     try:

@@ -85,6 +85,38 @@ class LayerArrays:
     forward_fixed_latency: np.ndarray | None = None
     input_bytes: np.ndarray | None = None  # (G, L, L), zero on and below the diagonal
 
+    def scaled(self, factor: float) -> LayerArrays:
+        """The arrays of a step of `factor` times this one's batch: what grows with the batch
+        (the latencies beyond their start-up part, activations, temporaries, resharding, inputs)
+        scaled, the state and its gradients not. A split step's arrays times its count of
+        microbatches price, as a whole step's, the other counts it could have been split into.
+        A start-up part above its latency (the start-ups of collectives the ILP's objective
+        prices lower) is taken as the whole latency, so that at `factor` 1 nothing changes."""
+        grow = lambda a: None if a is None else a * factor  # noqa: E731
+
+        def stretched(total, fixed):  # inf (no plan on that mesh) stays inf
+            fixed = np.minimum(fixed, total)
+            with np.errstate(invalid="ignore"):
+                return np.where(np.isfinite(total), fixed + (total - fixed) * factor, total), fixed
+
+        latency, fixed = stretched(self.latency, self.fixed_latency)
+        forward = forward_fixed = None
+        if self.forward_latency is not None:
+            forward, forward_fixed = stretched(self.forward_latency, self.forward_fixed_latency)
+        return LayerArrays(
+            latency=latency,
+            fixed_latency=fixed,
+            state_bytes=self.state_bytes,
+            gradient_bytes=self.gradient_bytes,
+            activation_bytes=self.activation_bytes * factor,
+            updated_state_bytes=self.updated_state_bytes,
+            temporary_bytes=self.temporary_bytes * factor,
+            resharding=self.resharding * factor,
+            forward_latency=forward,
+            forward_fixed_latency=forward_fixed,
+            input_bytes=grow(self.input_bytes),
+        )
+
 
 @dataclass(frozen=True)
 class SpanTable:
@@ -93,7 +125,11 @@ class SpanTable:
     the logical mesh (index g) that achieves it; `memory[i, j, m, s-1]` its bytes per device
     (the larger of its two phases), `update_memory[i, j, m, s-1]` those of its update's phase;
     `remat[i, j, m, s-1]` whether it is a rematerialized option, `per_layer[i, j, m, s-1]`
-    whether that is the per-layer one."""
+    whether that is the per-layer one. What the schedule choice prices a stage by
+    (`pipeline_choice`): `forward[i, j, m, s-1]` the forward's share of the latency (None
+    where the layers give no forward latencies), `transfer[i, j, m]` the receiving share
+    (the latency's part that is bytes from other meshes), and the memory as
+    `max(base_memory + stash_bytes x microbatches in flight, update_memory)`."""
 
     latency: np.ndarray
     mesh: np.ndarray
@@ -101,6 +137,10 @@ class SpanTable:
     remat: np.ndarray
     update_memory: np.ndarray
     per_layer: np.ndarray
+    forward: np.ndarray | None = None
+    transfer: np.ndarray | None = None
+    base_memory: np.ndarray | None = None
+    stash_bytes: np.ndarray | None = None
 
 
 def span_table(
@@ -144,6 +184,10 @@ def span_table(
     memory = np.full(shape, np.inf)
     updating = np.full(shape, np.inf)
     option_of = np.full(shape, KEEP, dtype=np.int8)
+    forward = None if spans.forward is None else np.full(shape, np.inf)
+    transfers = np.zeros(shape[:3])
+    base_memory = np.full(shape, np.inf)
+    stash_bytes = np.zeros(shape)
     options = {"never": (KEEP,), "auto": (KEEP, STAGE, LAYERS), "always": (KEEP, STAGE), "layers": (KEEP, LAYERS)}[
         remat
     ]
@@ -156,8 +200,33 @@ def span_table(
         best = _best_candidates(
             spans, candidates, transfer, flight, memory_per_device, forced=remat in ("always", "layers")
         )
-        latency[:, :, m, :], chosen[:, :, m, :], memory[:, :, m, :], updating[:, :, m, :], option_of[:, :, m, :] = best
-    return SpanTable(latency, chosen, memory, option_of != KEEP, updating, option_of == LAYERS)
+        (
+            latency[:, :, m, :],
+            chosen[:, :, m, :],
+            memory[:, :, m, :],
+            updating[:, :, m, :],
+            option_of[:, :, m, :],
+            base_memory[:, :, m, :],
+            stash_bytes[:, :, m, :],
+        ) = best
+        transfers[:, :, m] = transfer
+        if forward is not None:
+            found = chosen[:, :, m, :] >= 0
+            rows, cols = np.ogrid[:num_layers, :num_layers]
+            g = np.where(found, chosen[:, :, m, :], 0)
+            forward[:, :, m, :] = np.where(found, spans.forward[g, rows[:, :, None], cols[:, :, None]], np.inf)
+    return SpanTable(
+        latency,
+        chosen,
+        memory,
+        option_of != KEEP,
+        updating,
+        option_of == LAYERS,
+        forward,
+        transfers,
+        base_memory,
+        stash_bytes,
+    )
 
 
 @dataclass(frozen=True)
@@ -171,6 +240,7 @@ class _Spans:
     activations: np.ndarray
     received: np.ndarray
     running: np.ndarray  # beside the stashes
+    forward: np.ndarray | None  # the forward's share of `latency` (None: not given)
     recompute: np.ndarray | None
     inputs: np.ndarray | None
     boundaries: np.ndarray | None
@@ -187,10 +257,13 @@ def _spans(layers: LayerArrays, received_bytes: np.ndarray, B: float, remat: str
     received = _received_by_span(received_bytes)  # (L, L)
     sent = _received_by_span(np.transpose(received_bytes))
     running = state_span + (_span_sums(layers.temporary_bytes) + received + sent) / B
-    recompute_span = inputs_span = boundaries_span = largest_layer = None
+    recompute_span = inputs_span = boundaries_span = largest_layer = forward_span = None
+    if layers.forward_latency is not None and layers.forward_fixed_latency is not None:
+        forward_span = _span_sums(
+            layers.forward_fixed_latency + (layers.forward_latency - layers.forward_fixed_latency) / B
+        )
     if remat != "never":
-        forward_micro = layers.forward_fixed_latency + (layers.forward_latency - layers.forward_fixed_latency) / B
-        recompute_span = _span_sums(forward_micro)
+        recompute_span = forward_span
         inputs_span = _inputs_by_span(layers.input_bytes) / B
         boundaries_span = inputs_span + _inner_pair_sums(layers.input_bytes) / B
         largest_layer = _span_maxima(layers.activation_bytes) / B
@@ -200,6 +273,7 @@ def _spans(layers: LayerArrays, received_bytes: np.ndarray, B: float, remat: str
         act_span,
         received,
         running,
+        forward_span,
         recompute_span,
         inputs_span,
         boundaries_span,
@@ -225,7 +299,8 @@ def _best_candidates(
 ) -> tuple[np.ndarray, ...]:
     """For one submesh, the fastest (option, logical mesh) of `candidates` for every span and
     stage count that fits in memory: its (latency, logical mesh, memory, memory while updating,
-    option), each (L, L, S); inf, -1 and KEEP where none fits."""
+    option, memory beside the stashes, bytes per stash), each (L, L, S); inf, -1, KEEP, inf
+    and 0 where none fits."""
     num_layers = transfer.shape[0]
     valid = np.triu(np.ones((num_layers, num_layers), dtype=bool))
     base = np.empty((len(candidates), num_layers, num_layers))  # need = base + slope x in flight
@@ -258,6 +333,8 @@ def _best_candidates(
         np.where(found, np.maximum(base[best, rows, cols] + slope[best, rows, cols] * flight, peak), np.inf),
         np.where(found, peak, np.inf),
         np.where(found, np.array([option for option, _ in candidates])[best], KEEP),
+        np.where(found, base[best, rows, cols], np.inf),
+        np.where(found, slope[best, rows, cols], 0.0),
     )
 
 
