@@ -119,7 +119,7 @@ import numpy as np
 
 from hlopar.analysis.cluster import Cluster
 from hlopar.analysis.limits import check_argument, check_count, check_seconds
-from hlopar.analysis.schedules import DEFAULT_SCHEDULE, Schedule, get_schedule
+from hlopar.analysis.schedules import Schedule, get_schedule
 from hlopar.analysis.step_io import RolesError
 from hlopar.codegen.bundle import write_bundle
 from hlopar.codegen.pipeline_program import ProgramError, pipeline_program
@@ -129,6 +129,7 @@ from hlopar.ir.host_callbacks import host_callbacks as find_host_callbacks
 from hlopar.ir.module import parse_module, print_module
 from hlopar.messages import HloparWarning, PlanningError, defined_at, describe_plan, in_api_terms
 from hlopar.passes.plan_options import (
+    DEFAULT_PLAN_SCHEDULE,
     METHODS,
     RNG_MODES,
     PlanOptions,
@@ -217,7 +218,7 @@ def plan_step(
     cluster: Cluster,
     *,
     num_microbatches: int | None = None,
-    schedule: str = DEFAULT_SCHEDULE,
+    schedule: str = DEFAULT_PLAN_SCHEDULE,
     method: str = "auto",
     batch_args: Sequence[int] | None = None,
     rng: str = "exact",
@@ -1130,7 +1131,7 @@ def parallelize(
     *,
     cluster: Cluster | None = None,
     num_microbatches: int | None = None,
-    schedule: str = DEFAULT_SCHEDULE,
+    schedule: str = DEFAULT_PLAN_SCHEDULE,
     batch_argnums=...,
     donate_argnums: Sequence[int] | int = (),
     method: str = "auto",

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from hlopar.codegen.one_program import fuses
 from hlopar.dialect.layers import LayerPieces
 from hlopar.passes.reroll_stage_loops import stage_loop_lines
+from hlopar.passes.stage_construction import schedule_choice_lines
 from hlopar.units import format_bytes
 
 if TYPE_CHECKING:
@@ -105,21 +106,6 @@ def describe_plan(planned: PlannedStep) -> str:
             lines += stage_loop_lines(reroll)
     lines += memory_lines(planned.plan.get("memory"))
     return "\n".join(lines)
-
-
-def schedule_choice_lines(choice: dict | None) -> list[str]:
-    """What `schedule="auto"` chose and the runner-up, with their simulated step times
-    (stage construction's `schedule_choice`)."""
-    if not choice:
-        return []
-
-    def said(c: dict) -> str:
-        return f"{c['schedule']}, {c['microbatches']} microbatch(es): {c['simulated_step_seconds'] * 1e3:.3g} ms a step"
-
-    line = f"  schedule chosen (auto, simulated): {said(choice['chosen'])}"
-    if choice.get("runner_up"):
-        line += f"; runner-up {said(choice['runner_up'])}"
-    return [line]
 
 
 def memory_lines(memory: dict | None) -> list[str]:

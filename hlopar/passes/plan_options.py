@@ -22,6 +22,7 @@ from hlopar.analysis.schedules import AUTO_SCHEDULE, DEFAULT_SCHEDULE, SCHEDULES
 from hlopar.analysis.stages.span_costs import REMAT_MODES
 
 __all__ = [
+    "DEFAULT_PLAN_SCHEDULE",
     "METHODS",
     "REMAT_MODES",
     "RNG_MODES",
@@ -40,6 +41,10 @@ METHODS = ("auto", "shard", "pipeline")
 # microbatches; "per-microbatch" lets them draw per microbatch (with a warning).
 RNG_MODES = ("exact", "per-microbatch")
 SCHEDULE_NAMES = (*SCHEDULES, AUTO_SCHEDULE)
+# `parallelize`'s and `hlopar-compile`'s default: the planner chooses (issue 29). The passes'
+# option and these options default to the registry's `DEFAULT_SCHEDULE`, which is also what
+# "auto" prefers on ties.
+DEFAULT_PLAN_SCHEDULE = AUTO_SCHEDULE
 
 
 def check_choice(name: str, choices: Sequence[str], value: Any) -> None:

@@ -209,7 +209,7 @@ def plan(
                 raise
         else:
             again.notes.append(
-                f"{better['microbatches']} microbatches, not the {count} of the first split: predicted "
+                f"{better['microbatches']} microbatch(es), not the {count} of the first split (schedule=auto): predicted "
                 f"{better['simulated_step_seconds'] * 1e3:.3g} ms a step against "
                 f"{planned.reports['stages']['schedule_choice']['chosen']['simulated_step_seconds'] * 1e3:.3g} ms"
             )

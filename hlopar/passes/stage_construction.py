@@ -416,6 +416,21 @@ class StageConstructionPass(ModulePass):
         }
 
 
+def schedule_choice_lines(choice: dict | None) -> list[str]:
+    """What `schedule="auto"` chose and the runner-up, with their simulated step times
+    (stage construction's `schedule_choice`)."""
+    if not choice:
+        return []
+
+    def said(c: dict) -> str:
+        return f"{c['schedule']}, {c['microbatches']} microbatch(es): {c['simulated_step_seconds'] * 1e3:.3g} ms a step"
+
+    line = f"  schedule chosen (auto, simulated): {said(choice['chosen'])}"
+    if choice.get("runner_up"):
+        line += f"; runner-up {said(choice['runner_up'])}"
+    return [line]
+
+
 def mark_rematerialized(module: ir.Operation, stages: dict[int, str]) -> None:
     """Marks the backward fragments of these stages with their form: `hlopar.remat` (the stage
     form) or `hlopar.remat = "layers"`."""

@@ -29,7 +29,9 @@
 
 All are warm-up-then-1F1B orders (`Schedule`); GPipe is the one whose warm-up is every
 microbatch. A variant is `dataclasses.replace(get_schedule("eager-1f1b-wd"), weight_delay=2)`.
-`DEFAULT_SCHEDULE` is the one default (`parallelize`'s, the passes' and the local executor's);
+`DEFAULT_SCHEDULE` is the one default schedule (the passes', the local executor's, and the one
+"auto" prefers on ties; `parallelize`'s and `hlopar-compile`'s default is "auto",
+`passes.plan_options.DEFAULT_PLAN_SCHEDULE`);
 `ScheduleName` is the option type whose choices are the registry's names, `ScheduleOption` the
 planner's, which also take `AUTO_SCHEDULE` ("auto": the planner chooses).
 """

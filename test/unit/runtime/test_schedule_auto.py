@@ -70,5 +70,7 @@ def test_auto_plans_again_at_the_count_it_predicts_faster(tmp_path, monkeypatch)
     notes = []
     planned = plan_step(text, CLUSTER, schedule="auto", log=notes.append)
     assert planned.program.microbatches == 1 and len(planned.program.meshes) == 1
-    assert any(note.startswith("1 microbatches, not the 4 of the first split: predicted") for note in notes), notes
+    assert any(
+        note.startswith("1 microbatch(es), not the 4 of the first split (schedule=auto): predicted") for note in notes
+    ), notes
     assert planned.plan["stages"]["schedule"] == planned.schedule.name == "eager-1f1b"  # ties: the default
