@@ -3,7 +3,9 @@
 Reads the layering of `hlopar-cluster-operators` (and clusters first when the ops carry
 none), plans every distinct layer on every logical shape of every submesh with the intra-op
 ILP (`analysis/stages/layer_costs`), composes span costs (`span_costs`), runs the DP of
-Eq. 3–4 with early pruning (`stage_dp`) for each microbatch count asked for, assigns
+Eq. 3–4 with early pruning (`stage_dp`) for each microbatch count asked for (with
+`schedule=auto`, for each schedule too, the plans ranked by simulated step time:
+`pipeline_choice`), assigns
 physical devices (`submeshes.assign_devices`, Appendix A) and rewrites the entry function
 into an MPMD program (`mpmd_program.write_mpmd_program`): one mesh per stage, each stage's
 forward and backward on its mesh, update fragments where their parameters live. The backward
