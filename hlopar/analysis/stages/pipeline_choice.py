@@ -4,7 +4,8 @@ Stage construction asks this for the plan of one schedule (the user's) or of the
 several (`schedule=auto`). Every candidate (schedule, count) shares the layers' arrays
 (`span_costs.LayerArrays`, from the layer ILPs, solved once for all of them): per count, one
 span table per distinct in-flight rule (Eq. 5: 1f1b and zb-h1 share one, eager-1f1b,
-eager-1f1b-wd and zb-h2 another) and one DP per table (`stage_dp`, its best plan and its
+eager-1f1b-wd and zb-h2 another; `span_tables` computes what they share once) and one DP per
+table (`stage_dp`, its best plan and its
 runner-ups). How candidates are ranked:
 
 - `by="eq2"` (one schedule): the DP's own Eq. 2 latency, as Alpa ranks plans; only the
@@ -35,7 +36,7 @@ from typing import Literal
 import numpy as np
 
 from hlopar.analysis.schedules import Edge, PipelineTopology, Schedule, StageCost, build_streams, simulate
-from hlopar.analysis.stages.span_costs import LayerArrays, SpanTable, span_table
+from hlopar.analysis.stages.span_costs import LayerArrays, SpanTable, span_tables
 from hlopar.analysis.stages.stage_dp import Slicing, stage_dp
 
 __all__ = ["Candidate", "Choice", "PipelineSpace", "choose_pipeline", "simulated_step"]
@@ -119,40 +120,45 @@ def choose_pipeline(
     timings = {"span_costs": 0.0, "stage_dp": 0.0, "simulation": 0.0}
     for count in counts:
         layers, received, per_microbatch = _priced_at(space, count)
+        flight_of = {
+            schedule.name: tuple(schedule.in_flight(s, count) for s in range(1, space.max_stages + 1))
+            for schedule in schedules
+        }
+        flights = list(dict.fromkeys(flight_of.values()))
+        clock = time.perf_counter()
+        tables = span_tables(
+            layers,
+            received,
+            space.meshes_of_submesh,
+            space.transfer_seconds,
+            space.submesh_sizes,
+            microbatches=count,
+            per_microbatch=per_microbatch,
+            in_flights=[lambda s, f=flight: f[s - 1] for flight in flights],
+            memory_per_device=space.memory_per_device,
+            max_stages=space.max_stages,
+            remat=space.remat,
+        )
+        timings["span_costs"] += time.perf_counter() - clock
         dps: dict[tuple[int, ...], tuple[SpanTable, object]] = {}
-        for schedule in schedules:
-            flight = tuple(schedule.in_flight(s, count) for s in range(1, space.max_stages + 1))
-            if flight not in dps:
-                clock = time.perf_counter()
-                table = span_table(
-                    layers,
-                    received,
-                    space.meshes_of_submesh,
-                    space.transfer_seconds,
+        for flight, table in zip(flights, tables):
+            clock = time.perf_counter()
+            try:
+                result = stage_dp(
+                    table.latency,
                     space.submesh_sizes,
-                    microbatches=count,
-                    per_microbatch=per_microbatch,
-                    in_flight=lambda s, f=flight: f[s - 1],
-                    memory_per_device=space.memory_per_device,
-                    max_stages=space.max_stages,
-                    remat=space.remat,
+                    space.num_devices,
+                    count,
+                    epsilon=space.epsilon,
+                    num_runner_ups=num_runner_ups,
+                    num_stages=space.num_stages,
                 )
-                dp_clock = time.perf_counter()
-                timings["span_costs"] += dp_clock - clock
-                try:
-                    result = stage_dp(
-                        table.latency,
-                        space.submesh_sizes,
-                        space.num_devices,
-                        count,
-                        epsilon=space.epsilon,
-                        num_runner_ups=num_runner_ups,
-                        num_stages=space.num_stages,
-                    )
-                except ValueError as error:
-                    result = str(error)
-                timings["stage_dp"] += time.perf_counter() - dp_clock
-                dps[flight] = (table, result)
+            except ValueError as error:
+                result = str(error)
+            timings["stage_dp"] += time.perf_counter() - clock
+            dps[flight] = (table, result)
+        for schedule in schedules:
+            flight = flight_of[schedule.name]
             table, result = dps[flight]
             if isinstance(result, str):
                 candidates.append(Candidate(schedule.name, count, None, None, np.inf, np.inf, why=result))

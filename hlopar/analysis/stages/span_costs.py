@@ -57,7 +57,7 @@ from typing import Literal
 
 import numpy as np
 
-__all__ = ["LayerArrays", "REMAT_MODES", "SpanTable", "span_table"]
+__all__ = ["LayerArrays", "REMAT_MODES", "SpanTable", "span_table", "span_tables"]
 
 REMAT_MODES = ("auto", "always", "never", "layers")
 KEEP, STAGE, LAYERS = 0, 1, 2  # the options, in the order ties go
@@ -150,18 +150,36 @@ def span_table(
     transfer_seconds: Callable[[float, int], float],
     submesh_sizes: Sequence[int],
     *,
-    microbatches: int,
     in_flight: Callable[[int], int],
+    **options,
+) -> SpanTable:
+    """The table Eq. 3 reads (`span_tables` with one in-flight rule)."""
+    return span_tables(
+        layers, received_bytes, meshes_of_submesh, transfer_seconds, submesh_sizes, in_flights=[in_flight], **options
+    )[0]
+
+
+def span_tables(
+    layers: LayerArrays,
+    received_bytes: np.ndarray,
+    meshes_of_submesh: Sequence[Sequence[int]],
+    transfer_seconds: Callable[[float, int], float],
+    submesh_sizes: Sequence[int],
+    *,
+    microbatches: int,
+    in_flights: Sequence[Callable[[int], int]],
     memory_per_device: float,
     max_stages: int,
     per_microbatch: bool = False,
     remat: Literal["auto", "always", "never"] = "never",
-) -> SpanTable:
-    """The table Eq. 3 reads. `received_bytes[a, b]`: bytes layer b reads from layer a per step
+) -> list[SpanTable]:
+    """The table Eq. 3 reads, one per in-flight rule of `in_flights` (schedules differ only
+    there: what does not depend on it is computed once). `received_bytes[a, b]`: bytes layer b reads from layer a per step
     (a != b; what a stage receives and sends, in its time and its memory); `meshes_of_submesh[m]`
     the logical meshes (indices g) of submesh m; `transfer_seconds(bytes, submesh_size)` the time
-    to bring bytes into a stage of that size from another mesh; `in_flight(s)` the microbatches
-    whose activations a stage with s stages after it (itself included) keeps at once. With
+    to bring bytes into a stage of that size from another mesh; an in-flight rule `in_flight(s)`
+    the microbatches whose activations a stage with s stages after it (itself included) keeps
+    at once. With
     `per_microbatch`, the layers were planned on the program of one microbatch already: their
     costs and activations are not scaled.
     `remat`: "auto" weighs the three options (module docstring), "always" rematerializes every
@@ -176,57 +194,71 @@ def span_table(
     num_layers = layers.latency.shape[1]
     B = 1.0 if per_microbatch else float(microbatches)
     spans = _spans(layers, received_bytes, B, remat)
-    flight = np.array([in_flight(int(s)) for s in range(1, max_stages + 1)], dtype=float)  # (S,)
+    flights = [np.array([f(int(s)) for s in range(1, max_stages + 1)], dtype=float) for f in in_flights]  # (S,)
 
     shape = (num_layers, num_layers, len(meshes_of_submesh), max_stages)
-    latency = np.full(shape, np.inf)
-    chosen = np.full(shape, -1, dtype=np.int64)
-    memory = np.full(shape, np.inf)
-    updating = np.full(shape, np.inf)
-    option_of = np.full(shape, KEEP, dtype=np.int8)
-    forward = None if spans.forward is None else np.full(shape, np.inf)
     transfers = np.zeros(shape[:3])
-    base_memory = np.full(shape, np.inf)
-    stash_bytes = np.zeros(shape)
+    tables = [_Table(shape, spans.forward is not None) for _ in flights]
     options = {"never": (KEEP,), "auto": (KEEP, STAGE, LAYERS), "always": (KEEP, STAGE), "layers": (KEEP, LAYERS)}[
         remat
     ]
+    rows, cols = np.ogrid[:num_layers, :num_layers]
     for m, meshes in enumerate(meshes_of_submesh):
         if not meshes:
             continue
         transfer = _transfer_per_step(spans.received, transfer_seconds, submesh_sizes[m]) / B
+        transfers[:, :, m] = transfer
         # Every candidate (option, logical mesh), keeping first: the first fastest one wins ties.
         candidates = [(option, g) for option in options for g in meshes]
-        best = _best_candidates(
-            spans, candidates, transfer, flight, memory_per_device, forced=remat in ("always", "layers")
+        found = _best_candidates(
+            spans, candidates, transfer, flights, memory_per_device, forced=remat in ("always", "layers")
         )
+        for table, best in zip(tables, found):
+            table.fill(m, best, spans, rows, cols)
+    return [table.result(transfers) for table in tables]
+
+
+class _Table:
+    """One in-flight rule's `SpanTable` as its submeshes are filled in."""
+
+    def __init__(self, shape: tuple[int, ...], with_forward: bool) -> None:
+        self.latency = np.full(shape, np.inf)
+        self.chosen = np.full(shape, -1, dtype=np.int64)
+        self.memory = np.full(shape, np.inf)
+        self.updating = np.full(shape, np.inf)
+        self.option_of = np.full(shape, KEEP, dtype=np.int8)
+        self.forward = np.full(shape, np.inf) if with_forward else None
+        self.base_memory = np.full(shape, np.inf)
+        self.stash_bytes = np.zeros(shape)
+
+    def fill(self, m: int, best: tuple[np.ndarray, ...], spans: _Spans, rows, cols) -> None:
         (
-            latency[:, :, m, :],
-            chosen[:, :, m, :],
-            memory[:, :, m, :],
-            updating[:, :, m, :],
-            option_of[:, :, m, :],
-            base_memory[:, :, m, :],
-            stash_bytes[:, :, m, :],
+            self.latency[:, :, m, :],
+            self.chosen[:, :, m, :],
+            self.memory[:, :, m, :],
+            self.updating[:, :, m, :],
+            self.option_of[:, :, m, :],
+            self.base_memory[:, :, m, :],
+            self.stash_bytes[:, :, m, :],
         ) = best
-        transfers[:, :, m] = transfer
-        if forward is not None:
-            found = chosen[:, :, m, :] >= 0
-            rows, cols = np.ogrid[:num_layers, :num_layers]
-            g = np.where(found, chosen[:, :, m, :], 0)
-            forward[:, :, m, :] = np.where(found, spans.forward[g, rows[:, :, None], cols[:, :, None]], np.inf)
-    return SpanTable(
-        latency,
-        chosen,
-        memory,
-        option_of != KEEP,
-        updating,
-        option_of == LAYERS,
-        forward,
-        transfers,
-        base_memory,
-        stash_bytes,
-    )
+        if self.forward is not None:
+            found = self.chosen[:, :, m, :] >= 0
+            g = np.where(found, self.chosen[:, :, m, :], 0)
+            self.forward[:, :, m, :] = np.where(found, spans.forward[g, rows[:, :, None], cols[:, :, None]], np.inf)
+
+    def result(self, transfers: np.ndarray) -> SpanTable:
+        return SpanTable(
+            self.latency,
+            self.chosen,
+            self.memory,
+            self.option_of != KEEP,
+            self.updating,
+            self.option_of == LAYERS,
+            self.forward,
+            transfers,
+            self.base_memory,
+            self.stash_bytes,
+        )
 
 
 @dataclass(frozen=True)
@@ -292,20 +324,21 @@ def _best_candidates(
     spans: _Spans,
     candidates: Sequence[tuple[int, int]],
     transfer: np.ndarray,
-    flight: np.ndarray,
+    flights: Sequence[np.ndarray],
     memory_per_device: float,
     *,
     forced: bool,
-) -> tuple[np.ndarray, ...]:
-    """For one submesh, the fastest (option, logical mesh) of `candidates` for every span and
-    stage count that fits in memory: its (latency, logical mesh, memory, memory while updating,
-    option, memory beside the stashes, bytes per stash), each (L, L, S); inf, -1, KEEP, inf
-    and 0 where none fits."""
+) -> list[tuple[np.ndarray, ...]]:
+    """For one submesh and each in-flight count per stage count of `flights`, the fastest
+    (option, logical mesh) of `candidates` for every span and stage count that fits in memory:
+    its (latency, logical mesh, memory, memory while updating, option, memory beside the
+    stashes, bytes per stash), each (L, L, S); inf, -1, KEEP, inf and 0 where none fits. What
+    does not depend on the in-flight counts is computed once for all of them."""
     num_layers = transfer.shape[0]
     valid = np.triu(np.ones((num_layers, num_layers), dtype=bool))
     base = np.empty((len(candidates), num_layers, num_layers))  # need = base + slope x in flight
     slope = np.empty_like(base)
-    times = np.empty((len(candidates), num_layers, num_layers, len(flight)))
+    seconds = np.empty_like(base)
     for c, (option, g) in enumerate(candidates):
         usable = valid & ((spans.activations[g] > 0) == (option != KEEP)) if forced else valid
         t = spans.latency[g] + transfer
@@ -317,25 +350,32 @@ def _best_candidates(
             base[c], slope[c] = spans.running[g], spans.activations[g]
         if option != KEEP:
             t = t + spans.recompute[g]
-        t = np.where(usable & (spans.update_peak[g] <= memory_per_device), t, np.inf)
-        need = base[c][:, :, None] + slope[c][:, :, None] * flight  # (L, L, S)
-        times[c] = np.where(need <= memory_per_device, t[:, :, None], np.inf)
+        seconds[c] = np.where(usable & (spans.update_peak[g] <= memory_per_device), t, np.inf)
     rows, cols = np.ogrid[:num_layers, :num_layers]
     rows, cols = rows[:, :, None], cols[:, :, None]
-    best = times.argmin(axis=0)  # (L, L, S): the candidate
-    fastest = np.take_along_axis(times, best[None], axis=0)[0]
-    found = fastest < np.inf
-    g_of = np.array([g for _, g in candidates])[best]
-    peak = spans.update_peak[g_of, rows, cols]
-    return (
-        fastest,
-        np.where(found, g_of, -1),
-        np.where(found, np.maximum(base[best, rows, cols] + slope[best, rows, cols] * flight, peak), np.inf),
-        np.where(found, peak, np.inf),
-        np.where(found, np.array([option for option, _ in candidates])[best], KEEP),
-        np.where(found, base[best, rows, cols], np.inf),
-        np.where(found, slope[best, rows, cols], 0.0),
-    )
+    g_all = np.array([g for _, g in candidates])
+    option_all = np.array([option for option, _ in candidates])
+    out = []
+    for flight in flights:
+        need = base[..., None] + slope[..., None] * flight  # (C, L, L, S)
+        times = np.where(need <= memory_per_device, seconds[..., None], np.inf)
+        best = times.argmin(axis=0)  # (L, L, S): the candidate
+        fastest = np.take_along_axis(times, best[None], axis=0)[0]
+        found = fastest < np.inf
+        g_of = g_all[best]
+        peak = spans.update_peak[g_of, rows, cols]
+        out.append(
+            (
+                fastest,
+                np.where(found, g_of, -1),
+                np.where(found, np.maximum(base[best, rows, cols] + slope[best, rows, cols] * flight, peak), np.inf),
+                np.where(found, peak, np.inf),
+                np.where(found, option_all[best], KEEP),
+                np.where(found, base[best, rows, cols], np.inf),
+                np.where(found, slope[best, rows, cols], 0.0),
+            )
+        )
+    return out
 
 
 def _span_sums(per_layer: np.ndarray) -> np.ndarray:
