@@ -629,7 +629,7 @@ class ParallelizedFunction:
                 runtime = InProcessRuntime(
                     planned.program,
                     devices,
-                    self.schedule,
+                    planned.schedule.name,
                     devices_per_host=cluster.devices_per_host,
                     log=progress.message,
                     phase=progress.phase,
@@ -661,7 +661,7 @@ class ParallelizedFunction:
                 parts = _result_parts(pieces, len(outputs))
                 runtime = RayRuntime(
                     planned.program,
-                    planned.schedule,
+                    planned.schedule.name,
                     placement,
                     timeout=self.timeout,
                     worker_timeout=self.timeout,
