@@ -119,7 +119,7 @@ import numpy as np
 
 from hlopar.analysis.cluster import Cluster
 from hlopar.analysis.limits import check_argument, check_count, check_seconds
-from hlopar.analysis.schedules import DEFAULT_SCHEDULE
+from hlopar.analysis.schedules import Schedule, get_schedule
 from hlopar.analysis.step_io import RolesError
 from hlopar.codegen.bundle import write_bundle
 from hlopar.codegen.pipeline_program import ProgramError, pipeline_program
@@ -129,6 +129,7 @@ from hlopar.ir.host_callbacks import host_callbacks as find_host_callbacks
 from hlopar.ir.module import parse_module, print_module
 from hlopar.messages import HloparWarning, PlanningError, defined_at, describe_plan, in_api_terms
 from hlopar.passes.plan_options import (
+    DEFAULT_PLAN_SCHEDULE,
     METHODS,
     RNG_MODES,
     PlanOptions,
@@ -195,6 +196,7 @@ class PlannedStep:
     plan: dict
     cached: bool
     seconds: float
+    schedule: Schedule  # the plan's: the option's, or the one chosen (schedule="auto")
     # The executables planning compiled (or the plan cache's, on disk), which the runtime runs
     # (`codegen.executable_cache.ExecutableCache`); where planning's seconds went (`phases`).
     executables: Any = None
@@ -216,7 +218,7 @@ def plan_step(
     cluster: Cluster,
     *,
     num_microbatches: int | None = None,
-    schedule: str = DEFAULT_SCHEDULE,
+    schedule: str = DEFAULT_PLAN_SCHEDULE,
     method: str = "auto",
     batch_args: Sequence[int] | None = None,
     rng: str = "exact",
@@ -271,7 +273,6 @@ def _planned(
 
     clock = time.perf_counter()
     executables = ExecutableCache(executables_dir() if cache else None, host_callbacks=callbacks)
-    split = options.schedule.split_backward
     step = import_step(parse_module(text), options)
     chosen = options.microbatches is None  # hlopar's choice, not the user's: it may fall back to 1
     count = default_microbatches(step, cluster) if chosen else options.microbatches
@@ -282,16 +283,19 @@ def _planned(
         key["host_callbacks"] = host_callbacks
     bundle = cached_bundle(text, cluster.key(), key)
     if cache and is_cached(bundle):
+        plan = json.loads((bundle / "plan.json").read_text())
+        schedule = get_schedule(plan["stages"].get("schedule") or options.schedule_name)  # chosen where auto
         try:
             program = pipeline_program(
-                parse_module((bundle / "program.mlir").read_text()), split_backward=split, host_callbacks=host_callbacks
+                parse_module((bundle / "program.mlir").read_text()),
+                split_backward=schedule.split_backward,
+                host_callbacks=host_callbacks,
             )
         except ProgramError as error:
             raise DiagnosticError([error_at(error.location, str(error))]) from None
-        plan = json.loads((bundle / "plan.json").read_text())
         log(f"plan read from the cache ({bundle})")
         seconds = time.perf_counter() - clock
-        return PlannedStep(program, bundle, plan, True, seconds, executables, {"plan cache": seconds})
+        return PlannedStep(program, bundle, plan, True, seconds, schedule, executables, {"plan cache": seconds})
 
     step = replace(step, options=replace(step.options, microbatches=count))
     before = time.perf_counter() - clock - sum(step.context.seconds.values())  # parsing, the cache's key
@@ -309,24 +313,27 @@ def _planned(
         plan["reroll"] = None
     plan["warnings"] = planned.warnings
     plan["layer_pieces"] = planned.pieces.to_json() if planned.pieces else None
+    schedule = planned.options.schedule  # the option's, or the one chosen (auto)
     try:
-        program = pipeline_program(planned.module, split_backward=split, host_callbacks=host_callbacks)
+        program = pipeline_program(
+            planned.module, split_backward=schedule.split_backward, host_callbacks=host_callbacks
+        )
     except ProgramError as error:
         raise DiagnosticError([error_at(error.location, str(error))]) from None
     module_text = print_module(planned.module)
     writing = time.perf_counter()
     phases["codegen"] = writing - codegen
     if cache:
-        write_cached(bundle, program, module_text, plan, options.schedule, key, cluster.key(), executables)
+        write_cached(bundle, program, module_text, plan, schedule, key, cluster.key(), executables)
     else:
         bundle = Path(tempfile.mkdtemp(prefix="hlopar-plan-"))
-        write_bundle(bundle, program, module_text, plan, options.schedule, executables=executables)
+        write_bundle(bundle, program, module_text, plan, schedule, executables=executables)
     compiling = sum(e.seconds for e in executables.events)
     phases["compiling (memory check)"] = compiling
     phases["bundle"] = time.perf_counter() - writing - compiling
     seconds = time.perf_counter() - clock
     log(f"planned in {seconds:.1f} s ({bundle})")
-    return PlannedStep(program, bundle, plan, False, seconds, executables, phases)
+    return PlannedStep(program, bundle, plan, False, seconds, schedule, executables, phases)
 
 
 # --------------------------------------------------------------------------- the callable
@@ -436,7 +443,6 @@ class ParallelizedFunction:
         )
         self.fn = fn
         self.cluster = cluster
-        self.schedule = schedule
         self.batch_argnums = (
             batch_argnums
             if batch_argnums is ...
@@ -534,7 +540,7 @@ class ParallelizedFunction:
         self._log(
             f"lowered {self.__name__} in {time.perf_counter() - clock:.1f} s; planning for "
             f"{cluster.num_hosts} host(s) x {cluster.devices_per_host} {cluster.device_kind} device(s), "
-            f"method {self.options.method}, schedule {self.options.schedule.name}"
+            f"method {self.options.method}, schedule {self.options.schedule_name}"
         )
         self._progress.phase("planning")
         here = self.runtime_kind != "ray" and cluster.is_local
@@ -623,7 +629,7 @@ class ParallelizedFunction:
                 runtime = InProcessRuntime(
                     planned.program,
                     devices,
-                    self.schedule,
+                    planned.schedule.name,
                     devices_per_host=cluster.devices_per_host,
                     log=progress.message,
                     phase=progress.phase,
@@ -655,7 +661,7 @@ class ParallelizedFunction:
                 parts = _result_parts(pieces, len(outputs))
                 runtime = RayRuntime(
                     planned.program,
-                    self.schedule,
+                    planned.schedule.name,
                     placement,
                     timeout=self.timeout,
                     worker_timeout=self.timeout,
@@ -1125,7 +1131,7 @@ def parallelize(
     *,
     cluster: Cluster | None = None,
     num_microbatches: int | None = None,
-    schedule: str = DEFAULT_SCHEDULE,
+    schedule: str = DEFAULT_PLAN_SCHEDULE,
     batch_argnums=...,
     donate_argnums: Sequence[int] | int = (),
     method: str = "auto",

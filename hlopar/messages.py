@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from hlopar.codegen.one_program import fuses
 from hlopar.dialect.layers import LayerPieces
 from hlopar.passes.reroll_stage_loops import stage_loop_lines
+from hlopar.passes.stage_construction import schedule_choice_lines
 from hlopar.units import format_bytes
 
 if TYPE_CHECKING:
@@ -62,11 +63,13 @@ def defined_at(fn: Callable) -> str:
 def describe_plan(planned: PlannedStep) -> str:
     """The plan in a few lines: stages, meshes and devices, how many tensors are sharded."""
     program = planned.program
+    report = planned.plan.get("stages") or {}
     lines = [
-        f"plan: {len(program.meshes)} stage(s), {program.microbatches} microbatch(es)"
-        f"{' (cached)' if planned.cached else ''}"
+        f"plan: {len(program.meshes)} stage(s), {program.microbatches} microbatch(es), schedule "
+        f"{planned.schedule.name}{' (cached)' if planned.cached else ''}"
     ]
-    stages = {s["stage"]: s for s in ((planned.plan.get("stages") or {}).get("stages") or [])}
+    lines += schedule_choice_lines(report.get("schedule_choice"))
+    stages = {s["stage"]: s for s in (report.get("stages") or [])}
     for mesh in program.meshes:
         stage = program.stage_of_mesh.get(mesh)
         info = stages.get(stage, {})

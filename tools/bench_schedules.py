@@ -2,7 +2,7 @@
 """Pipeline schedules in the discrete-event simulator, against the 'signal send/recv' bound.
 
     python tools/bench_schedules.py [--json] [--microbatches 16,64,256] [--stages 4] [--device-tflops 10]
-                                    [--timeline DIR]
+                                    [--timeline DIR] [--memory-per-device 16e9]
 
 For the zoo's GPT (1.3B) and U-Transformer (2.1B), cut into 4 stages on the cross-mesh
 paper's testbed (§5: 2 hosts x 4 V100, NVLink inside a host, 10 Gbps between hosts; stage k
@@ -10,7 +10,8 @@ on a 2-device mesh, stages 0-1 on host 0 and 2-3 on host 1), each schedule of th
 is simulated twice: with real transfer sizes, and with every transfer costing one byte (the
 paper's upper bound, §4). Prints time, signal time, their ratio, bubble fraction and peak
 stash memory per device, then ZB-H1's and ZB-H2's bubbles next to 1F1B's and the zero-bubble
-paper's formulas; or with `--json` a list of rows (model, schedule, microbatches, time_s,
+paper's formulas, and what `schedule="auto"` picks on these stages (the fastest within
+`--memory-per-device` of stash, default 80 GB) with its gain over eager-1F1B and 1F1B; or with `--json` a list of rows (model, schedule, microbatches, time_s,
 signal_time_s, bubble_fraction, steady_time_s and steady_bubble_fraction (steps back to back
 without a barrier at the optimizer step, `SimResult.steady_period`), peak_memory_bytes per
 mesh, ...). The global batch is the zoo
@@ -178,7 +179,7 @@ def run(microbatch_counts: list[int], stages: int, device_tflops: float, timelin
     return rows
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], memory: float = 80e9) -> str:
     header = [
         "model",
         "B",
@@ -220,7 +221,9 @@ def table(rows: list[dict]) -> str:
             + "; edges per microbatch "
             + ", ".join(f"{s}->{t} {b / 1e6:.0f} MB" for s, t, b in row["edges"])
         )
-    return "\n".join(lines + [""] + notes + [""] + verdicts(rows) + [""] + zero_bubble(rows))
+    return "\n".join(
+        lines + [""] + notes + [""] + verdicts(rows) + [""] + zero_bubble(rows) + [""] + auto_choice(rows, memory)
+    )
 
 
 def verdicts(rows: list[dict]) -> list[str]:
@@ -272,6 +275,35 @@ def zero_bubble(rows: list[dict]) -> list[str]:
     return out
 
 
+def auto_choice(rows: list[dict], memory: float) -> list[str]:
+    """Per model and B, what `schedule="auto"` picks on these fixed stages: the registered
+    schedule of least simulated step time (`time_s`, the barrier at the optimizer step, as
+    `analysis.stages.pipeline_choice` ranks them) whose peak stash per device fits `memory`,
+    and its gain over eager-1f1b and 1f1b. (Stage construction also chooses the stages and the
+    count with it; here both are fixed.)"""
+    out = []
+    by_key: dict[tuple[str, int], dict[str, dict]] = {}
+    for r in rows:
+        by_key.setdefault((r["model"], r["microbatches"]), {})[r["schedule"]] = r
+    for (model, m), runs in by_key.items():
+        fitting = [r for r in runs.values() if r["peak_memory_bytes"] / r["devices_per_mesh"] <= memory]
+        if not fitting:
+            out.append(f"{model}, B={m}: auto finds no schedule within {memory / 1e9:.0f} GB a device")
+            continue
+        best = min(fitting, key=lambda r: r["time_s"])  # ties: the registry's order (min keeps the first)
+        refused = sorted(set(runs) - {r["schedule"] for r in fitting})
+        gains = ", ".join(
+            f"{runs[name]['time_s'] / best['time_s']:.3f}x over {name}" + (" (not fitting)" if name in refused else "")
+            for name in ("eager-1f1b", "1f1b")
+            if name in runs
+        )
+        out.append(
+            f"{model}, B={m}: auto picks {best['schedule']} ({best['time_s']:.3f} s), {gains}"
+            + (f"; over {memory / 1e9:.0f} GB a device: {', '.join(refused)}" if refused else "")
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows")
@@ -279,9 +311,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", type=int, default=4, choices=(1, 2, 4, 8))
     parser.add_argument("--device-tflops", type=float, default=10.0)
     parser.add_argument("--timeline", type=Path, help="write each simulated timeline as a PNG into this folder")
+    parser.add_argument(
+        "--memory-per-device",
+        type=float,
+        default=80e9,
+        help="bytes of stash a device holds for auto (default 80e9, an A100 80 GB)",
+    )
     args = parser.parse_args(argv)
     rows = run([int(b) for b in args.microbatches.split(",")], args.stages, args.device_tflops, args.timeline)
-    print(json.dumps(rows, indent=1) if args.json else table(rows))
+    print(json.dumps(rows, indent=1) if args.json else table(rows, args.memory_per_device))
     return 0
 
 

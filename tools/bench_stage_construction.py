@@ -20,7 +20,9 @@ print). Targets (issue 4): Algorithm 1 within 60 s, the DP within 2 s; the paper
 for GPT-39B on 64 GPUs are 2,393 s in all and 1.65 s for the DP. Issue 28: the whole command
 within 15 s for GPT-39B on 8x8 (B=8) and 30 s on 16x16.
 
-The schedule is the project's default (`analysis.schedules.DEFAULT_SCHEDULE`) unless given.
+The schedule is the project's default (`analysis.schedules.DEFAULT_SCHEDULE`) unless given;
+`--schedule auto` adds the simulation of the candidates to Algorithm 1's time and prints the
+choice and the runner-up.
 `--against ROOT` runs the same command with another checkout's code (`PYTHONPATH=ROOT`, e.g.
 the main branch) and this one, interleaved `--repeat` times (the machine is shared: pairs in
 turn see the same load), and prints both times side by side, wall and CPU (the command's
@@ -111,7 +113,10 @@ def main() -> int:
         if args.save is not None:
             shutil.copytree(out, args.save, dirs_exist_ok=True)
     t = report["timings"]
-    algorithm_1 = cluster_report["seconds"] + t["sharding_rules"] + t["layer_ilps"] + t["span_costs"] + t["stage_dp"]
+    simulation = t.get("simulation", 0.0)  # schedule=auto: the candidates simulated
+    algorithm_1 = (
+        cluster_report["seconds"] + t["sharding_rules"] + t["layer_ilps"] + t["span_costs"] + t["stage_dp"] + simulation
+    )
     loops = unstack_report["loops"]
     rows = [
         (
@@ -128,6 +133,7 @@ def main() -> int:
         ),
         ("span cost table", t["span_costs"]),
         ("stage DP (Eq. 3-4, Alg. 1)", t["stage_dp"]),
+        ("schedules simulated (schedule=auto)", simulation),
         ("Algorithm 1 in all", algorithm_1),
         ("MPMD program (stage ILPs, fragments)", t["mpmd_program"]),
         (
@@ -151,6 +157,11 @@ def main() -> int:
             f"memory {stage['memory_bytes'] / 2**30:.1f} GiB{_remat_note(stage)}"
         )
     print(f"  predicted step {report['predicted_step_seconds']:.3f} s, bubble {report['bubble_fraction']:.1%}")
+    choice = report.get("schedule_choice")
+    if choice:
+        said = lambda c: f"{c['schedule']} B={c['microbatches']} {c['simulated_step_seconds']:.4g} s"  # noqa: E731
+        runner = f", runner-up {said(choice['runner_up'])}" if choice.get("runner_up") else ""
+        print(f"  schedule chosen (simulated): {said(choice['chosen'])}{runner}")
     tried = ", ".join(
         f"B={c['microbatches']}: " + (f"{c['total_latency']:.3f} s" if c["total_latency"] is not None else "no plan")
         for c in report["microbatch_candidates"]

@@ -30,10 +30,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hlopar.analysis.limits import check_cluster, check_cluster_dimension, check_count, check_positive
-from hlopar.analysis.schedules.registry import SCHEDULES
+from hlopar.analysis.schedules.registry import SCHEDULES, get_schedule
 from hlopar.cli.arguments import ArgumentParser
 from hlopar.cli.guard import run_isolated
-from hlopar.passes.plan_options import METHODS, REMAT_MODES, RNG_MODES, SCHEDULE_NAMES
+from hlopar.passes.plan_options import DEFAULT_PLAN_SCHEDULE, METHODS, REMAT_MODES, RNG_MODES, SCHEDULE_NAMES
 from hlopar.runtime.host_devices import use_host_devices
 
 BUNDLE_MARKER = "pipeline.json"
@@ -46,7 +46,8 @@ under a schedule, and write everything a runtime needs into the bundle directory
 Steps: hlopar-import; hlopar-split-microbatches{microbatches=B} (the step becomes the step of
 one microbatch; gradients are summed over microbatches, the optimizer runs once; losses that
 are not sums or means over the batch are refused); hlopar-cluster-operators;
-hlopar-stage-construction{schedule=S} (stages on submeshes, an intra-op plan per stage);
+hlopar-stage-construction{schedule=S} (stages on submeshes, an intra-op plan per stage; S=auto,
+the default, also chooses the schedule: the one of least simulated step time within memory);
 hlopar-cross-mesh-resharding (every inter-mesh transfer as load-balanced broadcast unit ops).
 That is the pass `hlopar-auto-parallel{split=true ...}`; `hlopar-opt` runs it alone.
 Then codegen: one executable module per fragment, one instruction stream per mesh, and a
@@ -164,10 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--schedule",
-        required=True,
+        default=DEFAULT_PLAN_SCHEDULE,
         choices=SCHEDULE_NAMES,
         help="pipeline schedule, from the registry (analysis/schedules/registry.py): "
-        + "; ".join(f"{name}: {schedule.description}" for name, schedule in SCHEDULES.items()),
+        + "; ".join(f"{name}: {schedule.description}" for name, schedule in SCHEDULES.items())
+        + "; auto (the default): the one of least simulated step time, chosen with the stages "
+        "(plan.json's stages.schedule)",
     )
     parser.add_argument(
         "--method",
@@ -279,16 +282,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary(directory: str) -> str:
-    """What a bundle holds, in a few lines: stages on meshes, microbatches, the simulated step."""
+    """What a bundle holds, in a few lines: stages on meshes, microbatches, the schedule (and,
+    where auto chose it, the runner-up), the simulated step."""
+    from hlopar.passes.stage_construction import schedule_choice_lines
+
     bundle = Path(directory)
     pipeline = json.loads((bundle / "pipeline.json").read_text())
     simulation = json.loads((bundle / "simulation.json").read_text())
-    stages = json.loads((bundle / "plan.json").read_text())["stages"]["stages"]
+    report = json.loads((bundle / "plan.json").read_text())["stages"]
+    stages = report["stages"]
     lines = [
         f"hlopar-compile: {len(stages)} stage{'s' if len(stages) != 1 else ''} on "
         f"{len(pipeline['meshes'])} mesh{'es' if len(pipeline['meshes']) != 1 else ''}, "
         f"{simulation['microbatches']} microbatches, schedule {simulation['schedule']}"
     ]
+    lines += schedule_choice_lines(report.get("schedule_choice"))
     for stage in stages:
         mesh = pipeline["meshes"][stage["stage"]]["mesh"]
         shape = "x".join(str(n) for n in stage["logical_shape"])
@@ -443,7 +451,7 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
     for diagnostic in context.diagnostics:
         sys.stderr.write(diagnostic.reworded(in_cli_terms).format(args.input) + "\n")
     plan = context.reports[planner.name]
-    schedule = planner.plan_options().schedule
+    schedule = get_schedule(plan["stages"]["schedule"])  # the option's, or the one chosen (auto)
 
     clock = time.perf_counter()
     try:

@@ -27,7 +27,7 @@ from jaxlib.mlir import ir
 from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS
 from hlopar.analysis.cluster import Cluster
 from hlopar.analysis.limits import check_cluster, check_cluster_dimension, check_positive
-from hlopar.analysis.schedules import DEFAULT_SCHEDULE, ScheduleName
+from hlopar.analysis.schedules import DEFAULT_SCHEDULE, ScheduleOption
 from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto, report_option
 from hlopar.passes.plan_options import METHODS, REMAT_MODES, RNG_MODES, PlanOptions, schedule_named
 from hlopar.passes.planning import REPORT_KEYS, Plan, import_step, plan
@@ -62,8 +62,10 @@ class AutoParallelPass(ModulePass):
         "auto: stages, submeshes and intra-op plans chosen; shard: one stage on one mesh of every device "
         "(intra-op only); pipeline: stages replicated over their submeshes (inter-op only)",
     )
-    schedule: ScheduleName = option(
-        DEFAULT_SCHEDULE, "pipeline schedule (the registry's; default its DEFAULT_SCHEDULE)"
+    schedule: ScheduleOption = option(
+        DEFAULT_SCHEDULE,
+        "pipeline schedule (the registry's; default its DEFAULT_SCHEDULE), or auto: chosen by stage construction "
+        "(the report's stages.schedule)",
     )
     memory_per_device: float | None = option(
         None, "bytes per device, e.g. 80GiB (default: the preset's)", parse=parse_bytes, check=check_positive
@@ -92,7 +94,8 @@ class AutoParallelPass(ModulePass):
         check_cluster(self.num_hosts, self.devices_per_host)
 
     def plan_options(self) -> PlanOptions:
-        """These options as the planning pipeline's (the schedule's name made a `Schedule` here)."""
+        """These options as the planning pipeline's (the schedule's name made a `Schedule` here,
+        or "auto")."""
         return PlanOptions(
             method=self.method,
             schedule=schedule_named(self.schedule),

@@ -5,8 +5,10 @@
 option (an argument, a flag, a pass option) into a `PlanOptions` at their edge, and read
 their choices, defaults and refusals from here: `METHODS`, `RNG_MODES`, `REMAT_MODES`
 (`analysis.stages.span_costs`, whose DP reads it) and the schedule registry
-(`analysis.schedules`: `SCHEDULES`, `DEFAULT_SCHEDULE`, `ScheduleName`). A schedule name becomes a `Schedule`
-there, once; the options hold the `Schedule`. The pipeline itself: `passes.planning`.
+(`analysis.schedules`: `SCHEDULES`, `DEFAULT_SCHEDULE`, `ScheduleName`, and `AUTO_SCHEDULE`, "auto":
+the planner chooses). A schedule name becomes a `Schedule` there, once; the options hold the
+`Schedule`, or "auto" until the plan settles it (`passes.planning`: `Plan.options` holds the one
+chosen). The pipeline itself: `passes.planning`.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from hlopar.analysis.limits import check_argument, check_count, check_positive
-from hlopar.analysis.schedules import DEFAULT_SCHEDULE, SCHEDULES, Schedule, get_schedule
+from hlopar.analysis.schedules import AUTO_SCHEDULE, DEFAULT_SCHEDULE, SCHEDULES, Schedule, get_schedule
 from hlopar.analysis.stages.span_costs import REMAT_MODES
 
 __all__ = [
+    "DEFAULT_PLAN_SCHEDULE",
     "METHODS",
     "REMAT_MODES",
     "RNG_MODES",
@@ -37,7 +40,11 @@ METHODS = ("auto", "shard", "pipeline")
 # hlopar-split-microbatches' rng: "exact" refuses whole-shape generators under several
 # microbatches; "per-microbatch" lets them draw per microbatch (with a warning).
 RNG_MODES = ("exact", "per-microbatch")
-SCHEDULE_NAMES = tuple(SCHEDULES)
+SCHEDULE_NAMES = (*SCHEDULES, AUTO_SCHEDULE)
+# `parallelize`'s and `hlopar-compile`'s default: the planner chooses (issue 29). The passes'
+# option and these options default to the registry's `DEFAULT_SCHEDULE`, which is also what
+# "auto" prefers on ties.
+DEFAULT_PLAN_SCHEDULE = AUTO_SCHEDULE
 
 
 def check_choice(name: str, choices: Sequence[str], value: Any) -> None:
@@ -46,11 +53,11 @@ def check_choice(name: str, choices: Sequence[str], value: Any) -> None:
         raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
-def schedule_named(name: str | Schedule) -> Schedule:
-    """The registered schedule of that name (`schedule must be one of ...` otherwise)."""
+def schedule_named(name: str | Schedule) -> Schedule | str:
+    """The registered schedule of that name, or "auto" (`schedule must be one of ...` otherwise)."""
     if not isinstance(name, Schedule):
         check_choice("schedule", SCHEDULE_NAMES, name)
-    return get_schedule(name)
+    return AUTO_SCHEDULE if name == AUTO_SCHEDULE else get_schedule(name)
 
 
 def remat_mode(remat: str | bool) -> str:
@@ -65,6 +72,8 @@ def remat_mode(remat: str | bool) -> str:
 class PlanOptions:
     """What to plan, whoever asks (docs/training_step.md, docs/stage_construction.md).
 
+    `schedule`: a registered `Schedule`, or "auto" (the planner chooses it, with the
+    microbatches where `microbatches` is None: `passes.planning`).
     `microbatches`: per step; None lets the pipeline choose (`passes.planning`, its
     microbatch policy). `split`: rewrite the step into the step of one microbatch first
     (hlopar-split-microbatches; `parallelize` and `hlopar-compile` always do).
@@ -77,7 +86,7 @@ class PlanOptions:
     plan: `codegen.bundle.write_bundle`'s `memory_check`.)"""
 
     method: str = "auto"
-    schedule: Schedule = get_schedule(DEFAULT_SCHEDULE)  # noqa: RUF009 (a Schedule is frozen)
+    schedule: Schedule | str = get_schedule(DEFAULT_SCHEDULE)  # noqa: RUF009 (a Schedule is frozen)
     microbatches: int | None = None
     split: bool = True
     batch_args: tuple[int, ...] | None = None
@@ -91,8 +100,11 @@ class PlanOptions:
 
     def __post_init__(self) -> None:
         check_choice("method", METHODS, self.method)
-        if not isinstance(self.schedule, Schedule):
-            raise TypeError(f"schedule must be a Schedule (passes.plan_options.schedule_named), got {self.schedule!r}")
+        if not isinstance(self.schedule, Schedule) and self.schedule != AUTO_SCHEDULE:
+            raise TypeError(
+                f"schedule must be a Schedule or {AUTO_SCHEDULE!r} (passes.plan_options.schedule_named), "
+                f"got {self.schedule!r}"
+            )
         check_choice("rng", RNG_MODES, self.rng)
         check_choice("remat", REMAT_MODES, self.remat)
         for name in ("microbatches", "layers"):
@@ -105,12 +117,16 @@ class PlanOptions:
         if self.memory_per_device is not None:
             check_argument("memory_per_device", check_positive, self.memory_per_device)
 
+    @property
+    def schedule_name(self) -> str:
+        return self.schedule if isinstance(self.schedule, str) else self.schedule.name
+
     def cache_key(self) -> dict:
         """The options as `parallelize`'s plan cache keys them: those it always had, and the
         others where they are not their default (an older key stays the same)."""
         key = {
             "microbatches": self.microbatches,
-            "schedule": self.schedule.name,
+            "schedule": self.schedule_name,
             "method": self.method,
             "batch_args": list(self.batch_args) if self.batch_args is not None else None,
             "rng": self.rng,

@@ -24,9 +24,19 @@ The microbatch policy (where `split` and no count is given: `parallelize`'s
 2. where the split pass refuses that many (a whole-batch op, a generator that must draw for
    the whole batch), the step is planned again with one microbatch, the refusal kept as a
    warning that says so; a count the user gives is refused instead;
-3. where the plan at the chosen count is one stage, the step is planned again with one
+3. with `schedule="auto"`, stage construction also prices the other counts the batch divides
+   into (every power of two, `hlopar-stage-construction{other-microbatches=true}`), scaled from
+   the split's microbatch, beside every schedule; where one is predicted 5% faster or more, the
+   step is split again at it and planned again (schedule still "auto", that count fixed), and
+   that plan kept unless the split refuses the count. One policy count, then the planner's
+   choice: the layer ILPs of the split step are solved once for every candidate, and a second
+   time only where a new split pays (its shapes are other ILPs);
+4. where the plan at the chosen count is one stage, the step is planned again with one
    microbatch and that plan kept if it is still one stage (microbatches would only add
    launches; where memory needs them, the plan at one is more stages and is not kept).
+
+With `schedule="auto"` the plan's options (`Plan.options`) hold the schedule chosen (the
+stage report's `schedule`; `DEFAULT_SCHEDULE` for "shard", one stage).
 
 Planning again needs the step again: `plan` takes a `load` that imports it afresh.
 """
@@ -40,6 +50,7 @@ from dataclasses import dataclass, field, replace
 from jaxlib.mlir import ir
 
 from hlopar.analysis.cluster import Cluster
+from hlopar.analysis.schedules import AUTO_SCHEDULE, DEFAULT_SCHEDULE, get_schedule
 from hlopar.analysis.step_io import batch_arguments
 from hlopar.dialect.layers import LayerPieces
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError
@@ -169,7 +180,7 @@ def plan(
     if not chosen or load is None or count == 1:
         return run_passes(step, cluster)
     try:
-        planned = run_passes(step, cluster)
+        planned = run_passes(step, cluster, other_microbatches=True)
     except DiagnosticError as error:
         refusal = next((d for d in error.diagnostics if d.message.startswith(f"{SplitMicrobatchesPass.name}:")), None)
         if refusal is None:
@@ -187,7 +198,23 @@ def plan(
             ),
         )
         return planned
-    if _stages(planned) == 1:
+    better = ((planned.reports.get("stages") or {}).get("schedule_choice") or {}).get("better_microbatches")
+    if better is not None:
+        try:
+            again = run_passes(
+                replace(load(), options=replace(step.options, microbatches=better["microbatches"])), cluster
+            )
+        except DiagnosticError as error:
+            if not any(d.message.startswith(f"{SplitMicrobatchesPass.name}:") for d in error.diagnostics):
+                raise
+        else:
+            again.notes.append(
+                f"{better['microbatches']} microbatch(es), not the {count} of the first split (schedule=auto): predicted "
+                f"{better['simulated_step_seconds'] * 1e3:.3g} ms a step against "
+                f"{planned.reports['stages']['schedule_choice']['chosen']['simulated_step_seconds'] * 1e3:.3g} ms"
+            )
+            planned, count = _after(again, planned.seconds), better["microbatches"]
+    if _stages(planned) == 1 and count > 1:
         try:
             single = run_passes(_one_microbatch(load()), cluster)
         except DiagnosticError:
@@ -214,10 +241,11 @@ def _stages(planned: Plan) -> int:
     return len((planned.reports.get("stages") or {}).get("stages", ()))
 
 
-def run_passes(step: ImportedStep, cluster: Cluster) -> Plan:
+def run_passes(step: ImportedStep, cluster: Cluster, *, other_microbatches: bool = False) -> Plan:
     """One try: the planning passes after the import, on the step's module as its options
-    say (the count of microbatches given); the passes' reports and warnings (also those of
-    the import's passes) in a `Plan`."""
+    say (the count of microbatches given; with `other_microbatches` and schedule "auto", the
+    other counts priced too: the policy's 3.); the passes' reports and warnings (also those
+    of the import's passes) in a `Plan`, its options with the schedule chosen."""
     module, context, options = step.module, step.context, step.options
     if options.split:
         context.timed(
@@ -232,6 +260,7 @@ def run_passes(step: ImportedStep, cluster: Cluster) -> Plan:
     stages = None
     if options.method == "shard":
         stages = _one_mesh_program(module, cluster, options.microbatches)
+        stages["schedule"] = DEFAULT_SCHEDULE if options.schedule == AUTO_SCHEDULE else options.schedule.name
     else:
         context.timed(ClusterOperatorsPass(layers=options.layers), module)
         context.timed(
@@ -239,7 +268,8 @@ def run_passes(step: ImportedStep, cluster: Cluster) -> Plan:
                 num_hosts=cluster.num_hosts,
                 devices_per_host=cluster.devices_per_host,
                 microbatches=None if options.split else options.microbatches,  # after the split: the IR says
-                schedule=options.schedule.name,
+                schedule=options.schedule_name,
+                other_microbatches=other_microbatches and options.schedule == AUTO_SCHEDULE,
                 memory_per_device=options.memory_per_device,
                 preset=cluster.preset,
                 plan_shardings=options.method != "pipeline",
@@ -257,6 +287,8 @@ def run_passes(step: ImportedStep, cluster: Cluster) -> Plan:
     pieces = step.pieces
     if pieces is not None:  # as planned: hlopar-reroll-stage-loops may have joined a stage's pieces into ranges
         pieces = LayerPieces.of(planned_functions(module)[0]) or pieces
+    if options.schedule == AUTO_SCHEDULE:
+        options = replace(options, schedule=get_schedule(reports["stages"]["schedule"]))
     return Plan(module, reports, list(context.diagnostics), options, pieces, seconds=dict(context.seconds))
 
 

@@ -3,7 +3,9 @@
 Reads the layering of `hlopar-cluster-operators` (and clusters first when the ops carry
 none), plans every distinct layer on every logical shape of every submesh with the intra-op
 ILP (`analysis/stages/layer_costs`), composes span costs (`span_costs`), runs the DP of
-Eq. 3–4 with early pruning (`stage_dp`) for each microbatch count asked for, assigns
+Eq. 3–4 with early pruning (`stage_dp`) for each microbatch count asked for (with
+`schedule=auto`, for each schedule too, the plans ranked by simulated step time:
+`pipeline_choice`), assigns
 physical devices (`submeshes.assign_devices`, Appendix A) and rewrites the entry function
 into an MPMD program (`mpmd_program.write_mpmd_program`): one mesh per stage, each stage's
 forward and backward on its mesh, update fragments where their parameters live. The backward
@@ -37,11 +39,11 @@ from hlopar.analysis.limits import (
     check_seconds,
     check_workers,
 )
-from hlopar.analysis.schedules import DEFAULT_SCHEDULE, ScheduleName, get_schedule
+from hlopar.analysis.schedules import AUTO_SCHEDULE, DEFAULT_SCHEDULE, SCHEDULES, ScheduleOption, get_schedule
 from hlopar.analysis.stages.layer_costs import FORWARD, ROLES, kernel_counts, plan_layers, trivial_axes_key, value_bytes
 from hlopar.analysis.stages.layering import cluster_layers
-from hlopar.analysis.stages.span_costs import REMAT_MODES, LayerArrays, span_table
-from hlopar.analysis.stages.stage_dp import stage_dp
+from hlopar.analysis.stages.pipeline_choice import Candidate, Choice, PipelineSpace, choose_pipeline
+from hlopar.analysis.stages.span_costs import REMAT_MODES, LayerArrays
 from hlopar.analysis.stages.submeshes import (
     Submesh,
     assign_devices,
@@ -78,6 +80,8 @@ class PipelinePlan:
     ]  # per stage: layers, submesh, logical shape, devices, latency, memory, remat (and its form)
     runner_ups: tuple[dict, ...]
     candidates: tuple[dict, ...]  # per microbatch count tried: its best latency
+    schedule: str  # the user's, or the one chosen (schedule=auto)
+    choice: dict | None  # schedule=auto: what was chosen, the runner-up, every candidate
 
 
 @dataclass
@@ -93,7 +97,17 @@ class StageConstructionPass(ModulePass):
         "is not in the IR; after hlopar-split-microbatches the count is its hlopar.microbatches (leave this unset)",
         parse=parse_count_or_auto,
     )
-    schedule: ScheduleName = option(DEFAULT_SCHEDULE, "pipeline schedule (sets the memory check of Eq. 5)")
+    schedule: ScheduleOption = option(
+        DEFAULT_SCHEDULE,
+        "pipeline schedule (sets the memory check of Eq. 5), or auto: the registry's schedule, the microbatches "
+        "and the stages of least simulated step time within memory",
+    )
+    other_microbatches: bool = option(
+        False,
+        "with schedule=auto after hlopar-split-microbatches: also price the other counts the batch divides into "
+        "(powers of two), scaled from the split's microbatch; one predicted faster by 5% or more is reported "
+        "as better_microbatches (for a new split: the planning pipeline's)",
+    )
     memory_per_device: float | None = option(
         None, "bytes per device, e.g. 80GiB (default: the preset's)", parse=parse_bytes, check=check_positive
     )
@@ -230,19 +244,22 @@ class StageConstructionPass(ModulePass):
         timings["layer_ilps"] = time.perf_counter() - clock
 
         arrays, received = _layer_arrays(graph, layering, layers, plans, meshes, CLUSTER_PRESETS[self.preset])
-        microbatches, result, table, candidates = self._best_pipeline(
+        chosen, (candidates, choice) = self._best_pipeline(
             func, graph, layering, arrays, received, submeshes, meshes_of_submesh, timings
         )
+        result = chosen.plan
         devices = assign_devices(
             [submeshes[stage.submesh_index] for stage in result.stages], self.num_hosts, self.devices_per_host
         )
         plan = PipelinePlan(
-            microbatches,
+            chosen.microbatches,
             result.total_latency,
             result.t_max,
-            _stage_records(result, table, devices, submeshes, meshes, shapes),
-            _runner_ups(result, submeshes),
+            _stage_records(result, chosen.table, devices, submeshes, meshes, shapes),
+            _runner_ups(chosen.others, submeshes),
             tuple(candidates),
+            chosen.schedule,
+            choice,
         )
         stats = {
             "timings": timings,
@@ -255,13 +272,11 @@ class StageConstructionPass(ModulePass):
         return plan, stats
 
     def _best_pipeline(self, func, graph, layering, arrays, received, submeshes, meshes_of_submesh, timings):
-        """The DP for each microbatch count (the split's where it ran, else the option's or the
-        candidates): the best (count, DP result, span table) and every count's outcome."""
-        timings["span_costs"] = 0.0
-        timings["stage_dp"] = 0.0
-        candidates = []
-        best = None
-        schedule = get_schedule(self.schedule)
+        """The best (schedule, count, stages) of `pipeline_choice.choose_pipeline`: the DP for
+        each microbatch count (the split's where it ran, else the option's or the candidates)
+        and, with schedule=auto, each schedule, ranked by simulated step time (else by Eq. 2);
+        the candidate to write and the report's account of the choice."""
+        auto = self.schedule == AUTO_SCHEDULE
         split = read_microbatches(func)  # the one channel where the split ran
         if split is not None and self.microbatches is not None:
             self.fail(
@@ -269,54 +284,47 @@ class StageConstructionPass(ModulePass):
                 f"the program is already one of {split} microbatches (hlopar-split-microbatches): that count "
                 f"is its hlopar.microbatches; leave microbatches unset (got microbatches={self.microbatches})",
             )
-        for microbatches in [split] if split is not None else self._microbatch_candidates(graph):
-            table_clock = time.perf_counter()
-            table = span_table(
-                arrays,
-                received,
-                meshes_of_submesh,
-                self._transfer_seconds,
-                [s.size for s in submeshes],
-                microbatches=microbatches,
-                per_microbatch=split is not None,
-                in_flight=lambda s, b=microbatches: schedule.in_flight(s, b),
-                memory_per_device=self._memory_per_device(),
-                max_stages=min(layering.num_layers, self.num_hosts * self.devices_per_host),
-                remat=self.remat,
-            )
-            dp_clock = time.perf_counter()
-            timings["span_costs"] += dp_clock - table_clock
-            try:
-                result = stage_dp(
-                    table.latency,
-                    [s.size for s in submeshes],
-                    self.num_hosts * self.devices_per_host,
-                    microbatches,
-                    epsilon=self.epsilon,
-                    num_stages=self.stages,
-                )
-            except ValueError as error:
-                candidates.append({"microbatches": microbatches, "total_latency": None, "why": str(error)})
-                timings["stage_dp"] += time.perf_counter() - dp_clock
-                continue
-            timings["stage_dp"] += time.perf_counter() - dp_clock
-            candidates.append(
-                {
-                    "microbatches": microbatches,
-                    "total_latency": result.total_latency,
-                    "t_max": result.t_max,
-                    "evaluated_t_max": result.evaluated_t_max,
-                }
-            )
-            if best is None or result.total_latency < best[1].total_latency:
-                best = (microbatches, result, table)
-        if best is None:
+        if split is None:
+            counts = self._microbatch_candidates(graph)
+        elif auto and self.other_microbatches:
+            counts = [split] + [c for c in _divisor_candidates(split * _batch_size(graph)) if c != split]
+        else:
+            counts = [split]
+        space = PipelineSpace(
+            arrays,
+            received,
+            meshes_of_submesh,
+            [s.size for s in submeshes],
+            self.num_hosts * self.devices_per_host,
+            self._transfer_seconds,
+            self._memory_per_device(),
+            min(layering.num_layers, self.num_hosts * self.devices_per_host),
+            remat=self.remat,
+            num_stages=self.stages,
+            epsilon=self.epsilon,
+            split=split,
+        )
+        # Ties (one stage, or warm-ups clamped by few microbatches) go to the default schedule.
+        schedules = (
+            [get_schedule(DEFAULT_SCHEDULE)] + [s for name, s in SCHEDULES.items() if name != DEFAULT_SCHEDULE]
+            if auto
+            else [get_schedule(self.schedule)]
+        )
+        choice = choose_pipeline(space, schedules, counts, by="simulation" if auto else "eq2")
+        timings.update(choice.timings)
+        # The program is written at the split's count; a better count is reported for a new split.
+        written = next((c for c in choice.candidates if c.plan is not None and c.microbatches == counts[0]), None)
+        if split is None:
+            written = choice.best
+        if written is None:
             reasons: dict[str, list[int]] = {}
-            for c in candidates:
-                reasons.setdefault(c["why"], []).append(c["microbatches"])
-            why = "; ".join(f"{'B=' + ','.join(map(str, counts))}: {reason}" for reason, counts in reasons.items())
+            for c in choice.candidates:
+                reasons.setdefault(c.why, [])
+                if c.microbatches not in reasons[c.why]:
+                    reasons[c.why].append(c.microbatches)
+            why = "; ".join(f"{'B=' + ','.join(map(str, bs))}: {reason}" for reason, bs in reasons.items())
             self.fail(func, f"no pipeline fits the cluster: {why}")
-        return (*best, candidates)
+        return written, _choice_report(choice, written, counts, split, auto)
 
     def _logical_meshes(self, submeshes: tuple[Submesh, ...]):
         """Every (logical shape, intra-op option) of every submesh, deduplicated (shapes that
@@ -364,8 +372,7 @@ class StageConstructionPass(ModulePass):
     def _microbatch_candidates(self, graph: FuncGraph) -> list[int]:
         if self.microbatches is not None:
             return [self.microbatches]
-        batch = _batch_size(graph)
-        return [b for b in (2**k for k in range(0, 12)) if b <= batch and batch % b == 0] or [1]
+        return _divisor_candidates(_batch_size(graph))
 
     def _memory_per_device(self) -> float:
         return self.memory_per_device or CLUSTER_PRESETS[self.preset].device_memory_bytes
@@ -393,7 +400,8 @@ class StageConstructionPass(ModulePass):
                 "preset": self.preset,
                 "memory_per_device": self._memory_per_device(),
             },
-            "schedule": self.schedule,
+            "schedule": plan.schedule,
+            **({"schedule_choice": plan.choice} if plan.choice is not None else {}),
             "microbatches": plan.microbatches,
             "predicted_step_seconds": plan.total_latency,
             "t_max": plan.t_max,
@@ -408,6 +416,21 @@ class StageConstructionPass(ModulePass):
             "layer_ilps_spawned": stats["layer_ilps_spawned"],
             "timings": timings,
         }
+
+
+def schedule_choice_lines(choice: dict | None) -> list[str]:
+    """What `schedule="auto"` chose and the runner-up, with their simulated step times
+    (stage construction's `schedule_choice`)."""
+    if not choice:
+        return []
+
+    def said(c: dict) -> str:
+        return f"{c['schedule']}, {c['microbatches']} microbatch(es): {c['simulated_step_seconds'] * 1e3:.3g} ms a step"
+
+    line = f"  schedule chosen (auto, simulated): {said(choice['chosen'])}"
+    if choice.get("runner_up"):
+        line += f"; runner-up {said(choice['runner_up'])}"
+    return [line]
 
 
 def mark_rematerialized(module: ir.Operation, stages: dict[int, str]) -> None:
@@ -454,7 +477,71 @@ def _stage_records(result, table, devices, submeshes, meshes, shapes) -> tuple[d
     return tuple(stages)
 
 
-def _runner_ups(result, submeshes) -> tuple[dict, ...]:
+def _choice_report(
+    choice: Choice, written: Candidate, counts: list[int], split: int | None, auto: bool
+) -> tuple[list, dict | None]:
+    """Per microbatch count, its best candidate (the report's `microbatch_candidates`); with
+    schedule=auto also `schedule_choice`: the chosen, the runner-up (`Choice.runner_up`), every (schedule, count), and after a split a better count where one is
+    predicted 5% faster (`BETTER_COUNT`)."""
+    per_count: dict[int, dict] = {}
+    for c in choice.candidates:
+        if c.microbatches in per_count:
+            continue
+        if c.plan is None:
+            per_count[c.microbatches] = {"microbatches": c.microbatches, "total_latency": None, "why": c.why}
+        else:
+            per_count[c.microbatches] = {
+                "microbatches": c.microbatches,
+                "total_latency": c.total_latency,
+                "t_max": c.plan.t_max,
+                "evaluated_t_max": c.evaluated_t_max,
+                **({"schedule": c.schedule, "simulated_step_seconds": c.seconds} if auto else {}),
+            }
+    candidates = [per_count[b] for b in counts]
+    if not auto:
+        return candidates, None
+    # After a split the other counts are estimates: the runner-up is of the count written.
+    runner_up = choice.runner_up(written, same_count=split is not None)
+    report = {
+        "chosen": _candidate(written),
+        "runner_up": None if runner_up is None else _candidate(runner_up),
+        "candidates": [_candidate(c) for c in choice.candidates],
+    }
+    best = choice.best
+    if (
+        split is not None
+        and best is not None
+        and best.microbatches != split
+        and best.seconds <= BETTER_COUNT * written.seconds
+    ):
+        report["better_microbatches"] = _candidate(best)
+    return candidates, report
+
+
+# A count other than the split's is worth a new split where predicted this much faster: the
+# scaled pricing is an estimate, and the new split solves the layer ILPs again at its shapes.
+BETTER_COUNT = 0.95
+
+
+def _candidate(c: Candidate) -> dict:
+    if c.plan is None:
+        return {"schedule": c.schedule, "microbatches": c.microbatches, "simulated_step_seconds": None, "why": c.why}
+    return {
+        "schedule": c.schedule,
+        "microbatches": c.microbatches,
+        "simulated_step_seconds": c.seconds,
+        "bubble_fraction": c.bubble_fraction,
+        "total_latency": c.total_latency,
+        "stages": len(c.plan.stages),
+    }
+
+
+def _divisor_candidates(batch: int) -> list[int]:
+    """The counts `microbatches=auto` tries: every power of two that divides the batch."""
+    return [b for b in (2**k for k in range(0, 12)) if b <= batch and batch % b == 0] or [1]
+
+
+def _runner_ups(others, submeshes) -> tuple[dict, ...]:
     return tuple(
         {
             "total_latency": r.total_latency,
@@ -467,7 +554,7 @@ def _runner_ups(result, submeshes) -> tuple[dict, ...]:
                 for st in r.stages
             ],
         }
-        for r in getattr(result, "runner_ups", ())
+        for r in others[:3]
     )
 
 

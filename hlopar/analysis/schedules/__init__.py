@@ -21,14 +21,16 @@ from hlopar.analysis.schedules.instructions import (
     build_streams,
 )
 from hlopar.analysis.schedules.registry import (
+    AUTO_SCHEDULE,
     DEFAULT_SCHEDULE,
     SCHEDULES,
     ScheduleName,
+    ScheduleOption,
     UnknownScheduleError,
     get_schedule,
 )
 from hlopar.analysis.schedules.simulator import DeadlockError, Event, SimResult, simulate
-from hlopar.analysis.schedules.tasks import Schedule, Task, max_in_flight
+from hlopar.analysis.schedules.tasks import Schedule, Task, max_in_flight, max_stashes
 from hlopar.analysis.schedules.timeline import Timeline, chrome_trace, draw_timeline, write_chrome_trace
 from hlopar.analysis.schedules.topology import Edge, PipelineTopology
 
@@ -40,6 +42,7 @@ __all__ = [
     "SEND",
     "UPDATE",
     "ZERO_COST",
+    "AUTO_SCHEDULE",
     "AlphaBeta",
     "DEFAULT_SCHEDULE",
     "DeadlockError",
@@ -53,6 +56,7 @@ __all__ = [
     "SCHEDULES",
     "Schedule",
     "ScheduleName",
+    "ScheduleOption",
     "SimResult",
     "StageCost",
     "Task",
@@ -63,6 +67,7 @@ __all__ = [
     "draw_timeline",
     "get_schedule",
     "max_in_flight",
+    "max_stashes",
     "signal",
     "simulate",
     "write_chrome_trace",

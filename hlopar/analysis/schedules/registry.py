@@ -29,8 +29,11 @@
 
 All are warm-up-then-1F1B orders (`Schedule`); GPipe is the one whose warm-up is every
 microbatch. A variant is `dataclasses.replace(get_schedule("eager-1f1b-wd"), weight_delay=2)`.
-`DEFAULT_SCHEDULE` is the one default (`parallelize`'s, the passes' and the local executor's);
-`ScheduleName` is the option type whose choices are the registry's names.
+`DEFAULT_SCHEDULE` is the one default schedule (the passes', the local executor's, and the one
+"auto" prefers on ties; `parallelize`'s and `hlopar-compile`'s default is "auto",
+`passes.plan_options.DEFAULT_PLAN_SCHEDULE`);
+`ScheduleName` is the option type whose choices are the registry's names, `ScheduleOption` the
+planner's, which also take `AUTO_SCHEDULE` ("auto": the planner chooses).
 """
 
 from __future__ import annotations
@@ -39,7 +42,15 @@ from typing import Literal
 
 from hlopar.analysis.schedules.tasks import Schedule
 
-__all__ = ["DEFAULT_SCHEDULE", "SCHEDULES", "ScheduleName", "UnknownScheduleError", "get_schedule"]
+__all__ = [
+    "AUTO_SCHEDULE",
+    "DEFAULT_SCHEDULE",
+    "SCHEDULES",
+    "ScheduleName",
+    "ScheduleOption",
+    "UnknownScheduleError",
+    "get_schedule",
+]
 
 
 class UnknownScheduleError(ValueError):
@@ -88,9 +99,13 @@ SCHEDULES: dict[str, Schedule] = {
 }
 
 DEFAULT_SCHEDULE = "eager-1f1b"
+# Not a schedule: the planner chooses one of `SCHEDULES` (every one runs on hlopar's runtimes)
+# with the stages and the microbatches, by simulated step time (`analysis.stages.pipeline_choice`).
+AUTO_SCHEDULE = "auto"
 
 # Pass options list their choices in this order (`hlopar-opt` always printed them sorted).
 ScheduleName = Literal[tuple(sorted(SCHEDULES))]
+ScheduleOption = Literal[tuple(sorted((*SCHEDULES, AUTO_SCHEDULE)))]  # a name, or auto
 
 
 def get_schedule(name: str | Schedule) -> Schedule:

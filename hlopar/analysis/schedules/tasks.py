@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["FORWARD", "BACKWARD", "WEIGHT", "Task", "Schedule", "max_in_flight"]
+__all__ = ["FORWARD", "BACKWARD", "WEIGHT", "Task", "Schedule", "max_in_flight", "max_stashes"]
 
 FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 
@@ -96,6 +96,13 @@ class Schedule:
         from B(m) to W(m) (B's carry, W's inputs) is not in this count."""
         return max_in_flight(self.stage_tasks(stages_after, 0, num_microbatches))
 
+    def stashes(self, num_stages: int, stage: int, num_microbatches: int) -> int:
+        """Microbatches whose stash stage `stage` of a `num_stages`-stage pipeline holds at
+        once, each from its F to its W where backwards are split (W reads the stash too), else
+        to its B: what the stage's memory holds of activations, which `in_flight` (the DP's
+        Eq. 5 count, knowing only the stages after a stage) undercounts for a W held back."""
+        return max_stashes(self.stage_tasks(num_stages, stage, num_microbatches))
+
     def tasks(self, num_stages: int, num_microbatches: int) -> list[list[Task]]:
         """Per stage, its ordered tasks."""
         _check_shape(num_stages, num_microbatches)
@@ -138,6 +145,20 @@ def max_in_flight(order: list[Task]) -> int:
             live += 1
             peak = max(peak, live)
         elif task.kind == BACKWARD:
+            live -= 1
+    return peak
+
+
+def max_stashes(order: list[Task]) -> int:
+    """Most microbatches whose F ran and whose last backward task (W where the order has W,
+    else B) did not, over the order."""
+    last = WEIGHT if any(task.kind == WEIGHT for task in order) else BACKWARD
+    live = peak = 0
+    for task in order:
+        if task.kind == FORWARD:
+            live += 1
+            peak = max(peak, live)
+        elif task.kind == last:
             live -= 1
     return peak
 

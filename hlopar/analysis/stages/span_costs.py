@@ -57,7 +57,7 @@ from typing import Literal
 
 import numpy as np
 
-__all__ = ["LayerArrays", "REMAT_MODES", "SpanTable", "span_table"]
+__all__ = ["LayerArrays", "REMAT_MODES", "SpanTable", "span_table", "span_tables"]
 
 REMAT_MODES = ("auto", "always", "never", "layers")
 KEEP, STAGE, LAYERS = 0, 1, 2  # the options, in the order ties go
@@ -85,6 +85,38 @@ class LayerArrays:
     forward_fixed_latency: np.ndarray | None = None
     input_bytes: np.ndarray | None = None  # (G, L, L), zero on and below the diagonal
 
+    def scaled(self, factor: float) -> LayerArrays:
+        """The arrays of a step of `factor` times this one's batch: what grows with the batch
+        (the latencies beyond their start-up part, activations, temporaries, resharding, inputs)
+        scaled, the state and its gradients not. A split step's arrays times its count of
+        microbatches price, as a whole step's, the other counts it could have been split into.
+        A start-up part above its latency (the start-ups of collectives the ILP's objective
+        prices lower) is taken as the whole latency, so that at `factor` 1 nothing changes."""
+        grow = lambda a: None if a is None else a * factor  # noqa: E731
+
+        def stretched(total, fixed):  # inf (no plan on that mesh) stays inf
+            fixed = np.minimum(fixed, total)
+            with np.errstate(invalid="ignore"):
+                return np.where(np.isfinite(total), fixed + (total - fixed) * factor, total), fixed
+
+        latency, fixed = stretched(self.latency, self.fixed_latency)
+        forward = forward_fixed = None
+        if self.forward_latency is not None:
+            forward, forward_fixed = stretched(self.forward_latency, self.forward_fixed_latency)
+        return LayerArrays(
+            latency=latency,
+            fixed_latency=fixed,
+            state_bytes=self.state_bytes,
+            gradient_bytes=self.gradient_bytes,
+            activation_bytes=self.activation_bytes * factor,
+            updated_state_bytes=self.updated_state_bytes,
+            temporary_bytes=self.temporary_bytes * factor,
+            resharding=self.resharding * factor,
+            forward_latency=forward,
+            forward_fixed_latency=forward_fixed,
+            input_bytes=grow(self.input_bytes),
+        )
+
 
 @dataclass(frozen=True)
 class SpanTable:
@@ -93,7 +125,11 @@ class SpanTable:
     the logical mesh (index g) that achieves it; `memory[i, j, m, s-1]` its bytes per device
     (the larger of its two phases), `update_memory[i, j, m, s-1]` those of its update's phase;
     `remat[i, j, m, s-1]` whether it is a rematerialized option, `per_layer[i, j, m, s-1]`
-    whether that is the per-layer one."""
+    whether that is the per-layer one. What the schedule choice prices a stage by
+    (`pipeline_choice`): `forward[i, j, m, s-1]` the forward's share of the latency (None
+    where the layers give no forward latencies), `transfer[i, j, m]` the receiving share
+    (the latency's part that is bytes from other meshes), and the memory as
+    `max(base_memory + stash_bytes x microbatches in flight, update_memory)`."""
 
     latency: np.ndarray
     mesh: np.ndarray
@@ -101,6 +137,10 @@ class SpanTable:
     remat: np.ndarray
     update_memory: np.ndarray
     per_layer: np.ndarray
+    forward: np.ndarray | None = None
+    transfer: np.ndarray | None = None
+    base_memory: np.ndarray | None = None
+    stash_bytes: np.ndarray | None = None
 
 
 def span_table(
@@ -110,18 +150,36 @@ def span_table(
     transfer_seconds: Callable[[float, int], float],
     submesh_sizes: Sequence[int],
     *,
-    microbatches: int,
     in_flight: Callable[[int], int],
+    **options,
+) -> SpanTable:
+    """The table Eq. 3 reads (`span_tables` with one in-flight rule)."""
+    return span_tables(
+        layers, received_bytes, meshes_of_submesh, transfer_seconds, submesh_sizes, in_flights=[in_flight], **options
+    )[0]
+
+
+def span_tables(
+    layers: LayerArrays,
+    received_bytes: np.ndarray,
+    meshes_of_submesh: Sequence[Sequence[int]],
+    transfer_seconds: Callable[[float, int], float],
+    submesh_sizes: Sequence[int],
+    *,
+    microbatches: int,
+    in_flights: Sequence[Callable[[int], int]],
     memory_per_device: float,
     max_stages: int,
     per_microbatch: bool = False,
     remat: Literal["auto", "always", "never"] = "never",
-) -> SpanTable:
-    """The table Eq. 3 reads. `received_bytes[a, b]`: bytes layer b reads from layer a per step
+) -> list[SpanTable]:
+    """The table Eq. 3 reads, one per in-flight rule of `in_flights` (schedules differ only
+    there: what does not depend on it is computed once). `received_bytes[a, b]`: bytes layer b reads from layer a per step
     (a != b; what a stage receives and sends, in its time and its memory); `meshes_of_submesh[m]`
     the logical meshes (indices g) of submesh m; `transfer_seconds(bytes, submesh_size)` the time
-    to bring bytes into a stage of that size from another mesh; `in_flight(s)` the microbatches
-    whose activations a stage with s stages after it (itself included) keeps at once. With
+    to bring bytes into a stage of that size from another mesh; an in-flight rule `in_flight(s)`
+    the microbatches whose activations a stage with s stages after it (itself included) keeps
+    at once. With
     `per_microbatch`, the layers were planned on the program of one microbatch already: their
     costs and activations are not scaled.
     `remat`: "auto" weighs the three options (module docstring), "always" rematerializes every
@@ -136,28 +194,71 @@ def span_table(
     num_layers = layers.latency.shape[1]
     B = 1.0 if per_microbatch else float(microbatches)
     spans = _spans(layers, received_bytes, B, remat)
-    flight = np.array([in_flight(int(s)) for s in range(1, max_stages + 1)], dtype=float)  # (S,)
+    flights = [np.array([f(int(s)) for s in range(1, max_stages + 1)], dtype=float) for f in in_flights]  # (S,)
 
     shape = (num_layers, num_layers, len(meshes_of_submesh), max_stages)
-    latency = np.full(shape, np.inf)
-    chosen = np.full(shape, -1, dtype=np.int64)
-    memory = np.full(shape, np.inf)
-    updating = np.full(shape, np.inf)
-    option_of = np.full(shape, KEEP, dtype=np.int8)
+    transfers = np.zeros(shape[:3])
+    tables = [_Table(shape, spans.forward is not None) for _ in flights]
     options = {"never": (KEEP,), "auto": (KEEP, STAGE, LAYERS), "always": (KEEP, STAGE), "layers": (KEEP, LAYERS)}[
         remat
     ]
+    rows, cols = np.ogrid[:num_layers, :num_layers]
     for m, meshes in enumerate(meshes_of_submesh):
         if not meshes:
             continue
         transfer = _transfer_per_step(spans.received, transfer_seconds, submesh_sizes[m]) / B
+        transfers[:, :, m] = transfer
         # Every candidate (option, logical mesh), keeping first: the first fastest one wins ties.
         candidates = [(option, g) for option in options for g in meshes]
-        best = _best_candidates(
-            spans, candidates, transfer, flight, memory_per_device, forced=remat in ("always", "layers")
+        found = _best_candidates(
+            spans, candidates, transfer, flights, memory_per_device, forced=remat in ("always", "layers")
         )
-        latency[:, :, m, :], chosen[:, :, m, :], memory[:, :, m, :], updating[:, :, m, :], option_of[:, :, m, :] = best
-    return SpanTable(latency, chosen, memory, option_of != KEEP, updating, option_of == LAYERS)
+        for table, best in zip(tables, found):
+            table.fill(m, best, spans, rows, cols)
+    return [table.result(transfers) for table in tables]
+
+
+class _Table:
+    """One in-flight rule's `SpanTable` as its submeshes are filled in."""
+
+    def __init__(self, shape: tuple[int, ...], with_forward: bool) -> None:
+        self.latency = np.full(shape, np.inf)
+        self.chosen = np.full(shape, -1, dtype=np.int64)
+        self.memory = np.full(shape, np.inf)
+        self.updating = np.full(shape, np.inf)
+        self.option_of = np.full(shape, KEEP, dtype=np.int8)
+        self.forward = np.full(shape, np.inf) if with_forward else None
+        self.base_memory = np.full(shape, np.inf)
+        self.stash_bytes = np.zeros(shape)
+
+    def fill(self, m: int, best: tuple[np.ndarray, ...], spans: _Spans, rows, cols) -> None:
+        (
+            self.latency[:, :, m, :],
+            self.chosen[:, :, m, :],
+            self.memory[:, :, m, :],
+            self.updating[:, :, m, :],
+            self.option_of[:, :, m, :],
+            self.base_memory[:, :, m, :],
+            self.stash_bytes[:, :, m, :],
+        ) = best
+        if self.forward is not None:
+            found = self.chosen[:, :, m, :] >= 0
+            g = np.where(found, self.chosen[:, :, m, :], 0)
+            self.forward[:, :, m, :] = np.where(found, spans.forward[g, rows[:, :, None], cols[:, :, None]], np.inf)
+
+    def result(self, transfers: np.ndarray) -> SpanTable:
+        return SpanTable(
+            self.latency,
+            self.chosen,
+            self.memory,
+            self.option_of != KEEP,
+            self.updating,
+            self.option_of == LAYERS,
+            self.forward,
+            transfers,
+            self.base_memory,
+            self.stash_bytes,
+        )
 
 
 @dataclass(frozen=True)
@@ -171,6 +272,7 @@ class _Spans:
     activations: np.ndarray
     received: np.ndarray
     running: np.ndarray  # beside the stashes
+    forward: np.ndarray | None  # the forward's share of `latency` (None: not given)
     recompute: np.ndarray | None
     inputs: np.ndarray | None
     boundaries: np.ndarray | None
@@ -187,10 +289,13 @@ def _spans(layers: LayerArrays, received_bytes: np.ndarray, B: float, remat: str
     received = _received_by_span(received_bytes)  # (L, L)
     sent = _received_by_span(np.transpose(received_bytes))
     running = state_span + (_span_sums(layers.temporary_bytes) + received + sent) / B
-    recompute_span = inputs_span = boundaries_span = largest_layer = None
+    recompute_span = inputs_span = boundaries_span = largest_layer = forward_span = None
+    if layers.forward_latency is not None and layers.forward_fixed_latency is not None:
+        forward_span = _span_sums(
+            layers.forward_fixed_latency + (layers.forward_latency - layers.forward_fixed_latency) / B
+        )
     if remat != "never":
-        forward_micro = layers.forward_fixed_latency + (layers.forward_latency - layers.forward_fixed_latency) / B
-        recompute_span = _span_sums(forward_micro)
+        recompute_span = forward_span
         inputs_span = _inputs_by_span(layers.input_bytes) / B
         boundaries_span = inputs_span + _inner_pair_sums(layers.input_bytes) / B
         largest_layer = _span_maxima(layers.activation_bytes) / B
@@ -200,6 +305,7 @@ def _spans(layers: LayerArrays, received_bytes: np.ndarray, B: float, remat: str
         act_span,
         received,
         running,
+        forward_span,
         recompute_span,
         inputs_span,
         boundaries_span,
@@ -218,19 +324,21 @@ def _best_candidates(
     spans: _Spans,
     candidates: Sequence[tuple[int, int]],
     transfer: np.ndarray,
-    flight: np.ndarray,
+    flights: Sequence[np.ndarray],
     memory_per_device: float,
     *,
     forced: bool,
-) -> tuple[np.ndarray, ...]:
-    """For one submesh, the fastest (option, logical mesh) of `candidates` for every span and
-    stage count that fits in memory: its (latency, logical mesh, memory, memory while updating,
-    option), each (L, L, S); inf, -1 and KEEP where none fits."""
+) -> list[tuple[np.ndarray, ...]]:
+    """For one submesh and each in-flight count per stage count of `flights`, the fastest
+    (option, logical mesh) of `candidates` for every span and stage count that fits in memory:
+    its (latency, logical mesh, memory, memory while updating, option, memory beside the
+    stashes, bytes per stash), each (L, L, S); inf, -1, KEEP, inf and 0 where none fits. What
+    does not depend on the in-flight counts is computed once for all of them."""
     num_layers = transfer.shape[0]
     valid = np.triu(np.ones((num_layers, num_layers), dtype=bool))
     base = np.empty((len(candidates), num_layers, num_layers))  # need = base + slope x in flight
     slope = np.empty_like(base)
-    times = np.empty((len(candidates), num_layers, num_layers, len(flight)))
+    seconds = np.empty_like(base)
     for c, (option, g) in enumerate(candidates):
         usable = valid & ((spans.activations[g] > 0) == (option != KEEP)) if forced else valid
         t = spans.latency[g] + transfer
@@ -242,23 +350,32 @@ def _best_candidates(
             base[c], slope[c] = spans.running[g], spans.activations[g]
         if option != KEEP:
             t = t + spans.recompute[g]
-        t = np.where(usable & (spans.update_peak[g] <= memory_per_device), t, np.inf)
-        need = base[c][:, :, None] + slope[c][:, :, None] * flight  # (L, L, S)
-        times[c] = np.where(need <= memory_per_device, t[:, :, None], np.inf)
+        seconds[c] = np.where(usable & (spans.update_peak[g] <= memory_per_device), t, np.inf)
     rows, cols = np.ogrid[:num_layers, :num_layers]
     rows, cols = rows[:, :, None], cols[:, :, None]
-    best = times.argmin(axis=0)  # (L, L, S): the candidate
-    fastest = np.take_along_axis(times, best[None], axis=0)[0]
-    found = fastest < np.inf
-    g_of = np.array([g for _, g in candidates])[best]
-    peak = spans.update_peak[g_of, rows, cols]
-    return (
-        fastest,
-        np.where(found, g_of, -1),
-        np.where(found, np.maximum(base[best, rows, cols] + slope[best, rows, cols] * flight, peak), np.inf),
-        np.where(found, peak, np.inf),
-        np.where(found, np.array([option for option, _ in candidates])[best], KEEP),
-    )
+    g_all = np.array([g for _, g in candidates])
+    option_all = np.array([option for option, _ in candidates])
+    out = []
+    for flight in flights:
+        need = base[..., None] + slope[..., None] * flight  # (C, L, L, S)
+        times = np.where(need <= memory_per_device, seconds[..., None], np.inf)
+        best = times.argmin(axis=0)  # (L, L, S): the candidate
+        fastest = np.take_along_axis(times, best[None], axis=0)[0]
+        found = fastest < np.inf
+        g_of = g_all[best]
+        peak = spans.update_peak[g_of, rows, cols]
+        out.append(
+            (
+                fastest,
+                np.where(found, g_of, -1),
+                np.where(found, np.maximum(base[best, rows, cols] + slope[best, rows, cols] * flight, peak), np.inf),
+                np.where(found, peak, np.inf),
+                np.where(found, option_all[best], KEEP),
+                np.where(found, base[best, rows, cols], np.inf),
+                np.where(found, slope[best, rows, cols], 0.0),
+            )
+        )
+    return out
 
 
 def _span_sums(per_layer: np.ndarray) -> np.ndarray:

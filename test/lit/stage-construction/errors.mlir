@@ -8,7 +8,7 @@
 
 // Options that are not values of their type, or name nothing, are reported before any work.
 // RUN: not hlopar-opt %s -p 'builtin.module(hlopar-stage-construction{schedule=zigzag})' 2>&1 | FileCheck %s --check-prefix=SCHEDULE
-// SCHEDULE: errors.mlir: error: option 'schedule' of pass 'hlopar-stage-construction': invalid value 'zigzag': expected one of 1f1b, eager-1f1b, eager-1f1b-wd, gpipe
+// SCHEDULE: errors.mlir: error: option 'schedule' of pass 'hlopar-stage-construction': invalid value 'zigzag': expected one of 1f1b, auto, eager-1f1b, eager-1f1b-wd, gpipe, zb-h1, zb-h2
 // RUN: not hlopar-opt %s -p 'builtin.module(hlopar-stage-construction{memory-per-device=lots})' 2>&1 | FileCheck %s --check-prefix=BYTES
 // BYTES: errors.mlir: error: option 'memory-per-device' of pass 'hlopar-stage-construction': invalid value 'lots'
 // RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-stage-construction{preset=tpu})' 2>&1 | FileCheck %s --check-prefix=PRESET

@@ -96,8 +96,8 @@ def test_a_one_stage_plan_runs_one_microbatch_unless_one_needs_more_stages(cache
 
     run_passes = planning.run_passes
 
-    def two_stages_at_one(step, cluster):
-        planned = run_passes(step, cluster)
+    def two_stages_at_one(step, cluster, **options):
+        planned = run_passes(step, cluster, **options)
         if step.options.microbatches == 1:
             planned.reports["stages"]["stages"] *= 2
         return planned

@@ -44,3 +44,15 @@ def test_gpt_schedules_sit_near_the_bound(bench):
     case = bench.gpt_case(16, 4, 10.0)
     eager, bound = _times(case, "eager-1f1b", 16)
     assert bound / eager >= 0.97
+
+
+def test_auto_picks_the_fastest_schedule_that_fits(bench):
+    """At B=64 on 4 stages: with 80 GB a device every schedule but GPipe fits and ZB-H2 is the
+    fastest; with 32 GB only 1F1B's stash (and ZB-H1's, held until W) fits, and ZB-H1 wins."""
+    rows = bench.run([64], 4, 10.0)
+    roomy, tight = bench.auto_choice(rows, 80e9), bench.auto_choice(rows, 32e9)
+    assert any(line.startswith("u_transformer-2.1B, B=64: auto picks zb-h2") for line in roomy), roomy
+    assert any(
+        line.startswith("u_transformer-2.1B, B=64: auto picks zb-h1") and "eager-1f1b (not fitting)" in line
+        for line in tight
+    ), tight

@@ -10,10 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hlopar.analysis.schedules import (
+    AUTO_SCHEDULE,
     DEFAULT_SCHEDULE,
     SCHEDULES,
     Schedule,
     ScheduleName,
+    ScheduleOption,
     Task,
     UnknownScheduleError,
     get_schedule,
@@ -30,6 +32,26 @@ def test_registry_names():
     assert [s.split_backward for s in SCHEDULES.values()] == [False, False, False, True, True, True]
     assert DEFAULT_SCHEDULE in SCHEDULES
     assert typing.get_args(ScheduleName) == tuple(sorted(SCHEDULES))
+    assert typing.get_args(ScheduleOption) == tuple(sorted((*SCHEDULES, AUTO_SCHEDULE)))
+    assert AUTO_SCHEDULE == "auto" and AUTO_SCHEDULE not in SCHEDULES
+
+
+def test_stashes_count_what_a_split_backward_keeps_until_w():
+    """Stage k of 4 at 8 microbatches: the stashes held at once, each from its F to its W (B
+    where the backward is whole); equal to Eq. 5's in-flight count (the DP's, knowing a stage
+    only by the stages after it) except where W is held back."""
+    held = {name: [s.stashes(4, k, 8) for k in range(4)] for name, s in SCHEDULES.items()}
+    assert held == {
+        "gpipe": [8, 8, 8, 8],
+        "1f1b": [4, 3, 2, 1],
+        "eager-1f1b": [7, 5, 3, 1],
+        "eager-1f1b-wd": [7, 5, 3, 1],  # W right after its B
+        "zb-h1": [4, 4, 4, 4],  # 1f1b's warm-up p - k, plus k W held back
+        "zb-h2": [7, 7, 7, 7],  # eager's 2 (p - k) - 1, plus 2k
+    }
+    for name, schedule in SCHEDULES.items():
+        in_flight = [schedule.in_flight(4 - k, 8) for k in range(4)]
+        assert (in_flight == held[name]) == (schedule.weight_lag is None), name
 
 
 def test_unknown_schedule_lists_valid_names():

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from hlopar.analysis.stages.span_costs import LayerArrays, span_table
+from hlopar.analysis.stages.span_costs import LayerArrays, span_table, span_tables
 
 
 def _random_layers(rng, G, L):
@@ -90,3 +92,25 @@ def test_more_stages_after_a_stage_never_make_it_fit_better():
     feasible = np.isfinite(table.latency[:, :, 0, :])
     # Feasible with s stages after implies feasible with fewer (1F1B stashes fewer microbatches).
     assert not (feasible[:, :, 1:] & ~feasible[:, :, :-1]).any()
+
+
+def test_tables_of_several_in_flight_rules_equal_one_table_each():
+    """`span_tables` shares what does not depend on the rule; each table is the one
+    `span_table` makes alone, array for array."""
+    rng = np.random.default_rng(3)
+    layers = _random_layers(rng, 3, 5)
+    layers = dataclasses.replace(
+        layers,
+        forward_latency=layers.latency / 3,
+        forward_fixed_latency=layers.fixed_latency / 3,
+        input_bytes=np.triu(rng.uniform(0, 1, (3, 5, 5)), k=1),
+    )
+    received = rng.uniform(0, 20, (5, 5))
+    common = dict(microbatches=4, memory_per_device=60.0, max_stages=4, remat="auto")
+    args = (layers, received, [[0], [1, 2]], lambda nbytes, devices: 0.01 + nbytes / (1000.0 * devices), [1, 4])
+    rules = [lambda s: min(s, 4), lambda s: min(2 * s - 1, 4), lambda s: 4]
+    together = span_tables(*args, in_flights=rules, **common)
+    for rule, table in zip(rules, together):
+        alone = span_table(*args, in_flight=rule, **common)
+        for name in alone.__dataclass_fields__:
+            np.testing.assert_array_equal(getattr(table, name), getattr(alone, name), err_msg=name)

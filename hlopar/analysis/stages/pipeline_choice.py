@@ -1,0 +1,273 @@
+"""The pipeline as one choice: schedule, microbatch count, stages and submeshes together.
+
+Stage construction asks this for the plan of one schedule (the user's) or of the best of
+several (`schedule=auto`). Every candidate (schedule, count) shares the layers' arrays
+(`span_costs.LayerArrays`, from the layer ILPs, solved once for all of them): per count, one
+span table per distinct in-flight rule (Eq. 5: 1f1b and zb-h1 share one, eager-1f1b,
+eager-1f1b-wd and zb-h2 another; `span_tables` computes what they share once) and one DP per
+table (`stage_dp`, its best plan and its
+runner-ups). How candidates are ranked:
+
+- `by="eq2"` (one schedule): the DP's own Eq. 2 latency, as Alpa ranks plans; only the
+  DP's best plan per count.
+- `by="simulation"`: each of those plans run through the schedule's instruction streams in
+  the simulator (`analysis.schedules.simulate`): a stage's compute is its span latency less
+  the share that receives from other meshes, split into forward and backward by the span's
+  forward latencies (W half the backward where a schedule splits it: `StageCost`'s default),
+  and the bytes the layers of two stages read from each other go over the link in the
+  simulator instead, so a schedule that overlaps them gains. Iteration time with the barrier
+  at the optimizer step, as hlopar's executors run a step (not `steady_period`).
+  A plan is kept only where each stage also fits with the stashes it holds under that
+  schedule (`Schedule.stashes`: a zero-bubble stage keeps a stash until its W, more than
+  the DP's Eq. 5 count for every stage but the first).
+
+Counts: the layers may be a split step's (`split`: the arrays are per microbatch of that
+many); another count is priced from them scaled to the whole batch (`LayerArrays.scaled`),
+the count itself from them as they are.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from hlopar.analysis.schedules import Edge, PipelineTopology, Schedule, StageCost, build_streams, simulate
+from hlopar.analysis.stages.span_costs import LayerArrays, SpanTable, span_tables
+from hlopar.analysis.stages.stage_dp import Slicing, stage_dp
+
+__all__ = ["Candidate", "Choice", "PipelineSpace", "choose_pipeline", "simulated_step"]
+
+
+@dataclass(frozen=True)
+class PipelineSpace:
+    """What every candidate shares: the span table's inputs (`span_costs.span_table`), the
+    cluster's devices, and the DP's options; `split`, where the layers are a split step's,
+    its count of microbatches."""
+
+    layers: LayerArrays
+    received: np.ndarray
+    meshes_of_submesh: Sequence[Sequence[int]]
+    submesh_sizes: Sequence[int]
+    num_devices: int
+    transfer_seconds: Callable[[float, int], float]
+    memory_per_device: float
+    max_stages: int
+    remat: str = "never"
+    num_stages: int | None = None
+    epsilon: float = 1e-6
+    split: int | None = None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """The best plan of one (schedule, count), or why it has none (`plan` None). `seconds`:
+    what it was ranked by (simulated step time, or Eq. 2); `total_latency` its Eq. 2 latency;
+    `table` the span table its stages read; `others` the DP's other plans, by Eq. 2."""
+
+    schedule: str
+    microbatches: int
+    plan: Slicing | None
+    table: SpanTable | None
+    seconds: float
+    total_latency: float
+    bubble_fraction: float | None = None
+    evaluated_t_max: int = 0
+    why: str = ""
+    others: tuple[Slicing, ...] = ()
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Every (schedule, count) tried, best first (its order on ties: the order given), and
+    the seconds the span tables, the DPs and the simulations took."""
+
+    candidates: tuple[Candidate, ...]
+    timings: dict[str, float]
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.candidates[0] if self.candidates and self.candidates[0].plan is not None else None
+
+    def runner_up(self, chosen: Candidate, *, same_count: bool = False) -> Candidate | None:
+        """The best candidate of another schedule than `chosen`'s (another count of the same
+        schedule says less), with `same_count` only of `chosen`'s count; None if none has a plan."""
+        return next(
+            (
+                c
+                for c in self.candidates
+                if c.plan is not None
+                and c.schedule != chosen.schedule
+                and (not same_count or c.microbatches == chosen.microbatches)
+            ),
+            None,
+        )
+
+
+def choose_pipeline(
+    space: PipelineSpace,
+    schedules: Sequence[Schedule],
+    counts: Sequence[int],
+    *,
+    by: Literal["eq2", "simulation"] = "simulation",
+    num_runner_ups: int = 3,
+) -> Choice:
+    """Every (schedule, count)'s best plan, ranked (module docstring)."""
+    candidates = []
+    timings = {"span_costs": 0.0, "stage_dp": 0.0, "simulation": 0.0}
+    for count in counts:
+        layers, received, per_microbatch = _priced_at(space, count)
+        flight_of = {
+            schedule.name: tuple(schedule.in_flight(s, count) for s in range(1, space.max_stages + 1))
+            for schedule in schedules
+        }
+        flights = list(dict.fromkeys(flight_of.values()))
+        clock = time.perf_counter()
+        tables = span_tables(
+            layers,
+            received,
+            space.meshes_of_submesh,
+            space.transfer_seconds,
+            space.submesh_sizes,
+            microbatches=count,
+            per_microbatch=per_microbatch,
+            in_flights=[lambda s, f=flight: f[s - 1] for flight in flights],
+            memory_per_device=space.memory_per_device,
+            max_stages=space.max_stages,
+            remat=space.remat,
+        )
+        timings["span_costs"] += time.perf_counter() - clock
+        dps: dict[tuple[int, ...], tuple[SpanTable, object]] = {}
+        for flight, table in zip(flights, tables):
+            clock = time.perf_counter()
+            try:
+                result = stage_dp(
+                    table.latency,
+                    space.submesh_sizes,
+                    space.num_devices,
+                    count,
+                    epsilon=space.epsilon,
+                    num_runner_ups=num_runner_ups,
+                    num_stages=space.num_stages,
+                )
+            except ValueError as error:
+                result = str(error)
+            timings["stage_dp"] += time.perf_counter() - clock
+            dps[flight] = (table, result)
+        for schedule in schedules:
+            flight = flight_of[schedule.name]
+            table, result = dps[flight]
+            if isinstance(result, str):
+                candidates.append(Candidate(schedule.name, count, None, None, np.inf, np.inf, why=result))
+                continue
+            best = Slicing(result.stages, result.total_latency, result.t_max, result.sum_latency)
+            if by == "eq2":
+                candidates.append(
+                    Candidate(
+                        schedule.name,
+                        count,
+                        best,
+                        table,
+                        best.total_latency,
+                        best.total_latency,
+                        evaluated_t_max=result.evaluated_t_max,
+                        others=result.runner_ups,
+                    )
+                )
+                continue
+            clock = time.perf_counter()
+            candidates.append(
+                _simulated_best(
+                    space, schedule, count, table, received, per_microbatch, (best, *result.runner_ups), result
+                )
+            )
+            timings["simulation"] += time.perf_counter() - clock
+    order = {id(c): k for k, c in enumerate(candidates)}
+    return Choice(tuple(sorted(candidates, key=lambda c: (c.seconds, order[id(c)]))), timings)
+
+
+def _priced_at(space: PipelineSpace, count: int) -> tuple[LayerArrays, np.ndarray, bool]:
+    """The layers' arrays and received bytes that price `count` microbatches, and whether they
+    are per microbatch already (the split's own count)."""
+    if space.split is None:
+        return space.layers, space.received, False
+    if count == space.split:
+        return space.layers, space.received, True
+    return space.layers.scaled(space.split), np.asarray(space.received) * space.split, False
+
+
+def _simulated_best(space, schedule, count, table, received, per_microbatch, plans, result) -> Candidate:
+    """The fastest in simulation of the DP's plans that fit under the schedule's stashes."""
+    best = None
+    for plan in plans:
+        if not _fits(space, schedule, count, table, plan):
+            continue
+        seconds, bubble = simulated_step(space, schedule, count, table, plan, received, per_microbatch)
+        if best is None or seconds < best.seconds:
+            best = Candidate(
+                schedule.name,
+                count,
+                plan,
+                table,
+                seconds,
+                plan.total_latency,
+                bubble,
+                evaluated_t_max=result.evaluated_t_max,
+                others=tuple(p for p in plans if p.stages != plan.stages),
+            )
+    if best is None:
+        why = f"no plan of the stage DP fits {schedule.name}'s stashes (held until W) in memory"
+        return Candidate(schedule.name, count, None, None, np.inf, np.inf, why=why)
+    return best
+
+
+def _fits(space: PipelineSpace, schedule: Schedule, count: int, table: SpanTable, plan: Slicing) -> bool:
+    num_stages = len(plan.stages)
+    for k, stage in enumerate(plan.stages):
+        at = (stage.start_layer, stage.end_layer, stage.submesh_index, num_stages - k - 1)
+        held = table.base_memory[at] + table.stash_bytes[at] * schedule.stashes(num_stages, k, count)
+        if max(held, table.update_memory[at]) > space.memory_per_device:
+            return False
+    return True
+
+
+def simulated_step(
+    space: PipelineSpace,
+    schedule: Schedule,
+    count: int,
+    table: SpanTable,
+    plan: Slicing,
+    received: np.ndarray,
+    per_microbatch: bool,
+) -> tuple[float, float]:
+    """The simulated step time and bubble fraction of `plan` under `schedule` (module
+    docstring); `received` the bytes per step (per microbatch where `per_microbatch`) that
+    layer b reads from layer a, at [a, b]."""
+    num_stages = len(plan.stages)
+    costs = []
+    for k, stage in enumerate(plan.stages):
+        i, j, m = stage.start_layer, stage.end_layer, stage.submesh_index
+        compute = max(float(table.latency[i, j, m, num_stages - k - 1]) - float(table.transfer[i, j, m]), 0.0)
+        forward = compute / 3 if table.forward is None else float(table.forward[i, j, m, num_stages - k - 1])
+        forward = min(forward, compute)
+        costs.append(StageCost(forward, compute - forward))
+    per_micro = np.asarray(received, dtype=float) / (1 if per_microbatch else count)
+    spans = [(s.start_layer, s.end_layer + 1) for s in plan.stages]
+    edges = []
+    for a in range(num_stages):
+        for b in range(a + 1, num_stages):
+            forward = per_micro[spans[a][0] : spans[a][1], spans[b][0] : spans[b][1]].sum()
+            backward = per_micro[spans[b][0] : spans[b][1], spans[a][0] : spans[a][1]].sum()
+            if forward > 0 or backward > 0:
+                edges.append(Edge(a, b, int(forward), int(backward)))
+    topology = PipelineTopology(num_stages, tuple(edges))
+    size_of = {mesh: space.submesh_sizes[s.submesh_index] for mesh, s in zip(topology.meshes, plan.stages)}
+
+    def comm(src: str, dst: str, nbytes: int) -> float:
+        return space.transfer_seconds(nbytes, size_of[dst]) if nbytes > 0 else 0.0
+
+    result = simulate(build_streams(topology, schedule, count), costs, comm)
+    return result.iteration_time, result.bubble_fraction

@@ -1,0 +1,131 @@
+"""The schedule, the microbatch count and the stages chosen together (`pipeline_choice`), on
+uniform layers whose simulated step times have closed forms: 4 layers, 4 devices in submeshes
+of one, so every plan is 4 stages of one layer; each layer 4 s of compute a step (F, B and W a
+third each), one byte to its neighbours each way, links of no cost."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hlopar.analysis.schedules import SCHEDULES, get_schedule
+from hlopar.analysis.stages.pipeline_choice import PipelineSpace, choose_pipeline, simulated_step
+from hlopar.analysis.stages.span_costs import LayerArrays
+
+L = 4  # layers, stages and devices
+
+
+def layers(activations=(1.0,) * L, fixed=0.0, per_step=4.0) -> LayerArrays:
+    """`activations`: bytes a layer stashes per step; `fixed`: a layer's start-up seconds per
+    microbatch (kernel launches), paid whatever the microbatch's size."""
+    row = lambda values: np.array([values], dtype=float)  # noqa: E731 (one logical mesh)
+    zero = row([0.0] * L)
+    return LayerArrays(
+        latency=row([per_step] * L),
+        fixed_latency=row([fixed] * L),
+        state_bytes=zero,
+        gradient_bytes=zero,
+        activation_bytes=row(activations),
+        updated_state_bytes=zero,
+        temporary_bytes=zero,
+        resharding=np.zeros((1, L, L)),
+        forward_latency=row([per_step / 3] * L),
+        forward_fixed_latency=row([fixed / 3] * L),
+        input_bytes=np.zeros((1, L, L)),
+    )
+
+
+def space(arrays: LayerArrays, memory: float = 1e9, split: int | None = None) -> PipelineSpace:
+    received = np.eye(L, k=1) + np.eye(L, k=-1)  # a byte to the next layer, its gradient back
+    return PipelineSpace(
+        arrays,
+        received,
+        meshes_of_submesh=[[0]],
+        submesh_sizes=[1],
+        num_devices=L,
+        transfer_seconds=lambda nbytes, devices: 0.0,
+        memory_per_device=memory,
+        max_stages=L,
+        split=split,
+    )
+
+
+ALL = list(SCHEDULES.values())
+
+
+def test_a_zero_bubble_schedule_wins_on_time():
+    """8 microbatches of 0.5 s (F, B, W 1/6 s each): 1F1B's step is (8 + 3) x 0.5 s; a
+    zero-bubble schedule fills its bubble with W, and the choice is the fastest in simulation."""
+    choice = choose_pipeline(space(layers()), ALL, [8])
+    seconds = {c.schedule: c.seconds for c in choice.candidates}
+    assert seconds["1f1b"] == pytest.approx(11 * 0.5, rel=1e-12)
+    assert seconds["gpipe"] == pytest.approx(11 * 0.5, rel=1e-12)
+    best = choice.best
+    # ZB-H2 ties ZB-H1 here (its gain is in steady_period, beyond the barrier): order given.
+    assert best.schedule == "zb-h1" and seconds["zb-h2"] == seconds["zb-h1"] and len(best.plan.stages) == L
+    # ZB-H1 (Qi et al.): the bubble (p - 1)(F + B - W) against 1F1B's (p - 1)(F + B + W).
+    assert seconds["zb-h1"] == pytest.approx(8 * 0.5 + 3 * (1 / 6), rel=1e-9)
+    assert best.seconds == min(seconds.values()) < seconds["1f1b"]
+    # The runner-up is the best of the other schedules, with its time.
+    runner = choice.runner_up(best)
+    assert runner.schedule != best.schedule
+    assert runner.seconds == min(s for name, s in seconds.items() if name != best.schedule)
+    # What the choice says is what the simulator gives for that plan.
+    again = simulated_step(
+        space(layers()), get_schedule(best.schedule), 8, best.table, best.plan, space(layers()).received, False
+    )
+    assert again[0] == best.seconds
+
+
+def test_1f1b_wins_on_memory():
+    """Layer 0 stashes 2 bytes a microbatch, layer 3 10, the others 1; 12 bytes a device. Only
+    1F1B fits: 4 stashes on the first stage (8), 1 on the last (10). Eager-1F1B holds 7 on the
+    first (14); ZB-H1 passes the DP's Eq. 5 count (1F1B's) but its last stage keeps every
+    stash until its W, 4 x 10: the choice checks that count and refuses it."""
+    arrays = layers(activations=[2.0 * 8, 1.0 * 8, 1.0 * 8, 10.0 * 8])
+    choice = choose_pipeline(space(arrays, memory=12.0), ALL, [8])
+    assert choice.best.schedule == "1f1b"
+    assert choice.best.seconds == pytest.approx(11 * 0.5, rel=1e-12)
+    refused = {c.schedule: c.why for c in choice.candidates if c.plan is None}
+    assert set(refused) == set(SCHEDULES) - {"1f1b"}
+    assert "stashes (held until W)" in refused["zb-h1"]
+    assert choice.runner_up(choice.best) is None
+    # With the memory to hold them, ZB-H1's same 4 stages are faster.
+    roomy = {c.schedule: c.seconds for c in choose_pipeline(space(arrays), ALL, [8]).candidates}
+    assert roomy["zb-h1"] < roomy["1f1b"]
+
+
+@pytest.mark.parametrize("fixed, count", [(0.0, 16), (0.5, 4)])
+def test_the_microbatch_count_trades_the_bubble_for_start_up_costs(fixed, count):
+    """1F1B's step on uniform stages is (B + 3) x (fixed + (4 - fixed) / B): with no start-up
+    cost the most microbatches win; with 0.5 s a microbatch (B=1: 16 s, 2: 11.25, 4: 9.625,
+    8: 10.3125, 16: 13.66) four do."""
+    counts = [1, 2, 4, 8, 16]
+    choice = choose_pipeline(space(layers(fixed=fixed)), [get_schedule("1f1b")], counts)
+    seconds = {c.microbatches: c.seconds for c in choice.candidates}
+    for b in counts:
+        assert seconds[b] == pytest.approx((b + L - 1) * (fixed + (4 - fixed) / b), rel=1e-9)
+    assert choice.best.microbatches == count
+
+
+def test_a_split_step_prices_other_counts_as_the_whole_step_would():
+    """Arrays per microbatch of a step split in 4 price 4 microbatches as they are, and 2 and
+    8 scaled to the whole step: the same as the whole step's arrays at every count."""
+    per_microbatch = layers(fixed=0.2, per_step=1.0, activations=[2.0] * L)
+    whole = per_microbatch.scaled(4)
+    assert whole.latency[0, 0] == pytest.approx(0.2 + 0.8 * 4)
+    split = choose_pipeline(space(per_microbatch, split=4), ALL, [4, 2, 8])
+    direct = choose_pipeline(space(whole), ALL, [4, 2, 8])
+    got = {(c.schedule, c.microbatches): c.seconds for c in split.candidates}
+    want = {(c.schedule, c.microbatches): c.seconds for c in direct.candidates}
+    assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k], rel=1e-12) for k in got)
+
+
+def test_ranking_by_eq2_keeps_the_dp_s_plan():
+    """One schedule ranked by Eq. 2 (what stage construction does with a schedule given):
+    Σ t + (B - 1) max t per count, no simulation."""
+    choice = choose_pipeline(space(layers()), [get_schedule("eager-1f1b")], [2, 8], by="eq2")
+    assert [(c.microbatches, c.seconds) for c in choice.candidates] == [
+        (8, pytest.approx(4 * 0.5 + 7 * 0.5)),
+        (2, pytest.approx(4 * 2.0 + 1 * 2.0)),
+    ]
