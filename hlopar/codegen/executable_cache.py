@@ -138,6 +138,7 @@ class ExecutableCache:
         self.held: dict[str, DeviceExecutable] = {}
         self.serialized: dict[str, bytes] = {}
         self.events: list[Compilation] = []
+        self.seconds = 0.0  # wall time spent answering requests (compilations at once overlap)
 
     def executable(
         self, module: ir.Operation | str, devices: Sequence[jax.Device], name: str = "", *, load: bool = True
@@ -153,6 +154,7 @@ class ExecutableCache:
         each in order; the compilations among them run at once, in threads (XLA compiles
         without holding the GIL; what reads the modules, MLIR, holds it), as many as the
         machine's cores."""
+        began = time.perf_counter()
         wanted = []  # (name, key, parsed module, devices, callbacks)
         for module, devices, name in requests:
             text = module if isinstance(module, str) else print_module(module)
@@ -189,6 +191,7 @@ class ExecutableCache:
             how, seconds, refused = made.pop(key, (REUSED, 0.0, ""))
             self.events.append(Compilation(name, how, seconds, refused))
             out.append(self.held[key])
+        self.seconds += time.perf_counter() - began
         return out
 
     def shipment(self, texts: Iterable[str], devices: Sequence[jax.Device]) -> dict[str, bytes]:
