@@ -69,7 +69,9 @@ def test_update_phase_counts_donated_state_once(tmp_path):
 def mlp_plans():
     cluster = Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu").resolved()
     return {
-        donate: plan_step(get_train_step("mlp", "tiny").lower(donate=donate), cluster, cache=False)
+        donate: plan_step(
+            get_train_step("mlp", "tiny").lower(donate=donate), cluster, schedule="eager-1f1b", cache=False
+        )
         for donate in (False, True)
     }
 

@@ -35,7 +35,8 @@ def planned(tmp_path_factory):
         if model not in found:
             with pytest.MonkeyPatch.context() as patch:
                 patch.setenv("HLOPAR_CACHE_DIR", str(cache))
-                step = plan_step(get_train_step(model, "tiny").lower(), CLUSTER, cache=True)
+                # eager-1f1b, as before schedule="auto": the fragments measured are those of a pipeline.
+                step = plan_step(get_train_step(model, "tiny").lower(), CLUSTER, schedule="eager-1f1b", cache=True)
             found[model] = step, json.loads((step.bundle / "memory.json").read_text())
         return found[model]
 
