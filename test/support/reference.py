@@ -38,7 +38,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numerics
-import numpy as np
 
 from hlopar.static_leaves import static_mask
 
@@ -116,9 +115,9 @@ def _traced_as_jax_jit_traces(x):
     if hasattr(x, "__jax_array__") and not isinstance(x, jax.Array):
         return x.__jax_array__()
     if isinstance(x, jax.Array) and x.sharding.device_set != {jax.devices()[0]}:
-        # A result of a pipelined plan run in this process, on its mesh's devices: the
-        # reference's one device takes it from the host (two meshes' arrays do not mix).
-        return jnp.asarray(np.asarray(x))
+        # A result of a plan run in this process, on its mesh's devices: moved to the
+        # reference's one device (two meshes' arrays do not mix; typed keys included).
+        return jax.device_put(x, jax.devices()[0])
     return jnp.asarray(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else x
 
 

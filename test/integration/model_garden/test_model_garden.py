@@ -71,14 +71,14 @@ def others(tree) -> list:
 
 def on_host(tree):
     """Results as the reference takes them: a Ray plan's as jax arrays (`eqx.filter_jit` takes
-    only jax arrays as traced), a pipelined plan's from the host (they live on several meshes'
-    devices, which one jax computation does not take together)."""
+    only jax arrays as traced), a pipelined plan's moved to one device (they live on several
+    meshes' devices, which one jax computation does not take together)."""
 
     def read(x):
         if isinstance(x, RemoteArray):
             return jnp.asarray(x)
         if isinstance(x, jax.Array) and x.sharding.device_set != {jax.devices()[0]}:
-            return jnp.asarray(np.asarray(x))
+            return jax.device_put(x, jax.devices()[0])
         return x
 
     return jax.tree_util.tree_map(read, tree)
