@@ -49,7 +49,12 @@ def planned(tmp_path_factory):
 LOWEST_RATIO = {"wide_resnet": 0.75}
 
 
-@pytest.mark.parametrize("model", MODELS)
+# The Wide-ResNet and the U-Transformer are heavy (18-30 s each on CI's 2 cores: its 35
+# minutes); the default suite keeps the MLP, the GPT and the MoE.
+@pytest.mark.parametrize(
+    "model",
+    [pytest.param(m, marks=[pytest.mark.heavy] if m in ("wide_resnet", "u_transformer") else []) for m in MODELS],
+)
 def test_every_fragment_within_20_percent_of_xla(planned, model):
     step, memory = planned(model)
     assert memory["skipped"] == {} and memory["platform"] == "cpu" and step.plan["memory"] == memory

@@ -92,7 +92,9 @@ SCHEDULE_CASES = [
     pytest.param("mlp", "gpipe", id="mlp-gpipe"),
     pytest.param("mlp", "eager-1f1b", id="mlp-eager-1f1b"),
     pytest.param("mlp", "eager-1f1b-wd", id="mlp-eager-1f1b-wd"),
-    pytest.param("gpt", "1f1b", id="gpt-1f1b"),
+    pytest.param(
+        "gpt", "1f1b", id="gpt-1f1b", marks=pytest.mark.heavy
+    ),  # pipelined GPTs run in the default suite in process
     pytest.param("gpt", "gpipe", id="gpt-gpipe", marks=pytest.mark.heavy),
     pytest.param("gpt", "eager-1f1b", id="gpt-eager-1f1b", marks=pytest.mark.heavy),
     pytest.param("gpt", "eager-1f1b-wd", id="gpt-eager-1f1b-wd", marks=pytest.mark.heavy),

@@ -38,8 +38,8 @@ from hlopar.models.gpt import GPTConfig, train_step
 CLUSTER = hlopar.Cluster.local(num_hosts=2, devices_per_host=4, device_kind="cpu")
 
 
-# Heavy (`pytest -m heavy`, 35-60 s each on CI's 2 cores): every case but the GPT's 1f1b (CI's
-# 35 minutes); the default suite keeps it, pipelined and auto (stages sharded). gpipe's
+# Heavy (`pytest -m heavy`, 20-60 s each on CI's 2 cores): every case but the GPT's 1f1b with
+# method auto (CI's 35 minutes; stages sharded), which the default suite keeps. gpipe's
 # stream runs in the default suite with the conventions' optax step (test_every_schedule).
 CASES = [
     pytest.param(
@@ -47,7 +47,7 @@ CASES = [
         schedule,
         "pipeline",
         id=f"{model}-{schedule}-pipeline",
-        marks=[pytest.mark.heavy] if (model, schedule) != ("gpt", "1f1b") else [],
+        marks=[pytest.mark.heavy],
     )
     for model in ("gpt", "u_transformer")
     for schedule in ("1f1b", "eager-1f1b", "gpipe")

@@ -68,7 +68,7 @@ def meshes_reading(program, argument: int) -> set[str]:
 # loops); the Flax stacks and the checkpointed GPT are heavy (`pytest -m heavy`, 80-100 s each
 # on CI's 2 cores); their split numerics stay in the default suite
 # (test/unit/passes/split_microbatches/test_scan_split.py).
-HEAVY = {"flax_scan", "flax_scan_remat", "gpt_scan_remat"}
+HEAVY = {"flax_scan", "flax_scan_remat", "gpt_scan_remat", "gpt_scan"}  # zoo_gpt_scan stays: the scanned GPT
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.heavy] if n in HEAVY else []) for n in MODELS])

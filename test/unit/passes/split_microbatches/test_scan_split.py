@@ -101,7 +101,9 @@ def stacked_sums(module) -> tuple[int, int]:
     return len(loops), len(leaving)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.heavy] if n == "flax_remat" else []) for n in MODELS]
+)  # flax_remat heavy (20 s on CI's 2 cores): gpt_remat and flax cover checkpointing and the Flax scan
 def test_split_step_equals_one_device(name):
     """The split program (4 microbatches) run by the local executor: the backward loop runs per
     microbatch, every stacked gradient leaves it as a sum, and 3 steps equal one device."""
