@@ -139,26 +139,23 @@ def _lag_weights(order: list[Task], lag: int) -> list[Task]:
 
 def max_in_flight(order: list[Task]) -> int:
     """Most forwards whose backward B has not run yet, over the order."""
-    live = peak = 0
-    for task in order:
-        if task.kind == FORWARD:
-            live += 1
-            peak = max(peak, live)
-        elif task.kind == BACKWARD:
-            live -= 1
-    return peak
+    return _peak_live(order, BACKWARD)
 
 
 def max_stashes(order: list[Task]) -> int:
     """Most microbatches whose F ran and whose last backward task (W where the order has W,
     else B) did not, over the order."""
-    last = WEIGHT if any(task.kind == WEIGHT for task in order) else BACKWARD
+    return _peak_live(order, WEIGHT if any(task.kind == WEIGHT for task in order) else BACKWARD)
+
+
+def _peak_live(order: list[Task], ends: str) -> int:
+    """Most microbatches whose F ran and whose task of kind `ends` did not, over the order."""
     live = peak = 0
     for task in order:
         if task.kind == FORWARD:
             live += 1
             peak = max(peak, live)
-        elif task.kind == last:
+        elif task.kind == ends:
             live -= 1
     return peak
 
