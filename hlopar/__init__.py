@@ -5,7 +5,15 @@ pipelined and sharded over a cluster (`hlopar.api`). Imported on first use, so t
 `import hlopar` stays light.
 """
 
-__all__ = ["CheckpointError", "Cluster", "HloparWarning", "PlanningError", "WorkerError", "parallelize"]
+__all__ = [
+    "CheckpointError",
+    "Cluster",
+    "HloparWarning",
+    "PlanningError",
+    "WorkerError",
+    "calibrate",
+    "parallelize",
+]
 
 
 def __getattr__(name: str):
@@ -13,6 +21,10 @@ def __getattr__(name: str):
         from hlopar.api import parallelize
 
         return parallelize
+    if name == "calibrate":
+        from hlopar.runtime.calibrate import calibrate
+
+        return calibrate
     if name == "Cluster":
         from hlopar.analysis.cluster import Cluster
 

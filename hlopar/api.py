@@ -117,7 +117,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from hlopar.analysis.cluster import Cluster
+from hlopar.analysis.cluster import CALIBRATED_PRESET, Cluster
 from hlopar.analysis.limits import check_argument, check_count, check_seconds
 from hlopar.analysis.schedules import Schedule, get_schedule
 from hlopar.analysis.step_io import RolesError
@@ -175,13 +175,22 @@ def _connect(cluster: Cluster) -> None:
         connect(cluster.address, os.cpu_count() or 1)
 
 
-def _resolved(cluster: Cluster | None) -> Cluster:
+def _resolved(cluster: Cluster | None, runtime: str = "auto") -> Cluster:
     """The cluster to plan for, every field set (`Cluster.resolved`; this machine by
-    default): a Ray cluster's sizes are read from its nodes, connected first."""
+    default): a Ray cluster's sizes are read from its nodes, connected first. The preset
+    "calibrated" becomes the file of this machine's calibration (made on first use, kept in
+    the cache); on Ray workers a mesh spanning hosts crosses processes, so its links are
+    timed across processes."""
     cluster = cluster or Cluster.local()
     if not cluster.is_local:
         _connect(cluster)
-    return cluster.resolved()
+    cluster = cluster.resolved()
+    if cluster.preset == CALIBRATED_PRESET:
+        from hlopar.runtime.calibrate import calibrated_preset
+
+        across = runtime == "ray" and cluster.num_hosts > 1
+        cluster = replace(cluster, preset=str(calibrated_preset(cluster, across_processes=across)))
+    return cluster
 
 
 # --------------------------------------------------------------------------- planning
@@ -509,7 +518,7 @@ class ParallelizedFunction:
         """Lowers and plans the step for these arguments, starting nothing: the plan and
         JAX's lowering. Raises `PlanningError` in the user's terms; the passes' warnings are
         raised as `HloparWarning`s."""
-        return self._plan(_resolved(self.cluster), args)[:2]
+        return self._plan(_resolved(self.cluster, self.runtime_kind), args)[:2]
 
     def _plan(self, cluster: Cluster, args: tuple) -> tuple[PlannedStep, Any, StaticResults]:
         from hlopar.ir.host_callbacks import lowered_host_callbacks
@@ -602,7 +611,7 @@ class ParallelizedFunction:
         from hlopar.runtime.ray_placement import placement_of
         from hlopar.runtime.ray_runtime import RayRuntime
 
-        cluster = _resolved(self.cluster)
+        cluster = _resolved(self.cluster, self.runtime_kind)
         self._progress = progress = Progress(self.verbose)
         if cluster.is_local and self.runtime_kind == "ray":
             # Workers for certain: the local Ray comes up while the step is lowered and planned.

@@ -1,8 +1,9 @@
 """`Cluster`: the cluster a step is planned for and run on, a value the planner takes.
 
 Hosts × devices per host, the device kind, and the planner's cost preset
-(`analysis.auto_sharding.cluster.CLUSTER_PRESETS`); sizes checked against what the planner
-handles (`analysis.limits`). A Ray cluster's sizes are read from its nodes once connected
+(`analysis.auto_sharding.cluster.cluster_preset`: a built-in one or a preset file, such as
+`hlopar-calibrate` writes); sizes checked against what the planner handles
+(`analysis.limits`). A Ray cluster's sizes are read from its nodes once connected
 (`hlopar.api` connects, then resolves).
 """
 
@@ -11,10 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS
+from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS, cluster_preset, is_preset_file, preset_fingerprint
 from hlopar.analysis.limits import check_argument, check_cluster, check_cluster_dimension
 
-__all__ = ["Cluster"]
+__all__ = ["CALIBRATED_PRESET", "Cluster"]
+
+# Not a preset: `parallelize` calibrates this machine as the cluster uses it, once, and plans
+# with the preset file it keeps (`runtime.calibrate.calibrated_preset`).
+CALIBRATED_PRESET = "calibrated"
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,9 @@ class Cluster:
     num_hosts: int | None = None
     devices_per_host: int | None = None
     device_kind: Literal["cpu", "gpu"] | None = None
-    preset: str | None = None  # the planner's cluster preset (default: "cpu" on CPUs, "v100-p3.16xlarge" on GPUs)
+    # The planner's cluster preset: a built-in one (default: "cpu" on CPUs, "v100-p3.16xlarge"
+    # on GPUs), a preset file (`hlopar-calibrate`'s), or "calibrated" (measured once, kept).
+    preset: str | None = None
 
     def __post_init__(self) -> None:
         """Sizes the planner handles (`analysis.limits`: the limit and why), a known kind. The
@@ -51,10 +58,17 @@ class Cluster:
 
     def check_preset(self) -> Cluster:
         """This cluster, its preset known (or None: the default for its kind)."""
-        if self.preset is not None and self.preset not in CLUSTER_PRESETS:
+        if self.preset is None or self.preset == CALIBRATED_PRESET:
+            return self
+        if self.preset not in CLUSTER_PRESETS and not is_preset_file(self.preset):
             raise ValueError(
-                f"Cluster preset: unknown preset {self.preset!r}; known presets: {', '.join(CLUSTER_PRESETS)}"
+                f"Cluster preset: unknown preset {self.preset!r}; known presets: {', '.join(CLUSTER_PRESETS)}, "
+                "or a preset file (.json)"
             )
+        try:
+            cluster_preset(self.preset)
+        except ValueError as error:
+            raise ValueError(f"Cluster preset: {error}") from None
         return self
 
     @classmethod
@@ -108,9 +122,12 @@ class Cluster:
         )
 
     def key(self) -> dict:
-        return {
+        key = {
             "hosts": self.num_hosts,
             "devices_per_host": self.devices_per_host,
             "kind": self.device_kind,
             "preset": self.preset,
         }
+        if self.preset is not None and is_preset_file(self.preset):
+            key["preset_content"] = preset_fingerprint(self.preset)  # a recalibrated file plans anew
+        return key

@@ -101,6 +101,7 @@ class _CompileArgumentParser(ArgumentParser):
         from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS
 
         presets = "\n".join(f"  {name:<18} {p.description}" for name, p in CLUSTER_PRESETS.items())
+        presets += f"\n  {'FILE.json':<18} a preset file, such as hlopar-calibrate -o FILE.json writes"
         self.epilog = EPILOG.replace("{presets}", presets)
         return super().format_help()
 
@@ -195,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--preset",
         default="cpu",
         metavar="P",
-        help="cluster preset for link bandwidths, device FLOP/s and memory (default: cpu)",
+        help="cluster preset for link bandwidths, device FLOP/s and memory, or a preset file (hlopar-calibrate -o FILE; default: cpu)",
     )
     parser.add_argument(
         "--memory-per-device",

@@ -70,7 +70,7 @@ class AutoParallelPass(ModulePass):
     memory_per_device: float | None = option(
         None, "bytes per device, e.g. 80GiB (default: the preset's)", parse=parse_bytes, check=check_positive
     )
-    preset: str = option("cpu", f"cluster preset ({', '.join(sorted(CLUSTER_PRESETS))})")
+    preset: str = option("cpu", f"cluster preset ({', '.join(sorted(CLUSTER_PRESETS))}, or a preset file)")
     layers: int | None = option(None, "number of layers, or auto", parse=parse_count_or_auto)
     remat: Literal[REMAT_MODES] = option(
         "auto",

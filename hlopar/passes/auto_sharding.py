@@ -35,7 +35,8 @@ class AutoShardingPass(ModulePass):
     mesh_shape: tuple[int, ...] = option((1,), "logical mesh shape, e.g. 2x4", check=check_mesh_shape)
     axis_names: tuple[str, ...] = option((), "mesh axis names (default x, y, z, ...)")
     preset: str = option(
-        "cpu", f"cluster preset for bandwidths, FLOP/s and memory ({', '.join(sorted(CLUSTER_PRESETS))})"
+        "cpu",
+        f"cluster preset for bandwidths, FLOP/s and memory ({', '.join(sorted(CLUSTER_PRESETS))}, or a preset file)",
     )
     latency: tuple[float, ...] = option(
         (), "per-axis latency in seconds (overrides the preset)", parse=parse_float_tuple

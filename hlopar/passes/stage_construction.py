@@ -27,7 +27,7 @@ from typing import Literal
 import numpy as np
 from jaxlib.mlir import ir
 
-from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS, LogicalMesh, logical_mesh
+from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS, LogicalMesh, cluster_preset, logical_mesh
 from hlopar.analysis.auto_sharding.graph_problem import tensor_info
 from hlopar.analysis.auto_sharding.resharding import resharding_cost
 from hlopar.analysis.auto_sharding.rules import rule_of
@@ -111,7 +111,9 @@ class StageConstructionPass(ModulePass):
     memory_per_device: float | None = option(
         None, "bytes per device, e.g. 80GiB (default: the preset's)", parse=parse_bytes, check=check_positive
     )
-    preset: str = option("cpu", f"cluster preset for links, FLOP/s and memory ({', '.join(sorted(CLUSTER_PRESETS))})")
+    preset: str = option(
+        "cpu", f"cluster preset for links, FLOP/s and memory ({', '.join(sorted(CLUSTER_PRESETS))}, or a preset file)"
+    )
     layers: int | None = option(
         None, "layers when the input is not clustered yet (auto: chosen)", parse=parse_count_or_auto
     )
@@ -243,7 +245,7 @@ class StageConstructionPass(ModulePass):
         plans, distinct, spawned = table.plans, table.solved, table.spawned
         timings["layer_ilps"] = time.perf_counter() - clock
 
-        arrays, received = _layer_arrays(graph, layering, layers, plans, meshes, CLUSTER_PRESETS[self.preset])
+        arrays, received = _layer_arrays(graph, layering, layers, plans, meshes, cluster_preset(self.preset))
         chosen, (candidates, choice) = self._best_pipeline(
             func, graph, layering, arrays, received, submeshes, meshes_of_submesh, timings
         )
@@ -375,14 +377,14 @@ class StageConstructionPass(ModulePass):
         return _divisor_candidates(_batch_size(graph))
 
     def _memory_per_device(self) -> float:
-        return self.memory_per_device or CLUSTER_PRESETS[self.preset].device_memory_bytes
+        return self.memory_per_device or cluster_preset(self.preset).device_memory_bytes
 
     def _transfer_seconds(self, nbytes: float, devices: int) -> float:
         """Alpha-beta time to bring `nbytes` into a stage of `devices` devices from another
         mesh: over the inter-host links when the cluster has several hosts (the stages may sit
         on different hosts), over the intra-host ones otherwise; every receiving device takes
         its share."""
-        preset = CLUSTER_PRESETS[self.preset]
+        preset = cluster_preset(self.preset)
         if self.num_hosts > 1:
             return preset.inter_host_latency_s + nbytes / (preset.inter_host_bandwidth * devices)
         return preset.intra_host_latency_s + nbytes / (preset.intra_host_bandwidth * devices)

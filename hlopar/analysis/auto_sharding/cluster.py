@@ -14,9 +14,15 @@ of `collectives` divide by.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
+import json
 import math
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -24,7 +30,16 @@ from hlopar.analysis.hashing import cached_hash, state_without_hash
 from hlopar.analysis.limits import check_mesh_shape
 from hlopar.analysis.mesh import DeviceMesh
 
-__all__ = ["CLUSTER_PRESETS", "ClusterPreset", "LogicalMesh", "MeshAxis", "logical_mesh"]
+__all__ = [
+    "CLUSTER_PRESETS",
+    "ClusterPreset",
+    "LogicalMesh",
+    "MeshAxis",
+    "cluster_preset",
+    "logical_mesh",
+    "preset_fingerprint",
+    "write_preset",
+]
 
 _GIB = 2**30
 _GBIT = 1e9 / 8  # bytes per second in one Gbit/s
@@ -296,10 +311,7 @@ def logical_mesh(
     axis_names = tuple(axis_names)
     if len(axis_names) != len(shape):
         raise ValueError(f"mesh shape {shape} and axis names {axis_names} differ in length")
-    try:
-        cluster = CLUSTER_PRESETS[preset]
-    except KeyError:
-        raise ValueError(f"unknown cluster preset {preset!r}; known presets: {', '.join(CLUSTER_PRESETS)}") from None
+    cluster = cluster_preset(preset)
     for what, values in (("latencies", latencies), ("bandwidths", bandwidths)):
         if values is not None and len(values) != len(shape):
             raise ValueError(f"{what} {tuple(values)} give {len(values)} values for a {len(shape)}-D mesh {shape}")
@@ -323,6 +335,101 @@ def logical_mesh(
         )
     memory = cluster.device_memory_bytes if memory_budget is None else memory_budget
     return LogicalMesh(tuple(axes), cluster.device_flops, memory)
+
+
+# A preset file: `write_preset`'s JSON, the fields of `ClusterPreset` (what `hlopar-calibrate`
+# writes, with what it measured under "measured", which planning does not read).
+PRESET_FILE_FORMAT = "hlopar-cluster-preset/1"
+
+
+def is_preset_file(preset: str) -> bool:
+    """Whether a preset option names a file (a path with a separator or a .json name) rather
+    than one of `CLUSTER_PRESETS`."""
+    return preset not in CLUSTER_PRESETS and (os.sep in preset or "/" in preset or preset.endswith(".json"))
+
+
+def cluster_preset(preset: str) -> ClusterPreset:
+    """The preset a planning option names: one of `CLUSTER_PRESETS`, or a preset file."""
+    found = CLUSTER_PRESETS.get(preset)
+    if found is not None:
+        return found
+    if not is_preset_file(preset):
+        raise ValueError(
+            f"unknown cluster preset {preset!r}; known presets: {', '.join(CLUSTER_PRESETS)}, or a preset file (.json)"
+        )
+    path = Path(preset).expanduser()
+    try:
+        stat = path.stat()
+    except OSError as error:
+        raise ValueError(f"cluster preset file {preset}: {error.strerror or error}") from None
+    return _read_preset(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_preset(path: str, mtime_ns: int, size: int) -> ClusterPreset:
+    """A preset file's preset, read once per content on disk (its mtime and size key it)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"cluster preset file {path}: not a readable JSON file ({error})") from None
+    return preset_from_dict(data, where=f"cluster preset file {path}")
+
+
+def preset_from_dict(data: object, where: str = "cluster preset") -> ClusterPreset:
+    """A `ClusterPreset` from `write_preset`'s JSON object, every field checked."""
+    if not isinstance(data, Mapping) or data.get("format") != PRESET_FILE_FORMAT:
+        raise ValueError(f'{where}: expected a JSON object with "format": "{PRESET_FILE_FORMAT}"')
+    fields = {f.name: f for f in dataclasses.fields(ClusterPreset)}
+    preset = data.get("preset")
+    if not isinstance(preset, Mapping):
+        raise ValueError(f'{where}: no "preset" object')
+    unknown = sorted(set(preset) - set(fields))
+    missing = sorted(name for name, f in fields.items() if name not in preset and f.default is dataclasses.MISSING)
+    if unknown or missing:
+        raise ValueError(f"{where}: unknown fields {unknown}, missing fields {missing}")
+    values = {}
+    for name, value in preset.items():
+        if name in ("name", "description"):
+            if not isinstance(value, str):
+                raise ValueError(f"{where}: {name} must be a string, got {value!r}")
+        elif name == "devices_per_host":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{where}: devices_per_host must be an integer, got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{where}: {name} must be a finite number >= 0, got {value!r}")
+        values[name] = value
+    for name in ("intra_host_bandwidth", "inter_host_bandwidth", "device_flops", "device_memory_bytes"):
+        if not values[name] > 0:
+            raise ValueError(f"{where}: {name} must be > 0, got {values[name]!r}")
+    try:
+        return ClusterPreset(**values)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+
+
+def write_preset(preset: ClusterPreset, path: str | os.PathLike, measured: Mapping | None = None) -> Path:
+    """Write `preset` (and, for the reader, what was `measured` to make it) as a preset file,
+    atomically: a failed write leaves an older file as it was."""
+    path = Path(path)
+    data = {"format": PRESET_FILE_FORMAT, "preset": dataclasses.asdict(preset)}
+    if measured is not None:
+        data["measured"] = dict(measured)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def preset_fingerprint(preset: str | None) -> str | None:
+    """What a plan made with this preset depends on: the name of a built-in preset, the
+    content of a preset file (so a recalibrated file is a new plan)."""
+    if preset is None or not is_preset_file(preset):
+        return preset
+    resolved = cluster_preset(preset)
+    return hashlib.sha256(json.dumps(dataclasses.asdict(resolved), sort_keys=True).encode()).hexdigest()[:24]
 
 
 def _axes_crossing_hosts(shape: tuple[int, ...], devices_per_host: int) -> tuple[bool, ...]:

@@ -32,6 +32,7 @@ __all__ = [
     "all_gather_cost",
     "all_reduce_cost",
     "all_to_all_cost",
+    "bytes_sent",
     "collective_cost",
     "collective_permute_cost",
     "reduce_scatter_cost",
@@ -47,6 +48,15 @@ _TRAFFIC = {
     "all-to-all": lambda n: (n - 1) / n,
     "collective-permute": lambda n: 1.0,
 }
+
+
+def bytes_sent(kind: CollectiveKind, group: int, nbytes: float) -> float:
+    """Bytes each device of a `group`-device collective sends for an `nbytes` buffer (the
+    traffic factor above times `nbytes`): what one over the bandwidth multiplies."""
+    try:
+        return _TRAFFIC[kind](group) * nbytes
+    except KeyError:
+        raise ValueError(f"unknown collective {kind!r}; expected one of {', '.join(_TRAFFIC)}") from None
 
 
 @dataclass(frozen=True)

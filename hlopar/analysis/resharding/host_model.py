@@ -83,18 +83,19 @@ PRESETS = {
 
 def host_model_for(name: str) -> HostModel:
     """The host model of a preset: one of `PRESETS`, or a cluster preset of the cost model
-    (`auto_sharding.cluster.CLUSTER_PRESETS`, which stage construction plans with), so that
+    (`auto_sharding.cluster.cluster_preset`: a built-in one or a preset file, which stage
+    construction plans with), so that
     transfers are planned and priced on the cluster the stages were planned for. Those
     presets give bandwidth per device with every device of a host busy: the NIC of a host
     carries that times its devices."""
     if name in PRESETS:
         return PRESETS[name]
-    from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS
+    from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS, cluster_preset, is_preset_file
 
-    preset = CLUSTER_PRESETS.get(name)
-    if preset is None:
+    if name not in CLUSTER_PRESETS and not is_preset_file(name):
         known = ", ".join([*PRESETS, *CLUSTER_PRESETS])
-        raise ValueError(f"unknown cluster preset {name!r}; known presets: {known}")
+        raise ValueError(f"unknown cluster preset {name!r}; known presets: {known}, or a preset file (.json)")
+    preset = cluster_preset(name)
     return HostModel(
         devices_per_host=preset.devices_per_host,
         inter_host_bandwidth=preset.inter_host_bandwidth * preset.devices_per_host,

@@ -1,0 +1,153 @@
+"""From timings measured on the cluster at hand to the cost model's numbers (a `ClusterPreset`).
+
+`runtime.calibrate` times what the cost model prices (matrix products with every device busy,
+kernel launches, the five collectives over groups of several sizes, in one process and across
+processes); this module turns those timings into a preset, with no jax and no devices, so
+the fit is checked on its own:
+
+- device FLOP/s: a large product's FLOPs over its time (each device its own product, all at
+  once: what a stage sees when all its devices work);
+- the matmul ramp (`ClusterPreset.matmul_half_flops`, Hockney's n-half): a small product of
+  f FLOPs takes (f + n_half) / peak, so n_half = t * peak - f;
+- `kernel_launch_s`: the time one more kernel adds to a chain of dependent tiny kernels;
+- link latency (alpha) and bandwidth (beta) of a class of links: the least-squares fit of
+  t = alpha + bytes_sent / beta over every collective timed on those links, with
+  `collectives.bytes_sent`'s traffic factors, the model the ILP prices collectives with; so a
+  calibrated preset predicts the timings it was fit on as closely as that model can.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hlopar.analysis.auto_sharding.cluster import ClusterPreset
+from hlopar.analysis.auto_sharding.collectives import bytes_sent
+
+__all__ = ["CollectiveTiming", "LinkFit", "Measurements", "fit_links", "preset_from_measurements"]
+
+
+@dataclass(frozen=True)
+class CollectiveTiming:
+    """One collective timed: its kind, group size, per-device buffer (the `Collective`
+    convention), seconds per collective, and whether its group spans processes."""
+
+    kind: str
+    group: int
+    nbytes: int
+    seconds: float
+    across_processes: bool = False
+
+    def as_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "group": self.group,
+            "nbytes": self.nbytes,
+            "seconds": self.seconds,
+            "across_processes": self.across_processes,
+        }
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """t = latency + bytes_sent / bandwidth, fit over `samples` timings; `error`: the median
+    relative error of the fit on them."""
+
+    latency_s: float
+    bandwidth: float
+    samples: int
+    error: float
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """What `runtime.calibrate` timed on `num_hosts` x `devices_per_host` devices of a kind."""
+
+    device_kind: str
+    num_hosts: int
+    devices_per_host: int
+    device_memory_bytes: float
+    large_matmul_flops: float  # per device
+    large_matmul_s: float
+    small_matmul_flops: float
+    small_matmul_s: float  # one product of a dependent chain, the launch left out
+    kernel_s: float  # one more kernel of a dependent chain
+    launch_s: float  # one executable on every device, doing next to nothing
+    collectives: tuple[CollectiveTiming, ...]
+
+    def as_dict(self) -> dict:
+        out = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "collectives"}
+        out["collectives"] = [c.as_dict() for c in self.collectives]
+        return out
+
+
+def fit_links(timings: Sequence[CollectiveTiming]) -> LinkFit:
+    """alpha and beta of t = alpha + bytes_sent / beta over `timings`: per collective and
+    group size, the line through its smallest and its largest buffer; alpha the median of the
+    lines' intercepts (kept >= 0), 1/beta the median of their slopes. Medians, not least
+    squares: on shared CPUs a few timings are off by several times, and the model is one
+    line for five collectives that CPUs do not run alike (the error says how far it is)."""
+    if not timings:
+        raise ValueError("no collective timings to fit link costs to")
+    seconds = np.array([t.seconds for t in timings], dtype=float)
+    if (seconds <= 0).any() or not np.isfinite(seconds).all():
+        raise ValueError(f"collective timings must be finite and > 0 s, got {sorted(seconds.tolist())}")
+    sent = np.array([bytes_sent(t.kind, t.group, t.nbytes) for t in timings], dtype=float)
+    lines: dict[tuple, list[int]] = {}
+    for k, t in enumerate(timings):
+        lines.setdefault((t.kind, t.group, t.across_processes), []).append(k)
+    intercepts, slopes = [], []
+    for members in lines.values():
+        small, large = min(members, key=lambda k: sent[k]), max(members, key=lambda k: sent[k])
+        if sent[large] > sent[small] and seconds[large] > seconds[small]:
+            slope = (seconds[large] - seconds[small]) / (sent[large] - sent[small])
+            slopes.append(slope)
+            intercepts.append(seconds[small] - slope * sent[small])
+        else:  # one size, or the larger buffer no slower: its time is all start-up
+            intercepts.append(seconds[small])
+    alpha = max(0.0, float(np.median(intercepts)))
+    if slopes:
+        inverse = float(np.median(slopes))
+    else:  # no size resolved the bandwidth: the slowest rate seen bounds it
+        inverse = max(float(np.max(seconds / np.maximum(sent, 1.0))), 1e-15)
+    error = float(np.median(np.abs(alpha + sent * inverse - seconds) / seconds))
+    return LinkFit(alpha, 1.0 / inverse, len(timings), error)
+
+
+def preset_from_measurements(m: Measurements, name: str, description: str = "") -> tuple[ClusterPreset, dict]:
+    """The preset the measurements give, and the fits (for the report and the file).
+
+    Links: collectives within one process fit the intra-host numbers; those spanning
+    processes, the inter-host ones (no such timings: one host, or hosts that share this
+    process, as `Cluster.local`'s in-process runtime runs them; the inter-host numbers are
+    then the intra-host ones)."""
+    peak = m.large_matmul_flops / m.large_matmul_s
+    if not (peak > 0 and math.isfinite(peak)):
+        raise ValueError(f"matmul timing gives no FLOP/s: {m.large_matmul_flops} FLOPs in {m.large_matmul_s} s")
+    half = max(0.0, m.small_matmul_s * peak - m.small_matmul_flops)
+    intra = fit_links([t for t in m.collectives if not t.across_processes])
+    crossing = [t for t in m.collectives if t.across_processes]
+    inter = fit_links(crossing) if crossing else intra
+    preset = ClusterPreset(
+        name=name,
+        intra_host_latency_s=intra.latency_s,
+        intra_host_bandwidth=intra.bandwidth,
+        inter_host_latency_s=inter.latency_s,
+        inter_host_bandwidth=inter.bandwidth,
+        device_flops=peak,
+        device_memory_bytes=m.device_memory_bytes,
+        devices_per_host=m.devices_per_host,
+        description=description,
+        kernel_launch_s=max(0.0, m.kernel_s),
+        matmul_half_flops=half,
+    )
+    fits = {
+        "intra_host": vars(intra),
+        "inter_host": vars(inter) if crossing else None,
+        "device_flops": peak,
+        "matmul_half_flops": half,
+    }
+    return preset, fits

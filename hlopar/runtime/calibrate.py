@@ -1,0 +1,375 @@
+"""Calibration: time, on this machine's devices, what the planner's cost model prices.
+
+`calibrate(cluster)` runs small jax programs on the cluster's devices (every device busy at
+once, as in a stage) and fits a `ClusterPreset` to the timings
+(`analysis.calibration.preset_from_measurements`):
+
+- a 1024^3 matrix product per device (peak FLOP/s), a chain of 64^3 products (the ramp);
+- a chain of dependent 4x4 dot + tanh kernels (the cost of one more kernel);
+- a near-empty executable on every device (the launch, subtracted from the chains);
+- the five collectives the ILP prices (all-reduce, all-gather, reduce-scatter, all-to-all,
+  collective-permute) over groups of 2 devices, a host's and all of them, on a 1 KiB and a
+  1 MiB buffer, each as a chain of 9 against a chain of 1 in one executable (so neither the
+  launch nor the compile is counted);
+- with `across_processes`, the same collectives across `num_hosts` processes of
+  `devices_per_host` devices each (jax.distributed; gloo on CPUs): what a mesh spanning hosts
+  pays on Ray workers. Without it (the default for `Cluster.local`, whose in-process runtime
+  runs every mesh in this process), the inter-host links are the in-process ones.
+
+It measures this machine only: a Ray cluster's nodes are not visited (`hlopar-calibrate`
+runs on a node of it). On GPUs the same programs run on the GPUs (NCCL across processes is
+not launched here); that path has never run on a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from hlopar.analysis.auto_sharding.cluster import ClusterPreset, write_preset
+from hlopar.analysis.calibration import CollectiveTiming, Measurements, preset_from_measurements
+from hlopar.analysis.cluster import Cluster
+
+__all__ = ["Calibration", "calibrate", "calibrated_preset"]
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+SMALL_BUFFER, LARGE_BUFFER = 1 << 10, 1 << 20  # bytes per device
+CHAIN = 9  # collectives (or kernels) of the long chain; the short one has 1
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A calibration's preset, what it was fit on, the fits, where it was written, how long it took."""
+
+    preset: ClusterPreset
+    measurements: Measurements
+    fits: dict
+    path: Path | None
+    seconds: float
+
+    def report(self) -> str:
+        m, p = self.measurements, self.preset
+        lines = [
+            f"calibrated {m.num_hosts} host(s) x {m.devices_per_host} {m.device_kind} device(s) in {self.seconds:.1f} s",
+            f"  device FLOP/s          {p.device_flops / 1e9:10.2f} G  ({m.large_matmul_flops / 1e9:.2f} GFLOP in "
+            f"{m.large_matmul_s * 1e3:.2f} ms, every device at once)",
+            f"  matmul n-half          {p.matmul_half_flops / 1e6:10.3f} MFLOP  (a {m.small_matmul_flops / 1e6:.3f} MFLOP "
+            f"product: {m.small_matmul_s * 1e6:.1f} us)",
+            f"  kernel launch          {p.kernel_launch_s * 1e6:10.2f} us",
+            f"  executable launch      {m.launch_s * 1e6:10.1f} us  (measured, not in the preset)",
+            f"  memory per device      {p.device_memory_bytes / 2**30:10.2f} GiB",
+        ]
+        for name, key in (("in one process", "intra_host"), ("across processes", "inter_host")):
+            fit = self.fits.get(key)
+            if fit is None:
+                lines.append(f"  links {name:<17} not measured: inter-host links are the in-process ones")
+                continue
+            lines.append(
+                f"  links {name:<17} latency {fit['latency_s'] * 1e6:8.1f} us, bandwidth "
+                f"{fit['bandwidth'] / 1e9:7.2f} GB/s  (fit to {fit['samples']} collectives, median error "
+                f"{fit['error']:.0%})"
+            )
+        for t in m.collectives:
+            where = "across processes" if t.across_processes else "in one process"
+            lines.append(f"    {t.kind:<18} {t.group:>3} devices {t.nbytes:>8} B  {t.seconds * 1e6:9.1f} us  ({where})")
+        if self.path is not None:
+            lines.append(f"  written to {self.path}")
+        return "\n".join(lines)
+
+
+def calibrate(
+    cluster: Cluster | None = None,
+    *,
+    output: str | os.PathLike | None = None,
+    across_processes: bool = False,
+    repeats: int = 5,
+    name: str = "calibrated",
+    progress: Callable[[str], None] | None = None,
+) -> Calibration:
+    """Time this machine's devices as `cluster` (default `Cluster.local()`) uses them and fit
+    a preset; written to `output` (a preset file every planning entry point takes as
+    `preset`) when given. `across_processes`: also time collectives across `num_hosts`
+    processes (see the module docstring)."""
+    import jax
+
+    start = time.perf_counter()
+    cluster = cluster or Cluster.local()
+    if not cluster.is_local:
+        raise ValueError("calibrate measures this machine: run hlopar-calibrate on a node of the Ray cluster")
+    cluster = cluster.resolved()
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    wanted = cluster.num_hosts * cluster.devices_per_host
+    devices = jax.devices()[:wanted]
+    if len(devices) < wanted:
+        raise ValueError(
+            f"calibrate: the cluster has {wanted} devices, jax sees {len(jax.devices())} "
+            f"(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={wanted})"
+        )
+    say = progress or (lambda message: None)
+    say(f"timing matrix products and kernels on {wanted} device(s)")
+    timer = _Timer(repeats)
+    compute = _compute_timings(devices, timer)
+    say("timing collectives in this process")
+    groups = sorted({g for g in (2, cluster.devices_per_host, wanted) if 1 < g <= wanted and wanted % g == 0})
+    collectives = [t for g in groups for t in _collective_timings(devices, g, timer, across=False)]
+    if across_processes and cluster.num_hosts > 1:
+        if cluster.device_kind != "cpu":
+            raise ValueError("calibrate: collectives across processes are timed on CPU devices only (gloo)")
+        say(f"timing collectives across {cluster.num_hosts} processes")
+        collectives += _across_processes(cluster.num_hosts, cluster.devices_per_host, repeats)
+    measurements = Measurements(
+        device_kind=cluster.device_kind,
+        num_hosts=cluster.num_hosts,
+        devices_per_host=cluster.devices_per_host,
+        device_memory_bytes=_device_memory(devices, cluster.devices_per_host),
+        collectives=tuple(collectives),
+        **compute,
+    )
+    description = (
+        f"calibrated on {socket.gethostname()}: {cluster.num_hosts} x {cluster.devices_per_host} "
+        f"{cluster.device_kind} devices" + (", links across processes" if across_processes else "")
+    )
+    preset, fits = preset_from_measurements(measurements, name, description)
+    path = None
+    if output is not None:
+        path = write_preset(preset, output, {"measurements": measurements.as_dict(), "fits": fits})
+    return Calibration(preset, measurements, fits, path, time.perf_counter() - start)
+
+
+def calibrated_preset(cluster: Cluster, *, across_processes: bool = False) -> Path:
+    """The preset file of this machine calibrated as `cluster` uses it: kept under the cache
+    (`$HLOPAR_CACHE_DIR/calibration/`), keyed by the machine, the cluster's sizes and kind,
+    jax's version and `across_processes`; calibrated on first use (delete the file to
+    calibrate again)."""
+    import hashlib
+
+    import jax
+
+    from hlopar.analysis.auto_sharding.cluster import cluster_preset
+    from hlopar.codegen.plan_cache import cache_root
+
+    key = {
+        "host": socket.gethostname(),
+        "hosts": cluster.num_hosts,
+        "devices_per_host": cluster.devices_per_host,
+        "kind": cluster.device_kind,
+        "jax": jax.__version__,
+        "across_processes": across_processes,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    path = cache_root() / "calibration" / f"{digest}.json"
+    if path.exists():
+        try:
+            cluster_preset(str(path))
+            return path
+        except ValueError:
+            pass  # unreadable (an older format, a broken disk): calibrated again, written over
+    path.parent.mkdir(parents=True, exist_ok=True)
+    calibrate(cluster, output=path, across_processes=across_processes)
+    return path
+
+
+class _Timer:
+    """The least seconds of a compiled call over `repeats` runs, after one run that compiles
+    (the least: what the call costs when nothing else on the machine gets in its way)."""
+
+    def __init__(self, repeats: int) -> None:
+        self.repeats = repeats
+
+    def __call__(self, fn, *args) -> float:
+        import jax
+
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(self.repeats):
+            begin = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - begin)
+        return min(times)
+
+
+def _compute_timings(devices: Sequence, timer: _Timer) -> dict:
+    """Matmuls, the kernel chain and the launch, every device running its own at once."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(devices), ("d",))
+    on_devices = NamedSharding(mesh, PartitionSpec("d"))
+    count = len(devices)
+
+    def placed(*shape: int, scale: float = 1.0):
+        return jax.device_put(np.full((count, *shape), scale, np.float32), on_devices)
+
+    def product(a, b):
+        return jnp.einsum("dij,djk->dik", a, b)
+
+    large = 1024
+    large_s = timer(jax.jit(product), placed(large, large, scale=1e-3), placed(large, large, scale=1e-3))
+
+    def chain(step, length: int):
+        def run(x, w):
+            for _ in range(length):
+                x = step(x, w)
+            return x
+
+        return jax.jit(run)
+
+    small = 64
+    x, w = placed(small, small, scale=1e-2), placed(small, small, scale=1e-2)
+    small_s = (timer(chain(product, 33), x, w) - timer(chain(product, 1), x, w)) / 32
+
+    def dot_tanh(x, w):
+        return jnp.tanh(product(x, w))
+
+    x4, w4 = placed(4, 4, scale=0.5), placed(4, 4, scale=0.5)
+    kernel_s = (timer(chain(dot_tanh, 65), x4, w4) - timer(chain(dot_tanh, 1), x4, w4)) / 128
+    launch_s = timer(jax.jit(lambda v: v + 1.0), placed(4))
+    return {
+        "large_matmul_flops": 2.0 * large**3,
+        "large_matmul_s": large_s,
+        "small_matmul_flops": 2.0 * small**3,
+        "small_matmul_s": max(small_s, 0.0),
+        "kernel_s": kernel_s,
+        "launch_s": launch_s,
+    }
+
+
+def _collective_step(kind: str, group: int, length: int):
+    """One collective of `kind` over axis "g" on a per-device buffer of `length` f32 values
+    (the `Collective` convention), returning a buffer of the same length for the next one."""
+    import jax
+    import jax.numpy as jnp
+
+    if kind == "all-reduce":
+        return lambda x: jax.lax.psum(x, "g") * (1.0 / group)
+    if kind == "all-gather":  # the per-device result is `length` long: the input 1/group of it
+        return lambda x: jax.lax.all_gather(x, "g", tiled=True)[: length // group] * 0.5
+    if kind == "reduce-scatter":
+        return lambda x: jnp.tile(jax.lax.psum_scatter(x, "g", tiled=True), group) * (1.0 / group)
+    if kind == "all-to-all":
+        return lambda x: jax.lax.all_to_all(x, "g", 0, 0, tiled=True)
+    if kind == "collective-permute":
+        return lambda x: jax.lax.ppermute(x, "g", [(i, (i + 1) % group) for i in range(group)])
+    raise ValueError(f"unknown collective {kind!r}")
+
+
+def _collective_timings(devices: np.ndarray | Sequence, group: int, timer: _Timer, across: bool) -> list:
+    """Every collective over groups of `group` devices (the mesh's second axis), both buffer
+    sizes, per collective: (chain of CHAIN - chain of 1) / (CHAIN - 1)."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    grid = np.asarray(devices).reshape(-1, group)
+    mesh = Mesh(grid, ("r", "g"))
+    spec = PartitionSpec(("r", "g"))
+    out = []
+    for kind in COLLECTIVES:
+        for buffer in (SMALL_BUFFER, LARGE_BUFFER):
+            length = max(group, buffer // 4 // group * group)  # f32 values, split evenly over the group
+            nbytes = 4 * length
+            first = length // group if kind == "all-gather" else length
+            step = _collective_step(kind, group, length)
+
+            def chained(count: int, step=step):
+                def body(x):
+                    for _ in range(count):
+                        x = step(x)
+                    return x
+
+                return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
+
+            value = jax.device_put(np.full((grid.size * first,), 0.5, np.float32), NamedSharding(mesh, spec))
+            seconds = (timer(chained(CHAIN), value) - timer(chained(1), value)) / (CHAIN - 1)
+            out.append(CollectiveTiming(kind, group, nbytes, max(seconds, 1e-9), across))
+    return out
+
+
+def _device_memory(devices: Sequence, devices_per_host: int) -> float:
+    """A device's memory: the allocator's limit on GPUs, the host's memory over its devices on CPUs."""
+    stats = devices[0].memory_stats() if hasattr(devices[0], "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"])
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return float(total) / devices_per_host
+
+
+# ------------------------------------------------------------------ across processes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _across_processes(processes: int, devices_per_host: int, repeats: int, timeout: float = 300.0) -> list:
+    """The collectives over groups that span `processes` processes (this module's `_worker`),
+    timed by process 0."""
+    import re
+
+    from hlopar.runtime.host_devices import DEVICE_COUNT_FLAG, host_device_environment
+
+    coordinator = f"127.0.0.1:{_free_port()}"
+    env = dict(os.environ)  # each process a host: its own devices, not this process's count
+    env["XLA_FLAGS"] = re.sub(rf"{DEVICE_COUNT_FLAG}=\d+", "", env.get("XLA_FLAGS", "")).strip()
+    env.update(host_device_environment(devices_per_host, env), JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "hlopar.runtime.calibrate", coordinator, str(processes), str(p), str(repeats)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for p in range(processes)
+    ]
+    outputs = []
+    try:
+        for worker in workers:
+            outputs.append(worker.communicate(timeout=timeout))
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+    failed = [(p, w.returncode, err) for p, (w, (_, err)) in enumerate(zip(workers, outputs)) if w.returncode != 0]
+    if failed:
+        p, code, err = failed[0]
+        raise RuntimeError(f"calibrate: process {p} of {processes} failed ({code}):\n{err[-2000:]}")
+    rows = json.loads(outputs[0][0].strip().splitlines()[-1])
+    return [CollectiveTiming(**row) for row in rows]
+
+
+def _worker(coordinator: str, processes: int, process: int, repeats: int) -> None:
+    """One process of the cross-process timing: the groups are one device of each process
+    (what a mesh axis across hosts is), and all devices."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes=processes, process_id=process, initialization_timeout=120)
+    by_process = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    per = len(by_process) // processes
+    # Row r holds device r of every process: each group along the second axis crosses them all.
+    grid = np.array(by_process, dtype=object).reshape(processes, per).T
+    timer = _Timer(2 * repeats)  # gloo's timings vary more than in-process ones
+    rows = _collective_timings(grid, processes, timer, across=True)
+    if per > 1:
+        rows += _collective_timings(grid.reshape(1, -1), grid.size, timer, across=True)
+    if process == 0:
+        print(json.dumps([r.as_dict() for r in rows]))
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
