@@ -408,6 +408,7 @@ class ParallelizedFunction:
         memory_per_device: float | str | None = None,
         loss_result: int | None = None,
         loss: str | Callable | None = None,
+        stages: int | None = None,
     ):
         """Checks every argument where the user called `parallelize` (as `jax.jit` does), then
         keeps them as `PlanOptions`. Long because each argument has its own check and message;
@@ -448,6 +449,7 @@ class ParallelizedFunction:
             remat=remat,
             stage_loops=bool(stage_loops),
             layers=layers,
+            stages=stages,
             memory_per_device=_memory_bytes(memory_per_device),
         )
         self.fn = fn
@@ -1158,6 +1160,7 @@ def parallelize(
     memory_per_device: float | str | None = None,
     loss_result: int | None = None,
     loss: str | Callable | None = None,
+    stages: int | None = None,
 ):
     """`fn` (a pure JAX function, e.g. a training step) run over a cluster: a callable with
     `fn`'s signature and results. Usable as a decorator, with or without arguments.
@@ -1179,6 +1182,7 @@ def parallelize(
     `DIR/<call>` in the background, the steps going on meanwhile (the last two kept), in
     Orbax's format or hlopar's (`checkpoint_format="npz"`; `ParallelizedFunction.save`,
     docs/runtime.md). `layers`: operator clustering's number of layers (default: chosen);
+    `stages`: exactly this many pipeline stages (default: chosen with the submeshes);
     `memory_per_device`: the device memory stages are planned within, bytes or a size such
     as "80GiB" (default: the cluster preset's); `loss`: the result that is the loss, by its
     path (`"[2]['loss']"`) or as a function of the results (`lambda out: out[2]['loss']`);
@@ -1210,6 +1214,7 @@ def parallelize(
             memory_per_device=memory_per_device,
             loss_result=loss_result,
             loss=loss,
+            stages=stages,
         )
 
     return wrap if fn is None else wrap(fn)

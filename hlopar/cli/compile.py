@@ -205,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="bytes per device, e.g. 80GiB or 512MB (default: the preset's)",
     )
     parser.add_argument(
+        "--stages",
+        type=_positive,
+        default=None,
+        metavar="S",
+        help="exactly this many pipeline stages (default: chosen by hlopar-stage-construction)",
+    )
+    parser.add_argument(
         "--layers",
         type=_positive,
         default=None,
@@ -434,6 +441,7 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
             memory_per_device=memory,
             preset=args.preset,
             layers=args.layers,
+            stages=args.stages,
             batch_args=args.batch_args,
             loss_result=args.loss_result,
             rng=args.rng,

@@ -72,6 +72,9 @@ class AutoParallelPass(ModulePass):
     )
     preset: str = option("cpu", f"cluster preset ({', '.join(sorted(CLUSTER_PRESETS))}, or a preset file)")
     layers: int | None = option(None, "number of layers, or auto", parse=parse_count_or_auto)
+    stages: int | None = option(
+        None, "exactly this many pipeline stages, or auto (stage construction chooses)", parse=parse_count_or_auto
+    )
     remat: Literal[REMAT_MODES] = option(
         "auto",
         "rematerialized stages (hlopar-rematerialize): auto (where stage construction finds it pays), "
@@ -92,6 +95,7 @@ class AutoParallelPass(ModulePass):
 
     def check_options(self) -> None:
         check_cluster(self.num_hosts, self.devices_per_host)
+        self.plan_options()  # what the planning options refuse together (stages=2 with method=shard)
 
     def plan_options(self) -> PlanOptions:
         """These options as the planning pipeline's (the schedule's name made a `Schedule` here,
@@ -108,6 +112,7 @@ class AutoParallelPass(ModulePass):
             stage_loops=self.reroll == "auto",
             unstack_layers=self.unstack_layers,
             layers=self.layers,
+            stages=self.stages,
             memory_per_device=self.memory_per_device,
         )
 

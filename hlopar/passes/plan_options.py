@@ -81,7 +81,8 @@ class PlanOptions:
     numbering (default: found by the split pass). `stage_loops`: each stage runs its
     iterations of a scanned layer stack as a loop (hlopar-reroll-stage-loops).
     `unstack_layers`: unroll scans over stacked layers so that stages can cut between them.
-    `layers`: operator clustering's number of layers (None: chosen). `memory_per_device`:
+    `layers`: operator clustering's number of layers (None: chosen). `stages`: exactly this
+    many pipeline stages (None: stage construction chooses; "shard" is one). `memory_per_device`:
     bytes (None: the cluster preset's). (The compiled memory check is codegen's, after the
     plan: `codegen.bundle.write_bundle`'s `memory_check`.)"""
 
@@ -96,6 +97,7 @@ class PlanOptions:
     stage_loops: bool = False
     unstack_layers: bool = True
     layers: int | None = None
+    stages: int | None = None
     memory_per_device: float | None = None
 
     def __post_init__(self) -> None:
@@ -107,9 +109,11 @@ class PlanOptions:
             )
         check_choice("rng", RNG_MODES, self.rng)
         check_choice("remat", REMAT_MODES, self.remat)
-        for name in ("microbatches", "layers"):
+        for name in ("microbatches", "layers", "stages"):
             if getattr(self, name) is not None:
                 check_argument(name, lambda n: check_count(n, low=1), getattr(self, name))
+        if self.method == "shard" and self.stages not in (None, 1):
+            raise ValueError(f"stages={self.stages} needs method 'auto' or 'pipeline': method 'shard' plans one stage")
         for index in self.batch_args or ():
             check_argument("batch_args", check_count, index)
         if self.loss_result is not None:
@@ -133,7 +137,7 @@ class PlanOptions:
             "remat": self.remat,
             "stage_loops": self.stage_loops,
         }
-        for name in ("loss_result", "layers", "memory_per_device"):
+        for name in ("loss_result", "layers", "stages", "memory_per_device"):
             if getattr(self, name) is not None:
                 key[name] = getattr(self, name)
         return key

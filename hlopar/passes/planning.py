@@ -274,6 +274,7 @@ def run_passes(step: ImportedStep, cluster: Cluster, *, other_microbatches: bool
                 preset=cluster.preset,
                 plan_shardings=options.method != "pipeline",
                 remat=options.remat,
+                stages=options.stages,
             ),
             module,
         )

@@ -309,3 +309,24 @@ def test_hlopars_own_microbatch_count_falls_back_to_one_where_the_split_is_refus
     assert "can only sum" in messages[0] and "planned with one microbatch (num_microbatches=1)" in messages[0]
     with pytest.raises(hlopar.PlanningError, match="can only sum"):
         hlopar.parallelize(_worst_example, cluster=cluster, num_microbatches=2, verbose=False).plan(*args)
+
+
+def test_the_number_of_stages_is_an_option(cache):
+    """`stages=S`: exactly S stages (Alpa's manual stage count), where the planner alone cuts
+    this step otherwise; keyed in the plan cache; refused with method "shard" (one stage)."""
+    chosen = plan_step(mlp_text(), CLUSTER, schedule="1f1b", num_microbatches=2)
+    assert len(chosen.program.meshes) == 2  # 1 and 3 below are the option's
+    for stages in (1, 2, 3):
+        step = get_train_step("mlp", "tiny")
+        fn = hlopar.parallelize(step.step, cluster=CLUSTER, stages=stages, schedule="1f1b", num_microbatches=2)
+        planned, _ = fn.plan(*step.abstract_args())
+        assert len(planned.program.meshes) == len(planned.plan["stages"]["stages"]) == stages
+        assert fn.options.cache_key()["stages"] == stages
+    step = get_train_step("mlp", "tiny")
+    fn = hlopar.parallelize(step.step, cluster=CLUSTER, stages=4, schedule="1f1b", num_microbatches=2)
+    with pytest.raises(hlopar.PlanningError, match="4 stages: between 1 and 3 here \\(3 layers, 8 devices\\)"):
+        fn.plan(*step.abstract_args())
+    with pytest.raises(ValueError, match="stages=2 needs method 'auto' or 'pipeline'"):
+        hlopar.parallelize(get_train_step("mlp", "tiny").step, method="shard", stages=2)
+    with pytest.raises(ValueError, match="stages"):
+        hlopar.parallelize(get_train_step("mlp", "tiny").step, stages=0)

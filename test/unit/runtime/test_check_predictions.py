@@ -1,0 +1,65 @@
+"""`tools/check_predictions.py` (issue 31 item 4): its rank correlation, what steps it takes,
+and one quick run of a candidate list: every row has its plan, a measured time, and a
+prediction where the plan has one."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[3] / "tools" / "check_predictions.py"
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("check_predictions", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_spearman(tool):
+    assert tool.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert tool.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # Ties take their average rank: ranks (0.5, 0.5, 2, 3) against (0, 1, 2, 3).
+    assert tool.spearman([1, 1, 2, 3], [1, 2, 3, 4]) == pytest.approx(0.9486832980505138)
+    assert tool.spearman([1, 2], [2, 1]) is None and tool.spearman([1, 1, 1], [1, 2, 3]) is None
+
+
+def test_steps_it_takes(tool, tmp_path):
+    with pytest.raises(SystemExit, match="an exported .mlir is not taken yet"):
+        tool.load_step("step.mlir")
+    own = tmp_path / "mine.py"
+    own.write_text(
+        "import jax.numpy as jnp\n"
+        "def make():\n"
+        "    return {'step': lambda w, b: (w, w, jnp.sum(b)), 'args': (jnp.ones(2), jnp.ones(8)), 'batch_argnums': (1,)}\n"
+    )
+    fn, args, batch = tool.load_step(f"{own}:make")
+    assert batch == (1,) and len(args) == 2 and float(fn(*args)[-1]) == 8.0
+
+
+@pytest.mark.heavy  # four plans planned, compiled and run: ~20 s on 2 cores
+def test_a_quick_run(tool):
+    args = argparse.Namespace(
+        cluster="1x4",
+        preset=None,
+        microbatches=2,
+        steps=1,
+        warmup=0,
+        rounds=1,
+        stages=[2],
+        schedules=["1f1b"],
+    )
+    result = tool.check_step("mlp:tiny", args)
+    rows = {r["candidate"]: r for r in result["rows"]}
+    assert list(rows) == ["auto", "2 stage(s) / 1f1b", "shard", "jax.jit data-parallel"]
+    assert rows["2 stage(s) / 1f1b"]["stages"] == 2 and rows["2 stage(s) / 1f1b"]["microbatches"] == 2
+    assert all(r["measured_s"] > 0 for r in rows.values())
+    assert rows["auto"]["predicted_s"] > 0 and rows["shard"]["predicted_s"] is None
+    assert result["summary"]["auto_over_fastest"] >= 1.0
