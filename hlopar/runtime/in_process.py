@@ -154,7 +154,8 @@ class InProcessRuntime:
             )
             self.fragments = {f.name: ex for f, ex in zip(program.fragments, made)}
             self.landing, self.made = value_layouts(program, self.fragments)
-            self.transport = LocalTransport(self.fragments, self.landing, self.devices)
+            # One copy per transfer, not its unit ops one by one (`LocalTransport`'s docstring).
+            self.transport = LocalTransport(self.fragments, self.landing, self.devices, unit_ops=False)
             what, count = f"{len(self.fragments)} fragments of {len(program.meshes)} meshes", len(self.devices)
         hows = [event.how for event in self.executables.events[-max(1, len(self.fragments)) :]]
         how = ", ".join(f"{hows.count(h)} {h}" for h in dict.fromkeys(hows))

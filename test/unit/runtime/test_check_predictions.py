@@ -58,7 +58,7 @@ def test_a_quick_run(tool):
     )
     result = tool.check_step("mlp:tiny", args)
     rows = {r["candidate"]: r for r in result["rows"]}
-    assert list(rows) == ["auto", "2 stage(s) / 1f1b", "shard", "jax.jit data-parallel"]
+    assert list(rows) == ["auto", "2 stage(s) / 1f1b", "shard", "jax.jit data-parallel (4)"]
     assert rows["2 stage(s) / 1f1b"]["stages"] == 2 and rows["2 stage(s) / 1f1b"]["microbatches"] == 2
     assert all(r["measured_s"] > 0 for r in rows.values())
     assert rows["auto"]["predicted_s"] > 0 and rows["shard"]["predicted_s"] is None
