@@ -10,6 +10,8 @@ the fit is checked on its own:
 - the matmul ramp (`ClusterPreset.matmul_half_flops`, Hockney's n-half): a small product of
   f FLOPs takes (f + n_half) / peak, so n_half = t * peak - f;
 - `kernel_launch_s`: the time one more kernel adds to a chain of dependent tiny kernels;
+- `executable_launch_s`: a near-empty executable's time on every device (what each fragment
+  run costs beyond its kernels: what a pipeline pays per microbatch and stage);
 - link latency (alpha) and bandwidth (beta) of a class of links: the least-squares fit of
   t = alpha + bytes_sent / beta over every collective timed on those links, with
   `collectives.bytes_sent`'s traffic factors, the model the ILP prices collectives with; so a
@@ -143,6 +145,7 @@ def preset_from_measurements(m: Measurements, name: str, description: str = "") 
         description=description,
         kernel_launch_s=max(0.0, m.kernel_s),
         matmul_half_flops=half,
+        executable_launch_s=m.launch_s,
     )
     fits = {
         "intra_host": vars(intra),

@@ -645,5 +645,6 @@ def _layer_arrays(
         forward_latency=field_of("forward_latency") + forward_overhead,
         forward_fixed_latency=field_of("forward_fixed_latency") + forward_overhead,
         input_bytes=inputs,
+        launch_s=preset.executable_launch_s,
     )
     return arrays, received

@@ -65,7 +65,7 @@ class Calibration:
             f"  matmul n-half          {p.matmul_half_flops / 1e6:10.3f} MFLOP  (a {m.small_matmul_flops / 1e6:.3f} MFLOP "
             f"product: {m.small_matmul_s * 1e6:.1f} us)",
             f"  kernel launch          {p.kernel_launch_s * 1e6:10.2f} us",
-            f"  executable launch      {m.launch_s * 1e6:10.1f} us  (measured, not in the preset)",
+            f"  executable launch      {p.executable_launch_s * 1e6:10.1f} us  (a near-empty executable on every device)",
             f"  memory per device      {p.device_memory_bytes / 2**30:10.2f} GiB",
         ]
         for name, key in (("in one process", "intra_host"), ("across processes", "inter_host")):

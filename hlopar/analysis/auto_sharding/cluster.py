@@ -149,6 +149,10 @@ class ClusterPreset:
     device at which a matrix product reaches half the peak (Hockney's n-half: a product of f
     FLOPs runs at peak * f / (f + n-half), so it takes its FLOPs at peak plus n-half / peak).
     Both are assumptions, orders of magnitude (see `CLUSTER_PRESETS`), not measurements.
+    `executable_launch_s`: what launching one executable (a stage's fragment) costs beyond its
+    kernels, paid per fragment run (a stage's forward and backward per microbatch, its update
+    per step): 0 in the built-in presets; `hlopar-calibrate` measures it (on 8 CPU devices of
+    a 2-core machine, 0.2-0.6 ms).
     """
 
     name: str
@@ -162,11 +166,12 @@ class ClusterPreset:
     description: str = ""
     kernel_launch_s: float = 0.0
     matmul_half_flops: float = 0.0
+    executable_launch_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.devices_per_host < 1:
             raise ValueError(f"preset {self.name!r}: devices_per_host must be >= 1, got {self.devices_per_host}")
-        for field_name in ("kernel_launch_s", "matmul_half_flops"):
+        for field_name in ("kernel_launch_s", "matmul_half_flops", "executable_launch_s"):
             value = getattr(self, field_name)
             if not value >= 0 or math.isinf(value):
                 raise ValueError(f"preset {self.name!r}: {field_name} must be finite and >= 0, got {value!r}")

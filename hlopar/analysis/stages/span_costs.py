@@ -8,7 +8,9 @@ prefix sums:
 
 - latency per microbatch: each layer's start-up latencies, plus the rest of its plan cost
   over B (compute and bandwidth terms shrink with the microbatch), plus the resharding
-  between the layouts of consecutive layers of the span over B;
+  between the layouts of consecutive layers of the span over B, plus the launches of the
+  stage's fragments (a forward and a backward per microbatch, the update once a step:
+  `LayerArrays.launch_s`, the preset's `executable_launch_s`);
 - beyond Alpa (its §7): the bytes the stage receives from other stages (activations going
   forward, their gradients coming back) over the link between meshes, over B;
 - memory (Eq. 5 generalized to the schedule and to what the compiled fragments hold, as
@@ -84,6 +86,7 @@ class LayerArrays:
     forward_latency: np.ndarray | None = None
     forward_fixed_latency: np.ndarray | None = None
     input_bytes: np.ndarray | None = None  # (G, L, L), zero on and below the diagonal
+    launch_s: float = 0.0  # one fragment's launch (`ClusterPreset.executable_launch_s`)
 
     def scaled(self, factor: float) -> LayerArrays:
         """The arrays of a step of `factor` times this one's batch: what grows with the batch
@@ -115,6 +118,7 @@ class LayerArrays:
             forward_latency=forward,
             forward_fixed_latency=forward_fixed,
             input_bytes=grow(self.input_bytes),
+            launch_s=self.launch_s,
         )
 
 
@@ -295,10 +299,16 @@ def _spans(layers: LayerArrays, received_bytes: np.ndarray, B: float, remat: str
             layers.forward_fixed_latency + (layers.forward_latency - layers.forward_fixed_latency) / B
         )
     if remat != "never":
-        recompute_span = forward_span
+        recompute_span = forward_span  # run inside the backward's fragment: no launch of its own
         inputs_span = _inputs_by_span(layers.input_bytes) / B
         boundaries_span = inputs_span + _inner_pair_sums(layers.input_bytes) / B
         largest_layer = _span_maxima(layers.activation_bytes) / B
+    if layers.launch_s:
+        # A stage launches a forward and a backward fragment per microbatch and its update
+        # once per step, whatever its layers: what many small stages or microbatches cost.
+        lat_span = lat_span + (2.0 + 1.0 / B) * layers.launch_s
+        if forward_span is not None:
+            forward_span = forward_span + layers.launch_s
     return _Spans(
         lat_span,
         update_peak,

@@ -78,6 +78,7 @@ def test_preset_from_measurements():
     assert preset.device_flops == pytest.approx(2e10)
     assert preset.matmul_half_flops == pytest.approx(3e5)
     assert preset.kernel_launch_s == 3e-6
+    assert preset.executable_launch_s == 2e-4
     assert (preset.devices_per_host, preset.device_memory_bytes) == (4, 2.0**30)
     assert preset.intra_host_latency_s == pytest.approx(40e-6) and preset.intra_host_bandwidth == pytest.approx(3e9)
     assert preset.inter_host_latency_s == pytest.approx(400e-6) and preset.inter_host_bandwidth == pytest.approx(1e8)

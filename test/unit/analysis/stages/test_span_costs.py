@@ -114,3 +114,25 @@ def test_tables_of_several_in_flight_rules_equal_one_table_each():
         alone = span_table(*args, in_flight=rule, **common)
         for name in alone.__dataclass_fields__:
             np.testing.assert_array_equal(getattr(table, name), getattr(alone, name), err_msg=name)
+
+
+def test_fragment_launches_are_paid_per_stage_not_per_layer():
+    """`launch_s` (a calibrated preset's `executable_launch_s`): every span pays a forward and a
+    backward launch per microbatch and its update's once a step, (2 + 1/B) launches, whatever
+    its length; so fewer, longer stages gain where launches are dear. The forward share gains
+    one launch."""
+    rng = np.random.default_rng(3)
+    G, L, B = 1, 4, 4
+    layers = _random_layers(rng, G, L)
+    latency = layers.latency
+    layers = dataclasses.replace(layers, forward_latency=latency / 3, forward_fixed_latency=layers.fixed_latency / 3)
+    options = dict(microbatches=B, in_flight=lambda s: 1, memory_per_device=np.inf, max_stages=2)
+    args = (layers, np.zeros((L, L)), [[0]], lambda nbytes, devices: 0.0, [1])
+    bare = span_table(*args, **options)
+    launched = span_table(dataclasses.replace(layers, launch_s=0.25), *args[1:], **options)
+    upper = np.triu(np.ones((L, L), bool))  # the spans i <= j (below: no span, inf)
+    added = launched.latency[..., 0, 0][upper] - bare.latency[..., 0, 0][upper]
+    np.testing.assert_allclose(added, (2 + 1 / B) * 0.25, rtol=1e-12)
+    forward = launched.forward[..., 0, 0][upper] - bare.forward[..., 0, 0][upper]
+    np.testing.assert_allclose(forward, 0.25, rtol=1e-12)
+    assert dataclasses.replace(layers, launch_s=0.25).scaled(2.0).launch_s == 0.25
