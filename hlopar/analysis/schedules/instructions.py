@@ -67,6 +67,7 @@ class Instruction:
     executables: tuple[str, ...] = ()
     transfers: tuple[str, ...] = ()
     stage: int | None = None  # the stage it is of, on a mesh that holds several (else None)
+    peer_stage: int | None = None  # with `stage`: the stage at the other end of a SEND/RECV
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
@@ -86,7 +87,8 @@ class Instruction:
         if self.op in (SEND, RECV):
             arrow = "->" if self.op == SEND else "<-"
             carried = f" [{', '.join(self.transfers)}]" if self.transfers else ""
-            return f"{self.op} {self.kind}{mb} {arrow} {self.peer} ({format_bytes(self.nbytes)}){carried}"
+            peer = self.peer + (f" s={self.peer_stage}" if self.peer_stage is not None else "")
+            return f"{self.op} {self.kind}{mb} {arrow} {peer} ({format_bytes(self.nbytes)}){carried}"
         if self.op == FREE:
             return f"FREE {self.buffer} ({format_bytes(self.nbytes)})"
         return f"{self.op}{mb}"
@@ -97,9 +99,9 @@ class Instruction:
 
     def to_dict(self) -> dict:
         out: dict = {"id": self.id, "op": self.op}
-        for name in ("kind", "microbatch", "peer", "nbytes", "buffer", "stage"):
+        for name in ("kind", "microbatch", "peer", "nbytes", "buffer", "stage", "peer_stage"):
             value = getattr(self, name)
-            if value not in ("", None, 0) or (name in ("microbatch", "stage") and value == 0):
+            if value not in ("", None, 0) or (name in ("microbatch", "stage", "peer_stage") and value == 0):
                 out[name] = value
         if self.allocates:
             out["allocates"] = [list(a) for a in self.allocates]
@@ -126,6 +128,7 @@ class Instruction:
             executables=tuple(data.get("executables", ())),
             transfers=tuple(data.get("transfers", ())),
             stage=data.get("stage"),
+            peer_stage=data.get("peer_stage"),
         )
 
 
@@ -297,9 +300,11 @@ class _MeshBuilder:
         self.several = len(self.stages) > 1
         self.items: list[tuple[tuple, dict, list[tuple]]] = []  # (key, fields, dep keys)
 
-    def _emit(self, key: tuple, deps: list[tuple], stage: int, **fields) -> tuple:
+    def _emit(self, key: tuple, deps: list[tuple], stage: int, peer_stage: int | None = None, **fields) -> tuple:
         if self.several and fields["op"] != UPDATE:
             fields["stage"] = stage
+            if peer_stage is not None:
+                fields["peer_stage"] = peer_stage
         self.items.append((key, fields, deps))
         return key
 
@@ -374,6 +379,7 @@ class _MeshBuilder:
             ("recv", what, m, src, dst),
             [("send", what, m, src, dst)],
             dst,
+            src,
             op=RECV,
             kind=what,
             microbatch=m,
@@ -387,6 +393,7 @@ class _MeshBuilder:
             ("send", what, m, src, dst),
             [run],
             src,
+            dst,
             op=SEND,
             kind=what,
             microbatch=m,
