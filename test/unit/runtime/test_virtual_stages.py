@@ -72,3 +72,22 @@ def test_two_stages_per_mesh_match_one_device(name):
         assert sum(1 for i in stream if i.op == FREE and ":stash." in i.buffer) == 2 * len(stream.stages)
     ran = [line.split(" ", 1)[1] for line in step.last_log]
     assert len(ran) == sum(len(s) for s in streams.streams)
+
+
+@pytest.mark.heavy  # a Ray start (~30 s)
+def test_two_stages_per_mesh_on_ray(ray_cluster):
+    """The same interleaved program on Ray workers (one per mesh): SEND/RECV between workers,
+    hand-overs inside one."""
+    from hlopar.runtime.ray_placement import placement_of
+    from hlopar.runtime.ray_runtime import RayRuntime
+
+    schedule = get_schedule("interleaved-1f1b")
+    program = pipeline_program(parse_module(_merged(_four_stages(), schedule.placed(2, 2))))
+    runtime = RayRuntime(program, schedule.name, placement_of(program, 4, local=True, device_kind="cpu"))
+    runtime.start()
+    try:
+        step, _ = runtime.run(step_data("gpt")[1])
+        results = range(len(program.results))
+        compare("gpt", runtime.fetch_finish(runtime.fetch_start(runtime.generation, step, results), "results"))
+    finally:
+        runtime.shutdown()
