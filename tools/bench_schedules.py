@@ -8,10 +8,13 @@ For the zoo's GPT (1.3B) and U-Transformer (2.1B), cut into 4 stages on the cros
 paper's testbed (§5: 2 hosts x 4 V100, NVLink inside a host, 10 Gbps between hosts; stage k
 on a 2-device mesh, stages 0-1 on host 0 and 2-3 on host 1), each schedule of the registry
 is simulated twice: with real transfer sizes, and with every transfer costing one byte (the
-paper's upper bound, §4). Prints time, signal time, their ratio, bubble fraction and peak
-stash memory per device, then ZB-H1's and ZB-H2's bubbles next to 1F1B's and the zero-bubble
-paper's formulas, and what `schedule="auto"` picks on these stages (the fastest within
-`--memory-per-device` of stash, default 80 GB) with its gain over eager-1F1B and 1F1B; or with `--json` a list of rows (model, schedule, microbatches, time_s,
+paper's upper bound, §4). The schedules of several stages per mesh (interleaved-1f1b, zb-v)
+run the same layers cut into 2 x 4 chunks, two per mesh, placed as each places them. Prints
+time, signal time, their ratio, bubble fraction and peak stash memory per device, then
+ZB-H1's, ZB-H2's, interleaved 1F1B's and ZB-V's bubbles next to 1F1B's and the papers'
+formulas, and what `schedule="auto"` picks on these stages (the fastest within
+`--memory-per-device` of stash, default 80 GB, among the schedules the planner places: one
+stage per mesh) with its gain over eager-1F1B and 1F1B; or with `--json` a list of rows (model, schedule, microbatches, time_s,
 signal_time_s, bubble_fraction, steady_time_s and steady_bubble_fraction (steps back to back
 without a barrier at the optimizer step, `SimResult.steady_period`), peak_memory_bytes per
 mesh, ...). The global batch is the zoo
@@ -42,6 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hlopar.analysis.schedules import (  # noqa: E402
+    PLANNED_SCHEDULES,
     SCHEDULES,
     AlphaBeta,
     Edge,
@@ -53,6 +57,7 @@ from hlopar.analysis.schedules import (  # noqa: E402
     draw_timeline,
     signal,
     simulate,
+    stage_placement,
 )
 
 GBPS = 1e9 / 8
@@ -99,10 +104,14 @@ def _case(
     dtype_bytes: int,
     layer_flops: list[float],
     reads: list[list[int]],
-    stages: int,
+    meshes: int,
     device_tflops: float,
+    chunks: int = 1,
+    placement: str = "loop",
 ) -> Case:
-    """A case from per-layer FLOPs and, per layer, the earlier layers whose outputs it reads."""
+    """A case from per-layer FLOPs and, per layer, the earlier layers whose outputs it reads:
+    the layers cut into `meshes` x `chunks` stages, placed on the meshes by `placement`."""
+    stages = meshes * chunks
     starts = _balanced_cuts(layer_flops, stages)
     stage_of = [sum(1 for s in starts if s <= layer) - 1 for layer in range(len(layer_flops))]
     tensor = mb_size * seq * d * dtype_bytes
@@ -112,7 +121,7 @@ def _case(
             if stage_of[src] != stage_of[layer]:
                 crossing.setdefault((stage_of[src], stage_of[layer]), set()).add(src)
     edges = tuple(Edge(s, t, len(srcs) * tensor) for (s, t), srcs in sorted(crossing.items()))
-    devices = HOSTS * DEVICES_PER_HOST // stages
+    devices = HOSTS * DEVICES_PER_HOST // meshes
     stash_per_layer = 34 * seq * mb_size * d * (dtype_bytes // 2 or 1)
     costs, stash = [], []
     for k in range(stages):
@@ -120,22 +129,27 @@ def _case(
         fwd = sum(layer_flops[i] for i in layers) / (devices * device_tflops * 1e12)
         costs.append(StageCost(forward=fwd, backward=2 * fwd))
         stash.append(len(layers) * stash_per_layer)
-    topo = PipelineTopology(stages, edges, tuple(stash))
-    host_of = {mesh: k * devices // DEVICES_PER_HOST for k, mesh in enumerate(topo.meshes)}
+    names = tuple(f"m{j + 1}" for j in stage_placement(placement, meshes, chunks))
+    topo = PipelineTopology(stages, edges, tuple(stash), meshes=names)
+    host_of = {mesh: k * devices // DEVICES_PER_HOST for k, mesh in enumerate(topo.mesh_names)}
     return Case(model, topo, tuple(costs), HostComm(host_of, INTER_HOST, INTRA_HOST))
 
 
-def gpt_case(microbatches: int, stages: int, device_tflops: float) -> Case:
+def gpt_case(microbatches: int, stages: int, device_tflops: float, chunks: int = 1, placement: str = "loop") -> Case:
     from hlopar.models.gpt import GPT_CONFIGS
 
     cfg = GPT_CONFIGS["1.3B"]
     mb = cfg.batch_size // microbatches
     flops = [_layer_flops(cfg.hidden_size, cfg.seq_len, mb * cfg.seq_len)] * cfg.num_layers
     reads = [[i - 1] if i else [] for i in range(cfg.num_layers)]
-    return _case("gpt-1.3B", cfg.hidden_size, cfg.seq_len, mb, 4, flops, reads, stages, device_tflops)
+    return _case(
+        "gpt-1.3B", cfg.hidden_size, cfg.seq_len, mb, 4, flops, reads, stages, device_tflops, chunks, placement
+    )
 
 
-def u_transformer_case(microbatches: int, stages: int, device_tflops: float) -> Case:
+def u_transformer_case(
+    microbatches: int, stages: int, device_tflops: float, chunks: int = 1, placement: str = "loop"
+) -> Case:
     from hlopar.models.u_transformer import U_TRANSFORMER_CONFIGS
 
     cfg = U_TRANSFORMER_CONFIGS["2.1B"]
@@ -145,38 +159,47 @@ def u_transformer_case(microbatches: int, stages: int, device_tflops: float) -> 
         skip = cfg.skip_source(i)
         flops.append(_layer_flops(d, cfg.seq_len, mb * cfg.seq_len, 0 if skip is None else 2 * d * d))
         reads.append(([i - 1] if i else []) + ([] if skip is None else [skip]))
-    return _case("u_transformer-2.1B", d, cfg.seq_len, mb, 4, flops, reads, stages, device_tflops)
+    return _case("u_transformer-2.1B", d, cfg.seq_len, mb, 4, flops, reads, stages, device_tflops, chunks, placement)
 
 
 def run(microbatch_counts: list[int], stages: int, device_tflops: float, timeline: Path | None = None) -> list[dict]:
     rows = []
-    cases = [(b, make(b, stages, device_tflops)) for make in (gpt_case, u_transformer_case) for b in microbatch_counts]
-    for microbatches, case in cases:
-        for name in SCHEDULES:
-            streams = build_streams(case.topology, name, microbatches)
-            real = simulate(streams, case.costs, case.comm)
-            bound = simulate(streams, case.costs, signal(case.comm))
-            if timeline is not None:
-                timeline.mkdir(parents=True, exist_ok=True)
-                draw_timeline(Timeline.of(real), timeline / f"{case.model}-B{microbatches}-{name}.png")
-            rows.append(
-                {
-                    "model": case.model,
-                    "schedule": name,
-                    "stages": stages,
-                    "microbatches": microbatches,
-                    "time_s": real.iteration_time,
-                    "signal_time_s": bound.iteration_time,
-                    "bubble_fraction": real.bubble_fraction,
-                    "steady_time_s": real.steady_period,
-                    "steady_bubble_fraction": real.steady_bubble_fraction,
-                    "peak_memory_bytes": max(real.peak_memory.values()),
-                    "devices_per_mesh": HOSTS * DEVICES_PER_HOST // stages,
-                    "edges": [[e.src, e.dst, e.nbytes] for e in case.topology.edges],
-                    "forward_s": [c.forward for c in case.costs],
-                }
-            )
+    for make in (gpt_case, u_transformer_case):
+        for microbatches in microbatch_counts:
+            plain = make(microbatches, stages, device_tflops)
+            for name, schedule in SCHEDULES.items():
+                if schedule.mesh_order is None:
+                    case = plain
+                else:  # two chunks per mesh
+                    case = make(microbatches, stages, device_tflops, 2, schedule.placement)
+                rows.append(_row(case, name, stages, microbatches, timeline))
     return rows
+
+
+def _row(case: Case, name: str, stages: int, microbatches: int, timeline: Path | None) -> dict:
+    """One schedule on one case, simulated with real transfers and with signals."""
+    streams = build_streams(case.topology, name, microbatches)
+    real = simulate(streams, case.costs, case.comm)
+    bound = simulate(streams, case.costs, signal(case.comm))
+    if timeline is not None:
+        timeline.mkdir(parents=True, exist_ok=True)
+        draw_timeline(Timeline.of(real), timeline / f"{case.model}-B{microbatches}-{name}.png")
+    return {
+        "model": case.model,
+        "schedule": name,
+        "stages": stages,
+        "microbatches": microbatches,
+        "time_s": real.iteration_time,
+        "signal_time_s": bound.iteration_time,
+        "bubble_fraction": real.bubble_fraction,
+        "steady_time_s": real.steady_period,
+        "steady_bubble_fraction": real.steady_bubble_fraction,
+        "peak_memory_bytes": max(real.peak_memory.values()),
+        "devices_per_mesh": HOSTS * DEVICES_PER_HOST // stages,
+        "edges": [[e.src, e.dst, e.nbytes] for e in case.topology.edges],
+        "forward_s": [c.forward for c in case.costs],
+        "chunks": case.topology.chunks,
+    }
 
 
 def table(rows: list[dict], memory: float = 80e9) -> str:
@@ -272,19 +295,34 @@ def zero_bubble(rows: list[dict]) -> list[str]:
                 f"(formula: 0 once m >= 2p-1 = {2 * p - 1}), one step alone "
                 f"{100 * row['bubble_fraction']:.1f}%"
             )
+        if schedule == "interleaved-1f1b":
+            p, v = row["stages"], row["chunks"]
+            out.append(
+                f"{model}, B={m}: interleaved-1f1b (v={v}) bubble {100 * row['bubble_fraction']:.1f}% "
+                f"(formula (p-1)/(vm+p-1) = {100 * (p - 1) / (v * m + p - 1):.1f}%, Narayanan et al.'s "
+                f"(p-1)/(vm) of the compute)"
+            )
+        if schedule == "zb-v":
+            p = row["stages"]
+            out.append(
+                f"{model}, B={m}: zb-v bubble of back-to-back steps {100 * row['steady_bubble_fraction']:.1f}% "
+                f"(formula: 0 once m >= 2p = {2 * p}, F = B = W), one step alone {100 * row['bubble_fraction']:.1f}% "
+                f"(formula (p-1)/(6m+p-1) = {100 * (p - 1) / (6 * m + p - 1):.1f}%)"
+            )
     return out
 
 
 def auto_choice(rows: list[dict], memory: float) -> list[str]:
     """Per model and B, what `schedule="auto"` picks on these fixed stages: the registered
-    schedule of least simulated step time (`time_s`, the barrier at the optimizer step, as
+    schedule the planner places (one stage per mesh) of least simulated step time (`time_s`, the barrier at the optimizer step, as
     `analysis.stages.pipeline_choice` ranks them) whose peak stash per device fits `memory`,
     and its gain over eager-1f1b and 1f1b. (Stage construction also chooses the stages and the
     count with it; here both are fixed.)"""
     out = []
     by_key: dict[tuple[str, int], dict[str, dict]] = {}
     for r in rows:
-        by_key.setdefault((r["model"], r["microbatches"]), {})[r["schedule"]] = r
+        if r["schedule"] in PLANNED_SCHEDULES:
+            by_key.setdefault((r["model"], r["microbatches"]), {})[r["schedule"]] = r
     for (model, m), runs in by_key.items():
         fitting = [r for r in runs.values() if r["peak_memory_bytes"] / r["devices_per_mesh"] <= memory]
         if not fitting:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hlopar.analysis.limits import check_cluster, check_cluster_dimension, check_count, check_positive
-from hlopar.analysis.schedules.registry import SCHEDULES, get_schedule
+from hlopar.analysis.schedules.registry import PLANNED_SCHEDULES, get_schedule
 from hlopar.cli.arguments import ArgumentParser
 from hlopar.cli.guard import run_isolated
 from hlopar.passes.plan_options import DEFAULT_PLAN_SCHEDULE, METHODS, REMAT_MODES, RNG_MODES, SCHEDULE_NAMES
@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_PLAN_SCHEDULE,
         choices=SCHEDULE_NAMES,
         help="pipeline schedule, from the registry (analysis/schedules/registry.py): "
-        + "; ".join(f"{name}: {schedule.description}" for name, schedule in SCHEDULES.items())
+        + "; ".join(f"{name}: {get_schedule(name).description}" for name in PLANNED_SCHEDULES)
         + "; auto (the default): the one of least simulated step time, chosen with the stages "
         "(plan.json's stages.schedule)",
     )

@@ -47,8 +47,14 @@ optimizer ('step') ops in a forward or backward fragment, per-example values in 
 fragment or reaching a result unplaced (with one, every fragment runs once and these are the
 step's own values; with several, the split returns per-example results as sums of each
 microbatch's rows placed in the whole batch, `passes.microbatching.per_example_results`, accumulated like
-gradients); a mesh running two stages, stages not numbered 0..S-1, ops other than fragments and
-transfers at the top level of `@main`.
+gradients); stages not numbered 0..S-1, meshes holding unequal numbers of stages, ops other
+than fragments and transfers at the top level of `@main`.
+
+Several stages on one mesh (virtual stages, `analysis.schedules.chunked`): the topology's
+meshes repeat; a value passed between two stages of one mesh (an `mpmd.transfer` from the
+mesh to itself, moved when first read) is a hand-over edge, carried by no SEND/RECV; the
+streams' instructions name their stage, which binds a RUN to its stage's fragments and a
+SEND/RECV to the transfers of its stage pair (`carried_stages`).
 
 Host callbacks (`jax.debug.print`, `jax.debug.callback`, `io_callback`, `pure_callback`:
 `hlopar.ir.host_callbacks`) call a Python function that lives only in the process that
@@ -203,6 +209,9 @@ class PipelineProgram:
     kept: frozenset[int]  # summed values whose per-microbatch copy other stages read too
     needed_once: frozenset[int]  # never freed with a microbatch (the update reads the last one's)
     carried: dict[tuple[str, str], tuple[int, ...]] = field(default_factory=dict)  # (src, dst) -> transfers
+    # (src stage, dst stage) -> the transfers between meshes that carry what one hands the other
+    carried_stages: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict)
+    stages_of_mesh: dict[str, tuple[int, ...]] = field(default_factory=dict)  # a mesh's stages, in order
     split_backward: bool = False  # backwards cut into B and W fragments
     index_arg: int | None = None  # the microbatch index argument the split added (`dialect.split`)
     host_callbacks: tuple[HostCallback, ...] = ()  # run only in this process (module docstring)
@@ -253,7 +262,9 @@ class PipelineProgram:
             streams.num_microbatches,
             streams.split_backward,
             tuple(
-                MeshStream(s.mesh, s.stage, tuple(self._bind(i, streams.split_backward) for i in s.instructions))
+                MeshStream(
+                    s.mesh, s.stage, tuple(self._bind(i, streams.split_backward) for i in s.instructions), s.stages
+                )
                 for s in streams.streams
             ),
         )
@@ -261,9 +272,13 @@ class PipelineProgram:
     def _bind(self, inst: Instruction, split: bool) -> Instruction:
         if inst.op == RUN:
             roles = (BACKWARD,) if split and inst.kind == "B" else _RUN_ROLES[inst.kind]
-            stage = self.stage_of_mesh[inst.mesh]
+            stage = self.stage_of_mesh[inst.mesh] if inst.stage is None else inst.stage
             names = tuple(f.name for f in self.fragments if f.stage == stage and f.role in roles)
             return replace(inst, executables=names)
+        if inst.op in (SEND, RECV) and inst.stage is not None:
+            pair = (inst.stage, inst.peer_stage) if inst.op == SEND else (inst.peer_stage, inst.stage)
+            carried = self.carried_stages.get(pair, ())
+            return replace(inst, transfers=tuple(self.transfers[t].name for t in carried))
         if inst.op in (SEND, RECV):
             src, dst = (inst.mesh, inst.peer) if inst.op == SEND else (inst.peer, inst.mesh)
             return replace(inst, transfers=tuple(self.transfers[t].name for t in self.carried.get((src, dst), ())))
@@ -391,9 +406,12 @@ class _Reader:
         needed_once = frozenset(read_once | {t.result for t in self.transfers if self._origin(t.source) in read_once})
         self._donate_state(results)
         self._build_modules(read_once - read_each)
-        stage_of_mesh = self._stages()
-        carried = self._carried(stage_of_mesh, kept)
-        topology = self._stage_graph(stage_of_mesh, carried)
+        mesh_of_stage = self._stages()
+        stage_of_mesh: dict[str, int] = {}
+        for k, mesh in sorted(mesh_of_stage.items()):
+            stage_of_mesh.setdefault(mesh, k)  # a mesh's first stage
+        carried, by_stage, local = self._carried(mesh_of_stage, kept)
+        topology = self._stage_graph(mesh_of_stage, by_stage, local)
         return PipelineProgram(
             self.microbatches,
             self.batch_args,
@@ -409,6 +427,8 @@ class _Reader:
             kept,
             needed_once,
             carried,
+            {pair: ts for pair, ts in by_stage.items() if mesh_of_stage[pair[0]] != mesh_of_stage[pair[1]]},
+            {m: topology.stages_on(m) for m in topology.mesh_names},
             self.split_backward,
             read_index_arg(self.main),
             callbacks,
@@ -660,46 +680,74 @@ class _Reader:
 
     # -- the stage graph
 
-    def _stages(self) -> dict[str, int]:
-        stage_of_mesh: dict[str, int] = {}
+    def _stages(self) -> dict[int, str]:
+        """Each stage's mesh (one mesh per stage; a mesh may hold several stages)."""
+        mesh_of_stage: dict[int, str] = {}
         for f in self.fragments:
-            if f.stage is not None and stage_of_mesh.setdefault(f.mesh, f.stage) != f.stage:
+            if f.stage is not None and mesh_of_stage.setdefault(f.stage, f.mesh) != f.mesh:
                 raise ProgramError(
-                    f"mesh {f.mesh} runs stages {stage_of_mesh[f.mesh]} and {f.stage}", self.ops[f.index].location
+                    f"stage {f.stage} runs on meshes {mesh_of_stage[f.stage]} and {f.mesh}", self.ops[f.index].location
                 )
-        stages = sorted(set(stage_of_mesh.values()))
+        stages = sorted(mesh_of_stage)
         if stages != list(range(len(stages))):
             raise ProgramError(f"stages {stages} are not numbered 0..S-1", self.main.location)
         if not stages:
             raise ProgramError("the program has no forward or backward fragment (no stage)", self.main.location)
-        return stage_of_mesh
+        held = {mesh: list(mesh_of_stage.values()).count(mesh) for mesh in mesh_of_stage.values()}
+        if len(set(held.values())) != 1:
+            raise ProgramError(f"meshes hold unequal numbers of stages: {held}", self.main.location)
+        return mesh_of_stage
 
-    def _carried(
-        self, stage_of_mesh: Mapping[str, int], kept: frozenset[int]
-    ) -> dict[tuple[str, str], tuple[int, ...]]:
-        """Per (source mesh, destination mesh) of two stages, the transfers of values a forward
-        or backward makes per microbatch and another stage reads per microbatch (sums read
-        only by the update are moved once, after the last microbatch)."""
+    def _reader_stage(self, t: ProgramTransfer) -> int | None:
+        """The stage of the (forward or backward) fragments that read a transfer's result."""
+        stages = {f.stage for f in self.fragments if f.stage is not None and t.result in f.operands}
+        if len(stages) > 1:
+            raise ProgramError(
+                f"transfer {t.name} is read by stages {sorted(stages)} of mesh {t.dst_mesh}", self.main.location
+            )
+        return next(iter(stages), None)
+
+    def _carried(self, mesh_of_stage: Mapping[int, str], kept: frozenset[int]):
+        """The transfers of values a forward or backward makes per microbatch and another stage
+        reads per microbatch (sums read only by the update are moved once, after the last
+        microbatch): per (source mesh, destination mesh) those between meshes, per (source
+        stage, destination stage) the same, and the stage pairs of one mesh (hand-overs)."""
+        meshes = set(mesh_of_stage.values())
+        several = len(meshes) < len(mesh_of_stage)
+        first = {m: min(k for k, n in mesh_of_stage.items() if n == m) for m in meshes}
         carried: dict[tuple[str, str], list[int]] = {}
+        by_stage: dict[tuple[int, int], list[int]] = {}
+        local: dict[tuple[int, int], list[int]] = {}
         for t in self.transfers:
             source = self.values[t.source]
-            if (
+            if not (
                 source.per_microbatch
                 and source.producer is not None
-                and t.src_mesh in stage_of_mesh
-                and t.dst_mesh in stage_of_mesh
-                and t.src_mesh != t.dst_mesh
+                and t.src_mesh in meshes
+                and t.dst_mesh in meshes
                 and (not source.accumulated or t.source in kept)
             ):
+                continue
+            if several:
+                src, dst = self.fragments[source.producer].stage, self._reader_stage(t)
+            else:
+                src, dst = first[t.src_mesh], first[t.dst_mesh]
+            if t.src_mesh != t.dst_mesh:
                 carried.setdefault((t.src_mesh, t.dst_mesh), []).append(t.index)
                 t.streamed = True
-        return {pair: tuple(ts) for pair, ts in carried.items()}
+                by_stage.setdefault((src, dst), []).append(t.index)
+            elif src is not None and dst is not None and src != dst:
+                local.setdefault((src, dst), []).append(t.index)
+        return (
+            {pair: tuple(ts) for pair, ts in carried.items()},
+            {pair: tuple(ts) for pair, ts in by_stage.items()},
+            {pair: tuple(ts) for pair, ts in local.items()},
+        )
 
-    def _stage_graph(self, stage_of_mesh: Mapping[str, int], carried) -> PipelineTopology:
+    def _stage_graph(self, mesh_of_stage: Mapping[int, str], by_stage, local) -> PipelineTopology:
         forward: dict[tuple[int, int], int] = {}
         backward: dict[tuple[int, int], int] = {}
-        for (src, dst), indices in carried.items():
-            i, j = stage_of_mesh[src], stage_of_mesh[dst]
+        for (i, j), indices in list(by_stage.items()) + list(local.items()):
             size = sum(self.transfers[t].nbytes for t in indices)
             if i < j:
                 forward[i, j] = forward.get((i, j), 0) + size
@@ -708,17 +756,16 @@ class _Reader:
         edges = tuple(
             Edge(i, j, forward.get((i, j), 0), backward.get((i, j), 0)) for i, j in sorted(set(forward) | set(backward))
         )
-        mesh_of_stage = {s: m for m, s in stage_of_mesh.items()}
         num_stages = len(mesh_of_stage)
         return PipelineTopology(
             num_stages,
             edges,
-            self._stash_bytes(stage_of_mesh, num_stages),
+            self._stash_bytes(num_stages),
             meshes=tuple(mesh_of_stage[s] for s in range(num_stages)),
             carry_bytes=tuple(self.carry_bytes.get(k, 0) for k in range(num_stages)),
         )
 
-    def _stash_bytes(self, stage_of_mesh: Mapping[str, int], num_stages: int) -> tuple[int, ...]:
+    def _stash_bytes(self, num_stages: int) -> tuple[int, ...]:
         """Per stage, what its backward reads per microbatch of its own forward's results and of
         the microbatch's examples (received activations are counted as received buffers)."""
         stash = [0] * num_stages

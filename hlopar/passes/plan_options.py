@@ -5,7 +5,7 @@
 option (an argument, a flag, a pass option) into a `PlanOptions` at their edge, and read
 their choices, defaults and refusals from here: `METHODS`, `RNG_MODES`, `REMAT_MODES`
 (`analysis.stages.span_costs`, whose DP reads it) and the schedule registry
-(`analysis.schedules`: `SCHEDULES`, `DEFAULT_SCHEDULE`, `ScheduleName`, and `AUTO_SCHEDULE`, "auto":
+(`analysis.schedules`: `PLANNED_SCHEDULES`, `DEFAULT_SCHEDULE`, `ScheduleName`, and `AUTO_SCHEDULE`, "auto":
 the planner chooses). A schedule name becomes a `Schedule` there, once; the options hold the
 `Schedule`, or "auto" until the plan settles it (`passes.planning`: `Plan.options` holds the one
 chosen). The pipeline itself: `passes.planning`.
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hlopar.analysis.limits import check_argument, check_count, check_positive
-from hlopar.analysis.schedules import AUTO_SCHEDULE, DEFAULT_SCHEDULE, SCHEDULES, Schedule, get_schedule
+from hlopar.analysis.schedules import AUTO_SCHEDULE, DEFAULT_SCHEDULE, PLANNED_SCHEDULES, Schedule, get_schedule
 from hlopar.analysis.stages.span_costs import REMAT_MODES
 
 __all__ = [
@@ -40,7 +40,7 @@ METHODS = ("auto", "shard", "pipeline")
 # hlopar-split-microbatches' rng: "exact" refuses whole-shape generators under several
 # microbatches; "per-microbatch" lets them draw per microbatch (with a warning).
 RNG_MODES = ("exact", "per-microbatch")
-SCHEDULE_NAMES = (*SCHEDULES, AUTO_SCHEDULE)
+SCHEDULE_NAMES = (*PLANNED_SCHEDULES, AUTO_SCHEDULE)  # what the planner places
 # `parallelize`'s and `hlopar-compile`'s default: the planner chooses (issue 29). The passes'
 # option and these options default to the registry's `DEFAULT_SCHEDULE`, which is also what
 # "auto" prefers on ties.

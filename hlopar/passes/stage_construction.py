@@ -39,7 +39,7 @@ from hlopar.analysis.limits import (
     check_seconds,
     check_workers,
 )
-from hlopar.analysis.schedules import AUTO_SCHEDULE, DEFAULT_SCHEDULE, SCHEDULES, ScheduleOption, get_schedule
+from hlopar.analysis.schedules import AUTO_SCHEDULE, DEFAULT_SCHEDULE, PLANNED_SCHEDULES, ScheduleOption, get_schedule
 from hlopar.analysis.stages.layer_costs import FORWARD, ROLES, kernel_counts, plan_layers, trivial_axes_key, value_bytes
 from hlopar.analysis.stages.layering import cluster_layers
 from hlopar.analysis.stages.pipeline_choice import Candidate, Choice, PipelineSpace, choose_pipeline
@@ -133,6 +133,11 @@ class StageConstructionPass(ModulePass):
 
     def check_options(self) -> None:
         check_cluster(self.num_hosts, self.devices_per_host)
+        if self.schedule != AUTO_SCHEDULE and get_schedule(self.schedule).mesh_order is not None:
+            raise ValueError(
+                f"schedule {self.schedule} runs several stages per mesh (virtual stages), which stage "
+                f"construction does not place yet; planned schedules: {', '.join(PLANNED_SCHEDULES)}"
+            )
 
     def _check_entry(self, func: ir.Operation) -> None:
         """The MPMD program it writes is @main's, and passes tensors between meshes."""
@@ -308,7 +313,7 @@ class StageConstructionPass(ModulePass):
         )
         # Ties (one stage, or warm-ups clamped by few microbatches) go to the default schedule.
         schedules = (
-            [get_schedule(DEFAULT_SCHEDULE)] + [s for name, s in SCHEDULES.items() if name != DEFAULT_SCHEDULE]
+            [get_schedule(DEFAULT_SCHEDULE)] + [get_schedule(n) for n in PLANNED_SCHEDULES if n != DEFAULT_SCHEDULE]
             if auto
             else [get_schedule(self.schedule)]
         )

@@ -140,14 +140,27 @@ def run_fragment(
 
 
 def free_stash(
-    program: PipelineProgram, store: MutableMapping[tuple[int, int | None], object], mesh: str, buffer: str
+    program: PipelineProgram,
+    store: MutableMapping[tuple[int, int | None], object],
+    mesh: str,
+    buffer: str,
+    freed: MutableMapping[tuple[str, int], int] | None = None,
 ) -> None:
     """Drops what a FREE of `buffer` says is dead on `mesh`: at a stash's FREE (after the
     stage's last task of the microbatch, so what B hands to W too), the microbatch's values
-    of this mesh that no update reads; other buffers free nothing here."""
-    if not buffer.startswith("stash."):
+    of this mesh that no update reads; other buffers free nothing here. On a mesh of several
+    stages (`s<k>:stash.<m>`), at the last of its stages' stash FREEs of the microbatch
+    (counted in `freed`): a value of one stage may be another's hand-over."""
+    stage, _, name = buffer.rpartition(":")
+    if not name.startswith("stash."):
         return
-    m = int(buffer.split(".")[1])
+    m = int(name.split(".")[1])
+    if stage:
+        if freed is None:
+            raise ValueError(f"FREE {buffer}: a mesh of several stages needs the step's count of stash FREEs")
+        freed[mesh, m] = freed.get((mesh, m), 0) + 1
+        if freed[mesh, m] < len(program.stages_of_mesh[mesh]):
+            return
     for v, mb in list(store):
         value = program.values[v]
         if mb == m and value.mesh == mesh and value.per_microbatch and v not in program.needed_once:

@@ -157,6 +157,7 @@ class StepInterpreter:
         self.store: dict[tuple[int, int | None], object] = {}  # (value, microbatch or None) -> array
         self.sums: dict[int, object] = {}  # accumulated value -> running sum
         self.placements = Placements()  # arguments placed as the fragments read them, once per step
+        self.stash_frees: dict[tuple[str, int], int] = {}  # (mesh, microbatch) -> its stages' stash FREEs run
         self.stream_done = False
 
     # -- values
@@ -269,7 +270,7 @@ class StepInterpreter:
         elif op == RECV:
             self.transport.receive(self, inst)
         elif op == FREE:
-            free_stash(self.program, self.store, inst.mesh, inst.buffer)
+            free_stash(self.program, self.store, inst.mesh, inst.buffer, self.stash_frees)
         if self.spans is not None and op in (RUN, SEND):
             self.spans.append(
                 (COMPUTE if op == RUN else SEND_LANE, inst.kind, inst.microbatch, inst.peer, began, time.time())

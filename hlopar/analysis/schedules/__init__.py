@@ -23,6 +23,7 @@ from hlopar.analysis.schedules.instructions import (
 from hlopar.analysis.schedules.registry import (
     AUTO_SCHEDULE,
     DEFAULT_SCHEDULE,
+    PLANNED_SCHEDULES,
     SCHEDULES,
     ScheduleName,
     ScheduleOption,
@@ -30,7 +31,7 @@ from hlopar.analysis.schedules.registry import (
     get_schedule,
 )
 from hlopar.analysis.schedules.simulator import DeadlockError, Event, SimResult, simulate
-from hlopar.analysis.schedules.tasks import Schedule, Task, max_in_flight, max_stashes
+from hlopar.analysis.schedules.tasks import LOOP, V_SHAPE, Schedule, Task, max_in_flight, max_stashes, stage_placement
 from hlopar.analysis.schedules.timeline import Timeline, chrome_trace, draw_timeline, write_chrome_trace
 from hlopar.analysis.schedules.topology import Edge, PipelineTopology
 
@@ -46,9 +47,11 @@ __all__ = [
     "AlphaBeta",
     "DEFAULT_SCHEDULE",
     "DeadlockError",
+    "PLANNED_SCHEDULES",
     "Edge",
     "Event",
     "HostComm",
+    "LOOP",
     "Instruction",
     "MeshStream",
     "PipelineStreams",
@@ -62,6 +65,7 @@ __all__ = [
     "Task",
     "Timeline",
     "UnknownScheduleError",
+    "V_SHAPE",
     "build_streams",
     "chrome_trace",
     "draw_timeline",
@@ -70,5 +74,6 @@ __all__ = [
     "max_stashes",
     "signal",
     "simulate",
+    "stage_placement",
     "write_chrome_trace",
 ]

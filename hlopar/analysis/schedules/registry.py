@@ -26,9 +26,21 @@
                    executors do not do); the simulator's `steady_period` prices that. The first
                    stage keeps 2 #stages - 1 forwards in flight, about twice 1f1b's (Eq. 5),
                    and every stage as many stashes until their W, which Eq. 5 does not count
+    interleaved-1f1b
+                   v chunks of layers per mesh, stage c p + j on mesh j of p (Narayanan et al.,
+                   SC'21, §2.2: Megatron's order, `chunked.interleaved_order`): mesh j warms up
+                   with 2 (p - j - 1) + (v - 1) p + 1 chunk forwards, then 1F1B over chunks; the
+                   bubble is (p - 1) / (v B) of the compute, at v times the transfers. Needs B
+                   a multiple of p when v > 1; with one chunk per mesh it is eager-1f1b's order
+    zb-v           two chunks per mesh placed as a V (stages j and 2p - 1 - j on mesh j), backwards
+                   split into B and W (Qi et al., ICLR 2024, §4: `chunked.zero_bubble_v_order`);
+                   each mesh holds at most 2p chunk stashes, 1f1b's first stage's memory, and with
+                   F, B and W of equal cost works without a gap from its first task to its last
 
-All are warm-up-then-1F1B orders (`Schedule`); GPipe is the one whose warm-up is every
-microbatch. A variant is `dataclasses.replace(get_schedule("eager-1f1b-wd"), weight_delay=2)`.
+The first six are warm-up-then-1F1B orders of one stage per mesh (`Schedule`); GPipe is the
+one whose warm-up is every microbatch. The last two run several stages per mesh (a
+topology whose meshes repeat, `PipelineTopology.meshes`) and give each mesh's order whole
+(`Schedule.mesh_order`). A variant is `dataclasses.replace(get_schedule("eager-1f1b-wd"), weight_delay=2)`.
 `DEFAULT_SCHEDULE` is the one default schedule (the passes', the local executor's, and the one
 "auto" prefers on ties; `parallelize`'s and `hlopar-compile`'s default is "auto",
 `passes.plan_options.DEFAULT_PLAN_SCHEDULE`);
@@ -40,11 +52,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from hlopar.analysis.schedules.tasks import Schedule
+from hlopar.analysis.schedules.chunked import interleaved_order, zero_bubble_v_order
+from hlopar.analysis.schedules.tasks import V_SHAPE, Schedule
 
 __all__ = [
     "AUTO_SCHEDULE",
     "DEFAULT_SCHEDULE",
+    "PLANNED_SCHEDULES",
     "SCHEDULES",
     "ScheduleName",
     "ScheduleOption",
@@ -96,7 +110,26 @@ SCHEDULES: dict[str, Schedule] = {
         "eager-1f1b's warm-up; stage i's W(m) after B(m + 2 (i - 1)), filling each stage's gaps",
         weight_lag=_twice_lag_of_stage,
     ),
+    "interleaved-1f1b": Schedule(
+        "interleaved-1f1b",
+        _eager,
+        "v chunks per mesh (stage c p + j on mesh j); Megatron's order, bubble (p - 1) / (v B)",
+        mesh_order=interleaved_order,
+    ),
+    "zb-v": Schedule(
+        "zb-v",
+        _eager,
+        "2 chunks per mesh as a V (stages j, 2p - 1 - j), B/W split; no gap between a mesh's first and last task",
+        mesh_order=zero_bubble_v_order,
+        placement=V_SHAPE,
+        chunks=2,
+        split=True,
+    ),
 }
+
+# What stage construction plans (and "auto" chooses among): one stage per mesh. The stage DP
+# does not place several stages per mesh yet (docs/stage_construction.md).
+PLANNED_SCHEDULES = tuple(name for name, schedule in SCHEDULES.items() if schedule.mesh_order is None)
 
 DEFAULT_SCHEDULE = "eager-1f1b"
 # Not a schedule: the planner chooses one of `SCHEDULES` (every one runs on hlopar's runtimes)

@@ -107,22 +107,24 @@ def simulate(  # noqa: C901 (one event loop; reason in the docstring)
     One function on purpose: a discrete-event loop whose small closures (`push`, `offer`)
     share its queues and clocks; split into functions they would hand a dozen values around."""
     comm = as_comm_model(comm)
-    stage_of = {s.mesh: s.stage for s in streams.streams}
+    stream_of = {s.mesh: s for s in streams.streams}
     for s in streams.streams:
-        if not 0 <= s.stage < len(costs):
-            raise ValueError(f"no cost for stage {s.stage} of mesh {s.mesh} ({len(costs)} given)")
+        for stage in s.stages:
+            if not 0 <= stage < len(costs):
+                raise ValueError(f"no cost for stage {stage} of mesh {s.mesh} ({len(costs)} given)")
     insts: list[Instruction] = list(streams.instructions())
     index = {inst.id: i for i, inst in enumerate(insts)}
     n = len(insts)
 
     def duration(inst: Instruction) -> float:
-        cost = costs[stage_of[inst.mesh]]
+        stream = stream_of[inst.mesh]
+        if inst.op == UPDATE:  # a mesh's one update: all its stages'
+            return sum(costs[k].update for k in stream.stages)
+        cost = costs[stream.stage_of(inst)]
         if inst.op == RUN:
             return cost.run_time(inst.kind, streams.split_backward)
         if inst.op == ACCUMULATE:
             return cost.accumulate
-        if inst.op == UPDATE:
-            return cost.update
         if inst.op == SEND:
             return comm.time(inst.mesh, inst.peer, inst.nbytes)
         return 0.0

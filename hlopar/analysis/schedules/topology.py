@@ -6,8 +6,10 @@ to stage dst > src, and so stage dst's backward sends as many gradient bytes bac
 pipeline is the chain k -> k+1; skip connections (a U-Transformer's stage i -> #stages-1-i)
 are more edges. Each stage also stashes `activation_bytes[k]` per microbatch between its
 forward and backward, and, when a schedule splits backwards, holds `carry_bytes[k]` from
-its B to its W (what B computed that W reads; for the memory estimate); each stage runs on
-its own mesh.
+its B to its W (what B computed that W reads; for the memory estimate). Each stage runs on
+`meshes[k]`: one stage per mesh, or, with virtual stages, the same number of stages (chunks)
+on each mesh, placed as a schedule places them (`Schedule.placed`); an edge between two
+stages of one mesh is a hand-over on that mesh, not a transfer.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class Edge:
 
 @dataclass(frozen=True)
 class PipelineTopology:
-    """Stages 0..S-1 on `meshes` (default m1..mS), the forward edges between them, stash sizes."""
+    """Stages 0..S-1 on `meshes` (default m1..mS; a name repeats where a mesh holds several
+    stages), the forward edges between them, stash sizes."""
 
     num_stages: int
     edges: tuple[Edge, ...]
@@ -53,8 +56,9 @@ class PipelineTopology:
         object.__setattr__(self, "meshes", tuple(self.meshes))
         if any(len(t) != self.num_stages for t in (self.activation_bytes, self.carry_bytes, self.meshes)):
             raise ValueError("activation_bytes, carry_bytes and meshes need one entry per stage")
-        if len(set(self.meshes)) != self.num_stages:
-            raise ValueError(f"mesh names must be distinct, got {self.meshes}")
+        held = [self.meshes.count(mesh) for mesh in self.mesh_names]
+        if len(set(held)) != 1:
+            raise ValueError(f"every mesh must hold as many stages as the others, got {self.meshes}")
         seen = set()
         for e in self.edges:
             if not (0 <= e.src < e.dst < self.num_stages):
@@ -95,5 +99,23 @@ class PipelineTopology:
         """Edges out of `stage`, by destination stage."""
         return sorted((e for e in self.edges if e.src == stage), key=lambda e: e.dst)
 
+    @property
+    def mesh_names(self) -> tuple[str, ...]:
+        """The distinct meshes, in order of their first stage."""
+        return tuple(dict.fromkeys(self.meshes))
+
+    @property
+    def chunks(self) -> int:
+        """Stages per mesh (1 unless virtual stages)."""
+        return self.num_stages // len(self.mesh_names)
+
+    def stages_on(self, mesh: str) -> tuple[int, ...]:
+        """The stages of `mesh`, in order: its chunks 0, 1, ..."""
+        return tuple(k for k, m in enumerate(self.meshes) if m == mesh)
+
     def stage_of(self, mesh: str) -> int:
-        return self.meshes.index(mesh)
+        """The stage of a mesh that holds one."""
+        stages = self.stages_on(mesh)
+        if len(stages) != 1:
+            raise ValueError(f"mesh {mesh} holds stages {stages}, not one")
+        return stages[0]
