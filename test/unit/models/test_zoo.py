@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import re
 import subprocess
@@ -15,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tools_module import load_tool
 
 from hlopar.models import (
     MODELS,
@@ -63,10 +63,7 @@ def _nominal_params(name: str) -> float | None:
 
 
 def _load_tool():
-    spec = importlib.util.spec_from_file_location("export_model", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("export_model")
 
 
 # --------------------------------------------------------------------------- registry

@@ -5,22 +5,14 @@ prediction where the plan has one."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
-
-TOOL = Path(__file__).resolve().parents[3] / "tools" / "check_predictions.py"
+from tools_module import load_tool
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("check_predictions", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("check_predictions")
 
 
 def test_spearman(tool):

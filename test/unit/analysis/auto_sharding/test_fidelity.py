@@ -8,29 +8,21 @@ between layouts of one tensor next to what the resharding model predicts for it.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
 import re
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
+from tools_module import load_tool
 
 from hlopar.analysis.auto_sharding.cluster import logical_mesh
 from hlopar.analysis.auto_sharding.resharding import resharding_collectives
 from hlopar.analysis.sharding import ShardingSpec, TensorSharding
 
-_TOOL = Path(__file__).resolve().parents[4] / "tools" / "check_fidelity.py"
-
 
 def _load_tool():
-    spec = importlib.util.spec_from_file_location("check_fidelity", _TOOL)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("check_fidelity", module)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("check_fidelity")
 
 
 tool = _load_tool()

@@ -4,23 +4,17 @@ memory budget, fixed strategies, followers, determinism and time limits."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import random
-import sys
-from pathlib import Path
 
 import pytest
+from tools_module import load_tool
 
 from hlopar.analysis.auto_sharding.ilp import brute_force, solve
 from hlopar.analysis.auto_sharding.merging import Simplify, follows_from
 from hlopar.analysis.auto_sharding.problem import Edge, Node, Problem, evaluate, violations
 
-ROOT = Path(__file__).resolve().parents[4]
-_spec = importlib.util.spec_from_file_location("bench_ilp", ROOT / "tools" / "bench_ilp.py")
-bench_ilp = importlib.util.module_from_spec(_spec)
-sys.modules["bench_ilp"] = bench_ilp  # dataclasses look their module up there
-_spec.loader.exec_module(bench_ilp)
+bench_ilp = load_tool("bench_ilp")
 
 NOTHING = Simplify(normalize_edges=False, memory=False, dominance=False, eliminate=False, bound=False)
 OPTIONS = {

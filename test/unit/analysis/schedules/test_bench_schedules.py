@@ -5,24 +5,15 @@ fits a V100's 16 GB (B=256); on GPT every schedule sits near the bound."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from tools_module import load_tool
 
 from hlopar.analysis.schedules import build_streams, signal, simulate
-
-BENCH = Path(__file__).resolve().parents[4] / "tools" / "bench_schedules.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_schedules", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_schedules")
 
 
 def _times(case, schedule: str, microbatches: int) -> tuple[float, float]:
