@@ -498,12 +498,6 @@ class _Stage:
             warn=lambda where, message: None,
         )
         func = self.extraction.func
-        for key, values in (("arg_attrs", self.extraction.inputs), ("res_attrs", self.extraction.outputs)):
-            if key in func.attributes:
-                for v, attrs in zip(values, ir.ArrayAttr(func.attributes[key])):
-                    attrs = ir.DictAttr(attrs)
-                    if SDY_SHARDING in attrs:
-                        self.layouts.setdefault(v, TensorSharding.parse(str(attrs[SDY_SHARDING])))
         kept = set(self.ops.values())
         for op in func.regions[0].blocks[0].operations:
             op = op.operation
@@ -514,6 +508,15 @@ class _Stage:
                 per_value = ShardingPerValue.parse(str(op.attributes[SDY_SHARDING]))
                 for v, sharding in zip(graph.ops[index].results, per_value):
                     self.layouts[v] = sharding
+        # The stage's results leave as the plan returns them: a training state's new value in
+        # its argument's layout (the plan ties the two and prices the conversion), not in the
+        # layout of the op that computes it, so the next step reads it as it is.
+        for key, values in (("arg_attrs", self.extraction.inputs), ("res_attrs", self.extraction.outputs)):
+            if key in func.attributes:
+                for v, attrs in zip(values, ir.ArrayAttr(func.attributes[key])):
+                    attrs = ir.DictAttr(attrs)
+                    if SDY_SHARDING in attrs:
+                        self.layouts[v] = TensorSharding.parse(str(attrs[SDY_SHARDING]))
 
     def type_of(self, graph: FuncGraph, vid: int) -> ir.Type:
         value = graph.values[vid]

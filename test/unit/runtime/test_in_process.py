@@ -56,15 +56,12 @@ def test_a_one_executable_plan_runs_here_as_jax_jit_does(mlp):
     assert jax.tree_util.tree_structure(first) == jax.tree_util.tree_structure(step.jitted_step(*args))
     assert_step_close(leaves, step.jitted_step(*args), args[0], rtol=RTOL, update_max_rtol=UPDATE_MAX_RTOL)
 
-    # Passed back, a result already laid out as the executable reads it is used as it is:
-    # only those whose layouts differ are moved, once each.
-    moved = sum(
-        not x.sharding.is_equivalent_to(ex.input_shardings[i], x.ndim)
-        for i, x in enumerate(jax.tree_util.tree_leaves(first[:2]))
-    )
+    # The state leaves the step laid out as the next step reads it (issue 31 item 3), so
+    # passed back it is used as it is: only the batch, on one device, is placed on the mesh.
+    state = jax.tree_util.tree_leaves(first[:2])
+    assert all(x.sharding.is_equivalent_to(ex.input_shardings[i], x.ndim) for i, x in enumerate(state))
     second = parallel(first[0], first[1], args[2])
-    batch = len(jax.tree_util.tree_leaves(args[2]))  # on one device: placed on the mesh
-    assert parallel.runtime.placed == moved + batch
+    assert parallel.runtime.placed == len(jax.tree_util.tree_leaves(args[2]))
     assert_step_close(
         jax.tree_util.tree_leaves(second),
         step.jitted_step(first[0], first[1], args[2]),
@@ -73,6 +70,33 @@ def test_a_one_executable_plan_runs_here_as_jax_jit_does(mlp):
         update_max_rtol=UPDATE_MAX_RTOL,
     )
     assert parallel.runtime.step_id == 2
+
+
+def test_a_sharded_state_is_not_laid_out_again_between_steps(tmp_path, monkeypatch):
+    """The tiny GPT's "shard" plan shards its weights and Adam's moments; the update computes
+    some of them in other layouts than the forward reads (the embedding's gradient split by
+    columns where the table is read whole), and returns each as its argument is laid out
+    (issue 31 item 3): from the second step on, only the batch is placed."""
+    monkeypatch.setenv("HLOPAR_CACHE_DIR", str(tmp_path))
+    step = get_train_step("gpt", "tiny")
+    params = step.init(jax.random.PRNGKey(0))
+    args = (params, step.init_opt_state(params), step.make_batch(jax.random.PRNGKey(1)))
+    with hlopar.parallelize(step.step, cluster=ONE_HOST, method="shard", batch_argnums=(2,), verbose=False) as parallel:
+        first = parallel(*args)
+        ex = parallel.runtime.executable
+        state = jax.tree_util.tree_leaves(first[:2])
+        assert len(state) == len(ex.input_shardings) - len(jax.tree_util.tree_leaves(args[2]))
+        assert all(x.sharding.is_equivalent_to(ex.input_shardings[i], x.ndim) for i, x in enumerate(state))
+        assert sum(not x.sharding.is_fully_replicated for x in state) >= 8, "the plan shards little: proves little"
+        second = parallel(first[0], first[1], args[2])
+        assert parallel.runtime.placed == len(jax.tree_util.tree_leaves(args[2]))
+        assert_step_close(
+            jax.tree_util.tree_leaves(second),
+            step.jitted_step(first[0], first[1], args[2]),
+            first[0],
+            rtol=RTOL,
+            update_max_rtol=UPDATE_MAX_RTOL,
+        )
 
 
 def test_save_and_restore_here_and_on_ray(mlp, tmp_path, ray_cluster):

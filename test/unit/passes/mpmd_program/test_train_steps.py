@@ -13,11 +13,13 @@ from collections import Counter
 import jax
 import numpy as np
 import pytest
+from jaxlib.mlir import ir
 from numerics import assert_step_close
 from oracles.sequential_mpmd import SequentialMpmd
-from program_checks import check_program, fragments
+from program_checks import check_program, fragments, main_func
 from two_stage import roles_of, stages_of
 
+from hlopar.analysis.step_io import state_pairs
 from hlopar.codegen.spmd import compile_spmd
 from hlopar.ir.graph import FuncGraph
 from hlopar.ir.module import parse_module, print_module
@@ -84,3 +86,26 @@ def test_two_stage_program_matches_one_device(model, plan, tmp_path):
         assert '{"x"' in program or '{"y"' in program, "the plan shards nothing: the test would prove nothing"
 
     assert_step_close(SequentialMpmd(module)(arguments), reference, params, rtol=RTOL)
+
+
+@pytest.mark.parametrize("model, across", [("mlp", 0), ("gpt", 1)])
+def test_a_state_leaves_the_step_as_the_next_step_reads_it(model, across):
+    """A training state's new value is returned in its argument's layout, whatever layout the
+    update computes it in: the plan ties the two (and prices the conversion), so the next
+    step lays nothing out again."""
+    text, *_ = imported(model)
+    module = parse_module(text)
+    graph = FuncGraph.from_func(main_func(module))
+    pairs = state_pairs(graph)
+    assert len(pairs) == len(graph.args) - 2  # every parameter and optimizer state; not the batch
+    planned = split(text, plan=True)
+    main = main_func(planned)
+    arg_types = [str(a.type) for a in main.regions[0].blocks[0].arguments]
+    result_types = [str(t) for t in ir.FunctionType(ir.TypeAttr(main.attributes["function_type"]).value).results]
+    mesh_of = [t.split('"')[1] for t in arg_types]
+    # The hand-made split reads a few parameters on one mesh and updates them on the other
+    # (one of the GPT's vectors: a transfer every step, whatever the layouts).
+    same_mesh = [(a, r) for a, r in pairs if result_types[r].startswith(f'!mpmd.mesh_tensor<"{mesh_of[a]}"')]
+    assert len(same_mesh) == len(pairs) - across
+    assert [result_types[r] for _, r in same_mesh] == [arg_types[a] for a, _ in same_mesh]
+    assert any("sharding" in arg_types[a] for a, _ in pairs), "no state is sharded: the test would prove nothing"
