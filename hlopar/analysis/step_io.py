@@ -35,7 +35,7 @@ from hlopar.analysis.dataflow import (
     paused_gc,
     predecessors,
 )
-from hlopar.ir.graph import FuncGraph
+from hlopar.ir.graph import FuncGraph, callee_graph
 from hlopar.ir.signature import FuncSignature, path_tokens
 
 __all__ = [
@@ -187,7 +187,8 @@ def batch_arguments(graph: FuncGraph, pairs: tuple[tuple[int, int], ...] | None 
     """The arguments that hold the batch, from data flow: what the loss is computed from
     (every argument, in a program without a loss) that is not training state, not a scalar
     (a learning rate), not a random key (unsigned words that feed threefry's shifts and
-    xors). Raises `RolesError` naming the candidates when they have several leading dims."""
+    xors), and, beside others, not of leading dim 1 (nothing to split). Raises `RolesError`
+    naming the candidates when they have several leading dims."""
     with paused_gc():
         return _batch_arguments(graph, state_pairs(graph) if pairs is None else pairs)
 
@@ -198,8 +199,10 @@ def _batch_arguments(graph: FuncGraph, pairs: tuple[tuple[int, int], ...]) -> tu
     groups: dict[int | None, list[int]] = {}
     for i in candidates:
         groups.setdefault(values[graph.args[i]].shape[0], []).append(i)
+    if len(groups) > 1:
+        groups.pop(1, None)  # a (1, ...) value beside a batch (a loss scale, a fresh counter) is not one
     if len(groups) <= 1:
-        return tuple(candidates)
+        return tuple(i for group in groups.values() for i in group)
     signature = FuncSignature.of(graph.mlir_func)
     listed = "; ".join(
         f"leading dim {size}: " + ", ".join(signature.arg(i) for i in group)
@@ -231,18 +234,27 @@ def batch_candidates(graph: FuncGraph, pairs: tuple[tuple[int, int], ...]) -> li
 _RANDOM_BIT_OPS = frozenset({"stablehlo.xor", "stablehlo.shift_left", "stablehlo.shift_right_logical"})
 
 
-def is_random_key(graph: FuncGraph, arg: int) -> bool:
+def is_random_key(graph: FuncGraph, arg: int, depth: int = 0) -> bool:
     """Whether argument `arg` is a random key: 32-bit unsigned words (threefry's key data,
-    raw or typed) that reach the generator's rotations (shifts and xors)."""
+    raw or typed) that reach the generator's rotations (shifts and xors), in this function
+    or in the private functions it calls (JAX lowers `jax.random` as calls to
+    `@_uniform`, `@threefry2x32`, ... that `hlopar-import` inlines)."""
     value = graph.values[graph.args[arg]]
     if value.dtype != "ui32":
         return False
     stack, seen = [graph.args[arg]], {graph.args[arg]}
     while stack and len(seen) < 256:
-        for user in graph.values[stack.pop()].users:
+        vid = stack.pop()
+        for user in graph.values[vid].users:
             op = graph.ops[user]
             if any(inner.name in _RANDOM_BIT_OPS for inner in op.walk()):
                 return True
+            if op.name == "func.call" and depth < 8:
+                callee = callee_graph(graph, op)
+                if callee is not None and any(
+                    is_random_key(callee, k, depth + 1) for k, v in enumerate(op.operands) if v == vid
+                ):
+                    return True
             for v in op.results:
                 if v not in seen:
                     seen.add(v)

@@ -336,6 +336,19 @@ def reaches(successors: Callable[[int], Iterable[int]], start: int, targets: Con
     return False
 
 
+def callee_graph(graph: FuncGraph, call: OpNode) -> FuncGraph | None:
+    """The graph of the function that `call` (a `func.call` op of `graph`) calls, found in the
+    module holding `graph`'s function; None where it is not there."""
+    name = ir.FlatSymbolRefAttr(call.mlir_op.attributes["callee"]).value
+    module = graph.mlir_func.parent
+    if module is None:
+        return None
+    for func in _funcs(module):
+        if ir.StringAttr(func.attributes["sym_name"]).value == name:
+            return FuncGraph.from_func(func)
+    return None
+
+
 def module_graphs(module: ir.Module | ir.Operation) -> dict[str, FuncGraph]:
     """The graph of every function in the module, by symbol name."""
     collecting = gc.isenabled()

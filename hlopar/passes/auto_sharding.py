@@ -53,7 +53,15 @@ class AutoShardingPass(ModulePass):
         "weight-update sharding (ZeRO-like): keep the training state split over the mesh, "
         "so gradients are reduce-scattered and parameters all-gathered where used",
     )
-    force_batch_dim: str | None = option(None, "split the batch dimension over this mesh axis")
+    force_batch_dim: str | None = option(
+        None, "split the batch over this mesh axis: the dimension of every value that holds the batch's examples"
+    )
+    data_parallel: bool = option(
+        False, "pure data parallelism: the batch split over every mesh axis, the training state replicated"
+    )
+    batch_args: tuple[int, ...] | None = option(
+        None, "with force-batch-dim or data-parallel: the arguments that hold the batch, e.g. 5,6 (default: found)"
+    )
     merge: bool = option(True, "fold cheap ops into their deepest operand before solving (Alpa §4.2)")
     tie_outputs: bool = option(
         True, "give each new value of training state the layout of its old value (step_io.state_pairs)"

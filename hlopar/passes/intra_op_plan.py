@@ -24,6 +24,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import sdy
 
 from hlopar.analysis.auto_sharding import ilp
+from hlopar.analysis.auto_sharding.batch_flow import batch_dims
 from hlopar.analysis.auto_sharding.cluster import LogicalMesh, logical_mesh
 from hlopar.analysis.auto_sharding.graph_problem import ShardingProblem, build_problem
 from hlopar.analysis.auto_sharding.resharding import resharding_collectives
@@ -61,6 +62,8 @@ class IntraOpOptions:
     time_limit: float = 60.0
     prefer_reduce_scatter: bool = False
     force_batch_dim: str | None = None
+    data_parallel: bool = False
+    batch_args: tuple[int, ...] | None = None
     merge: bool = True
     tie_outputs: bool = True
     reshard_constraints: bool = True
@@ -130,11 +133,10 @@ class _Planner:
         rules = {op.id: rule_of(op.mlir_op) for op in graph.walk()} if analysable else {}
         constraints = self._user_shardings(module, graph, mesh_name)
         options = self.options
-        tied = (
-            {result: arg for arg, result in state_pairs(graph)}
-            if options.tie_outputs or options.prefer_reduce_scatter
-            else {}
+        pairs = (
+            state_pairs(graph) if options.tie_outputs or options.prefer_reduce_scatter or options.data_parallel else ()
         )
+        tied = {result: arg for arg, result in pairs} if options.tie_outputs or options.prefer_reduce_scatter else {}
         problem = build_problem(
             graph,
             rules,
@@ -145,9 +147,10 @@ class _Planner:
             op_result_shardings=constraints.op_results,
             memory_budget=options.memory_budget,
             merge=options.merge,
-            strategy_filter=self._batch_filter(graph),
+            split_dims=self._batch_splits(graph, rules, mesh, pairs),
             tied_results=tied,
             split_args=frozenset(tied.values()) if options.prefer_reduce_scatter else frozenset(),
+            replicated_args=frozenset(arg for arg, _ in pairs) if options.data_parallel else frozenset(),
         )
         for op, message in problem.warnings:
             self.warn(op.mlir_op, message)
@@ -250,31 +253,42 @@ class _Planner:
                     found.op_results[op.id] = tuple(specs)
         return found
 
-    def _batch_filter(self, graph: FuncGraph):
-        """With `force-batch-dim`, strategies must split dim 0 of batch-sized values over the
-        axis. The batch size is the leading dim of the batch arguments
-        (`step_io.batch_arguments`)."""
-        axis = self.options.force_batch_dim
-        if axis is None or not graph.args:
-            return None
-        if axis not in self._mesh().axis_names:
-            _fail(graph.mlir_func, f"force-batch-dim: no mesh axis '{axis}'")
-        try:
-            batch_args = batch_arguments(graph)
-        except RolesError as error:
-            _fail(graph.mlir_func, f"force-batch-dim: {error}")
+    def _batch_splits(
+        self, graph: FuncGraph, rules, mesh: LogicalMesh, pairs
+    ) -> dict[int, tuple[int, tuple[str, ...]]]:
+        """With `force-batch-dim` (or `data-parallel`: every mesh axis), the dimension of
+        each value that holds the batch's examples (`batch_flow.batch_dims`, from the batch
+        arguments: `batch-args`, or the ones `step_io.batch_arguments` finds) must be split
+        over the axis (axes)."""
+        options = self.options
+        if options.data_parallel:
+            axes, option = tuple(a.name for a in mesh.axes if a.size > 1), "data-parallel"
+        elif options.force_batch_dim is not None:
+            axis, option = options.force_batch_dim, "force-batch-dim"
+            if axis not in mesh.axis_names:
+                _fail(graph.mlir_func, f"force-batch-dim: no mesh axis '{axis}'")
+            if mesh.axes[mesh.axis_names.index(axis)].size == 1:
+                self.warn(graph.mlir_func, f"{NAME}: force-batch-dim={axis}: the axis has size 1, so it splits nothing")
+                return {}
+            axes = (axis,)
+        else:
+            return {}
+        if not graph.args or not axes:
+            return {}
+        if options.batch_args is not None:
+            wrong = [i for i in options.batch_args if not 0 <= i < len(graph.args)]
+            if wrong:
+                _fail(graph.mlir_func, f"batch-args: '{_symbol(graph.mlir_func)}' has no argument {wrong[0]}")
+            batch_args = options.batch_args
+        else:
+            try:
+                batch_args = batch_arguments(graph, pairs or None)
+            except RolesError as error:
+                _fail(graph.mlir_func, f"{option}: {error}")
         if not batch_args:
-            return None
-        shape = graph.values[graph.args[batch_args[0]]].shape
-        batch = shape[0]
-
-        def keep(shapes, strategy) -> bool:
-            return all(
-                spec is None or not shape_ or shape_[0] != batch or axis in spec.dims[0]
-                for spec, shape_ in zip(strategy.result_specs, shapes)
-            )
-
-        return keep
+            self.warn(graph.mlir_func, f"{NAME}: {option}: no argument holds a batch (batch-args=... names it)")
+            return {}
+        return {v: (d, axes) for v, d in batch_dims(graph, rules, batch_args).items()}
 
 
 def _symbol(func: ir.Operation) -> str:

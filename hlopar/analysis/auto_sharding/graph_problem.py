@@ -12,7 +12,7 @@ fold them into it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -99,20 +99,23 @@ def build_problem(
     op_result_shardings: Mapping[int, tuple[ShardingSpec, ...]] = {},
     memory_budget: float | None = None,
     merge: bool = True,
-    strategy_filter: Callable[[list, Strategy], bool] | None = None,
+    split_dims: Mapping[int, tuple[int, tuple[str, ...]]] = {},
     tied_results: Mapping[int, int] = {},
     split_args: frozenset[int] = frozenset(),
+    replicated_args: frozenset[int] = frozenset(),
     cache: StrategyCache | None = None,
 ) -> ShardingProblem:
     """The ILP for one function. `rules` maps top-level op indices to their sdy rules;
     `constraint_specs` the layout each `sdy.sharding_constraint` op (by index) imposes;
     `op_result_shardings` the result layouts the input fixed on other ops;
-    `strategy_filter(result_shapes, strategy)` can veto strategies of nodes that choose
-    (a node keeps all of its strategies if the filter would leave none); `tied_results` maps
+    `split_dims` maps a value to a dimension and the mesh axes that must split it (the
+    batch's flow, `batch_flow.batch_dims`): nodes that choose keep only such strategies
+    (all of them, if none is); `tied_results` maps
     a result to the argument it replaces in a training loop (new parameters for old): the
     two then get the same layout, so the next step needs no resharding; `split_args` are
     arguments that must be split over the mesh where their shape allows (weight-update
-    sharding); `cache` shares strategy work with other builds on the same mesh."""
+    sharding); `replicated_args` are arguments every device holds whole (data
+    parallelism's parameters); `cache` shares strategy work with other builds on the same mesh."""
 
     if cache is not None and cache.mesh != mesh:
         raise ValueError("a StrategyCache serves builds on its own mesh only")
@@ -124,9 +127,9 @@ def build_problem(
         constraint_specs=constraint_specs,
         op_result_shardings=op_result_shardings,
         merge=merge,
-        strategy_filter=strategy_filter,
+        split_dims=split_dims,
     )
-    builder.add_arguments(arg_shardings, split_args)
+    builder.add_arguments(arg_shardings, split_args, replicated_args)
     for op in graph.ops:
         builder.visit(op, 1.0)
     builder.add_results(result_shardings, tied_results)
@@ -147,11 +150,11 @@ class _Builder:
         constraint_specs: Mapping[int, ShardingSpec],
         op_result_shardings: Mapping[int, tuple[ShardingSpec, ...]],
         merge: bool,
-        strategy_filter: Callable[[list, Strategy], bool] | None,
+        split_dims: Mapping[int, tuple[int, tuple[str, ...]]],
     ):
         self.graph, self.rules, self.mesh, self.memo = graph, rules, mesh, memo
         self.constraint_specs, self.op_result_shardings = constraint_specs, op_result_shardings
-        self.merge, self.strategy_filter = merge, strategy_filter
+        self.merge, self.split_dims = merge, split_dims
         self.nodes: list[PlanNode] = []
         self.producer: dict[int, tuple[int, int]] = {}  # value id -> (node, result number)
         self.depth: list[int] = []
@@ -160,11 +163,15 @@ class _Builder:
         self.out = ShardingProblem(self.nodes, Problem((), ()), warnings=self.warnings, producer=self.producer)
         self.infos: dict[int, TensorInfo] = {}  # the edges read again what the ops' strategies read
 
-    def filtered(self, strategies: tuple[Strategy, ...], infos) -> tuple[Strategy, ...]:
-        if self.strategy_filter is None:
+    def filtered(self, strategies: tuple[Strategy, ...], value_ids) -> tuple[Strategy, ...]:
+        """The strategies that split each of `value_ids` (the node's results) as `split_dims`
+        requires."""
+        if not self.split_dims:
             return strategies
-        shapes = [info.shape for info in infos]
-        return self.memo.filtered(self.strategy_filter, strategies, shapes)
+        required = tuple(self.split_dims.get(v) for v in value_ids)
+        if not any(required):
+            return strategies
+        return self.memo.filtered(required, strategies)
 
     def info_of(self, value_id: int) -> TensorInfo:
         info = self.infos.get(value_id)
@@ -177,14 +184,18 @@ class _Builder:
         self.depth.append(node_depth)
         return len(self.nodes) - 1
 
-    def add_arguments(self, arg_shardings: Mapping[int, ShardingSpec], split_args: frozenset[int]) -> None:
+    def add_arguments(
+        self, arg_shardings: Mapping[int, ShardingSpec], split_args: frozenset[int], replicated_args: frozenset[int]
+    ) -> None:
         """One node per argument: any layout, the fixed one where the input gives it."""
         out, memo = self.out, self.memo
         for position, value_id in enumerate(self.graph.args):
             info = tensor_info(self.graph, value_id)
-            strategies = self.filtered(memo.free_layouts(info), [info])
+            strategies = self.filtered(memo.free_layouts(info), [value_id])
             if position in split_args:
                 strategies = tuple(s for s in strategies if not s.result_specs[0].is_replicated) or strategies
+            elif position in replicated_args:
+                strategies = tuple(s for s in strategies if s.result_specs[0].is_replicated) or strategies
             strategies, fixed = _index_of_layout(strategies, arg_shardings.get(position), info, self.mesh)
             out.arg_node[position] = self.add(PlanNode("arg", position, f"arg{position}", strategies, fixed=fixed), 0)
             self.producer[value_id] = (out.arg_node[position], 0)
@@ -218,7 +229,9 @@ class _Builder:
         )
         if leader is not None and self.nodes[leader].scale != scale:
             leader = None  # a node inside a loop cannot share a choice with one outside: costs differ
-            strategies = self.filtered(memo.enumerate(rule, operands, results, _flops(op.name, rule, results)), results)
+            strategies = self.filtered(
+                memo.enumerate(rule, operands, results, _flops(op.name, rule, results)), op.results
+            )
         index = self.add(
             PlanNode("op", op.id, op.name, strategies, leader=leader, planned=planned, scale=scale), node_depth
         )
@@ -262,7 +275,7 @@ class _Builder:
                     rule, leader_operand, self.nodes[leader].strategies, result_number, operands, results, flops
                 )
             else:
-                strategies = self.filtered(memo.enumerate(rule, operands, results, flops), results)
+                strategies = self.filtered(memo.enumerate(rule, operands, results, flops), op.results)
         return strategies, leader
 
     def visit_loop(self, op: OpNode, scale: float) -> None:
@@ -452,11 +465,18 @@ class StrategyCache:
     def node_memory(self, strategies: tuple[Strategy, ...]) -> tuple[float, ...]:
         return self.once(("memory", id(strategies)), lambda: tuple(s.memory for s in strategies), keep=strategies)
 
-    def filtered(self, keep, strategies, shapes) -> tuple[Strategy, ...]:
-        key = ("filter", id(keep), id(strategies), tuple(map(tuple, filter(None, shapes))))
-        return self.once(
-            key, lambda: tuple(s for s in strategies if keep(shapes, s)) or strategies, keep=(keep, strategies)
-        )
+    def filtered(self, required, strategies) -> tuple[Strategy, ...]:
+        """`strategies` whose result k splits dim d over `axes` where `required[k]` is
+        (d, axes); all of them if none does."""
+
+        def keeps(strategy: Strategy) -> bool:
+            return all(
+                need is None or (spec is not None and set(need[1]) <= set(spec.dims[need[0]]))
+                for need, spec in zip(required, strategy.result_specs)
+            )
+
+        key = ("filter", required, id(strategies))
+        return self.once(key, lambda: tuple(filter(keeps, strategies)) or strategies, keep=strategies)
 
     def matrix(self, info: TensorInfo, sources, number: int, targets, k: int) -> np.ndarray:
         return self.once(

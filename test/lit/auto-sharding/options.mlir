@@ -12,6 +12,17 @@
 // BATCH-SAME: %arg26: tensor<64x4096xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"x"}, {}]>}
 // BATCH: stablehlo.dot_general {{.*}}sdy.sharding = #sdy.sharding_per_value<[<@mesh, [{"x"{{.*}}}, {{.*}}]>]>{{.*}}-> tensor<64x16384xf32>
 
+// data-parallel: the batch split over every axis (x major), every weight replicated.
+// RUN: hlopar-opt %t.hidden.mlir -p 'builtin.module(hlopar-import,hlopar-auto-sharding{mesh-shape=2x4 preset=v100-p3.16xlarge data-parallel=true})' | FileCheck %s --check-prefix=DP
+// DP: func.func public @main(%arg0: tensor<16384xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}]>}
+// DP-SAME: %arg24: tensor<16384x4096xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}
+// DP-SAME: %arg25: tensor<64x4096xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"x", "y"}, {}]>}
+// DP-SAME: %arg26: tensor<64x4096xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"x", "y"}, {}]>}
+
+// A size-1 axis splits nothing: said, not silently done.
+// RUN: hlopar-opt %t.hidden.mlir -p 'builtin.module(hlopar-import,hlopar-auto-sharding{mesh-shape=1x8 force-batch-dim=x})' -o /dev/null 2>&1 | FileCheck %s --check-prefix=SIZE1
+// SIZE1: warning: hlopar-auto-sharding: force-batch-dim=x: the axis has size 1, so it splits nothing
+
 // Bad options are reported before any work.
 // RUN: not hlopar-opt %t.hidden.mlir -p 'builtin.module(hlopar-auto-sharding{mesh-shape=2x4 force-batch-dim=q})' 2>&1 | FileCheck %s --check-prefix=NO-AXIS
 // NO-AXIS: error: hlopar-auto-sharding: force-batch-dim: no mesh axis 'q'

@@ -282,6 +282,22 @@ def test_several_leading_dims_name_the_candidates():
         batch_arguments(graph, ((0, 1),))
 
 
+def test_a_leading_dim_of_one_beside_the_batch_is_not_the_batch():
+    """A (1,) value the loss reads (a loss scale, a freshly built counter) has nothing to
+    split: the batch is the rest."""
+
+    def step(w, x, scale):
+        return jnp.mean(x @ w) * scale[0], w
+
+    args = (
+        jax.ShapeDtypeStruct((4, 4), jnp.float32),
+        jax.ShapeDtypeStruct((8, 4), jnp.float32),
+        jax.ShapeDtypeStruct((1,), jnp.float32),
+    )
+    module, graph = imported(jax.jit(step).lower(*args).as_text())
+    assert batch_arguments(graph, ((0, 1),)) == (1,)
+
+
 # --------------------------------------------------------------------------- other programs
 
 
