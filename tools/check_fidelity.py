@@ -1,9 +1,15 @@
 #!/usr/bin/env python3
 """Do the collectives XLA compiles match the ones hlopar-auto-sharding predicted?
 
-    python tools/check_fidelity.py [--mesh 2x4] [--preset cpu] [--options 'latency=0,0'] [MODEL:CONFIG ...]
+    python tools/check_fidelity.py [--mesh 2x4] [--preset cpu] [--options 'latency=0,0'] [PROGRAM ...]
 
-For each zoo model, the training step is lowered, imported and planned (with a report), the
+PROGRAM is a zoo step (`MODEL:CONFIG`, default the zoo's tiny models), a StableHLO file
+(`.mlir` text or bytecode, `.mlirbc`: `jax.jit(step).lower(...)`'s or `jax.export`'s, any
+program of the corpus), or a JAX function of your own, `path/to/file.py:factory`, where
+`factory()` returns a dict with `step` and `args` (as `tools/check_predictions.py` takes it;
+only lowered here, never run).
+
+For each program, the training step is lowered, imported and planned (with a report), the
 planned module is compiled by stock jaxlib for 8 CPU devices, and the collectives of the
 compiled HLO are compared with the plan's: the ops' own collectives (partial-sum
 all-reduces) and the resharding collectives on edges (each conversion once: consumers that
@@ -309,17 +315,40 @@ def compare(predicted: list, compiled: list) -> Fidelity:
     return Fidelity(len(predicted), len(compiled), sum(matched.values()), sum(as_all_reduce.values()), notes)
 
 
-def fidelity(model: str, config: str = "tiny", mesh: str = "2x4", preset: str = "cpu", options: str = "") -> Fidelity:
-    """Plans a zoo model's training step, compiles it for the mesh's CPU devices and compares."""
+def load_program(spec: str):
+    """The module of a PROGRAM (module docstring): a zoo `MODEL:CONFIG`, a `.mlir`/`.mlirbc`
+    file, or a `file.py:factory` whose step is lowered with its arguments."""
+    import importlib.util
+
+    import jax
+
+    from hlopar.ir.module import load_module, parse_module
+    from hlopar.models import get_train_step
+
+    if spec.endswith((".mlir", ".mlirbc")):
+        return load_module(spec)
+    if ".py:" in spec:
+        path, name = spec.rsplit(":", 1)
+        module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+        if module_spec is None or module_spec.loader is None:
+            raise SystemExit(f"{spec}: cannot import {path}")
+        source = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(source)
+        made = getattr(source, name)()
+        return parse_module(jax.jit(made["step"]).lower(*made["args"]).as_text())
+    model, _, config = spec.partition(":")
+    return parse_module(get_train_step(model, config or "tiny").lower())
+
+
+def fidelity(program: str, mesh: str = "2x4", preset: str = "cpu", options: str = "") -> Fidelity:
+    """Plans a program (`load_program`), compiles it for the mesh's CPU devices and compares."""
     import jax
 
     from hlopar.codegen.spmd import compile_spmd
-    from hlopar.ir.module import parse_module
-    from hlopar.models import get_train_step
     from hlopar.passes.base import PassContext
     from hlopar.passes.pipeline import Pipeline
 
-    module = parse_module(get_train_step(model, config).lower())
+    module = load_program(program)
     with tempfile.TemporaryDirectory() as scratch:
         report_path = Path(scratch) / "plan.json"
         pipeline = (
@@ -345,15 +374,16 @@ def _explain(kind: str, axes, nbytes: int, other_side: Counter, other_all: list)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("models", nargs="*", default=DEFAULT_MODELS, help="MODEL:CONFIG from the zoo")
+    parser.add_argument(
+        "models", nargs="*", default=DEFAULT_MODELS, help="MODEL:CONFIG of the zoo, a .mlir/.mlirbc, or file.py:factory"
+    )
     parser.add_argument("--mesh", default="2x4")
     parser.add_argument("--preset", default="v100-p3.16xlarge")
     parser.add_argument("--options", default="", help="more hlopar-auto-sharding options, e.g. latency=0,0")
     args = parser.parse_args()
     rows, all_notes = [], []
     for spec in args.models:
-        model, _, config = spec.partition(":")
-        result = fidelity(model, config or "tiny", args.mesh, args.preset, args.options)
+        result = fidelity(spec, args.mesh, args.preset, args.options)
         rows.append((spec, result))
         all_notes += [f"{spec}:"] + result.notes if result.notes else []
     print(f"{'model':<22} {'predicted':>9} {'compiled':>9} {'matched':>8} {'rs as ar':>8} {'rate':>7}")

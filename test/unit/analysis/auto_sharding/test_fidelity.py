@@ -109,9 +109,44 @@ def test_reused_conversions_are_predicted_once():
 def test_tiny_gpt_compiles_to_the_predicted_collectives():
     """The zoo's tiny GPT on 2x4 with zero latency (many small layout changes): every
     collective XLA compiles is one the plan predicted (105 collectives when this was written)."""
-    result = tool.fidelity("gpt", "tiny", "2x4", "cpu", "latency=0,0")
+    result = tool.fidelity("gpt:tiny", "2x4", "cpu", "latency=0,0")
     assert result.rate == 1.0, "\n".join(result.notes)
     assert result.predicted > 50
+
+
+FACTORY = """
+import jax, jax.numpy as jnp
+
+def loss(w, x, y):
+    return jnp.mean((jnp.tanh(x @ w[0]) @ w[1] - y) ** 2)
+
+def step(w, x, y):
+    g = jax.grad(loss)(w, x, y)
+    return [a - 0.1 * b for a, b in zip(w, g)]
+
+def make():
+    k = jax.random.split(jax.random.PRNGKey(0), 4)
+    w = [jax.random.normal(k[0], (64, 256)), jax.random.normal(k[1], (256, 64))]
+    return {"step": step, "args": (w, jax.random.normal(k[2], (32, 64)), jax.random.normal(k[3], (32, 64)))}
+"""
+
+
+def test_any_program_is_taken_a_function_of_ones_own_and_its_exported_text(tmp_path):
+    """`file.py:factory` and the `.mlir` it lowers to: the same plan, the same collectives."""
+    import jax
+
+    source = tmp_path / "my_step.py"
+    source.write_text(FACTORY)
+    from_function = tool.fidelity(f"{source}:make", "2x4", "cpu", "latency=0,0")
+    namespace: dict = {}
+    exec(FACTORY, namespace)
+    made = namespace["make"]()
+    exported = tmp_path / "my_step.mlir"
+    exported.write_text(jax.jit(made["step"]).lower(*made["args"]).as_text())
+    from_text = tool.fidelity(str(exported), "2x4", "cpu", "latency=0,0")
+    assert from_function.rate == from_text.rate == 1.0, "\n".join(from_function.notes + from_text.notes)
+    assert from_function.predicted == from_text.predicted > 0
+    assert from_function.compiled == from_text.compiled
 
 
 def _all_specs(rank: int, axes: list[str], shape, sizes) -> list[ShardingSpec]:
