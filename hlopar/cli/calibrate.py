@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 from hlopar.cli.guard import run_guarded
@@ -65,11 +66,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    try:
-        return _measure(args)
-    except ValueError as error:  # the cluster asked for is not this machine's
-        print(f"hlopar-calibrate: error: {error}", file=sys.stderr)
-        return 1
+    with warnings.catch_warnings(record=True) as caught:  # a busy machine: said as the command says things
+        warnings.simplefilter("always")
+        try:
+            return _measure(args)
+        except ValueError as error:  # the cluster asked for is not this machine's
+            print(f"hlopar-calibrate: error: {error}", file=sys.stderr)
+            return 1
+        finally:
+            for warning in caught:
+                print(f"hlopar-calibrate: warning: {warning.message}", file=sys.stderr)
 
 
 def _measure(args: argparse.Namespace) -> int:

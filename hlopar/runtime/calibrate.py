@@ -16,6 +16,11 @@ once, as in a stage) and fits a `ClusterPreset` to the timings
   pays on Ray workers. Without it (the default for `Cluster.local`, whose in-process runtime
   runs every mesh in this process), the inter-host links are the in-process ones.
 
+Other work on the machine skews every timing (at a load of 5 on 2 cores the kernel launch
+came out 0 and the FLOP/s a third of the quiet value): the load average before and after is
+recorded in the preset file, and a machine busier than half a load per core is warned about
+(`HloparWarning`), the calibration kept (the caller decides).
+
 It measures this machine only: a Ray cluster's nodes are not visited (`hlopar-calibrate`
 runs on a node of it). On GPUs the same programs run on the GPUs (NCCL across processes is
 not launched here); that path has never run on a GPU.
@@ -29,6 +34,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +50,7 @@ __all__ = ["Calibration", "calibrate", "calibrated_preset"]
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 SMALL_BUFFER, LARGE_BUFFER = 1 << 10, 1 << 20  # bytes per device
 CHAIN = 9  # collectives (or kernels) of the long chain; the short one has 1
+BUSY_LOAD_PER_CORE = 0.5  # a 1-minute load average above this per core: the machine is busy
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,12 @@ class Calibration:
     fits: dict
     path: Path | None
     seconds: float
+    load: tuple[float, float] | None = None  # the machine's 1-minute load average, before and after
+
+    @property
+    def busy(self) -> bool:
+        """Whether other work ran beside the calibration (module docstring)."""
+        return self.load is not None and max(self.load) > BUSY_LOAD_PER_CORE * (os.cpu_count() or 1)
 
     def report(self) -> str:
         m, p = self.measurements, self.preset
@@ -68,6 +81,11 @@ class Calibration:
             f"  executable launch      {p.executable_launch_s * 1e6:10.1f} us  (a near-empty executable on every device)",
             f"  memory per device      {p.device_memory_bytes / 2**30:10.2f} GiB",
         ]
+        if self.load is not None:
+            lines.append(
+                f"  machine load           {self.load[0]:10.2f} -> {self.load[1]:.2f} on {os.cpu_count()} cores"
+                + ("  BUSY: the timings are skewed; calibrate on a quiet machine" if self.busy else "")
+            )
         for name, key in (("in one process", "intra_host"), ("across processes", "inter_host")):
             fit = self.fits.get(key)
             if fit is None:
@@ -116,6 +134,7 @@ def calibrate(
             f"(on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={wanted})"
         )
     say = progress or (lambda message: None)
+    load_before = _load()
     say(f"timing matrix products and kernels on {wanted} device(s)")
     timer = _Timer(repeats)
     compute = _compute_timings(devices, timer)
@@ -140,10 +159,31 @@ def calibrate(
         f"{cluster.device_kind} devices" + (", links across processes" if across_processes else "")
     )
     preset, fits = preset_from_measurements(measurements, name, description)
+    load = None if load_before is None else (load_before, _load())
     path = None
     if output is not None:
-        path = write_preset(preset, output, {"measurements": measurements.as_dict(), "fits": fits})
-    return Calibration(preset, measurements, fits, path, time.perf_counter() - start)
+        extra = {"measurements": measurements.as_dict(), "fits": fits, "load_average": load}
+        path = write_preset(preset, output, extra)
+    result = Calibration(preset, measurements, fits, path, time.perf_counter() - start, load)
+    if result.busy:
+        from hlopar.messages import HloparWarning
+
+        warnings.warn(
+            HloparWarning(
+                f"calibrate: the machine was busy (load average {max(load):.1f} on {os.cpu_count()} cores): "
+                "its timings are skewed by the other work; calibrate again on a quiet machine"
+            ),
+            stacklevel=2,
+        )
+    return result
+
+
+def _load() -> float | None:
+    """The 1-minute load average; None where the platform has none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def calibrated_preset(cluster: Cluster, *, across_processes: bool = False) -> Path:

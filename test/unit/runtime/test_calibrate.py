@@ -52,6 +52,30 @@ def test_calibrate_refuses_a_cluster_it_cannot_time():
         hlopar.calibrate(hlopar.Cluster(address="ray://elsewhere:10001", num_hosts=2, devices_per_host=4))
 
 
+def test_a_busy_machine_is_warned_about_and_its_load_recorded(tmp_path, monkeypatch):
+    """Other work skews every timing: the load average before and after is written to the
+    file, and a machine above half a load per core is warned about (the timings kept)."""
+    compute = {"large_matmul_flops": 2e9, "large_matmul_s": 0.1, "small_matmul_flops": 5e5}
+    compute |= {"small_matmul_s": 4e-5, "kernel_s": 3e-6, "launch_s": 2e-4}
+    monkeypatch.setattr(calibrate_module, "_compute_timings", lambda devices, timer: compute)
+    timings = [
+        calibrate_module.CollectiveTiming(k, g, n, 1e-4 + n / 1e9) for k in KINDS for g in (2,) for n in (1024, 1 << 20)
+    ]
+    monkeypatch.setattr(calibrate_module, "_collective_timings", lambda devices, group, timer, across: timings)
+    cores = os.cpu_count()
+    loads = iter([0.1 * cores, 0.2 * cores, 3.0 * cores, 2.0 * cores])
+    monkeypatch.setattr(calibrate_module, "_load", lambda: next(loads))
+    quiet = hlopar.calibrate(hlopar.Cluster.local(1, 2), output=tmp_path / "quiet.json", repeats=1)
+    assert not quiet.busy and quiet.load == pytest.approx((0.1 * cores, 0.2 * cores))
+    assert json.loads(quiet.path.read_text())["measured"]["load_average"] == pytest.approx([0.1 * cores, 0.2 * cores])
+    with pytest.warns(
+        hlopar.HloparWarning, match=rf"the machine was busy \(load average {3.0 * cores:.1f} on {cores} cores\)"
+    ):
+        busy = hlopar.calibrate(hlopar.Cluster.local(1, 2), output=tmp_path / "busy.json", repeats=1)
+    assert busy.busy and "BUSY: the timings are skewed" in busy.report()
+    assert cluster_preset(str(busy.path)) == busy.preset  # kept: the caller decides
+
+
 def run_cli(*args):
     env = {**os.environ, "HLOPAR_NO_FORK": "1"}
     env.pop("XLA_FLAGS", None)  # the command forces its own host devices
