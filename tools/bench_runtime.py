@@ -51,7 +51,9 @@ are printed beside each other (they agree to rounding: the same training).
 
 For hlopar rows the runtime's own timing (`ParallelizedFunction.last_stats`) is reported as
 medians too (for a plan run in this process, which has no worker, `dispatch_s`: the call's
-return, its step not waited for): `critical_s`, the slowest worker's own step (its `run_step`: stream, waits
+return, its step not waited for): `placed`, the most arguments the runtime placed in one
+timed step (from the host, or moved to another layout: a plan whose state leaves each step
+as the next reads it places only the batch); `critical_s`, the slowest worker's own step (its `run_step`: stream, waits
 and updates), `executables_s` (the sum over meshes of their executables' run time) and
 `step_over_critical`. The targets of issue 18 are checked in `targets`: the "shard" plan at
 most 1.05x the same plan without the runtime (`shard_over_...`; on Ray, `ray_shard_over_...`),
@@ -155,6 +157,7 @@ class Runner:
     close: Callable = lambda: None
     times: list = field(default_factory=list)
     stats: list = field(default_factory=list)
+    placed: list = field(default_factory=list)  # per timed step: arguments the runtime placed
     loss: float = float("nan")
 
     def step(self) -> None:
@@ -179,6 +182,7 @@ class Runner:
             self.times.append(now - clock)
             clock = now
             self.stats.append(getattr(self.call, "last_stats", None))
+            self.placed.append(_placed(self.call))
 
     def result(self) -> dict:
         return {
@@ -188,7 +192,17 @@ class Runner:
             **self.row,
             "loss": self.loss,
             **_worker_medians(self.stats),
+            **({"placed": max(self.placed)} if None not in self.placed and self.placed else {}),
         }
+
+
+def _placed(call) -> int | None:
+    """Arguments the hlopar runtime placed in its last step (from the host, or moved to another
+    layout): every worker's on Ray, this process's otherwise; None for jax.jit."""
+    stats = getattr(call, "last_stats", None)
+    if stats is not None and stats.workers:
+        return sum(w.get("placed", 0) for w in stats.workers.values())
+    return getattr(getattr(call, "runtime", None), "placed", None)
 
 
 def _worker_medians(stats: list) -> dict:
@@ -566,7 +580,7 @@ def print_table(report: dict) -> None:
     print(
         f"{'way':<24} {'step s':>8} {'x jit':>6} {'x plan-sh':>9} {'x whole':>7} {'x frags':>7} {'x one':>6} "
         f"{'x dp':>6} "
-        f"{'crit s':>7} {'step/crit':>9} {'1st call s':>10} {'loss':>9}  plan"
+        f"{'crit s':>7} {'step/crit':>9} {'placed':>6} {'1st call s':>10} {'loss':>9}  plan"
     )
 
     def num(row, key, spec):
@@ -578,7 +592,8 @@ def print_table(report: dict) -> None:
             f"{num(r, 'ratio_to_plan_shardings', '9.2f'):>9} {num(r, 'ratio_to_whole_plan', '7.2f'):>7} "
             f"{num(r, 'ratio_to_fragments', '7.2f'):>7} {num(r, 'ratio_to_one_program', '6.2f'):>6} "
             f"{num(r, 'ratio_to_data_parallel', '6.2f'):>6} "
-            f"{num(r, 'critical_s', '7.4f'):>7} {num(r, 'step_over_critical', '9.2f'):>9} {r['first_call_s']:10.1f} "
+            f"{num(r, 'critical_s', '7.4f'):>7} {num(r, 'step_over_critical', '9.2f'):>9} {num(r, 'placed', 'd'):>6} "
+            f"{r['first_call_s']:10.1f} "
             f"{r['loss']:9.5f}  " + (f"{r['method']} B={r['microbatches']} {r['meshes']}" if "meshes" in r else "")
         )
     for r in report["rows"]:
