@@ -122,6 +122,7 @@ from hlopar.analysis.limits import check_argument, check_count, check_seconds
 from hlopar.analysis.schedules import Schedule, get_schedule
 from hlopar.analysis.step_io import RolesError
 from hlopar.codegen.bundle import write_bundle
+from hlopar.codegen.cache_size import touch
 from hlopar.codegen.pipeline_program import ProgramError, pipeline_program
 from hlopar.codegen.plan_cache import cached_bundle, is_cached, write_cached
 from hlopar.ir.diagnostics import DiagnosticError, error_at
@@ -292,6 +293,7 @@ def _planned(
         key["host_callbacks"] = host_callbacks
     bundle = cached_bundle(text, cluster.key(), key)
     if cache and is_cached(bundle):
+        touch(bundle)  # used: the last to go when the cache is pruned
         plan = json.loads((bundle / "plan.json").read_text())
         schedule = get_schedule(plan["stages"].get("schedule") or options.schedule_name)  # chosen where auto
         try:

@@ -52,6 +52,7 @@ import jaxlib
 from jax.extend import backend
 from jaxlib.mlir import ir
 
+from hlopar.codegen.cache_size import touch
 from hlopar.codegen.executables import DeviceExecutable, compile_executable, load_executable
 from hlopar.codegen.spmd import compile_options, serialize_spmd
 from hlopar.ir.host_callbacks import host_callbacks as find_host_callbacks
@@ -229,9 +230,11 @@ class ExecutableCache:
         if self.directory is None:
             return None
         try:
-            return (self.directory / key).read_bytes()
+            data = (self.directory / key).read_bytes()
         except OSError:
             return None
+        touch(self.directory / key)  # used: the last to go when the cache is pruned
+        return data
 
     def _write(self, key: str) -> None:
         """Beside its place, then renamed there: a reader never sees half of one. Best

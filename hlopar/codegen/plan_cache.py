@@ -5,7 +5,9 @@ Under `$HLOPAR_CACHE_DIR` (default `~/.cache/hlopar`), `plans/<key>/` holds a bu
 text, the cluster, the options, jax's version and `CACHE_VERSION`. A bundle is written
 beside its place and renamed there, so a reader never sees half of one. `executables/`
 holds the plans' compiled executables (`codegen.executable_cache`), keyed by what they
-compile, so that a plan read from the cache compiles nothing either.
+compile, so that a plan read from the cache compiles nothing either. Both are kept under
+`$HLOPAR_CACHE_MAX_BYTES` (4 GiB by default), least recently used first out
+(`codegen.cache_size`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import jax
 
 from hlopar.codegen.bundle import write_bundle
+from hlopar.codegen.cache_size import prune
 from hlopar.codegen.pipeline_program import PipelineProgram
 
 __all__ = ["CACHE_VERSION", "cache_root", "cached_bundle", "executables_dir", "is_cached", "write_cached"]
@@ -74,3 +77,4 @@ def write_cached(
             pass
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    prune((bundle.parent, executables_dir()), keep=(bundle,))

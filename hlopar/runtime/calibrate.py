@@ -19,7 +19,7 @@ once, as in a stage) and fits a `ClusterPreset` to the timings
 Other work on the machine skews every timing (at a load of 5 on 2 cores the kernel launch
 came out 0 and the FLOP/s a third of the quiet value): the load average before and after is
 recorded in the preset file, and a machine busier than half a load per core is warned about
-(`HloparWarning`), the calibration kept (the caller decides).
+(`BusyMachineWarning`), the calibration kept (the caller decides).
 
 It measures this machine only: a Ray cluster's nodes are not visited (`hlopar-calibrate`
 runs on a node of it). On GPUs the same programs run on the GPUs (NCCL across processes is
@@ -45,12 +45,16 @@ from hlopar.analysis.auto_sharding.cluster import ClusterPreset, write_preset
 from hlopar.analysis.calibration import CollectiveTiming, Measurements, preset_from_measurements
 from hlopar.analysis.cluster import Cluster
 
-__all__ = ["Calibration", "calibrate", "calibrated_preset"]
+__all__ = ["BusyMachineWarning", "Calibration", "calibrate", "calibrated_preset"]
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 SMALL_BUFFER, LARGE_BUFFER = 1 << 10, 1 << 20  # bytes per device
 CHAIN = 9  # collectives (or kernels) of the long chain; the short one has 1
 BUSY_LOAD_PER_CORE = 0.5  # a 1-minute load average above this per core: the machine is busy
+
+
+class BusyMachineWarning(UserWarning):
+    """Other work ran on the machine while it was calibrated: the timings are skewed."""
 
 
 @dataclass(frozen=True)
@@ -166,10 +170,8 @@ def calibrate(
         path = write_preset(preset, output, extra)
     result = Calibration(preset, measurements, fits, path, time.perf_counter() - start, load)
     if result.busy:
-        from hlopar.messages import HloparWarning
-
         warnings.warn(
-            HloparWarning(
+            BusyMachineWarning(
                 f"calibrate: the machine was busy (load average {max(load):.1f} on {os.cpu_count()} cores): "
                 "its timings are skewed by the other work; calibrate again on a quiet machine"
             ),

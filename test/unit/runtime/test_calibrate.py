@@ -69,7 +69,8 @@ def test_a_busy_machine_is_warned_about_and_its_load_recorded(tmp_path, monkeypa
     assert not quiet.busy and quiet.load == pytest.approx((0.1 * cores, 0.2 * cores))
     assert json.loads(quiet.path.read_text())["measured"]["load_average"] == pytest.approx([0.1 * cores, 0.2 * cores])
     with pytest.warns(
-        hlopar.HloparWarning, match=rf"the machine was busy \(load average {3.0 * cores:.1f} on {cores} cores\)"
+        calibrate_module.BusyMachineWarning,
+        match=rf"the machine was busy \(load average {3.0 * cores:.1f} on {cores} cores\)",
     ):
         busy = hlopar.calibrate(hlopar.Cluster.local(1, 2), output=tmp_path / "busy.json", repeats=1)
     assert busy.busy and "BUSY: the timings are skewed" in busy.report()
