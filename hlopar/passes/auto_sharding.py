@@ -50,8 +50,11 @@ class AutoShardingPass(ModulePass):
     time_limit: float = option(60.0, "solver time limit in seconds (keeps the best plan found)", check=check_seconds)
     prefer_reduce_scatter: bool = option(
         False,
-        "weight-update sharding (ZeRO-like): keep the training state split over the mesh, "
-        "so gradients are reduce-scattered and parameters all-gathered where used",
+        "prefer weight-update sharding (ZeRO-like): the training state split over the mesh wherever that "
+        "costs less than sending the bytes it saves once (gradients reduce-scattered, parameters all-gathered)",
+    )
+    weight_update_sharding: bool = option(
+        False, "weight-update sharding, enforced: every training state split over the mesh where its shape allows"
     )
     force_batch_dim: str | None = option(
         None, "split the batch over this mesh axis: the dimension of every value that holds the batch's examples"

@@ -61,6 +61,7 @@ class IntraOpOptions:
     memory_budget: float | None = None
     time_limit: float = 60.0
     prefer_reduce_scatter: bool = False
+    weight_update_sharding: bool = False
     force_batch_dim: str | None = None
     data_parallel: bool = False
     batch_args: tuple[int, ...] | None = None
@@ -133,10 +134,9 @@ class _Planner:
         rules = {op.id: rule_of(op.mlir_op) for op in graph.walk()} if analysable else {}
         constraints = self._user_shardings(module, graph, mesh_name)
         options = self.options
-        pairs = (
-            state_pairs(graph) if options.tie_outputs or options.prefer_reduce_scatter or options.data_parallel else ()
-        )
-        tied = {result: arg for arg, result in pairs} if options.tie_outputs or options.prefer_reduce_scatter else {}
+        split = options.prefer_reduce_scatter or options.weight_update_sharding
+        pairs = state_pairs(graph) if options.tie_outputs or split or options.data_parallel else ()
+        tied = {result: arg for arg, result in pairs} if options.tie_outputs or split else {}
         problem = build_problem(
             graph,
             rules,
@@ -149,7 +149,8 @@ class _Planner:
             merge=options.merge,
             split_dims=self._batch_splits(graph, rules, mesh, pairs),
             tied_results=tied,
-            split_args=frozenset(tied.values()) if options.prefer_reduce_scatter else frozenset(),
+            split_args=frozenset(tied.values()) if options.weight_update_sharding else frozenset(),
+            preferred_split_args=frozenset(tied.values()) if options.prefer_reduce_scatter else frozenset(),
             replicated_args=frozenset(arg for arg, _ in pairs) if options.data_parallel else frozenset(),
         )
         for op, message in problem.warnings:

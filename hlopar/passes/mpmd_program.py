@@ -93,7 +93,7 @@ class StageMesh:
     axis_names: tuple[str, ...]
     shape: tuple[int, ...]  # logical mesh shape
     devices: tuple[int, ...]  # physical device ids, logical order
-    # More `IntraOpOptions` fields for this stage's plan (e.g. prefer_reduce_scatter), as pairs.
+    # More `IntraOpOptions` fields for this stage's plan (e.g. weight_update_sharding), as pairs.
     options: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:

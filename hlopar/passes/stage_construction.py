@@ -183,7 +183,7 @@ class StageConstructionPass(ModulePass):
                     AXIS_NAMES,
                     tuple(s["logical_shape"]),
                     tuple(s["devices"]),
-                    options=(("prefer_reduce_scatter", s["intra_op"] == WEIGHT_UPDATE_SHARDING),),
+                    options=(("weight_update_sharding", s["intra_op"] == WEIGHT_UPDATE_SHARDING),),
                 )
                 for k, s in enumerate(plan.stages)
             ]

@@ -11,6 +11,7 @@ fold them into it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -102,6 +103,7 @@ def build_problem(
     split_dims: Mapping[int, tuple[int, tuple[str, ...]]] = {},
     tied_results: Mapping[int, int] = {},
     split_args: frozenset[int] = frozenset(),
+    preferred_split_args: frozenset[int] = frozenset(),
     replicated_args: frozenset[int] = frozenset(),
     cache: StrategyCache | None = None,
 ) -> ShardingProblem:
@@ -114,7 +116,11 @@ def build_problem(
     a result to the argument it replaces in a training loop (new parameters for old): the
     two then get the same layout, so the next step needs no resharding; `split_args` are
     arguments that must be split over the mesh where their shape allows (weight-update
-    sharding); `replicated_args` are arguments every device holds whole (data
+    sharding); `preferred_split_args` pay, for each byte a layout holds per device beyond
+    their smallest layout, the time to send that byte once over the mesh's fastest axis: the
+    ILP splits them where that costs less than one extra transfer of the bytes it saves (a
+    priced `prefer-reduce-scatter`, where a gradient's reduce-scatter and the weight's
+    all-gather cost what the all-reduce did); `replicated_args` are arguments every device holds whole (data
     parallelism's parameters); `cache` shares strategy work with other builds on the same mesh."""
 
     if cache is not None and cache.mesh != mesh:
@@ -129,7 +135,7 @@ def build_problem(
         merge=merge,
         split_dims=split_dims,
     )
-    builder.add_arguments(arg_shardings, split_args, replicated_args)
+    builder.add_arguments(arg_shardings, split_args, preferred_split_args, replicated_args)
     for op in graph.ops:
         builder.visit(op, 1.0)
     builder.add_results(result_shardings, tied_results)
@@ -185,7 +191,11 @@ class _Builder:
         return len(self.nodes) - 1
 
     def add_arguments(
-        self, arg_shardings: Mapping[int, ShardingSpec], split_args: frozenset[int], replicated_args: frozenset[int]
+        self,
+        arg_shardings: Mapping[int, ShardingSpec],
+        split_args: frozenset[int],
+        preferred_split_args: frozenset[int],
+        replicated_args: frozenset[int],
     ) -> None:
         """One node per argument: any layout, the fixed one where the input gives it."""
         out, memo = self.out, self.memo
@@ -196,6 +206,13 @@ class _Builder:
                 strategies = tuple(s for s in strategies if not s.result_specs[0].is_replicated) or strategies
             elif position in replicated_args:
                 strategies = tuple(s for s in strategies if s.result_specs[0].is_replicated) or strategies
+            elif position in preferred_split_args and strategies:
+                byte_s = 1.0 / max(axis.bandwidth_bytes_per_s for axis in self.mesh.axes)
+                least = min(s.memory for s in strategies)
+                strategies = tuple(
+                    dataclasses.replace(s, communication_cost=s.communication_cost + (s.memory - least) * byte_s)
+                    for s in strategies
+                )
             strategies, fixed = _index_of_layout(strategies, arg_shardings.get(position), info, self.mesh)
             out.arg_node[position] = self.add(PlanNode("arg", position, f"arg{position}", strategies, fixed=fixed), 0)
             self.producer[value_id] = (out.arg_node[position], 0)

@@ -50,11 +50,29 @@
 // RUN: not hlopar-opt %t.batch.mlir -p 'builtin.module(hlopar-import,hlopar-auto-sharding{mesh-shape=8 memory-budget=60MiB})' 2>&1 | FileCheck %s --check-prefix=TOO-SMALL
 // TOO-SMALL: error: hlopar-auto-sharding: no sharding plan fits (INFEASIBLE): {{.*}} over the memory budget
 
-// Weight-update sharding (prefer-reduce-scatter, ZeRO-like): the training state (weights and
-// Adam moments) stays split over the data-parallel axis; each weight gradient is
-// reduce-scattered instead of all-reduced, and weights are all-gathered where used.
-// RUN: hlopar-opt %t.batch.mlir -p 'builtin.module(hlopar-import,hlopar-auto-sharding{mesh-shape=8 preset=v100-p3.16xlarge prefer-reduce-scatter report=%t.zero.json})' | grep -o -E 'tensor<1024x1024xf32> \{sdy.sharding = #sdy.sharding<@mesh, \[(\{"x"\}, \{\}|\{\}, \{"x"\})\]>\}' | wc -l | FileCheck %s --check-prefix=ZERO-SPLIT
+// Weight-update sharding, enforced (weight-update-sharding, ZeRO-like): the training state
+// (weights and Adam moments) stays split over the data-parallel axis; each weight gradient
+// is reduce-scattered instead of all-reduced, and weights are all-gathered where used.
+// RUN: hlopar-opt %t.batch.mlir -p 'builtin.module(hlopar-import,hlopar-auto-sharding{mesh-shape=8 preset=v100-p3.16xlarge weight-update-sharding report=%t.zero.json})' | grep -o -E 'tensor<1024x1024xf32> \{sdy.sharding = #sdy.sharding<@mesh, \[(\{"x"\}, \{\}|\{\}, \{"x"\})\]>\}' | wc -l | FileCheck %s --check-prefix=ZERO-SPLIT
 // ZERO-SPLIT: {{^ *}}12{{$}}
 // RUN: FileCheck %s --check-prefix=ZERO < %t.zero.json
 // ZERO-COUNT-4: "reduce-scatter(4.0 MiB, x)"
 // ZERO-NOT: "all-reduce({{.*}} MiB
+
+// prefer-reduce-scatter is the same as a priced preference: the state is split wherever
+// that costs less than sending the bytes it saves once. Adam's 8 moments are split and the 4
+// gradients reduce-scattered (no all-reduce of MiB), but a weight the backward reads too
+// (every layer's but the first, whose input has no gradient) stays whole: split, it would be
+// all-gathered twice, in the forward and in the backward, where whole it is all-gathered once
+// after its update (ZeRO-2 for those, ZeRO-3 for the first).
+// RUN: hlopar-opt %t.batch.mlir -p 'builtin.module(hlopar-import,hlopar-auto-sharding{mesh-shape=8 preset=v100-p3.16xlarge prefer-reduce-scatter report=%t.prefer.json})' | FileCheck %s --check-prefix=PREFER
+// PREFER: func.func public @main(
+// PREFER-SAME: %arg1: tensor<1024x1024xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"x"}]>}
+// PREFER-SAME: %arg3: tensor<1024x1024xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}
+// PREFER-SAME: %arg5: tensor<1024x1024xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}
+// PREFER-SAME: %arg7: tensor<1024x1024xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}
+// PREFER-SAME: %arg10: tensor<1024x1024xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"x"}]>}
+// PREFER-SAME: %arg24: tensor<1024x1024xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {"x"}]>}
+// RUN: FileCheck %s --check-prefix=PREFER-COLL < %t.prefer.json
+// PREFER-COLL-COUNT-4: "reduce-scatter(4.0 MiB, x)"
+// PREFER-COLL-NOT: "all-reduce({{.*}} MiB
