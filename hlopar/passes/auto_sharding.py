@@ -54,7 +54,11 @@ class AutoShardingPass(ModulePass):
         "so gradients are reduce-scattered and parameters all-gathered where used",
     )
     force_batch_dim: str | None = option(None, "split the batch dimension over this mesh axis")
-    merge: bool = option(True, "fold cheap ops into their deepest operand before solving (Alpa §4.2)")
+    merge: bool = option(
+        False,
+        "fold cheap ops into their deepest operand before solving (Alpa §4.2): a smaller ILP whose "
+        "optimum may cost more than the program's (the report then says FEASIBLE, gap null)",
+    )
     tie_outputs: bool = option(
         True, "give each new value of training state the layout of its old value (step_io.state_pairs)"
     )
