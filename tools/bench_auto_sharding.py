@@ -7,7 +7,7 @@ CASE is `gpt:1.3B` (a zoo model, exported to a temporary file) or a path to a `.
 runs `hlopar-opt IN --pass-pipeline='builtin.module(hlopar-import,hlopar-auto-sharding{...})'
 -o OUT` as a subprocess (interpreter start, parse, import, plan, print, write) and prints the
 wall time, the time in the solver, the ILP's status and gap, its size before and after
-merging, and the ratio to the target (10 s for GPT-1.3B on a 2x4 mesh).
+merging, the plan's objective, and the ratio to the target (10 s for GPT-1.3B on a 2x4 mesh).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main() -> int:
             rows.append((case, wall, json.loads(report.read_text())))
     print(
         f"{'case':<28} {'wall s':>7} {'build s':>8} {'solve s':>8} {'status':>9} {'gap':>8} "
-        f"{'nodes':>7} {'core':>6} {'vars':>8}"
+        f"{'nodes':>7} {'core':>6} {'vars':>8} {'objective s':>14}"
     )
     for case, wall, report in rows:
         name = Path(case).name if "/" in case else case
@@ -85,8 +85,9 @@ def main() -> int:
         sizes = report["ilp_sizes"]
         print(
             f"{name:<28} {wall:>7.1f} {report['build_s']:>8.2f} {report['solve_s']:>8.2f} {report['status']:>9} "
-            f"{report['gap']:>8.1e} {sizes.get('nodes', 0):>7} {sizes.get('nodes_core', 0):>6} "
-            f"{sizes.get('variables', 0):>8}"
+            f"{'-' if report['gap'] is None else format(report['gap'], '.1e'):>8} "
+            f"{sizes.get('nodes', 0):>7} {sizes.get('nodes_core', 0):>6} "
+            f"{sizes.get('variables', 0):>8} {report['objective_s']:>14.9g}"
         )
     gpt = next((r for r in rows if r[0] == "gpt:1.3B" and r[2] is not None), None)
     if gpt:

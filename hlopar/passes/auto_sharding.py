@@ -65,7 +65,11 @@ class AutoShardingPass(ModulePass):
     batch_args: tuple[int, ...] | None = option(
         None, "with force-batch-dim or data-parallel: the arguments that hold the batch, e.g. 5,6 (default: found)"
     )
-    merge: bool = option(True, "fold cheap ops into their deepest operand before solving (Alpa §4.2)")
+    merge: bool = option(
+        False,
+        "fold cheap ops into their deepest operand before solving (Alpa §4.2): a smaller ILP whose "
+        "optimum may cost more than the program's (the report then says FEASIBLE, gap null)",
+    )
     tie_outputs: bool = option(
         True, "give each new value of training state the layout of its old value (step_io.state_pairs)"
     )

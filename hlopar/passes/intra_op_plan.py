@@ -65,7 +65,7 @@ class IntraOpOptions:
     force_batch_dim: str | None = None
     data_parallel: bool = False
     batch_args: tuple[int, ...] | None = None
-    merge: bool = True
+    merge: bool = False
     tie_outputs: bool = True
     reshard_constraints: bool = True
 
@@ -543,11 +543,14 @@ def _function_report(
                 }
             )
             converted.add(key)
+    status, gap = solution.status, solution.gap
+    if problem.merged and status == "OPTIMAL":
+        status, gap = "FEASIBLE", None  # the merged ILP's optimum: no bound on the program's
     return {
         "function": graph.name,
         "objective_s": solution.objective,
-        "status": solution.status,
-        "gap": solution.gap,
+        "status": status,
+        "gap": gap,
         "solve_s": solution.solve_seconds,
         "build_s": build_seconds,
         "ilp_sizes": solution.sizes,

@@ -3,10 +3,21 @@
 Nodes are the function's arguments, its top-level ops and its constrained results. Each
 node gets its strategies (`strategies.enumerate_strategies` over the op's sdy rule), and each
 operand an edge from the node producing it, whose matrix is the resharding cost from every
-producer strategy's layout to every consumer strategy's required layout. Cheap ops
-(elementwise, transpose, reshape, reductions, ...) follow their deepest operand (Alpa §4.2):
-their strategy list mirrors that operand's producer, strategy for strategy, so the ILP can
-fold them into it.
+producer strategy's layout to every consumer strategy's required layout.
+
+Every op keeps its own strategies: the ILP is the program's, and its optimum the program's
+optimum. `merge=True` instead gives cheap ops (elementwise, transpose, reshape, reductions,
+...) only the strategies that mirror their deepest operand's producer (Alpa §4.2), a smaller
+ILP whose optimum can be worse: an op then takes its operand's layout whatever its other
+operands and its consumers want. Adam's `mu * b1 + g * (1 - b1)` follows the gradient
+`g` (the deeper operand); where `g` comes out replicated, the optimizer state `mu`,
+sharded ZeRO-style, is all-gathered to meet it, while the op's own sharded strategy slices
+`g` for free and needs nothing of `mu`, and costs a fraction of the compute. No local test
+makes such a fold exact in general: the same op with two consumers that want another layout
+pays two conversions merged and one unmerged, and the compute of an elementwise op shrinks
+with its split. What keeps the optimum and still shrinks the problem is in
+`merging.reduce_problem` (dominated strategies, chains folded by dynamic programming,
+reduced-cost fixing), which does on the whole problem what merging did by guess.
 """
 
 from __future__ import annotations
@@ -87,6 +98,9 @@ class ShardingProblem:
     # Per ILP edge: the value it carries, the producer's result number, the consumer's operand.
     edge_values: list[tuple[TensorInfo, int, int]] = field(default_factory=list)
     warnings: list[tuple[OpNode, str]] = field(default_factory=list)
+    # Op nodes given only the strategies that mirror a leader (`merge=True`): with any, the
+    # ILP is a restriction of the program's, and its optimum only an upper bound.
+    merged: int = 0
 
 
 def build_problem(
@@ -99,7 +113,7 @@ def build_problem(
     constraint_specs: Mapping[int, ShardingSpec] = {},
     op_result_shardings: Mapping[int, tuple[ShardingSpec, ...]] = {},
     memory_budget: float | None = None,
-    merge: bool = True,
+    merge: bool = False,
     split_dims: Mapping[int, tuple[int, tuple[str, ...]]] = {},
     tied_results: Mapping[int, int] = {},
     split_args: frozenset[int] = frozenset(),
@@ -112,7 +126,8 @@ def build_problem(
     `op_result_shardings` the result layouts the input fixed on other ops;
     `split_dims` maps a value to a dimension and the mesh axes that must split it (the
     batch's flow, `batch_flow.batch_dims`): nodes that choose keep only such strategies
-    (all of them, if none is); `tied_results` maps
+    (all of them, if none is); `merge`: cheap ops mirror their deepest operand (the
+    module docstring: faster, not exact); `tied_results` maps
     a result to the argument it replaces in a training loop (new parameters for old): the
     two then get the same layout, so the next step needs no resharding; `split_args` are
     arguments that must be split over the mesh where their shape allows (weight-update
@@ -253,6 +268,7 @@ class _Builder:
             PlanNode("op", op.id, op.name, strategies, leader=leader, planned=planned, scale=scale), node_depth
         )
         self.out.op_node[op.id] = index
+        self.out.merged += leader is not None
         self.consumers.append((index, op.operands, scale))
         for number, value_id in enumerate(op.results):
             producer[value_id] = (index, number)

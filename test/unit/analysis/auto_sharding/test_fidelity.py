@@ -107,9 +107,10 @@ def test_reused_conversions_are_predicted_once():
 
 
 def test_tiny_gpt_compiles_to_the_predicted_collectives():
-    """The zoo's tiny GPT on 2x4 with zero latency (many small layout changes): every
-    collective XLA compiles is one the plan predicted (105 collectives when this was written)."""
-    result = tool.fidelity("gpt:tiny", "2x4", "cpu", "latency=0,0")
+    """The zoo's tiny GPT on 2x4 with zero latency (many small layout changes), planned with
+    `merge=true`: every collective XLA compiles is one the plan predicted (105 collectives
+    when this was written)."""
+    result = tool.fidelity("gpt:tiny", "2x4", "cpu", "latency=0,0 merge=true")
     assert result.rate == 1.0, "\n".join(result.notes)
     assert result.predicted > 50
 
@@ -147,6 +148,17 @@ def test_any_program_is_taken_a_function_of_ones_own_and_its_exported_text(tmp_p
     assert from_function.rate == from_text.rate == 1.0, "\n".join(from_function.notes + from_text.notes)
     assert from_function.predicted == from_text.predicted > 0
     assert from_function.compiled == from_text.compiled
+
+
+@pytest.mark.heavy
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 30 item 4: the exact plan converts a value by two all-to-alls over y that "
+    "XLA compiles as all-to-alls over x and y and a collective-permute",
+)
+def test_tiny_gpt_exact_plan_compiles_to_the_predicted_collectives():
+    result = tool.fidelity("gpt:tiny", "2x4", "cpu", "latency=0,0")
+    assert result.rate == 1.0, "\n".join(result.notes)
 
 
 def _all_specs(rank: int, axes: list[str], shape, sizes) -> list[ShardingSpec]:

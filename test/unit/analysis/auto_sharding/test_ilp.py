@@ -11,7 +11,7 @@ import pytest
 from tools_module import load_tool
 
 from hlopar.analysis.auto_sharding.ilp import brute_force, solve
-from hlopar.analysis.auto_sharding.merging import Simplify, follows_from
+from hlopar.analysis.auto_sharding.merging import Simplify
 from hlopar.analysis.auto_sharding.problem import Edge, Node, Problem, evaluate, violations
 
 bench_ilp = load_tool("bench_ilp")
@@ -164,16 +164,6 @@ def test_invalid_problems_are_rejected():
         solve(Problem((Node((0.0, 1.0)), Node((0.0,), follows=0)), ()))
     with pytest.raises(ValueError, match="not 2x1"):
         solve(Problem((Node((0.0, 1.0)), Node((0.0,))), (Edge(0, 1, ((0.0, 1.0),)),)))
-
-
-def test_follows_from_picks_the_deepest_operand_with_the_same_count():
-    parents = [[], [], [0, 1], [2, 1], [3]]
-    depth = [0, 1, 2, 3, 4]
-    mergeable = [False, False, True, True, True]
-    counts = [4, 4, 4, 4, 2]
-    assert follows_from(parents, depth, mergeable, counts) == [None, None, 1, 2, None]
-    # Ties go to the first operand.
-    assert follows_from([[], [], [1, 0]], [1, 1, 2], [False, False, True], [3, 3, 3]) == [None, None, 1]
 
 
 def test_simplifications_keep_the_optimum_on_a_transformer_layer():
