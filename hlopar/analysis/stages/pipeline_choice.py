@@ -26,12 +26,14 @@ planned on p meshes of ONE submesh shape and one logical shape (p times the subm
 is every device; p >= 2), v chunks each (`VIRTUAL_CHUNKS`, or the schedule's own count): the
 layers cut into v p contiguous stages, stage k on mesh `Schedule.placed(p, v)[k]`. The cut is
 the DP's of Eq. 3-4 with exactly v p stages on that one submesh (its devices counted once per
-chunk), on a span table whose in-flight rule is each chunk's own (`Schedule.chunk_in_flight`);
-a plan is kept only where each mesh fits with its chunks' memories summed (each chunk's stashes
-as `Schedule.chunk_stashes` counts them, to W where backwards split; the sum of the chunks'
-peaks, an upper bound of the mesh's), and the DP's best plan and runner-ups of every (submesh,
-logical shape, v) are ranked in the simulator, whatever `by` says: Eq. 2 does not see the
-interleaving. Their `total_latency` is the DP's Eq. 2 over the v p stages.
+chunk), on a span table whose in-flight rule is each chunk's own stashes
+(`Schedule.chunk_stashes`, to W where backwards split); a plan is kept only where each mesh
+fits with its chunks' memories summed (the sum of the chunks' peaks, an upper bound of the
+mesh's); where the DP's plans fit chunk by chunk and not summed, the table is made again with
+each chunk within 1/v of the memory (the sum met by construction, remat where it fits). The
+DP's best plan and runner-ups of every (submesh, logical shape, v) are ranked in the
+simulator, whatever `by` says: Eq. 2 does not see the interleaving. Their `total_latency` is
+the DP's Eq. 2 over the v p stages.
 
 Counts: the layers may be a split step's (`split`: the arrays are per microbatch of that
 many); another count is priced from them scaled to the whole batch (`LayerArrays.scaled`),
@@ -42,7 +44,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -293,56 +295,29 @@ def _chunked_best(space, schedule, count, layers, received, per_microbatch, num_
             if stages > num_layers or (space.num_stages is not None and stages != space.num_stages):
                 continue
             try:
-                flight = schedule.chunk_in_flight(num_meshes, v, count)
+                held = schedule.chunk_stashes(num_meshes, v, count)
             except ValueError as error:  # interleaved-1f1b: the count is not a multiple of p
                 whys.append(str(error))
                 continue
             chunks.append(v)
-            flights.append(lambda s, f=flight: f[len(f) - s] if s <= len(f) else count)
+            flights.append(lambda s, f=held: f[len(f) - s] if s <= len(f) else count)
         if not chunks:
             continue
         for group in _shape_groups(space, m):
-            clock = time.perf_counter()
-            tables = span_tables(
-                layers,
-                received,
-                [group if k == m else [] for k in range(len(space.submesh_sizes))],
-                space.transfer_seconds,
-                space.submesh_sizes,
-                microbatches=count,
-                per_microbatch=per_microbatch,
-                in_flights=flights,
-                memory_per_device=space.memory_per_device,
-                max_stages=max(chunks) * num_meshes,
-                remat=space.remat,
-            )
-            timings["span_costs"] += time.perf_counter() - clock
-            for v, table in zip(chunks, tables):
-                stages = v * num_meshes
-                clock = time.perf_counter()
-                try:
-                    result = stage_dp(
-                        table.latency,
-                        space.submesh_sizes,
-                        stages * size,  # each mesh's devices once per chunk
-                        count,
-                        epsilon=space.epsilon,
-                        num_runner_ups=num_runner_ups,
-                        num_stages=stages,
-                    )
-                except ValueError as error:
-                    whys.append(f"{num_meshes} meshes of {size} device(s), {v} chunks: {error}")
-                    continue
-                finally:
-                    timings["stage_dp"] += time.perf_counter() - clock
-                clock = time.perf_counter()
-                plans = (Slicing(result.stages, result.total_latency, result.t_max, result.sum_latency),)
-                found = _simulated_best(
-                    space, schedule, count, table, received, per_microbatch, plans + result.runner_ups, result, v
-                )
-                timings["simulation"] += time.perf_counter() - clock
+            priced = _ChunkPricing(space, schedule, count, layers, received, per_microbatch, num_runner_ups, timings, m)
+            tables = priced.tables(group, flights, space.memory_per_device, max(chunks) * num_meshes)
+            for v, flight, table in zip(chunks, flights, tables):
+                found = priced.best(table, num_meshes, v)
+                if found.plan is None and found.table is not None:
+                    # Each chunk fits, a mesh's chunks together not: each chunk within 1/v of
+                    # the memory, which the table meets by rematerializing where it can.
+                    tighter = priced.tables(group, [flight], space.memory_per_device / v, v * num_meshes)[0]
+                    summed = found.why
+                    found = priced.best(tighter, num_meshes, v)
+                    if found.plan is None:
+                        found = replace(found, why=f"{summed}; nor with each chunk in 1/{v} of it: {found.why}")
                 if found.plan is None:
-                    whys.append(f"{num_meshes} meshes of {size} device(s): {found.why}")
+                    whys.append(f"{num_meshes} meshes of {size} device(s), {v} chunks: {found.why}")
                 elif best is None or found.seconds < best.seconds:
                     best = found
     if best is None:
@@ -352,6 +327,70 @@ def _chunked_best(space, schedule, count, layers, received, per_microbatch, num_
         )
         return Candidate(schedule.name, count, None, None, np.inf, np.inf, why=why)
     return best
+
+
+@dataclass(frozen=True)
+class _ChunkPricing:
+    """What pricing one (schedule, count) on submesh `submesh` with chunks reads."""
+
+    space: PipelineSpace
+    schedule: Schedule
+    count: int
+    layers: LayerArrays
+    received: np.ndarray
+    per_microbatch: bool
+    num_runner_ups: int
+    timings: dict
+    submesh: int
+
+    def tables(self, group, in_flights, memory: float, max_stages: int) -> list[SpanTable]:
+        """Span tables with only the submesh's logical meshes `group`, one per in-flight rule."""
+        clock = time.perf_counter()
+        sizes = self.space.submesh_sizes
+        found = span_tables(
+            self.layers,
+            self.received,
+            [group if k == self.submesh else [] for k in range(len(sizes))],
+            self.space.transfer_seconds,
+            sizes,
+            microbatches=self.count,
+            per_microbatch=self.per_microbatch,
+            in_flights=in_flights,
+            memory_per_device=memory,
+            max_stages=max_stages,
+            remat=self.space.remat,
+        )
+        self.timings["span_costs"] += time.perf_counter() - clock
+        return found
+
+    def best(self, table: SpanTable, num_meshes: int, chunks: int) -> Candidate:
+        """The DP's v p stages on the table (the submesh's devices counted once per chunk),
+        the fastest of its plans in simulation; without a plan, why, and the table where the
+        DP found plans and none fit their meshes."""
+        space, schedule, count = self.space, self.schedule, self.count
+        num_stages = chunks * num_meshes
+        clock = time.perf_counter()
+        try:
+            result = stage_dp(
+                table.latency,
+                space.submesh_sizes,
+                num_stages * space.submesh_sizes[self.submesh],
+                count,
+                epsilon=space.epsilon,
+                num_runner_ups=self.num_runner_ups,
+                num_stages=num_stages,
+            )
+        except ValueError as error:
+            return Candidate(schedule.name, count, None, None, np.inf, np.inf, why=str(error))
+        finally:
+            self.timings["stage_dp"] += time.perf_counter() - clock
+        clock = time.perf_counter()
+        plans = (Slicing(result.stages, result.total_latency, result.t_max, result.sum_latency), *result.runner_ups)
+        found = _simulated_best(
+            space, schedule, count, table, self.received, self.per_microbatch, plans, result, chunks
+        )
+        self.timings["simulation"] += time.perf_counter() - clock
+        return found if found.plan is not None else replace(found, table=table)
 
 
 def _shape_groups(space: PipelineSpace, m: int) -> list[list[int]]:

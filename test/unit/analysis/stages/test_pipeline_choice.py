@@ -184,6 +184,15 @@ def test_interleaving_two_chunks_per_mesh_wins_on_uniform_layers():
     assert choose_pipeline(replace(space_, memory_per_device=2.5), [interleaved], [8]).best is not None
     tight = choose_pipeline(replace(space_, memory_per_device=2.25), [interleaved], [8])
     assert tight.best is None and "2 chunks per mesh (their memories summed)" in tight.candidates[0].why
+    # Where remat is allowed, the chunks are planned again within half the memory each (1.125):
+    # stage 0 (8 stashes, 1.25 kept) recomputes its forward from inputs of no bytes here, stage 7
+    # (1 stash) keeps its own, and the step pays for the recompute.
+    rematerialized = choose_pipeline(replace(space_, memory_per_device=2.25, remat="auto"), [interleaved], [8]).best
+    stages = rematerialized.plan.stages
+    assert rematerialized.chunks == 2 and len(stages) == 8
+    remat = [bool(rematerialized.table.remat[s.start_layer, s.end_layer, 0, 7 - k]) for k, s in enumerate(stages)]
+    assert remat[0] and not remat[7]
+    assert rematerialized.seconds > best.seconds
     # The count must be a multiple of the 4 meshes (Megatron's groups).
     odd = choose_pipeline(space_, [get_schedule("interleaved-1f1b")], [6])
     assert odd.best is None and "not a multiple of 4" in odd.candidates[0].why
