@@ -65,3 +65,31 @@
 // COMPILE-NEXT:   stage 1: mesh m1, 1x2 devices 2-3,
 // COMPILE-NEXT:   stage 2: mesh m0, 1x2 devices 0-1,
 // COMPILE-NEXT:   stage 3: mesh m1, 1x2 devices 2-3,
+
+// schedule=auto weighs them with the others. The GPT of 8 blocks (23 layers) on 1 host x 4
+// devices, 8 microbatches: ZB-V in 8 stages on 4 one-device meshes, stage k and 7 - k on mesh
+// k, just ahead of ZB-H2's 4 stages (5.14 against 5.16 ms simulated); interleaved-1f1b's 8
+// stages (5.60 ms) beat eager-1f1b's and 1f1b's 4 (6.28 ms).
+// RUN: %python %S/Inputs/gpt_blocks.py 8 -o %t.gpt8.mlir
+// RUN: hlopar-opt %t.gpt8.mlir -p 'builtin.module(hlopar-import,hlopar-cluster-operators,hlopar-stage-construction{schedule=auto microbatches=8 num-hosts=1 devices-per-host=4 report=%t.auto.json})' | FileCheck %s --check-prefix=AUTO
+// RUN: FileCheck %s --check-prefix=CHOICE --input-file %t.auto.json
+// RUN: %python -c "import json, sys; c = {x['schedule']: x['simulated_step_seconds'] for x in json.load(open(sys.argv[1]))['schedule_choice']['candidates']}; assert c['interleaved-1f1b'] < min(c['eager-1f1b'], c['1f1b']), c" %t.auto.json
+// AUTO:      hlopar.devices = {m0 = array<i64: 0>, m1 = array<i64: 1>, m2 = array<i64: 2>, m3 = array<i64: 3>}
+// AUTO:      mpmd.fragment<mesh="m0", origin=["stage0"], stage=0>
+// AUTO:      mpmd.fragment<mesh="m1", origin=["stage1"], stage=1>
+// AUTO:      mpmd.fragment<mesh="m2", origin=["stage2"], stage=2>
+// AUTO:      mpmd.fragment<mesh="m3", origin=["stage3"], stage=3>
+// AUTO:      mpmd.fragment<mesh="m3", origin=["stage4"], stage=4>
+// AUTO:      mpmd.fragment<mesh="m2", origin=["stage5"], stage=5>
+// AUTO:      mpmd.fragment<mesh="m1", origin=["stage6"], stage=6>
+// AUTO:      mpmd.fragment<mesh="m0", origin=["stage7"], stage=7>
+// AUTO-NOT:  "m4"
+// CHOICE:      "schedule": "zb-v",
+// CHOICE-NEXT: "schedule_choice": {
+// CHOICE-NEXT:   "chosen": {
+// CHOICE-NEXT:    "schedule": "zb-v",
+// CHOICE-NEXT:    "microbatches": 8,
+// CHOICE:         "stages": 8,
+// CHOICE-NEXT:    "chunks": 2
+// CHOICE:        "runner_up": {
+// CHOICE-NEXT:    "schedule": "zb-h2",
