@@ -303,8 +303,8 @@ def _chunked_best(space, schedule, count, layers, received, per_microbatch, num_
             flights.append(lambda s, f=held: f[len(f) - s] if s <= len(f) else count)
         if not chunks:
             continue
+        priced = _ChunkPricing(space, schedule, count, layers, received, per_microbatch, num_runner_ups, timings, m)
         for group in _shape_groups(space, m):
-            priced = _ChunkPricing(space, schedule, count, layers, received, per_microbatch, num_runner_ups, timings, m)
             tables = priced.tables(group, flights, space.memory_per_device, max(chunks) * num_meshes)
             for v, flight, table in zip(chunks, flights, tables):
                 found = priced.best(table, num_meshes, v)
@@ -380,8 +380,9 @@ class _ChunkPricing:
                 num_runner_ups=self.num_runner_ups,
                 num_stages=num_stages,
             )
-        except ValueError as error:
-            return Candidate(schedule.name, count, None, None, np.inf, np.inf, why=str(error))
+        except ValueError:  # its words count the submesh's devices once per chunk: say it here
+            why = f"no cut of the layers into {num_stages} stages fits in memory chunk by chunk"
+            return Candidate(schedule.name, count, None, None, np.inf, np.inf, why=why)
         finally:
             self.timings["stage_dp"] += time.perf_counter() - clock
         clock = time.perf_counter()
