@@ -65,23 +65,26 @@ def describe_plan(planned: PlannedStep) -> str:
     program = planned.program
     report = planned.plan.get("stages") or {}
     lines = [
-        f"plan: {len(program.meshes)} stage(s), {program.microbatches} microbatch(es), schedule "
+        f"plan: {_stages_on_meshes(program)}, {program.microbatches} microbatch(es), schedule "
         f"{planned.schedule.name}{' (cached)' if planned.cached else ''}"
     ]
     lines += schedule_choice_lines(report.get("schedule_choice"))
     stages = {s["stage"]: s for s in (report.get("stages") or [])}
     for mesh in program.meshes:
-        stage = program.stage_of_mesh.get(mesh)
-        info = stages.get(stage, {})
+        held = program.stages_of_mesh.get(mesh) or (program.stage_of_mesh.get(mesh),)
+        infos = [stages.get(stage, {}) for stage in held]
         fragments = [f for f in program.fragments if f.mesh == mesh]
         shardings = [dims for f in fragments for dims in _SHARDING.findall(f.text)]
         sharded = sum(1 for dims in shardings if '"' in dims)
-        shape = "x".join(str(s) for s in info.get("logical_shape", ())) or "?"
-        latency = f", predicted {info['latency'] * 1e3:.3g} ms/microbatch" if info.get("latency") else ""
-        per = "layer" if info.get("remat_form") == "layers" else "stage"
-        latency += f"; forward recomputed in the backward (remat, per {per})" if info.get("remat") else ""
+        shape = "x".join(str(s) for s in infos[0].get("logical_shape", ())) or "?"
+        latency = ", ".join(f"{info['latency'] * 1e3:.3g}" for info in infos if info.get("latency"))
+        latency = f", predicted {latency} ms/microbatch" if latency else ""
+        remat = [info for info in infos if info.get("remat")]
+        per = "layer" if any(info.get("remat_form") == "layers" for info in remat) else "stage"
+        latency += f"; forward recomputed in the backward (remat, per {per})" if remat else ""
+        which = f"stage {held[0]}" if len(held) == 1 else f"stages {', '.join(map(str, held))}"
         lines.append(
-            f"  {mesh}: stage {stage}, mesh {shape} on devices {list(program.devices[mesh])}, "
+            f"  {mesh}: {which}, mesh {shape} on devices {list(program.devices[mesh])}, "
             f"fragments {', '.join(f.name for f in fragments)}; {sharded} of {len(shardings)} "
             f"annotated tensors sharded{latency}"
         )
@@ -106,6 +109,12 @@ def describe_plan(planned: PlannedStep) -> str:
             lines += stage_loop_lines(reroll)
     lines += memory_lines(planned.plan.get("memory"))
     return "\n".join(lines)
+
+
+def _stages_on_meshes(program) -> str:
+    """ "4 stage(s)", or "8 stage(s) on 4 meshes" where meshes hold several (virtual stages)."""
+    count = sum(max(1, len(program.stages_of_mesh.get(mesh, ()))) for mesh in program.meshes)
+    return f"{count} stage(s)" + (f" on {len(program.meshes)} meshes" if count != len(program.meshes) else "")
 
 
 def memory_lines(memory: dict | None) -> list[str]:

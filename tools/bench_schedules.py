@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hlopar.analysis.schedules import (  # noqa: E402
-    PLANNED_SCHEDULES,
+    ONE_STAGE_SCHEDULES,
     SCHEDULES,
     AlphaBeta,
     Edge,
@@ -321,7 +321,7 @@ def auto_choice(rows: list[dict], memory: float) -> list[str]:
     out = []
     by_key: dict[tuple[str, int], dict[str, dict]] = {}
     for r in rows:
-        if r["schedule"] in PLANNED_SCHEDULES:
+        if r["schedule"] in ONE_STAGE_SCHEDULES:
             by_key.setdefault((r["model"], r["microbatches"]), {})[r["schedule"]] = r
     for (model, m), runs in by_key.items():
         fitting = [r for r in runs.values() if r["peak_memory_bytes"] / r["devices_per_mesh"] <= memory]

@@ -306,7 +306,7 @@ def summary(directory: str) -> str:
     ]
     lines += schedule_choice_lines(report.get("schedule_choice"))
     for stage in stages:
-        mesh = pipeline["meshes"][stage["stage"]]["mesh"]
+        mesh = stage.get("mesh") or pipeline["meshes"][stage["stage"]]["mesh"]
         shape = "x".join(str(n) for n in stage["logical_shape"])
         lines.append(
             f"  stage {stage['stage']}: mesh {mesh}, {shape} devices {_ranges(stage['devices'])}, "

@@ -164,11 +164,11 @@ def write_bundle(
     memory = None
     if memory_check:
         report = plan.get("stages") or {}
-        estimates = {
-            program.topology.meshes[s["stage"]]: s["memory_bytes"]
-            for s in report.get("stages") or ()
-            if "memory_bytes" in s and s["stage"] < program.topology.num_stages
-        }
+        estimates: dict[str, float] = {}  # per mesh, its stages' estimates summed (virtual stages: several)
+        for s in report.get("stages") or ():
+            if "memory_bytes" in s and s["stage"] < program.topology.num_stages:
+                mesh = program.topology.meshes[s["stage"]]
+                estimates[mesh] = estimates.get(mesh, 0) + s["memory_bytes"]
         memory = check_memory(
             program,
             streams,

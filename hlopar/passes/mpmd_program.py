@@ -1,12 +1,16 @@
 """Write a decided pipeline as an MPMD program in Shardy's `mpmd` dialect.
 
 Given `@main` (a training step after `hlopar-import`), the stage and the role (forward,
-backward, update) of each of its top-level ops, and one mesh per stage, `@main` is
+backward, update) of each of its top-level ops, and the mesh of each stage, `@main` is
 rewritten in place:
 
-- a `topology` attribute names every stage mesh, `hlopar.devices` (docs/ir.md) gives their
-  physical devices, and one `sdy.mesh` per stage, named like its `mpmd` mesh, is the symbol
-  every sharding of that stage refers to (in mesh tensor types and inside fragments);
+- a `topology` attribute names every mesh, `hlopar.devices` (docs/ir.md) gives their
+  physical devices, and one `sdy.mesh` per mesh, named like its `mpmd` mesh, is the symbol
+  every sharding of its stages refers to (in mesh tensor types and inside fragments);
+- several stages may share a mesh (virtual stages: the meshes' names repeat, with equal
+  shapes and devices): each keeps its fragments (`stage=k`) and its own intra-op plan, and a
+  value one stage hands another of its mesh goes through an `mpmd.transfer` from the mesh to
+  itself, which codegen takes as a hand-over (no SEND/RECV, docs/codegen.md);
 - the ops of each (stage, role) go into one `mpmd.fragment` on the stage's mesh, in program
   order: forward `origin=["stage<k>"], stage=k`, backward `origin=["stage<k>"(1)], stage=k`
   (so both share the stage's mesh), update `origin=["stage<k>_update"]` with no `stage`
@@ -332,7 +336,8 @@ def write_mpmd_program(
 ) -> None:
     """Rewrites `@main` of `module` in place into an MPMD program (see the module docstring).
 
-    `stage_of_op[i]` (an index into `meshes`) and `roles[i]` are those of top-level op i of
+    `meshes[k]`: stage k's mesh (a name repeats where stages share it). `stage_of_op[i]` (an
+    index into `meshes`) and `roles[i]` are those of top-level op i of
     `@main` (`FuncGraph` numbering). `auto_sharding`: more `IntraOpOptions` fields for the
     per-stage plans (e.g. `{"latency": (0.0, 0.0)}`). `pipelined=False` accepts a split that
     only runs fragment by fragment in program order (no pipeline schedule can run it).
@@ -357,8 +362,8 @@ def write_mpmd_program(
             )
             for t, mesh in enumerate(meshes)
         ]
-        _add_meshes(module, meshes)
-        _write_main(module, main, graph, layout, stages, meshes)
+        _add_meshes(module, _distinct(meshes))
+        _write_main(module, main, graph, layout, stages, _distinct(meshes))
     module.verify()
 
 
@@ -369,10 +374,8 @@ def _check_plan(graph: FuncGraph, stage_of_op, roles, meshes) -> None:
         )
     if not meshes:
         raise ValueError("no stage meshes")
-    names = [m.name for m in meshes]
-    if len(set(names)) != len(names):
-        raise ValueError(f"mesh names must be distinct: {names}")
-    devices = [d for m in meshes for d in m.devices]
+    distinct = _distinct(meshes)
+    devices = [d for m in distinct for d in m.devices]
     if len(set(devices)) != len(devices):
         raise ValueError("stage meshes must not share physical devices")
     for i, (stage, role) in enumerate(zip(stage_of_op, roles)):
@@ -383,6 +386,20 @@ def _check_plan(graph: FuncGraph, stage_of_op, roles, meshes) -> None:
     for v in (*graph.args, *graph.results):
         if graph.values[v].shape is None or not graph.values[v].type.startswith("tensor<"):
             raise ValueError(f"value {graph.values[v].type} of @main's signature is not a ranked tensor")
+
+
+def _distinct(meshes: Sequence[StageMesh]) -> list[StageMesh]:
+    """The meshes once each, in order of their first stage; stages that share a mesh name
+    must give it the same axes, shape and devices (their intra-op options may differ)."""
+    first: dict[str, StageMesh] = {}
+    for mesh in meshes:
+        seen = first.setdefault(mesh.name, mesh)
+        if (seen.axis_names, seen.shape, seen.devices) != (mesh.axis_names, mesh.shape, mesh.devices):
+            raise ValueError(
+                f"stages on mesh '{mesh.name}' give it different axes, shapes or devices: "
+                f"{seen.axis_names}={seen.shape} on {seen.devices}, {mesh.axis_names}={mesh.shape} on {mesh.devices}"
+            )
+    return list(first.values())
 
 
 def _check_order(graph: FuncGraph, stage_of_op: Sequence[int], roles: Sequence[str]) -> None:

@@ -7,8 +7,10 @@ Eq. 3–4 with early pruning (`stage_dp`) for each microbatch count asked for (w
 `schedule=auto`, for each schedule too, the plans ranked by simulated step time:
 `pipeline_choice`), assigns
 physical devices (`submeshes.assign_devices`, Appendix A) and rewrites the entry function
-into an MPMD program (`mpmd_program.write_mpmd_program`): one mesh per stage, each stage's
-forward and backward on its mesh, update fragments where their parameters live. The backward
+into an MPMD program (`mpmd_program.write_mpmd_program`): one mesh per stage (several stages
+per mesh under interleaved-1f1b and zb-v, placed as the schedule places them: docs/
+stage_construction.md, "Virtual stages"), each stage's forward and backward on its mesh,
+update fragments where their parameters live. The backward
 fragment of a stage planned rematerialized (`remat`, `span_costs`) carries the unit attribute
 `hlopar.remat`: `hlopar-rematerialize` makes it recompute the forward from the stage's inputs;
 a stage planned rematerialized per layer carries `hlopar.remat = "layers"`, and its forward
@@ -133,11 +135,6 @@ class StageConstructionPass(ModulePass):
 
     def check_options(self) -> None:
         check_cluster(self.num_hosts, self.devices_per_host)
-        if self.schedule != AUTO_SCHEDULE and get_schedule(self.schedule).mesh_order is not None:
-            raise ValueError(
-                f"schedule {self.schedule} runs several stages per mesh (virtual stages), which stage "
-                f"construction does not place yet; planned schedules: {', '.join(PLANNED_SCHEDULES)}"
-            )
 
     def _check_entry(self, func: ir.Operation) -> None:
         """The MPMD program it writes is @main's, and passes tensors between meshes."""
@@ -179,7 +176,7 @@ class StageConstructionPass(ModulePass):
             stage_of_op = _stage_of_ops(layering, plan)
             meshes = [
                 StageMesh(
-                    f"m{k}",
+                    s["mesh"],
                     AXIS_NAMES,
                     tuple(s["logical_shape"]),
                     tuple(s["devices"]),
@@ -252,17 +249,20 @@ class StageConstructionPass(ModulePass):
 
         arrays, received = _layer_arrays(graph, layering, layers, plans, meshes, cluster_preset(self.preset))
         chosen, (candidates, choice) = self._best_pipeline(
-            func, graph, layering, arrays, received, submeshes, meshes_of_submesh, timings
+            func, graph, layering, arrays, received, submeshes, meshes_of_submesh, shapes, timings
         )
         result = chosen.plan
-        devices = assign_devices(
-            [submeshes[stage.submesh_index] for stage in result.stages], self.num_hosts, self.devices_per_host
-        )
+        placement = chosen.placement  # stage -> mesh
+        on_mesh = {}
+        for stage, mesh in zip(result.stages, placement):
+            on_mesh.setdefault(mesh, submeshes[stage.submesh_index])
+        mesh_devices = assign_devices([on_mesh[j] for j in sorted(on_mesh)], self.num_hosts, self.devices_per_host)
+        devices = [mesh_devices[mesh] for mesh in placement]
         plan = PipelinePlan(
             chosen.microbatches,
             result.total_latency,
             result.t_max,
-            _stage_records(result, chosen.table, devices, submeshes, meshes, shapes),
+            _stage_records(result, chosen.table, devices, placement, submeshes, meshes, shapes),
             _runner_ups(chosen.others, submeshes),
             tuple(candidates),
             chosen.schedule,
@@ -278,7 +278,7 @@ class StageConstructionPass(ModulePass):
         }
         return plan, stats
 
-    def _best_pipeline(self, func, graph, layering, arrays, received, submeshes, meshes_of_submesh, timings):
+    def _best_pipeline(self, func, graph, layering, arrays, received, submeshes, meshes_of_submesh, shapes, timings):
         """The best (schedule, count, stages) of `pipeline_choice.choose_pipeline`: the DP for
         each microbatch count (the split's where it ran, else the option's or the candidates)
         and, with schedule=auto, each schedule, ranked by simulated step time (else by Eq. 2);
@@ -310,6 +310,7 @@ class StageConstructionPass(ModulePass):
             num_stages=self.stages,
             epsilon=self.epsilon,
             split=split,
+            mesh_shapes=shapes,
         )
         # Ties (one stage, or warm-ups clamped by few microbatches) go to the default schedule.
         schedules = (
@@ -432,7 +433,11 @@ def schedule_choice_lines(choice: dict | None) -> list[str]:
         return []
 
     def said(c: dict) -> str:
-        return f"{c['schedule']}, {c['microbatches']} microbatch(es): {c['simulated_step_seconds'] * 1e3:.3g} ms a step"
+        chunks = f" ({c['chunks']} stages per mesh)" if c.get("chunks", 1) > 1 else ""
+        return (
+            f"{c['schedule']}{chunks}, {c['microbatches']} microbatch(es): "
+            f"{c['simulated_step_seconds'] * 1e3:.3g} ms a step"
+        )
 
     line = f"  schedule chosen (auto, simulated): {said(choice['chosen'])}"
     if choice.get("runner_up"):
@@ -457,17 +462,19 @@ def mark_rematerialized(module: ir.Operation, stages: dict[int, str]) -> None:
             )
 
 
-def _stage_records(result, table, devices, submeshes, meshes, shapes) -> tuple[dict, ...]:
-    """Per stage of the DP's result, what the report and the MPMD writer read."""
+def _stage_records(result, table, devices, placement, submeshes, meshes, shapes) -> tuple[dict, ...]:
+    """Per stage of the DP's result, what the report and the MPMD writer read; `placement`
+    the mesh of each stage (m<j>: several stages share one under virtual stages)."""
     stages = []
     num_stages = len(result.stages)
-    for k, (stage, ids) in enumerate(zip(result.stages, devices)):
+    for k, (stage, ids, mesh) in enumerate(zip(result.stages, devices, placement)):
         i, j, m, s = stage.start_layer, stage.end_layer, stage.submesh_index, num_stages - k
         g = int(table.mesh[i, j, m, s - 1])
         stages.append(
             {
                 "intra_op": meshes[g][1],
                 "stage": k,
+                "mesh": f"m{mesh}",
                 "layers": [i, j],
                 "submesh": [submeshes[m].hosts, submeshes[m].devices],
                 "logical_shape": list(shapes[g]),
@@ -540,6 +547,7 @@ def _candidate(c: Candidate) -> dict:
         "bubble_fraction": c.bubble_fraction,
         "total_latency": c.total_latency,
         "stages": len(c.plan.stages),
+        **({"chunks": c.chunks} if c.chunks > 1 else {}),  # stages per mesh (virtual stages)
     }
 
 

@@ -23,6 +23,7 @@ from hlopar.analysis.schedules.instructions import (
 from hlopar.analysis.schedules.registry import (
     AUTO_SCHEDULE,
     DEFAULT_SCHEDULE,
+    ONE_STAGE_SCHEDULES,
     PLANNED_SCHEDULES,
     SCHEDULES,
     ScheduleName,
@@ -47,6 +48,7 @@ __all__ = [
     "AlphaBeta",
     "DEFAULT_SCHEDULE",
     "DeadlockError",
+    "ONE_STAGE_SCHEDULES",
     "PLANNED_SCHEDULES",
     "Edge",
     "Event",

@@ -58,6 +58,7 @@ from hlopar.analysis.schedules.tasks import V_SHAPE, Schedule
 __all__ = [
     "AUTO_SCHEDULE",
     "DEFAULT_SCHEDULE",
+    "ONE_STAGE_SCHEDULES",
     "PLANNED_SCHEDULES",
     "SCHEDULES",
     "ScheduleName",
@@ -127,9 +128,13 @@ SCHEDULES: dict[str, Schedule] = {
     ),
 }
 
-# What stage construction plans (and "auto" chooses among): one stage per mesh. The stage DP
-# does not place several stages per mesh yet (docs/stage_construction.md).
-PLANNED_SCHEDULES = tuple(name for name, schedule in SCHEDULES.items() if schedule.mesh_order is None)
+# One stage per mesh: the warm-up-then-1F1B orders (`Schedule.stage_tasks`), which Eq. 3-4's DP
+# plans on submeshes of any sizes.
+ONE_STAGE_SCHEDULES = tuple(name for name, schedule in SCHEDULES.items() if schedule.mesh_order is None)
+# What stage construction plans, `parallelize(schedule=...)` and `hlopar-compile --schedule`
+# take, and "auto" chooses among: every registered schedule (those of several stages per mesh
+# on p meshes of one submesh shape, `analysis.stages.pipeline_choice`).
+PLANNED_SCHEDULES = tuple(SCHEDULES)
 
 DEFAULT_SCHEDULE = "eager-1f1b"
 # Not a schedule: the planner chooses one of `SCHEDULES` (every one runs on hlopar's runtimes)

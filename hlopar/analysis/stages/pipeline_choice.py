@@ -21,6 +21,20 @@ runner-ups). How candidates are ranked:
   schedule (`Schedule.stashes`: a zero-bubble stage keeps a stash until its W, more than
   the DP's Eq. 5 count for every stage but the first).
 
+Schedules of several stages per mesh (`Schedule.mesh_order`: interleaved-1f1b, zb-v) are
+planned on p meshes of ONE submesh shape and one logical shape (p times the submesh's size
+is every device; p >= 2), v chunks each (`VIRTUAL_CHUNKS`, or the schedule's own count): the
+layers cut into v p contiguous stages, stage k on mesh `Schedule.placed(p, v)[k]`. The cut is
+the DP's of Eq. 3-4 with exactly v p stages on that one submesh (its devices counted once per
+chunk), on a span table whose in-flight rule is each chunk's own stashes
+(`Schedule.chunk_stashes`, to W where backwards split); a plan is kept only where each mesh
+fits with its chunks' memories summed (the sum of the chunks' peaks, an upper bound of the
+mesh's); where the DP's plans fit chunk by chunk and not summed, the table is made again with
+each chunk within 1/v of the memory (the sum met by construction, remat where it fits). The
+DP's best plan and runner-ups of every (submesh, logical shape, v) are ranked in the
+simulator, whatever `by` says: Eq. 2 does not see the interleaving. Their `total_latency` is
+the DP's Eq. 2 over the v p stages.
+
 Counts: the layers may be a split step's (`split`: the arrays are per microbatch of that
 many); another count is priced from them scaled to the whole batch (`LayerArrays.scaled`),
 the count itself from them as they are.
@@ -30,16 +44,29 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
 
-from hlopar.analysis.schedules import Edge, PipelineTopology, Schedule, StageCost, build_streams, simulate
+from hlopar.analysis.schedules import (
+    Edge,
+    PipelineTopology,
+    Schedule,
+    StageCost,
+    build_streams,
+    get_schedule,
+    simulate,
+)
 from hlopar.analysis.stages.span_costs import LayerArrays, SpanTable, span_tables
 from hlopar.analysis.stages.stage_dp import Slicing, stage_dp
 
-__all__ = ["Candidate", "Choice", "PipelineSpace", "choose_pipeline", "simulated_step"]
+__all__ = ["VIRTUAL_CHUNKS", "Candidate", "Choice", "PipelineSpace", "choose_pipeline", "simulated_step"]
+
+# Chunks per mesh priced for a schedule that takes any count (interleaved 1F1B): each chunk
+# more divides the bubble further but adds a transfer per microbatch and chunk boundary, and
+# a span table, a DP and simulations per count; Megatron's runs use a few (Narayanan et al.).
+VIRTUAL_CHUNKS = (2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -60,6 +87,7 @@ class PipelineSpace:
     num_stages: int | None = None
     epsilon: float = 1e-6
     split: int | None = None
+    mesh_shapes: Sequence[tuple[int, ...]] = ()  # logical shape of each logical mesh g (empty: one per submesh)
 
 
 @dataclass(frozen=True)
@@ -78,6 +106,17 @@ class Candidate:
     evaluated_t_max: int = 0
     why: str = ""
     others: tuple[Slicing, ...] = ()
+    chunks: int = 1  # stages per mesh (`plan`'s v p stages on p meshes where > 1)
+
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """The mesh (0..p-1) of each stage of `plan`."""
+        num_meshes = len(self.plan.stages) // self.chunks
+        return (
+            tuple(range(num_meshes))
+            if self.chunks == 1
+            else get_schedule(self.schedule).placed(num_meshes, self.chunks)
+        )
 
 
 @dataclass(frozen=True)
@@ -123,21 +162,26 @@ def choose_pipeline(
         flight_of = {
             schedule.name: tuple(schedule.in_flight(s, count) for s in range(1, space.max_stages + 1))
             for schedule in schedules
+            if schedule.mesh_order is None
         }
         flights = list(dict.fromkeys(flight_of.values()))
         clock = time.perf_counter()
-        tables = span_tables(
-            layers,
-            received,
-            space.meshes_of_submesh,
-            space.transfer_seconds,
-            space.submesh_sizes,
-            microbatches=count,
-            per_microbatch=per_microbatch,
-            in_flights=[lambda s, f=flight: f[s - 1] for flight in flights],
-            memory_per_device=space.memory_per_device,
-            max_stages=space.max_stages,
-            remat=space.remat,
+        tables = (
+            span_tables(
+                layers,
+                received,
+                space.meshes_of_submesh,
+                space.transfer_seconds,
+                space.submesh_sizes,
+                microbatches=count,
+                per_microbatch=per_microbatch,
+                in_flights=[lambda s, f=flight: f[s - 1] for flight in flights],
+                memory_per_device=space.memory_per_device,
+                max_stages=space.max_stages,
+                remat=space.remat,
+            )
+            if flights
+            else []
         )
         timings["span_costs"] += time.perf_counter() - clock
         dps: dict[tuple[int, ...], tuple[SpanTable, object]] = {}
@@ -158,6 +202,11 @@ def choose_pipeline(
             timings["stage_dp"] += time.perf_counter() - clock
             dps[flight] = (table, result)
         for schedule in schedules:
+            if schedule.mesh_order is not None:
+                candidates.append(
+                    _chunked_best(space, schedule, count, layers, received, per_microbatch, num_runner_ups, timings)
+                )
+                continue
             flight = flight_of[schedule.name]
             table, result = dps[flight]
             if isinstance(result, str):
@@ -199,13 +248,18 @@ def _priced_at(space: PipelineSpace, count: int) -> tuple[LayerArrays, np.ndarra
     return space.layers.scaled(space.split), np.asarray(space.received) * space.split, False
 
 
-def _simulated_best(space, schedule, count, table, received, per_microbatch, plans, result) -> Candidate:
-    """The fastest in simulation of the DP's plans that fit under the schedule's stashes."""
+def _simulated_best(space, schedule, count, table, received, per_microbatch, plans, result, chunks=1) -> Candidate:
+    """The fastest in simulation of the DP's plans that fit under the schedule's stashes (per
+    stage; with `chunks` > 1 stages per mesh, per mesh: `_meshes_fit`)."""
     best = None
+    num_meshes = len(plans[0].stages) // chunks
+    placement = None if chunks == 1 else schedule.placed(num_meshes, chunks)
     for plan in plans:
-        if not _fits(space, schedule, count, table, plan):
+        if chunks == 1 and not _fits(space, schedule, count, table, plan):
             continue
-        seconds, bubble = simulated_step(space, schedule, count, table, plan, received, per_microbatch)
+        if chunks > 1 and not _meshes_fit(space, schedule, count, table, plan, num_meshes, chunks):
+            continue
+        seconds, bubble = simulated_step(space, schedule, count, table, plan, received, per_microbatch, placement)
         if best is None or seconds < best.seconds:
             best = Candidate(
                 schedule.name,
@@ -217,11 +271,151 @@ def _simulated_best(space, schedule, count, table, received, per_microbatch, pla
                 bubble,
                 evaluated_t_max=result.evaluated_t_max,
                 others=tuple(p for p in plans if p.stages != plan.stages),
+                chunks=chunks,
             )
     if best is None:
-        why = f"no plan of the stage DP fits {schedule.name}'s stashes (held until W) in memory"
+        held = "stashes (held until W)" if chunks == 1 else f"{chunks} chunks per mesh (their memories summed)"
+        why = f"no plan of the stage DP fits {schedule.name}'s {held} in memory"
         return Candidate(schedule.name, count, None, None, np.inf, np.inf, why=why)
     return best
+
+
+def _chunked_best(space, schedule, count, layers, received, per_microbatch, num_runner_ups, timings) -> Candidate:
+    """The fastest in simulation of a several-stages-per-mesh schedule's plans over every
+    (submesh, logical shape, chunks per mesh) (module docstring)."""
+    num_layers = layers.latency.shape[1]
+    best, whys = None, []
+    for m, size in enumerate(space.submesh_sizes):
+        num_meshes = space.num_devices // size
+        if num_meshes < 2 or num_meshes * size != space.num_devices or not space.meshes_of_submesh[m]:
+            continue
+        chunks, flights = [], []
+        for v in (schedule.chunks,) if schedule.chunks else VIRTUAL_CHUNKS:
+            stages = v * num_meshes
+            if stages > num_layers or (space.num_stages is not None and stages != space.num_stages):
+                continue
+            try:
+                held = schedule.chunk_stashes(num_meshes, v, count)
+            except ValueError as error:  # interleaved-1f1b: the count is not a multiple of p
+                whys.append(str(error))
+                continue
+            chunks.append(v)
+            flights.append(lambda s, f=held: f[len(f) - s] if s <= len(f) else count)
+        if not chunks:
+            continue
+        priced = _ChunkPricing(space, schedule, count, layers, received, per_microbatch, num_runner_ups, timings, m)
+        for group in _shape_groups(space, m):
+            tables = priced.tables(group, flights, space.memory_per_device, max(chunks) * num_meshes)
+            for v, flight, table in zip(chunks, flights, tables):
+                found = priced.best(table, num_meshes, v)
+                if found.plan is None and found.table is not None:
+                    # Each chunk fits, a mesh's chunks together not: each chunk within 1/v of
+                    # the memory, which the table meets by rematerializing where it can.
+                    tighter = priced.tables(group, [flight], space.memory_per_device / v, v * num_meshes)[0]
+                    summed = found.why
+                    found = priced.best(tighter, num_meshes, v)
+                    if found.plan is None:
+                        found = replace(found, why=f"{summed}; nor with each chunk in 1/{v} of it: {found.why}")
+                if found.plan is None:
+                    whys.append(f"{num_meshes} meshes of {size} device(s), {v} chunks: {found.why}")
+                elif best is None or found.seconds < best.seconds:
+                    best = found
+    if best is None:
+        why = "; ".join(dict.fromkeys(whys)) or (
+            f"no {schedule.name} plan: it needs at least 2 meshes of one submesh size and "
+            f"{min(VIRTUAL_CHUNKS if schedule.chunks is None else (schedule.chunks,))} or more layers per mesh"
+        )
+        return Candidate(schedule.name, count, None, None, np.inf, np.inf, why=why)
+    return best
+
+
+@dataclass(frozen=True)
+class _ChunkPricing:
+    """What pricing one (schedule, count) on submesh `submesh` with chunks reads."""
+
+    space: PipelineSpace
+    schedule: Schedule
+    count: int
+    layers: LayerArrays
+    received: np.ndarray
+    per_microbatch: bool
+    num_runner_ups: int
+    timings: dict
+    submesh: int
+
+    def tables(self, group, in_flights, memory: float, max_stages: int) -> list[SpanTable]:
+        """Span tables with only the submesh's logical meshes `group`, one per in-flight rule."""
+        clock = time.perf_counter()
+        sizes = self.space.submesh_sizes
+        found = span_tables(
+            self.layers,
+            self.received,
+            [group if k == self.submesh else [] for k in range(len(sizes))],
+            self.space.transfer_seconds,
+            sizes,
+            microbatches=self.count,
+            per_microbatch=self.per_microbatch,
+            in_flights=in_flights,
+            memory_per_device=memory,
+            max_stages=max_stages,
+            remat=self.space.remat,
+        )
+        self.timings["span_costs"] += time.perf_counter() - clock
+        return found
+
+    def best(self, table: SpanTable, num_meshes: int, chunks: int) -> Candidate:
+        """The DP's v p stages on the table (the submesh's devices counted once per chunk),
+        the fastest of its plans in simulation; without a plan, why, and the table where the
+        DP found plans and none fit their meshes."""
+        space, schedule, count = self.space, self.schedule, self.count
+        num_stages = chunks * num_meshes
+        clock = time.perf_counter()
+        try:
+            result = stage_dp(
+                table.latency,
+                space.submesh_sizes,
+                num_stages * space.submesh_sizes[self.submesh],
+                count,
+                epsilon=space.epsilon,
+                num_runner_ups=self.num_runner_ups,
+                num_stages=num_stages,
+            )
+        except ValueError:  # its words count the submesh's devices once per chunk: say it here
+            why = f"no cut of the layers into {num_stages} stages fits in memory chunk by chunk"
+            return Candidate(schedule.name, count, None, None, np.inf, np.inf, why=why)
+        finally:
+            self.timings["stage_dp"] += time.perf_counter() - clock
+        clock = time.perf_counter()
+        plans = (Slicing(result.stages, result.total_latency, result.t_max, result.sum_latency), *result.runner_ups)
+        found = _simulated_best(
+            space, schedule, count, table, self.received, self.per_microbatch, plans, result, chunks
+        )
+        self.timings["simulation"] += time.perf_counter() - clock
+        return found if found.plan is not None else replace(found, table=table)
+
+
+def _shape_groups(space: PipelineSpace, m: int) -> list[list[int]]:
+    """The logical meshes of submesh m by logical shape (a mesh's chunks share one shape)."""
+    if not space.mesh_shapes:
+        return [list(space.meshes_of_submesh[m])]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for g in space.meshes_of_submesh[m]:
+        groups.setdefault(tuple(space.mesh_shapes[g]), []).append(g)
+    return list(groups.values())
+
+
+def _meshes_fit(space, schedule, count, table, plan, num_meshes: int, chunks: int) -> bool:
+    """Whether each mesh holds its chunks: per phase, the sum of its chunks' memories (the
+    forward and backward's with each chunk's stashes, `Schedule.chunk_stashes`; the update's)."""
+    placement = schedule.placed(num_meshes, chunks)
+    stashes = schedule.chunk_stashes(num_meshes, chunks, count)
+    num_stages = len(plan.stages)
+    held, updating = np.zeros(num_meshes), np.zeros(num_meshes)
+    for k, stage in enumerate(plan.stages):
+        at = (stage.start_layer, stage.end_layer, stage.submesh_index, num_stages - k - 1)
+        held[placement[k]] += table.base_memory[at] + table.stash_bytes[at] * stashes[k]
+        updating[placement[k]] += table.update_memory[at]
+    return bool(np.all(np.maximum(held, updating) <= space.memory_per_device))
 
 
 def _fits(space: PipelineSpace, schedule: Schedule, count: int, table: SpanTable, plan: Slicing) -> bool:
@@ -242,10 +436,12 @@ def simulated_step(
     plan: Slicing,
     received: np.ndarray,
     per_microbatch: bool,
+    placement: Sequence[int] | None = None,
 ) -> tuple[float, float]:
     """The simulated step time and bubble fraction of `plan` under `schedule` (module
     docstring); `received` the bytes per step (per microbatch where `per_microbatch`) that
-    layer b reads from layer a, at [a, b]."""
+    layer b reads from layer a, at [a, b]; `placement` the mesh of each stage where meshes
+    hold several (None: stage k on mesh k)."""
     num_stages = len(plan.stages)
     costs = []
     for k, stage in enumerate(plan.stages):
@@ -263,7 +459,8 @@ def simulated_step(
             backward = per_micro[spans[b][0] : spans[b][1], spans[a][0] : spans[a][1]].sum()
             if forward > 0 or backward > 0:
                 edges.append(Edge(a, b, int(forward), int(backward)))
-    topology = PipelineTopology(num_stages, tuple(edges))
+    meshes = () if placement is None else tuple(f"m{j + 1}" for j in placement)
+    topology = PipelineTopology(num_stages, tuple(edges), meshes=meshes)
     size_of = {mesh: space.submesh_sizes[s.submesh_index] for mesh, s in zip(topology.meshes, plan.stages)}
 
     def comm(src: str, dst: str, nbytes: int) -> float:

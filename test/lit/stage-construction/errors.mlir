@@ -9,10 +9,6 @@
 // Options that are not values of their type, or name nothing, are reported before any work.
 // RUN: not hlopar-opt %s -p 'builtin.module(hlopar-stage-construction{schedule=zigzag})' 2>&1 | FileCheck %s --check-prefix=SCHEDULE
 // SCHEDULE: errors.mlir: error: option 'schedule' of pass 'hlopar-stage-construction': invalid value 'zigzag': expected one of 1f1b, auto, eager-1f1b, eager-1f1b-wd, gpipe, interleaved-1f1b, zb-h1, zb-h2, zb-v
-// A schedule of several stages per mesh is the registry's, not yet one the stage DP places.
-// RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-stage-construction{schedule=zb-v})' 2>&1 | FileCheck %s --check-prefix=VIRTUAL
-// VIRTUAL: errors.mlir: error: pass 'hlopar-stage-construction': schedule zb-v runs several stages per mesh (virtual stages), which stage construction does not place yet; planned schedules: gpipe, 1f1b, eager-1f1b, eager-1f1b-wd, zb-h1, zb-h2
-// VIRTUAL-NOT: Traceback
 // RUN: not hlopar-opt %s -p 'builtin.module(hlopar-stage-construction{memory-per-device=lots})' 2>&1 | FileCheck %s --check-prefix=BYTES
 // BYTES: errors.mlir: error: option 'memory-per-device' of pass 'hlopar-stage-construction': invalid value 'lots'
 // RUN: not hlopar-opt %s --split-input-file -p 'builtin.module(hlopar-stage-construction{preset=tpu})' 2>&1 | FileCheck %s --check-prefix=PRESET

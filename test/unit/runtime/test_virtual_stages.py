@@ -1,34 +1,42 @@
-"""Several stages per mesh, run: the tiny GPT cut into 4 stages, placed 2 per mesh as
-interleaved 1F1B and ZB-V place them, computes on the local pipelined runtime what the
-whole step computes on one device.
+"""Several stages per mesh, planned and run: stage construction with a schedule of chunks
+(interleaved-1f1b, zb-v) cuts the tiny GPT into 4 stages, 2 per mesh, and the program runs
+on the local pipelined runtime, on Ray, and through `parallelize`, computing what the whole
+step computes on one device.
 
-Stage construction does not place several stages per mesh yet (docs/stage_construction.md,
-"Virtual stages"), so the program is a 4-stage plan on 4 one-device meshes whose meshes
-are then merged two by two (`_merged`): what the stage DP would write, the hand-overs
-between two stages of one mesh left as `mpmd.transfer`s from the mesh to itself."""
+The program stage construction writes is checked against the shape codegen reads: a 4-stage
+plan on 4 one-device meshes whose meshes are then merged two by two in the text (`_merged`),
+the hand-overs between two stages of one mesh left as `mpmd.transfer`s from the mesh to
+itself."""
 
 from __future__ import annotations
 
 import functools
 
+import jax
 import pytest
 from microbatch_steps import compare, run_pipeline, step_data
+from numerics import assert_step_close
 
+import hlopar
 from hlopar.analysis.schedules import FREE, RECV, RUN, SEND, get_schedule
+from hlopar.api import describe_plan
 from hlopar.codegen.pipeline_program import pipeline_program
 from hlopar.ir.module import parse_module, print_module
+from hlopar.models import get_train_step
 from hlopar.runtime.local_executor import PipelinedStep
 
 PLAN = (
     "hlopar-split-microbatches{microbatches=2},hlopar-cluster-operators{layers=4},"
-    "hlopar-stage-construction{schedule=1f1b num-hosts=1 devices-per-host=4 stages=4 workers=1 plan-shardings=false}"
+    "hlopar-stage-construction{schedule=SCHEDULE num-hosts=1 devices-per-host=DEVICES stages=4 workers=1 "
+    "plan-shardings=false}"
 )
 ONE_DEVICE = '<["x"=1, "y"=1]>'
 
 
 @functools.cache
-def _four_stages() -> str:
-    return print_module(run_pipeline(step_data("gpt")[0], PLAN))
+def _planned(schedule: str, devices: int) -> str:
+    plan = PLAN.replace("SCHEDULE", schedule).replace("DEVICES", str(devices))
+    return print_module(run_pipeline(step_data("gpt")[0], plan))
 
 
 def _merged(text: str, placement: tuple[int, ...]) -> str:
@@ -43,11 +51,19 @@ def _merged(text: str, placement: tuple[int, ...]) -> str:
 
 
 @pytest.mark.parametrize("name", ["interleaved-1f1b", "zb-v"])
+def test_stage_construction_writes_the_merged_program(name):
+    """On 2 devices, exactly 4 stages: 2 meshes of one device, 2 chunks each, the layers cut
+    as the 4-stage 1F1B plan on 4 devices cuts them (one each), and the program the text
+    of that plan with its meshes merged as the schedule places the stages."""
+    four = _planned("1f1b", 4)
+    assert all(f'"m{k}"' in four for k in range(4)), "the plan is not 4 stages on 4 meshes"
+    assert _planned(name, 2) == _merged(four, get_schedule(name).placed(2, 2))
+
+
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "zb-v"])
 def test_two_stages_per_mesh_match_one_device(name):
     schedule = get_schedule(name)
-    text = _four_stages()
-    assert all(f'"m{k}"' in text for k in range(4)), "the plan is not 4 stages on 4 meshes"
-    module = parse_module(_merged(text, schedule.placed(2, 2)))
+    module = parse_module(_planned(name, 2))
     program = pipeline_program(module, split_backward=schedule.split_backward)
     assert program.stages_of_mesh == (
         {"m0": (0, 2), "m1": (1, 3)} if name == "interleaved-1f1b" else {"m0": (0, 3), "m1": (1, 2)}
@@ -82,7 +98,7 @@ def test_two_stages_per_mesh_on_ray(ray_cluster):
     from hlopar.runtime.ray_runtime import RayRuntime
 
     schedule = get_schedule("interleaved-1f1b")
-    program = pipeline_program(parse_module(_merged(_four_stages(), schedule.placed(2, 2))))
+    program = pipeline_program(parse_module(_planned(schedule.name, 2)))
     runtime = RayRuntime(program, schedule.name, placement_of(program, 4, local=True, device_kind="cpu"))
     runtime.start()
     try:
@@ -91,3 +107,30 @@ def test_two_stages_per_mesh_on_ray(ray_cluster):
         compare("gpt", runtime.fetch_finish(runtime.fetch_start(runtime.generation, step, results), "results"))
     finally:
         runtime.shutdown()
+
+
+@pytest.mark.parametrize(
+    "name, hosts, placed",
+    [("interleaved-1f1b", 1, {"m0": (0, 2), "m1": (1, 3)}), ("zb-v", 2, {"m0": (0, 3), "m1": (1, 2)})],
+)
+def test_parallelize_plans_virtual_stages_equal_to_one_device(tmp_path, monkeypatch, name, hosts, placed):
+    """`parallelize` with the schedule named, as a user calls it (the layers and the cut the
+    planner's): the tiny GPT in 4 stages on 2 meshes of half the devices, stage k on the
+    schedule's mesh, run in this process; parameters, optimizer state and loss equal to the
+    single-device step (the tolerances of test_schedule_auto.py)."""
+    monkeypatch.setenv("HLOPAR_CACHE_DIR", str(tmp_path))
+    step = get_train_step("gpt", "tiny")
+    params = step.init(jax.random.PRNGKey(0))
+    args = (params, step.init_opt_state(params), step.make_batch(jax.random.PRNGKey(1)))
+    cluster = hlopar.Cluster.local(hosts, 4, device_kind="cpu")
+    parallel = hlopar.parallelize(step.step, cluster=cluster, schedule=name, num_microbatches=4, verbose=False)
+    try:
+        outputs = parallel(*args)
+        planned = parallel.planned
+        assert planned.schedule.name == planned.plan["stages"]["schedule"] == name
+        assert planned.program.stages_of_mesh == placed
+        assert [len(planned.program.devices[mesh]) for mesh in placed] == [2 * hosts, 2 * hosts]
+        assert describe_plan(planned).startswith(f"plan: 4 stage(s) on 2 meshes, 4 microbatch(es), schedule {name}")
+        assert_step_close(jax.tree_util.tree_leaves(outputs), step.jitted_step(*args), params, rtol=1e-5)
+    finally:
+        parallel.close()

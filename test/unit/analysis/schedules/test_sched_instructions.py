@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hlopar.analysis.schedules import (
     ACCUMULATE,
     FREE,
-    PLANNED_SCHEDULES,
+    ONE_STAGE_SCHEDULES,
     RECV,
     RUN,
     SEND,
@@ -93,7 +93,7 @@ def test_skip_edges_and_weight_split():
 
 
 @settings(max_examples=40, deadline=None)
-@given(topologies(), st.integers(1, 6), st.sampled_from(PLANNED_SCHEDULES))
+@given(topologies(), st.integers(1, 6), st.sampled_from(ONE_STAGE_SCHEDULES))
 def test_json_round_trip(topo, micro, name):
     streams = build_streams(topo, name, micro)
     again = PipelineStreams.from_json(streams.to_json())
@@ -102,7 +102,7 @@ def test_json_round_trip(topo, micro, name):
 
 
 @settings(max_examples=40, deadline=None)
-@given(topologies(), st.integers(1, 6), st.sampled_from(PLANNED_SCHEDULES))
+@given(topologies(), st.integers(1, 6), st.sampled_from(ONE_STAGE_SCHEDULES))
 def test_stream_structure(topo, micro, name):
     _check_stream_structure(topo, micro, name)
 

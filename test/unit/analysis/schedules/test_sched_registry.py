@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from hlopar.analysis.schedules import (
     AUTO_SCHEDULE,
     DEFAULT_SCHEDULE,
-    PLANNED_SCHEDULES,
+    ONE_STAGE_SCHEDULES,
     SCHEDULES,
     Schedule,
     ScheduleName,
@@ -37,7 +37,7 @@ def test_registry_names():
         "interleaved-1f1b",
         "zb-v",
     ]
-    assert tuple(list(SCHEDULES)[:6]) == PLANNED_SCHEDULES  # one stage per mesh
+    assert tuple(list(SCHEDULES)[:6]) == ONE_STAGE_SCHEDULES  # one stage per mesh
     assert get_schedule("1f1b") is SCHEDULES["1f1b"]
     assert get_schedule(SCHEDULES["gpipe"]) is SCHEDULES["gpipe"]
     assert [s.split_backward for s in SCHEDULES.values()] == [False, False, False, True, True, True, False, True]
@@ -51,7 +51,7 @@ def test_stashes_count_what_a_split_backward_keeps_until_w():
     """Stage k of 4 at 8 microbatches: the stashes held at once, each from its F to its W (B
     where the backward is whole); equal to Eq. 5's in-flight count (the DP's, knowing a stage
     only by the stages after it) except where W is held back."""
-    held = {name: [SCHEDULES[name].stashes(4, k, 8) for k in range(4)] for name in PLANNED_SCHEDULES}
+    held = {name: [SCHEDULES[name].stashes(4, k, 8) for k in range(4)] for name in ONE_STAGE_SCHEDULES}
     assert held == {
         "gpipe": [8, 8, 8, 8],
         "1f1b": [4, 3, 2, 1],
@@ -60,7 +60,7 @@ def test_stashes_count_what_a_split_backward_keeps_until_w():
         "zb-h1": [4, 4, 4, 4],  # 1f1b's warm-up p - k, plus k W held back
         "zb-h2": [7, 7, 7, 7],  # eager's 2 (p - k) - 1, plus 2k
     }
-    for name in PLANNED_SCHEDULES:
+    for name in ONE_STAGE_SCHEDULES:
         schedule = SCHEDULES[name]
         in_flight = [schedule.in_flight(4 - k, 8) for k in range(4)]
         assert (in_flight == held[name]) == (schedule.weight_lag is None), name
@@ -114,7 +114,7 @@ def test_weight_delay_moves_w_later():
 
 
 @settings(max_examples=60, deadline=None)
-@given(SHAPES, st.sampled_from(PLANNED_SCHEDULES), st.integers(0, 4))
+@given(SHAPES, st.sampled_from(ONE_STAGE_SCHEDULES), st.integers(0, 4))
 def test_every_task_once_in_order(shape, name, delay):
     stages, micro = shape
     schedule = SCHEDULES[name]
@@ -168,7 +168,7 @@ def test_in_flight_of_eq5():
 @given(SHAPES)
 def test_in_flight_is_the_warmup_of_the_first_stage(shape):
     stages, micro = shape
-    for schedule in map(SCHEDULES.get, PLANNED_SCHEDULES):
+    for schedule in map(SCHEDULES.get, ONE_STAGE_SCHEDULES):
         assert schedule.in_flight(stages, micro) == schedule.warmup(stages, 0, micro)
         for k in range(stages):  # warm-ups count the stages from a stage to the last
             assert schedule.in_flight(stages - k, micro) == max_in_flight(schedule.stage_tasks(stages, k, micro))

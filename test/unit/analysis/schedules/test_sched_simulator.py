@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hlopar.analysis.schedules import (
-    PLANNED_SCHEDULES,
+    ONE_STAGE_SCHEDULES,
     ZERO_COST,
     AlphaBeta,
     DeadlockError,
@@ -44,7 +44,7 @@ def _uniform(stages, forward=1.0, backward=2.0):
 
 
 @settings(max_examples=30, deadline=None)
-@given(pipelines(), st.sampled_from(PLANNED_SCHEDULES), st.lists(st.floats(0.1, 3.0), min_size=10, max_size=10))
+@given(pipelines(), st.sampled_from(ONE_STAGE_SCHEDULES), st.lists(st.floats(0.1, 3.0), min_size=10, max_size=10))
 def test_streams_complete_and_respect_dependencies(pipeline, name, times):
     topo, micro = pipeline
     costs = [StageCost(times[k], times[k + 5], accumulate=0.01, update=0.1) for k in range(topo.num_stages)]
@@ -115,7 +115,7 @@ def test_eager_hides_what_1f1b_exposes():
     """4 stages, transfers of 0.3 s: 1F1B pays them on its critical path, eager-1F1B mostly not."""
     topo = PipelineTopology.chain(4, 3 * 10**8)
     costs, comm = _uniform(4), AlphaBeta(0.0, 10**9)
-    times = {name: simulate(build_streams(topo, name, 8), costs, comm).iteration_time for name in PLANNED_SCHEDULES}
+    times = {name: simulate(build_streams(topo, name, 8), costs, comm).iteration_time for name in ONE_STAGE_SCHEDULES}
     bound = simulate(build_streams(topo, "eager-1f1b", 8), costs, signal(comm)).iteration_time
     assert bound == pytest.approx(33.0, abs=1e-6)
     assert times["1f1b"] == pytest.approx(37.8)

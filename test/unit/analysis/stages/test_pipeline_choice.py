@@ -5,6 +5,8 @@ third each), one byte to its neighbours each way, links of no cost."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -129,3 +131,68 @@ def test_ranking_by_eq2_keeps_the_dp_s_plan():
         (8, pytest.approx(4 * 0.5 + 7 * 0.5)),
         (2, pytest.approx(4 * 2.0 + 1 * 2.0)),
     ]
+
+
+def test_interleaving_two_chunks_per_mesh_wins_on_uniform_layers():
+    """8 layers of 4 s a step on 4 one-device meshes, 8 microbatches (F a third of a layer's
+    0.5 s, B two thirds), links free. One stage per mesh: 2 layers a stage, 1F1B's step (8 + 3)
+    x 1 s. Interleaved 1F1B with v = 2: 8 stages of one layer, stage k on mesh k mod 4, the
+    bubble a chunk's (p - 1) x 0.5 s: 8 + 1.5 s. With v = 3 or 4 the layers do not fill the
+    chunks (12, 16 stages > 8 layers): v = 2 is the one plan, and the pass's pick over eager-1F1B."""
+    num_layers = 8
+    row = lambda values: np.array([values], dtype=float)  # noqa: E731
+    zero = row([0.0] * num_layers)
+    arrays = LayerArrays(
+        latency=row([4.0] * num_layers),
+        fixed_latency=zero,
+        state_bytes=zero,
+        gradient_bytes=zero,
+        activation_bytes=row([1.0] * num_layers),
+        updated_state_bytes=zero,
+        temporary_bytes=zero,
+        resharding=np.zeros((1, num_layers, num_layers)),
+        forward_latency=row([4.0 / 3] * num_layers),
+        forward_fixed_latency=zero,
+        input_bytes=np.zeros((1, num_layers, num_layers)),
+    )
+    space_ = PipelineSpace(
+        arrays,
+        np.eye(num_layers, k=1) + np.eye(num_layers, k=-1),
+        meshes_of_submesh=[[0]],
+        submesh_sizes=[1],
+        num_devices=4,
+        transfer_seconds=lambda nbytes, devices: 0.0,
+        memory_per_device=1e9,
+        max_stages=4,
+    )
+    schedules = [get_schedule(name) for name in ("eager-1f1b", "1f1b", "interleaved-1f1b")]
+    choice = choose_pipeline(space_, schedules, [8])
+    seconds = {c.schedule: c.seconds for c in choice.candidates}
+    assert seconds["1f1b"] == pytest.approx(11.0, rel=1e-12)
+    best = choice.best
+    assert best.schedule == "interleaved-1f1b" and best.chunks == 2
+    assert best.seconds == pytest.approx(8 + 3 * 0.5, rel=1e-12)
+    assert [(s.start_layer, s.end_layer) for s in best.plan.stages] == [(k, k) for k in range(8)]
+    assert best.placement == (0, 1, 2, 3, 0, 1, 2, 3)
+    # The bubble is 1/v of one-stage-per-mesh 1F1B's: (p - 1) / (v B + p - 1) of the step.
+    assert best.bubble_fraction == pytest.approx(3 / (2 * 8 + 3), rel=1e-9)
+    # Each mesh holds its two chunks: mesh 1 stages 1 and 5, 8 and 4 stashes of 1/8 byte, and
+    # each chunk a microbatch's 2 bytes received and 2 sent (1/8 each): 1.5 + 1 bytes. With
+    # room for 2.25 each chunk alone fits (1.5 at most) and mesh 1 does not: no plan.
+    interleaved = get_schedule("interleaved-1f1b")
+    assert interleaved.chunk_stashes(4, 2, 8) == (8, 8, 7, 5, 4, 4, 3, 1)
+    assert choose_pipeline(replace(space_, memory_per_device=2.5), [interleaved], [8]).best is not None
+    tight = choose_pipeline(replace(space_, memory_per_device=2.25), [interleaved], [8])
+    assert tight.best is None and "2 chunks per mesh (their memories summed)" in tight.candidates[0].why
+    # Where remat is allowed, the chunks are planned again within half the memory each (1.125):
+    # stage 0 (8 stashes, 1.25 kept) recomputes its forward from inputs of no bytes here, stage 7
+    # (1 stash) keeps its own, and the step pays for the recompute.
+    rematerialized = choose_pipeline(replace(space_, memory_per_device=2.25, remat="auto"), [interleaved], [8]).best
+    stages = rematerialized.plan.stages
+    assert rematerialized.chunks == 2 and len(stages) == 8
+    remat = [bool(rematerialized.table.remat[s.start_layer, s.end_layer, 0, 7 - k]) for k, s in enumerate(stages)]
+    assert remat[0] and not remat[7]
+    assert rematerialized.seconds > best.seconds
+    # The count must be a multiple of the 4 meshes (Megatron's groups).
+    odd = choose_pipeline(space_, [get_schedule("interleaved-1f1b")], [6])
+    assert odd.best is None and "not a multiple of 4" in odd.candidates[0].why

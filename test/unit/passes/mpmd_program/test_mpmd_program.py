@@ -148,6 +148,25 @@ def test_wrong_plans_are_rejected():
         write_mpmd_program(parse_module(PROGRAM), STAGES, ROLES, shared)
     with pytest.raises(ValueError, match="needs 4 devices"):
         StageMesh("m0", ("x",), (4,), (0, 1))
+    # Stages may share a mesh (virtual stages), not give one mesh two shapes or device sets.
+    for other in (StageMesh("m0", ("x", "y"), (2, 2), (0, 1, 2, 3)), StageMesh("m0", ("x",), (4,), (4, 5, 6, 7))):
+        with pytest.raises(ValueError, match="stages on mesh 'm0' give it different axes, shapes or devices"):
+            write_mpmd_program(parse_module(PROGRAM), STAGES, ROLES, [MESHES[0], other], pipelined=False)
+
+
+def test_stages_that_share_a_mesh_are_written_on_it():
+    """PROGRAM's two stages on one mesh: one topology entry and sdy.mesh, each stage's
+    fragments (stage=k) on it, the values stage 0 hands stage 1 transferred from the mesh to
+    itself; the same values as the program on one device."""
+    module = parse_module(PROGRAM)
+    write_mpmd_program(module, STAGES, ROLES, [MESHES[0], MESHES[0]], pipelined=False)
+    text = print_module(module)
+    assert text.count("sdy.mesh @") == 1 and '#mpmd.topology<<"m0" : <["x"=4]>>>' in text
+    written = fragments(module)
+    assert {f.mesh for f in written} == {"m0"} and {f.stage for f in written} == {0, 1, None}
+    assert "mpmd.transfer" in text and '"m1"' not in text
+    expected = compile_spmd(parse_module(PROGRAM), jax.devices()[:1])(*arguments(1))
+    assert_trees_close(list(run_mpmd(module, arguments(1))), list(expected), rtol=RTOL, atol=ATOL)
 
 
 def test_run_mpmd_checks_its_arguments():
