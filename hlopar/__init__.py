@@ -1,7 +1,8 @@
 """hlopar: automatic parallelization of JAX programs on StableHLO.
 
 `hlopar.parallelize(fn, cluster=hlopar.Cluster.local(...))` runs a JAX training step
-pipelined and sharded over a cluster (`hlopar.api`). Imported on first use, so that
+pipelined and sharded over a cluster (`hlopar.api`); `fn` may be an exported StableHLO
+module instead, a `.mlir` / `.mlirbc` path (`hlopar.ModuleStep`). Imported on first use, so that
 `import hlopar` stays light.
 """
 
@@ -9,6 +10,7 @@ __all__ = [
     "CheckpointError",
     "Cluster",
     "HloparWarning",
+    "ModuleStep",
     "PlanningError",
     "WorkerError",
     "calibrate",
@@ -21,6 +23,10 @@ def __getattr__(name: str):
         from hlopar.api import parallelize
 
         return parallelize
+    if name == "ModuleStep":
+        from hlopar.module_step import ModuleStep
+
+        return ModuleStep
     if name == "calibrate":
         from hlopar.runtime.calibrate import calibrate
 

@@ -129,6 +129,7 @@ from hlopar.ir.diagnostics import DiagnosticError, error_at
 from hlopar.ir.host_callbacks import host_callbacks as find_host_callbacks
 from hlopar.ir.module import parse_module, print_module
 from hlopar.messages import HloparWarning, PlanningError, defined_at, describe_plan, in_api_terms
+from hlopar.module_step import ModuleStep, as_step
 from hlopar.passes.plan_options import (
     DEFAULT_PLAN_SCHEDULE,
     METHODS,
@@ -415,6 +416,12 @@ class ParallelizedFunction:
         """Checks every argument where the user called `parallelize` (as `jax.jit` does), then
         keeps them as `PlanOptions`. Long because each argument has its own check and message;
         the checks and the modes' names are plan_options' and limits'."""
+        fn = as_step(fn)
+        if isinstance(fn, ModuleStep) and donate_argnums not in ((), None):
+            raise ValueError(
+                f"donate_argnums: {fn.__name__} is a module, whose donations are its own (jax.buffer_donor "
+                "or tf.aliasing_output on @main's arguments, as jax.jit wrote them); pass none"
+            )
         check_choice("method", METHODS, method)
         schedule = schedule_named(schedule)
         check_choice("rng", RNG_MODES, rng)
@@ -532,22 +539,11 @@ class ParallelizedFunction:
         clock = time.perf_counter()
         split = StaticLeaves.of(args, self.__name__)
         abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), _dtype(x)), split.dynamic)
-        traced, static_results = split.traced(self.fn)
-        jitted = jax.jit(traced, keep_unused=True, donate_argnums=self.donate_argnums)
-        # Lowered first: the locations then hold no frame of the caller (the plan cache's key).
-        lowered = jitted.lower(*abstract)
-        loss = self._loss_leaf(lowered.out_info)
-        if loss is None:  # a step taking gradients of a loss it does not return? (`step_loss`)
-            trace = jitted.trace(*abstract)  # jax's cached trace of the lowering
-            dropped = unreturned_loss(trace.jaxpr)
-            if dropped is not None:
-                loss = len(jax.tree_util.tree_leaves(lowered.out_info))
-                out_tree = jax.tree_util.tree_structure(lowered.out_info)
-                with_loss = returning_loss(traced, trace.jaxpr, dropped, out_tree)
-                lowered = jax.jit(with_loss, keep_unused=True, donate_argnums=self.donate_argnums).lower(*abstract)
-                static_results = replace(static_results, loss_added=True)  # the traced fn's is shared
-        # With debug info: each op's location is the user's source line, each argument
-        # named by its pytree path, so that messages speak of their code.
+        if isinstance(self.fn, ModuleStep):  # already a program: its arguments checked against @main
+            lowered, static_results = self.fn.lower(*abstract), StaticResults()
+            loss = self._loss_leaf(lowered.out_info)
+        else:
+            lowered, static_results, loss = self._lowered(split, abstract)
         text = lowered.as_text(debug_info=True)
         breakdown.add("lowering", time.perf_counter() - clock)
         self._log(
@@ -584,6 +580,26 @@ class ParallelizedFunction:
             breakdown.add("compiling (memory check)", compiling)
         self._log(describe_plan(planned))
         return planned, lowered, static_results
+
+    def _lowered(self, split: StaticLeaves, abstract) -> tuple[Any, StaticResults, int | None]:
+        """`fn` lowered by jax for these arguments, its static results, and its loss leaf.
+        With debug info (`as_text(debug_info=True)`): each op's location is the user's source
+        line, each argument named by its pytree path, so that messages speak of their code."""
+        traced, static_results = split.traced(self.fn)
+        jitted = jax.jit(traced, keep_unused=True, donate_argnums=self.donate_argnums)
+        # Lowered first: the locations then hold no frame of the caller (the plan cache's key).
+        lowered = jitted.lower(*abstract)
+        loss = self._loss_leaf(lowered.out_info)
+        if loss is None:  # a step taking gradients of a loss it does not return? (`step_loss`)
+            trace = jitted.trace(*abstract)  # jax's cached trace of the lowering
+            dropped = unreturned_loss(trace.jaxpr)
+            if dropped is not None:
+                loss = len(jax.tree_util.tree_leaves(lowered.out_info))
+                out_tree = jax.tree_util.tree_structure(lowered.out_info)
+                with_loss = returning_loss(traced, trace.jaxpr, dropped, out_tree)
+                lowered = jax.jit(with_loss, keep_unused=True, donate_argnums=self.donate_argnums).lower(*abstract)
+                static_results = replace(static_results, loss_added=True)  # the traced fn's is shared
+        return lowered, static_results, loss
 
     def compile(self, *args) -> _Compiled:
         """Lowers, plans and starts the workers for these arguments (what the first call

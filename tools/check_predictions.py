@@ -8,8 +8,11 @@
 STEP is a zoo step, `model:config` (default `gpt:tiny` and `mlp:tiny`), or a JAX function of
 your own, `path/to/file.py:factory`, where `factory()` returns a dict with `step` (the
 function), `args` (a tuple of its arguments) and optionally `batch_argnums` (default (2,)).
-An exported `.mlir` is not taken yet: running one needs its arguments made, which this tool
-does not do.
+Or an exported module, `step.mlir` / `step.mlirbc` (`hlopar.ModuleStep`): its arguments are
+made from `@main`'s types (floats drawn from N(0, 0.02), integers and booleans zero, seeded),
+its state is the longest run of leading arguments whose types equal the results' at the same
+positions (each step feeds those results back), the rest its batch; the last result is read
+as the loss. A module is not a JAX function: it has no `jax.jit data-parallel` candidate.
 
 For each step, on `Cluster.local(hosts, devices)` with `--preset` (a built-in preset or a
 preset file, `hlopar-calibrate -o FILE`), the candidates are planned and run in this process
@@ -58,6 +61,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from hlopar.module_step import ModuleStep  # noqa: E402
+
 TARGETS = {"spearman_at_least": 0.8, "median_error_at_most": 0.15, "auto_over_fastest_at_most": 1.10}
 
 
@@ -72,9 +77,11 @@ class Candidate:
     row: dict = field(default_factory=dict)
     rounds: list = field(default_factory=list)  # per round, its timed steps
 
+    state: int = 2  # the leading arguments each step's leading results replace
+
     def step(self) -> None:
         outputs = self.call(*self.args)
-        self.args = (outputs[0], outputs[1], *self.args[2:])
+        self.args = (*outputs[: self.state], *self.args[self.state :])
         float(jax.tree_util.tree_leaves(outputs[-1])[0])
 
     def measure(self, warmup: int, steps: int) -> None:
@@ -104,7 +111,9 @@ class Candidate:
 
 
 def load_step(spec: str):
-    """(step function, args, batch_argnums) of a zoo name or a `file.py:factory`."""
+    """(step, args, batch_argnums) of a zoo name, a `file.py:factory` or a module file."""
+    if spec.endswith((".mlir", ".mlirbc")):
+        return module_step(spec)
     if ".py:" in spec:
         path, name = spec.rsplit(":", 1)
         module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
@@ -114,8 +123,6 @@ def load_step(spec: str):
         module_spec.loader.exec_module(module)
         made = getattr(module, name)()
         return made["step"], tuple(made["args"]), tuple(made.get("batch_argnums", (2,)))
-    if spec.endswith(".mlir"):
-        raise SystemExit(f"{spec}: an exported .mlir is not taken yet (its arguments would have to be made)")
     from hlopar.models import get_train_step
 
     model, _, config = spec.partition(":")
@@ -124,13 +131,37 @@ def load_step(spec: str):
     return step.step, (params, step.init_opt_state(params), step.make_batch(jax.random.PRNGKey(1))), (2,)
 
 
+def module_step(path: str):
+    """A module file as a step (module docstring): the `ModuleStep`, arguments made from
+    `@main`'s types, and its batch: the arguments after its state."""
+    from hlopar.module_step import ModuleStep
+
+    step = ModuleStep(path)
+    state = 0
+    while state < min(len(step.in_info), len(step.out_info) - 1) and step.in_info[state] == step.out_info[state]:
+        state += 1
+    if state == 0 or state == len(step.in_info):
+        raise SystemExit(
+            f"{path}: cannot tell its state from its batch (the state: leading arguments whose types "
+            "equal the results' at the same positions, then the batch)"
+        )
+    draw = np.random.default_rng(0)
+    args = tuple(
+        (draw.normal(0.0, 0.02, info.shape) if np.issubdtype(info.dtype, np.floating) else np.zeros(info.shape)).astype(
+            info.dtype
+        )
+        for info in step.in_info
+    )
+    return step, args, tuple(range(state, len(args)))
+
+
 def hlopar_candidate(name, fn, args, cluster, preset, **options) -> Candidate:
     import hlopar
 
     parallel = hlopar.parallelize(fn, cluster=hlopar.Cluster.local(*cluster, preset=preset), verbose=False, **options)
     clock = time.perf_counter()
     planned, _ = parallel.plan(*args)
-    candidate = Candidate(name, parallel, args)
+    candidate = Candidate(name, parallel, args, state=min(options["batch_argnums"]))
     candidate.step()  # the first call: compiles and starts
     stages = planned.plan.get("stages") or {}
     candidate.predicted_s = stages.get("predicted_step_seconds")
@@ -223,7 +254,8 @@ def check_step(spec: str, args: argparse.Namespace) -> dict:
         hlopar_candidate("shard", fn, step_args, cluster, args.preset, batch_argnums=batch_argnums, method="shard")
     )
     candidates[-1].predicted_s = None  # its report holds no prediction
-    candidates.append(jit_candidate(fn, step_args, batch_argnums, cluster[0] * cluster[1]))
+    if not isinstance(fn, ModuleStep):
+        candidates.append(jit_candidate(fn, step_args, batch_argnums, cluster[0] * cluster[1]))
     for r in range(args.rounds):
         say(f"round {r + 1} of {args.rounds}")
         for candidate in candidates:

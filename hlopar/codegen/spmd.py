@@ -91,7 +91,7 @@ def spmd_executable(module: ir.Operation, devices: Sequence[jax.Device], executa
         *main_shardings(module, devices),
         [tuple(ir.RankedTensorType(t).shape) for t in function_type.results],
         [
-            (tuple(ir.RankedTensorType(t).shape), _numpy_dtype(ir.RankedTensorType(t).element_type))
+            (tuple(ir.RankedTensorType(t).shape), numpy_dtype(ir.RankedTensorType(t).element_type))
             for t in function_type.inputs
         ],
     )
@@ -111,7 +111,7 @@ def main_shardings(
     )
 
 
-def _numpy_dtype(element: ir.Type) -> np.dtype:
+def numpy_dtype(element: ir.Type) -> np.dtype:
     """The numpy type of an MLIR element type (f32, bf16, i32, i1, ui8, complex<f32>, ...)."""
     text = str(element)
     if text == "i1":

@@ -24,8 +24,28 @@ def test_spearman(tool):
 
 
 def test_steps_it_takes(tool, tmp_path):
-    with pytest.raises(SystemExit, match="an exported .mlir is not taken yet"):
-        tool.load_step("step.mlir")
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    def step(w, x, tokens):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((x @ w) ** 2) + jnp.sum(tokens) * 0.0)(w)
+        return w - 0.1 * g, loss
+
+    exported = tmp_path / "exported.mlir"
+    exported.write_text(jax.jit(step).lower(jnp.ones((4, 3)), jnp.ones((8, 4)), jnp.ones(8, jnp.int32)).as_text())
+    fn, args, batch = tool.load_step(str(exported))
+    assert batch == (1, 2) and [(a.shape, a.dtype) for a in args] == [
+        ((4, 3), np.float32),
+        ((8, 4), np.float32),
+        ((8,), np.int32),
+    ]
+    assert 0.0 < float(np.std(args[0])) < 0.05 and not args[2].any()  # drawn floats, zero integers
+    assert float(fn(*args)[-1]) == pytest.approx(float(step(*args)[-1]), rel=1e-6)
+    stateless = tmp_path / "stateless.mlir"
+    stateless.write_text(jax.jit(lambda x: jnp.sum(x)).lower(jnp.ones(3)).as_text())
+    with pytest.raises(SystemExit, match="cannot tell its state from its batch"):
+        tool.load_step(str(stateless))
     own = tmp_path / "mine.py"
     own.write_text(
         "import jax.numpy as jnp\n"

@@ -1,0 +1,94 @@
+"""An exported StableHLO module as the step `parallelize` runs (`hlopar.module_step`): the
+zoo's tiny GPT exported as JAX's docs export a program (`jax.jit(step).lower(...).as_text()`),
+planned as a pipeline on 2 x 4 CPU devices from the file alone, run in this process, and
+checked against the same module on one device, which equals the JAX function's step."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from numerics import assert_step_close, assert_trees_equal
+
+import hlopar
+from hlopar.ir.diagnostics import DiagnosticError
+from hlopar.ir.module import module_bytecode, parse_module
+from hlopar.models import get_train_step
+from hlopar.module_step import ModuleStep
+
+TWO_HOSTS = hlopar.Cluster.local(2, 4, device_kind="cpu")
+RTOL = 1e-5  # as test_in_process.py: a pipelined step's sums are ordered otherwise
+UPDATE_MAX_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The tiny GPT's step exported to `gpt_step.mlir` and `.mlirbc`, its flat arguments,
+    how many of them are the batch, its parameters and the JAX function's one-device step."""
+    model = get_train_step("gpt", "tiny")
+    params = model.init(jax.random.PRNGKey(0))
+    state = model.init_opt_state(params)
+    batch = model.make_batch(jax.random.PRNGKey(1))
+    text = jax.jit(model.step).lower(params, state, batch).as_text()
+    folder = tmp_path_factory.mktemp("exported")
+    (folder / "gpt_step.mlir").write_text(text)
+    (folder / "gpt_step.mlirbc").write_bytes(module_bytecode(parse_module(text)))
+    leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves((params, state, batch))]
+    reference = model.jitted_step(params, state, batch)
+    return folder, leaves, len(jax.tree_util.tree_leaves(batch)), params, reference
+
+
+def test_the_module_on_one_device_is_the_jax_step(exported):
+    """Called on its own, a module step runs @main on one device: the JAX function's results,
+    bit for bit, from the text and from the bytecode alike."""
+    folder, leaves, _, _, reference = exported
+    text, bytecode = ModuleStep(folder / "gpt_step.mlir"), ModuleStep(folder / "gpt_step.mlirbc")
+    assert text.__name__ == bytecode.__name__ == "gpt_step"
+    assert text.in_info == bytecode.in_info and len(text.in_info) == len(leaves)
+    assert text.out_info == bytecode.out_info and len(text.out_info) == len(jax.tree_util.tree_leaves(reference))
+    assert_trees_equal(list(bytecode(*leaves)), [np.asarray(x) for x in jax.tree_util.tree_leaves(reference)])
+
+
+def test_an_exported_step_runs_pipelined_from_the_file(exported, tmp_path, monkeypatch):
+    """`parallelize("gpt_step.mlir", ...)`: planned from the module alone (2 stages on 2 x 4,
+    2 microbatches), run here, equal to one device's step; a second call runs the state the
+    first returned, and the module's flat results come back as a tuple."""
+    monkeypatch.setenv("HLOPAR_CACHE_DIR", str(tmp_path / "cache"))
+    folder, leaves, batch_count, params, reference = exported
+    n = len(leaves)
+    step = hlopar.parallelize(
+        str(folder / "gpt_step.mlir"),
+        cluster=TWO_HOSTS,
+        num_microbatches=2,
+        batch_argnums=tuple(range(n - batch_count, n)),
+        verbose=False,
+    )
+    out = step(*leaves)
+    assert isinstance(out, tuple) and len(out) == len(jax.tree_util.tree_leaves(reference))
+    assert step.planned.program.microbatches == 2 and len(step.planned.plan["stages"]["stages"]) >= 2
+    assert_step_close(list(out), reference, params, rtol=RTOL, update_max_rtol=UPDATE_MAX_RTOL)
+    again = step(*out[:-1], *leaves[n - batch_count :])
+    one_device = ModuleStep(folder / "gpt_step.mlir")(*[np.asarray(x) for x in out[:-1]], *leaves[n - batch_count :])
+    np.testing.assert_allclose(float(again[-1]), float(one_device[-1]), rtol=RTOL)
+
+
+def test_arguments_that_are_not_mains_are_refused(exported):
+    folder, leaves, _, _, _ = exported
+    step = ModuleStep(folder / "gpt_step.mlir")
+    with pytest.raises(TypeError, match=r"takes 87 arguments, got 86"):
+        step(*leaves[:-1])
+    wrong = list(leaves)
+    wrong[3] = wrong[3].astype(np.float16)
+    with pytest.raises(TypeError, match=r"argument 3 is a float32\[.*\], got a float16"):
+        step(*wrong)
+    with pytest.raises(ValueError, match="donations are its own"):
+        hlopar.parallelize(str(folder / "gpt_step.mlir"), cluster=TWO_HOSTS, donate_argnums=(0,))
+
+
+def test_a_bad_module_says_where(tmp_path):
+    bad = tmp_path / "bad.mlir"
+    bad.write_text("func.func @main(%x: tensor<4xf32>) -> tensor<4xf32> {\n  %y = stablehlo.frobnicate %x\n}\n")
+    with pytest.raises(DiagnosticError, match=r"bad\.mlir:2:"):
+        hlopar.parallelize(str(bad), cluster=TWO_HOSTS)
+    with pytest.raises(DiagnosticError, match="cannot read"):
+        ModuleStep(tmp_path / "missing.mlir")
