@@ -58,6 +58,8 @@ def compile_spmd(module: ir.Operation, devices: Sequence[jax.Device], host_callb
     hlopar calls XLA's compiler."""
     options = compile_options([d.id for d in devices])
     client, device_list = backend.get_backend(), _jax.DeviceList(tuple(devices))
+    text = print_module(module)
+    _set_up_lapack(text)
     if host_callbacks:  # only the overload that takes a module object takes them
         with module.context:
             parsed = ir.Module.parse(print_module(module))
@@ -65,13 +67,24 @@ def compile_spmd(module: ir.Operation, devices: Sequence[jax.Device], host_callb
             parsed, executable_devices=device_list, compile_options=options, host_callbacks=list(host_callbacks)
         )
     else:
-        executable = client.compile_and_load(print_module(module), device_list, options)
+        executable = client.compile_and_load(text, device_list, options)
     return spmd_executable(module, devices, executable)
+
+
+def _set_up_lapack(text: str) -> None:
+    """XLA:CPU's LAPACK kernels (`lapack_*` custom calls) get their LAPACK routines when jax
+    first lowers a linear-algebra op; a module read from a file may call them in a process
+    where jax never did, and would run them unset (a segfault): set them up first."""
+    if "@lapack_" in text:
+        from jaxlib import lapack
+
+        lapack.prepare_lapack_call("getrf", np.float32)  # sets every routine up, whichever named
 
 
 def load_spmd(module: ir.Operation, devices: Sequence[jax.Device], serialized: bytes) -> SpmdExecutable:
     """`module`'s executable for `devices` from `serialized` (`serialize_spmd` of the same
     module compiled for as many devices of the same kind, whichever their ids), not compiled."""
+    _set_up_lapack(print_module(module))
     executable = backend.get_backend().deserialize_executable(
         serialized, _jax.DeviceList(tuple(devices)), compile_options([d.id for d in devices])
     )

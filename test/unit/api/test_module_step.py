@@ -11,6 +11,7 @@ import pytest
 from numerics import assert_step_close, assert_trees_equal
 
 import hlopar
+from hlopar.corpus import corpus_dir
 from hlopar.ir.diagnostics import DiagnosticError
 from hlopar.ir.module import module_bytecode, parse_module
 from hlopar.models import get_train_step
@@ -92,3 +93,21 @@ def test_a_bad_module_says_where(tmp_path):
         hlopar.parallelize(str(bad), cluster=TWO_HOSTS)
     with pytest.raises(DiagnosticError, match="cannot read"):
         ModuleStep(tmp_path / "missing.mlir")
+
+
+@pytest.mark.corpus
+def test_a_module_jax_exported_with_lapack_calls_runs():
+    """The corpus' Cholesky module (a `lapack_spotrf_ffi` custom call, exported by JAX in
+    2024): XLA's LAPACK kernels are set up before it is compiled (`codegen.spmd`), so it runs
+    here, where jax never lowered a linear-algebra op, instead of crashing the process; its
+    factor is the matrix's Cholesky factor, and its plan on 8 devices gives the same."""
+    step = ModuleStep(corpus_dir() / "jax-export" / "cpu_cholesky_lapack_potrf__data_2024_05_31_f32.mlir")
+    (info,) = step.in_info
+    m = np.random.default_rng(0).normal(size=info.shape).astype(np.float32)
+    spd = m @ m.T + info.shape[0] * np.eye(info.shape[0], dtype=np.float32)
+    (factor,) = step(spd)
+    np.testing.assert_allclose(np.tril(np.asarray(factor)), np.linalg.cholesky(spd), rtol=1e-5, atol=1e-5)
+    parallel = hlopar.parallelize(
+        step, cluster=hlopar.Cluster.local(1, 8, device_kind="cpu"), method="shard", verbose=False
+    )
+    np.testing.assert_array_equal(np.asarray(parallel(spd)[0]), np.asarray(factor))
