@@ -412,6 +412,7 @@ class ParallelizedFunction:
         loss_result: int | None = None,
         loss: str | Callable | None = None,
         stages: int | None = None,
+        idle_hosts: bool = False,
     ):
         """Checks every argument where the user called `parallelize` (as `jax.jit` does), then
         keeps them as `PlanOptions`. Long because each argument has its own check and message;
@@ -459,6 +460,7 @@ class ParallelizedFunction:
             stage_loops=bool(stage_loops),
             layers=layers,
             stages=stages,
+            idle_hosts=bool(idle_hosts),
             memory_per_device=_memory_bytes(memory_per_device),
         )
         self.fn = fn
@@ -1179,9 +1181,11 @@ def parallelize(
     loss_result: int | None = None,
     loss: str | Callable | None = None,
     stages: int | None = None,
+    idle_hosts: bool = False,
 ):
-    """`fn` (a pure JAX function, e.g. a training step) run over a cluster: a callable with
-    `fn`'s signature and results. Usable as a decorator, with or without arguments.
+    """`fn` (a pure JAX function, e.g. a training step, or an exported module: a `.mlir` /
+    `.mlirbc` path, `hlopar.ModuleStep`) run over a cluster: a callable with `fn`'s signature
+    and results. Usable as a decorator, with or without arguments.
     `verbose=False` silences the first call's progress display and messages. `rng`:
     "exact" (random draws equal the full batch's; whole-shape generators are refused under
     several microbatches) or "per-microbatch" (they draw per microbatch, with a warning;
@@ -1201,6 +1205,8 @@ def parallelize(
     Orbax's format or hlopar's (`checkpoint_format="npz"`; `ParallelizedFunction.save`,
     docs/runtime.md). `layers`: operator clustering's number of layers (default: chosen);
     `stages`: exactly this many pipeline stages (default: chosen with the submeshes);
+    `idle_hosts=True`: the stages may leave whole hosts idle where the pipeline is predicted
+    faster on fewer of them (a small model on slow links between hosts; default: every device);
     `memory_per_device`: the device memory stages are planned within, bytes or a size such
     as "80GiB" (default: the cluster preset's); `loss`: the result that is the loss, by its
     path (`"[2]['loss']"`) or as a function of the results (`lambda out: out[2]['loss']`);
@@ -1233,6 +1239,7 @@ def parallelize(
             loss_result=loss_result,
             loss=loss,
             stages=stages,
+            idle_hosts=idle_hosts,
         )
 
     return wrap if fn is None else wrap(fn)

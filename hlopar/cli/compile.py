@@ -212,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="exactly this many pipeline stages (default: chosen by hlopar-stage-construction)",
     )
     parser.add_argument(
+        "--idle-hosts",
+        action="store_true",
+        help="the stages may leave whole hosts idle where that is predicted faster (a small model on slow "
+        "links between hosts; default: every device is used)",
+    )
+    parser.add_argument(
         "--layers",
         type=_positive,
         default=None,
@@ -442,6 +448,7 @@ def _compile(args: argparse.Namespace, staging: str) -> int:
             preset=args.preset,
             layers=args.layers,
             stages=args.stages,
+            idle_hosts=args.idle_hosts,
             batch_args=args.batch_args,
             loss_result=args.loss_result,
             rng=args.rng,

@@ -75,6 +75,9 @@ class AutoParallelPass(ModulePass):
     stages: int | None = option(
         None, "exactly this many pipeline stages, or auto (stage construction chooses)", parse=parse_count_or_auto
     )
+    idle_hosts: bool = option(
+        False, "the stages may leave whole hosts idle where that is predicted faster (hlopar-stage-construction)"
+    )
     remat: Literal[REMAT_MODES] = option(
         "auto",
         "rematerialized stages (hlopar-rematerialize): auto (where stage construction finds it pays), "
@@ -113,6 +116,7 @@ class AutoParallelPass(ModulePass):
             unstack_layers=self.unstack_layers,
             layers=self.layers,
             stages=self.stages,
+            idle_hosts=self.idle_hosts,
             memory_per_device=self.memory_per_device,
         )
 

@@ -82,7 +82,8 @@ class PlanOptions:
     iterations of a scanned layer stack as a loop (hlopar-reroll-stage-loops).
     `unstack_layers`: unroll scans over stacked layers so that stages can cut between them.
     `layers`: operator clustering's number of layers (None: chosen). `stages`: exactly this
-    many pipeline stages (None: stage construction chooses; "shard" is one). `memory_per_device`:
+    many pipeline stages (None: stage construction chooses; "shard" is one). `idle_hosts`: the
+    stages may leave whole hosts idle where that is predicted faster. `memory_per_device`:
     bytes (None: the cluster preset's). (The compiled memory check is codegen's, after the
     plan: `codegen.bundle.write_bundle`'s `memory_check`.)"""
 
@@ -98,6 +99,7 @@ class PlanOptions:
     unstack_layers: bool = True
     layers: int | None = None
     stages: int | None = None
+    idle_hosts: bool = False
     memory_per_device: float | None = None
 
     def __post_init__(self) -> None:
@@ -112,6 +114,10 @@ class PlanOptions:
         for name in ("microbatches", "layers", "stages"):
             if getattr(self, name) is not None:
                 check_argument(name, lambda n: check_count(n, low=1), getattr(self, name))
+        if self.method == "shard" and self.idle_hosts:
+            raise ValueError(
+                "idle_hosts needs method 'auto' or 'pipeline': method 'shard' plans one mesh of every device"
+            )
         if self.method == "shard" and self.stages not in (None, 1):
             raise ValueError(f"stages={self.stages} needs method 'auto' or 'pipeline': method 'shard' plans one stage")
         for index in self.batch_args or ():
@@ -140,4 +146,6 @@ class PlanOptions:
         for name in ("loss_result", "layers", "stages", "memory_per_device"):
             if getattr(self, name) is not None:
                 key[name] = getattr(self, name)
+        if self.idle_hosts:
+            key["idle_hosts"] = True
         return key

@@ -275,6 +275,7 @@ def run_passes(step: ImportedStep, cluster: Cluster, *, other_microbatches: bool
                 plan_shardings=options.method != "pipeline",
                 remat=options.remat,
                 stages=options.stages,
+                idle_hosts=options.idle_hosts,
             ),
             module,
         )

@@ -20,10 +20,11 @@ other op loses the clustering's attributes).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -130,6 +131,11 @@ class StageConstructionPass(ModulePass):
         "auto",
         "rematerialize stages: auto (where it pays, per stage or per layer), always (every stage that "
         "stashes activations, per stage), layers (likewise, per layer), never",
+    )
+    idle_hosts: bool = option(
+        False,
+        "let whole hosts stay idle where the pipeline is predicted faster on fewer of them (a small model on "
+        "slow links between hosts): the stages are also planned on the first 1, 2, ... hosts",
     )
     report: str | None = report_option("write a JSON report of the plan to this path")
 
@@ -248,7 +254,7 @@ class StageConstructionPass(ModulePass):
         timings["layer_ilps"] = time.perf_counter() - clock
 
         arrays, received = _layer_arrays(graph, layering, layers, plans, meshes, cluster_preset(self.preset))
-        chosen, (candidates, choice) = self._best_pipeline(
+        chosen, (candidates, choice), hosts = self._best_pipeline(
             func, graph, layering, arrays, received, submeshes, meshes_of_submesh, shapes, timings
         )
         result = chosen.plan
@@ -256,7 +262,7 @@ class StageConstructionPass(ModulePass):
         on_mesh = {}
         for stage, mesh in zip(result.stages, placement):
             on_mesh.setdefault(mesh, submeshes[stage.submesh_index])
-        mesh_devices = assign_devices([on_mesh[j] for j in sorted(on_mesh)], self.num_hosts, self.devices_per_host)
+        mesh_devices = assign_devices([on_mesh[j] for j in sorted(on_mesh)], hosts, self.devices_per_host)
         devices = [mesh_devices[mesh] for mesh in placement]
         plan = PipelinePlan(
             chosen.microbatches,
@@ -273,6 +279,7 @@ class StageConstructionPass(ModulePass):
             "layer_ilps": distinct,
             "layer_ilps_spawned": spawned,
             "logical_meshes": len(meshes),
+            "hosts_used": hosts,
             "num_layers": layering.num_layers,
             "submeshes": [[s.hosts, s.devices] for s in submeshes],
         }
@@ -282,7 +289,8 @@ class StageConstructionPass(ModulePass):
         """The best (schedule, count, stages) of `pipeline_choice.choose_pipeline`: the DP for
         each microbatch count (the split's where it ran, else the option's or the candidates)
         and, with schedule=auto, each schedule, ranked by simulated step time (else by Eq. 2);
-        the candidate to write and the report's account of the choice."""
+        the candidate to write, the report's account of the choice, and how many hosts it uses
+        (all of them; with `idle_hosts`, the first h where that is predicted faster, strictly)."""
         auto = self.schedule == AUTO_SCHEDULE
         split = read_microbatches(func)  # the one channel where the split ran
         if split is not None and self.microbatches is not None:
@@ -303,7 +311,7 @@ class StageConstructionPass(ModulePass):
             meshes_of_submesh,
             [s.size for s in submeshes],
             self.num_hosts * self.devices_per_host,
-            self._transfer_seconds,
+            functools.partial(self._transfer_seconds, hosts=self.num_hosts),
             self._memory_per_device(),
             min(layering.num_layers, self.num_hosts * self.devices_per_host),
             remat=self.remat,
@@ -318,12 +326,28 @@ class StageConstructionPass(ModulePass):
             if auto
             else [get_schedule(self.schedule)]
         )
-        choice = choose_pipeline(space, schedules, counts, by="simulation" if auto else "eq2")
-        timings.update(choice.timings)
-        # The program is written at the split's count; a better count is reported for a new split.
-        written = next((c for c in choice.candidates if c.plan is not None and c.microbatches == counts[0]), None)
-        if split is None:
-            written = choice.best
+        by = "simulation" if auto else "eq2"
+
+        def chosen_on(hosts: int) -> Choice:
+            devices = hosts * self.devices_per_host
+            on_hosts = replace(
+                space,
+                num_devices=devices,
+                transfer_seconds=functools.partial(self._transfer_seconds, hosts=hosts),
+                max_stages=min(layering.num_layers, devices),
+            )
+            result = choose_pipeline(on_hosts, schedules, counts, by=by)
+            for name, seconds in result.timings.items():
+                timings[name] = timings.get(name, 0.0) + seconds
+            return result
+
+        choice, hosts = chosen_on(self.num_hosts), self.num_hosts
+        written = _written(choice, counts, split)
+        for fewer in range(1, self.num_hosts) if self.idle_hosts else ():
+            other = chosen_on(fewer)
+            candidate = _written(other, counts, split)
+            if candidate is not None and (written is None or candidate.seconds < written.seconds):
+                choice, written, hosts = other, candidate, fewer
         if written is None:
             reasons: dict[str, list[int]] = {}
             for c in choice.candidates:
@@ -332,7 +356,7 @@ class StageConstructionPass(ModulePass):
                     reasons[c.why].append(c.microbatches)
             why = "; ".join(f"{'B=' + ','.join(map(str, bs))}: {reason}" for reason, bs in reasons.items())
             self.fail(func, f"no pipeline fits the cluster: {why}")
-        return written, _choice_report(choice, written, counts, split, auto)
+        return written, _choice_report(choice, written, counts, split, auto), hosts
 
     def _logical_meshes(self, submeshes: tuple[Submesh, ...]):
         """Every (logical shape, intra-op option) of every submesh, deduplicated (shapes that
@@ -385,13 +409,13 @@ class StageConstructionPass(ModulePass):
     def _memory_per_device(self) -> float:
         return self.memory_per_device or cluster_preset(self.preset).device_memory_bytes
 
-    def _transfer_seconds(self, nbytes: float, devices: int) -> float:
+    def _transfer_seconds(self, nbytes: float, devices: int, *, hosts: int) -> float:
         """Alpha-beta time to bring `nbytes` into a stage of `devices` devices from another
-        mesh: over the inter-host links when the cluster has several hosts (the stages may sit
+        mesh: over the inter-host links when the stages are on several hosts (they may sit
         on different hosts), over the intra-host ones otherwise; every receiving device takes
         its share."""
         preset = cluster_preset(self.preset)
-        if self.num_hosts > 1:
+        if hosts > 1:
             return preset.inter_host_latency_s + nbytes / (preset.inter_host_bandwidth * devices)
         return preset.intra_host_latency_s + nbytes / (preset.intra_host_bandwidth * devices)
 
@@ -404,6 +428,7 @@ class StageConstructionPass(ModulePass):
             "options": self.pipeline_text(),
             "cluster": {
                 "num_hosts": self.num_hosts,
+                "hosts_used": stats["hosts_used"],
                 "devices_per_host": self.devices_per_host,
                 "preset": self.preset,
                 "memory_per_device": self._memory_per_device(),
@@ -489,6 +514,14 @@ def _stage_records(result, table, devices, placement, submeshes, meshes, shapes)
             }
         )
     return tuple(stages)
+
+
+def _written(choice: Choice, counts: list[int], split: int | None) -> Candidate | None:
+    """The candidate the program is written as: after a split, the best of the split's count
+    (a better count is reported for a new split); else the best of all."""
+    if split is None:
+        return choice.best
+    return next((c for c in choice.candidates if c.plan is not None and c.microbatches == counts[0]), None)
 
 
 def _choice_report(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import io
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -330,3 +331,29 @@ def test_the_number_of_stages_is_an_option(cache):
         hlopar.parallelize(get_train_step("mlp", "tiny").step, method="shard", stages=2)
     with pytest.raises(ValueError, match="stages"):
         hlopar.parallelize(get_train_step("mlp", "tiny").step, stages=0)
+
+
+def test_hosts_may_stay_idle_where_that_is_faster(cache):
+    """`idle_hosts=True` with a calibration whose links across hosts are 250x slower than
+    inside one (test/lit's slow_links.json): the tiny MLP is pipelined on host 0's devices
+    alone, host 1 idle, and its step equals one device's; without the option every device is
+    used. Keyed in the plan cache; refused with method "shard" (one mesh of every device)."""
+    from numerics import assert_step_close
+
+    slow = Path(__file__).parents[2] / "lit" / "stage-construction" / "Inputs" / "slow_links.json"
+    cluster = hlopar.Cluster.local(2, 4, device_kind="cpu", preset=str(slow))
+    step = get_train_step("mlp", "tiny")
+    params = step.init(jax.random.PRNGKey(0))
+    args = (params, step.init_opt_state(params), step.make_batch(jax.random.PRNGKey(1)))
+    everywhere = hlopar.parallelize(step.step, cluster=cluster, num_microbatches=2, verbose=False)
+    used = {d for devices in everywhere.plan(*args)[0].program.devices.values() for d in devices}
+    assert used == set(range(8))
+    fn = hlopar.parallelize(step.step, cluster=cluster, num_microbatches=2, idle_hosts=True, verbose=False)
+    planned, _ = fn.plan(*args)
+    assert planned.plan["stages"]["cluster"]["hosts_used"] == 1
+    assert {d for devices in planned.program.devices.values() for d in devices} <= set(range(4))
+    assert fn.options.cache_key()["idle_hosts"] is True and "idle_hosts" not in everywhere.options.cache_key()
+    out = fn(*args)
+    assert_step_close(jax.tree_util.tree_leaves(out), step.jitted_step(*args), params, rtol=1e-5, update_max_rtol=1e-4)
+    with pytest.raises(ValueError, match="idle_hosts needs method 'auto' or 'pipeline'"):
+        hlopar.parallelize(step.step, method="shard", idle_hosts=True)
