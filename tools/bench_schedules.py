@@ -13,8 +13,9 @@ run the same layers cut into 2 x 4 chunks, two per mesh, placed as each places t
 time, signal time, their ratio, bubble fraction and peak stash memory per device, then
 ZB-H1's, ZB-H2's, interleaved 1F1B's and ZB-V's bubbles next to 1F1B's and the papers'
 formulas, and what `schedule="auto"` picks on these stages (the fastest within
-`--memory-per-device` of stash, default 80 GB, among the schedules the planner places: one
-stage per mesh) with its gain over eager-1F1B and 1F1B; or with `--json` a list of rows (model, schedule, microbatches, time_s,
+`--memory-per-device` of stash, default 80 GB, among every schedule the planner places,
+`PLANNED_SCHEDULES`: one stage per mesh, and interleaved-1f1b and zb-v at two chunks per
+mesh) with its gain over eager-1F1B and 1F1B; or with `--json` a list of rows (model, schedule, microbatches, time_s,
 signal_time_s, bubble_fraction, steady_time_s and steady_bubble_fraction (steps back to back
 without a barrier at the optimizer step, `SimResult.steady_period`), peak_memory_bytes per
 mesh, ...). The global batch is the zoo
@@ -45,7 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from hlopar.analysis.schedules import (  # noqa: E402
-    ONE_STAGE_SCHEDULES,
+    DEFAULT_SCHEDULE,
+    PLANNED_SCHEDULES,
     SCHEDULES,
     AlphaBeta,
     Edge,
@@ -313,22 +315,25 @@ def zero_bubble(rows: list[dict]) -> list[str]:
 
 
 def auto_choice(rows: list[dict], memory: float) -> list[str]:
-    """Per model and B, what `schedule="auto"` picks on these fixed stages: the registered
-    schedule the planner places (one stage per mesh) of least simulated step time (`time_s`, the barrier at the optimizer step, as
-    `analysis.stages.pipeline_choice` ranks them) whose peak stash per device fits `memory`,
-    and its gain over eager-1f1b and 1f1b. (Stage construction also chooses the stages and the
-    count with it; here both are fixed.)"""
+    """Per model and B, what `schedule="auto"` picks on these fixed stages: the schedule of
+    `PLANNED_SCHEDULES` (those of one stage per mesh on the 4 stages, interleaved-1f1b and
+    zb-v on the same layers in 2 chunks per mesh) of least simulated step time (`time_s`, the
+    barrier at the optimizer step, as `analysis.stages.pipeline_choice` ranks them; ties to
+    the default schedule, then the registry's order, as there) whose peak stash per device
+    fits `memory`, and its gain over eager-1f1b and 1f1b. (Stage construction also chooses
+    the stages, the count and interleaved-1f1b's chunks, 2 to 4, with it; here they are fixed.)"""
     out = []
     by_key: dict[tuple[str, int], dict[str, dict]] = {}
     for r in rows:
-        if r["schedule"] in ONE_STAGE_SCHEDULES:
+        if r["schedule"] in PLANNED_SCHEDULES:
             by_key.setdefault((r["model"], r["microbatches"]), {})[r["schedule"]] = r
+    rank = {name: k for k, name in enumerate(sorted(PLANNED_SCHEDULES, key=lambda n: n != DEFAULT_SCHEDULE))}
     for (model, m), runs in by_key.items():
         fitting = [r for r in runs.values() if r["peak_memory_bytes"] / r["devices_per_mesh"] <= memory]
         if not fitting:
             out.append(f"{model}, B={m}: auto finds no schedule within {memory / 1e9:.0f} GB a device")
             continue
-        best = min(fitting, key=lambda r: r["time_s"])  # ties: the registry's order (min keeps the first)
+        best, *others = sorted(fitting, key=lambda r: (r["time_s"], rank[r["schedule"]]))
         refused = sorted(set(runs) - {r["schedule"] for r in fitting})
         gains = ", ".join(
             f"{runs[name]['time_s'] / best['time_s']:.3f}x over {name}" + (" (not fitting)" if name in refused else "")
@@ -337,6 +342,7 @@ def auto_choice(rows: list[dict], memory: float) -> list[str]:
         )
         out.append(
             f"{model}, B={m}: auto picks {best['schedule']} ({best['time_s']:.3f} s), {gains}"
+            + (f"; runner-up {others[0]['schedule']} ({others[0]['time_s']:.3f} s)" if others else "")
             + (f"; over {memory / 1e9:.0f} GB a device: {', '.join(refused)}" if refused else "")
         )
     return out

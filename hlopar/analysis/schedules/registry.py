@@ -37,6 +37,12 @@
                    each mesh holds at most 2p chunk stashes, 1f1b's first stage's memory, and with
                    F, B and W of equal cost works without a gap from its first task to its last
 
+Not registered: DualPipeV (DeepSeek-V3), whose gain is a forward chunk and a backward chunk
+of one mesh running at once, overlapped. The executor core runs a mesh's stream one
+instruction after the other (a RUN is one executable call), so it cannot overlap them, and
+on CPU devices two programs on the same devices would not overlap either
+(docs/stage_construction.md, "Virtual stages").
+
 The first six are warm-up-then-1F1B orders of one stage per mesh (`Schedule`); GPipe is the
 one whose warm-up is every microbatch. The last two run several stages per mesh (a
 topology whose meshes repeat, `PipelineTopology.meshes`) and give each mesh's order whole

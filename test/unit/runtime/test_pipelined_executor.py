@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-from microbatch_steps import compare, run_pipeline, step_data
+from microbatch_steps import RTOL, compare, run_pipeline, step_data
 
 from hlopar.analysis.schedules import ACCUMULATE, FREE, RUN, get_schedule
 from hlopar.codegen.pipeline_program import BACKWARD, FORWARD, WEIGHT, pipeline_program
@@ -15,6 +15,9 @@ from hlopar.runtime.local_executor import PipelinedStep
 
 SCHEDULES = ["gpipe", "1f1b", "eager-1f1b", "eager-1f1b-wd", "zb-h1", "zb-h2"]
 PLAN = "hlopar-cluster-operators,hlopar-stage-construction{schedule=1f1b num-hosts=2 devices-per-host=4 workers=1}"
+# The U-Transformer's steps agree to 1e-6 relative (as under the schedules of several stages
+# per mesh, test_virtual_stages.py); the others to microbatch_steps' RTOL.
+MODEL_RTOL = {"u_transformer": 1e-6}
 
 
 @functools.cache
@@ -48,7 +51,7 @@ def test_pipelined_step_matches_one_device(model, microbatches):
             step = pipelined(model, microbatches, split=True)
             # The weight gradients are summed in W; B sums nothing here.
             assert {f.role for f in step.fragments if f.accumulate and f.role != FORWARD} == {WEIGHT}
-        compare(model, step(arguments, schedule))
+        compare(model, step(arguments, schedule), rtol=MODEL_RTOL.get(model, RTOL))
         # Each mesh ran its stage's tasks in the schedule's order.
         runs = {}
         for line in step.last_log:

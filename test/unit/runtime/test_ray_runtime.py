@@ -92,6 +92,7 @@ SCHEDULE_CASES = [
     pytest.param("mlp", "gpipe", id="mlp-gpipe"),
     pytest.param("mlp", "eager-1f1b", id="mlp-eager-1f1b"),
     pytest.param("mlp", "eager-1f1b-wd", id="mlp-eager-1f1b-wd"),
+    pytest.param("mlp", "zb-h2", id="mlp-zb-h2"),  # ~5 s
     pytest.param(
         "gpt", "1f1b", id="gpt-1f1b", marks=pytest.mark.heavy
     ),  # pipelined GPTs run in the default suite in process
@@ -101,6 +102,9 @@ SCHEDULE_CASES = [
     pytest.param("u_transformer", "1f1b", id="u_transformer-1f1b", marks=pytest.mark.heavy),
     pytest.param("u_transformer", "gpipe", id="u_transformer-gpipe", marks=pytest.mark.heavy),
     pytest.param("u_transformer", "eager-1f1b", id="u_transformer-eager-1f1b", marks=pytest.mark.heavy),
+    pytest.param("gpt", "zb-h2", id="gpt-zb-h2", marks=pytest.mark.heavy),
+    pytest.param("u_transformer", "interleaved-1f1b", id="u_transformer-interleaved-1f1b", marks=pytest.mark.heavy),
+    pytest.param("u_transformer", "zb-v", id="u_transformer-zb-v", marks=pytest.mark.heavy),
 ]
 
 

@@ -6,7 +6,11 @@ step computes on one device.
 The program stage construction writes is checked against the shape codegen reads: a 4-stage
 plan on 4 one-device meshes whose meshes are then merged two by two in the text (`_merged`),
 the hand-overs between two stages of one mesh left as `mpmd.transfer`s from the mesh to
-itself."""
+itself.
+
+The tiny U-Transformer (a skip connection from stage 0 to stage 2) runs the same two
+schedules on 2 hosts x 4 devices (`Cluster.local(2, 4)`'s mesh), its per-stage shardings
+planned: its skip stays on one mesh under interleaved-1f1b and crosses meshes under ZB-V's V."""
 
 from __future__ import annotations
 
@@ -31,6 +35,10 @@ PLAN = (
     "plan-shardings=false}"
 )
 ONE_DEVICE = '<["x"=1, "y"=1]>'
+TWO_HOSTS = (
+    "hlopar-split-microbatches{microbatches=4},hlopar-cluster-operators{layers=4},"
+    "hlopar-stage-construction{schedule=SCHEDULE num-hosts=2 devices-per-host=4 stages=4 workers=1}"
+)
 
 
 @functools.cache
@@ -88,6 +96,32 @@ def test_two_stages_per_mesh_match_one_device(name):
         assert sum(1 for i in stream if i.op == FREE and ":stash." in i.buffer) == 2 * len(stream.stages)
     ran = [line.split(" ", 1)[1] for line in step.last_log]
     assert len(ran) == sum(len(s) for s in streams.streams)
+
+
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "zb-v"])
+def test_u_transformer_on_two_hosts_matches_one_device(name):
+    """The tiny U-Transformer in 4 stages, 2 per mesh of one host's 4 devices: losses,
+    parameters and Adam's moments equal to one device's step to 1e-6 relative (float32 sums
+    of 4 microbatches and of 4-way sharded reductions, in another order than the whole
+    batch's: 3e-7 fails on one entry of Adam's first moment), each mesh running its tasks in
+    the schedule's order."""
+    schedule = get_schedule(name)
+    module = run_pipeline(step_data("u_transformer")[0], TWO_HOSTS.replace("SCHEDULE", name))
+    program = pipeline_program(module, split_backward=schedule.split_backward)
+    placed = {"m0": (0, 2), "m1": (1, 3)} if name == "interleaved-1f1b" else {"m0": (0, 3), "m1": (1, 2)}
+    assert program.stages_of_mesh == placed
+    assert {mesh: len(devices) for mesh, devices in program.devices.items()} == {"m0": 4, "m1": 4}
+    topology = program.topology
+    skips = {(e.src, e.dst) for e in topology.edges} - {(k, k + 1) for k in range(3)}
+    assert skips == {(0, 2)}  # the U's skip, between the 4 clustered layers
+    local = {(e.src, e.dst) for e in topology.edges if topology.meshes[e.src] == topology.meshes[e.dst]}
+    assert local == ({(0, 2)} if name == "interleaved-1f1b" else {(1, 2)})  # the skip; the V's turn
+    step = PipelinedStep(program, name)
+    compare("u_transformer", step(step_data("u_transformer")[1]), rtol=1e-6)
+    for stream in step.streams.streams:
+        runs = [(i.kind, i.microbatch, i.stage) for i in stream if i.op == RUN]
+        expected = schedule.mesh_tasks(2, 2, int(stream.mesh[1:]), 4)
+        assert runs == [(t.kind, t.microbatch, stream.stages[t.chunk]) for t in expected], stream.mesh
 
 
 @pytest.mark.heavy  # a Ray start (~30 s)

@@ -47,3 +47,14 @@ def test_auto_picks_the_fastest_schedule_that_fits(bench):
         line.startswith("u_transformer-2.1B, B=64: auto picks zb-h1") and "eager-1f1b (not fitting)" in line
         for line in tight
     ), tight
+
+
+def test_auto_weighs_the_virtual_stages(bench):
+    """At B=8 on 4 meshes with room for every stash, ZB-V (8 stages, 2 per mesh) is the
+    U-Transformer's fastest (1.72x over 1F1B), ahead of ZB-H2, the fastest of one stage per
+    mesh; GPT's choice stays ZB-H2, ZB-V's 912 GB a device refused."""
+    lines = bench.auto_choice(bench.run([8], 4, 10.0), 400e9)
+    assert any(
+        line.startswith("u_transformer-2.1B, B=8: auto picks zb-v") and "runner-up zb-h2" in line for line in lines
+    ), lines
+    assert any(line.startswith("gpt-1.3B, B=8: auto picks zb-h2") and "gpipe, zb-v" in line for line in lines), lines
