@@ -6,8 +6,8 @@ is a program of arrays: `@main`'s arguments in, its results out, no pytrees and 
 `parallelize` reads of a lowered JAX function: the module's text (the plan's input, with
 each op's location in the file, so that messages point at `file:line:col`), the results'
 shapes and dtypes, and a check of the arguments a call passes against `@main`'s signature.
-Called on its own, it runs the module on one device, compiled by XLA as `jax.jit` would
-(the reference a parallelized run is checked against).
+Called on its own, it runs the module as XLA compiles it, on one device (or on as many as
+the mesh it was exported with has): the reference a parallelized run is checked against.
 """
 
 from __future__ import annotations
@@ -79,17 +79,20 @@ class ModuleStep:
                     f"{self.__name__}'s @main argument {k} is a {want.dtype}{list(want.shape)}, got a {dtype}{list(shape)}"
                 )
 
-    def __call__(self, *args) -> tuple[jax.Array, ...]:
-        """The module run on this process's first device, as XLA compiles it (once)."""
-        from hlopar.codegen.spmd import compile_spmd
+    def __call__(self, *args) -> tuple[np.ndarray, ...]:
+        """The module run as XLA compiles it, on as many of this process's devices as its mesh
+        has (one, for a module exported without shardings), compiled once; its results as
+        host arrays."""
+        from hlopar.codegen.spmd import compile_spmd, mesh_size
 
         self.check_arguments(args)
-        device = jax.devices()[0]
         if self._executable is None:
-            self._executable = compile_spmd(self._module, [device])
-        placed = [jax.device_put(np.asarray(a) if not isinstance(a, jax.Array) else a, device) for a in args]
-        outputs = self._executable.executable.execute_sharded(placed).disassemble_into_single_device_arrays()
-        return tuple(shards[0] for shards in outputs)
+            count = mesh_size(self._module)
+            devices = jax.devices()[:count]
+            if len(devices) < count:
+                raise ValueError(f"{self.__name__} was exported for {count} devices; this process has {len(devices)}")
+            self._executable = compile_spmd(self._module, devices)
+        return tuple(self._executable(*args))
 
 
 def _shape_dtype(tensor: ir.Type) -> jax.ShapeDtypeStruct:

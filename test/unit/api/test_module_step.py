@@ -111,3 +111,33 @@ def test_a_module_jax_exported_with_lapack_calls_runs():
         step, cluster=hlopar.Cluster.local(1, 8, device_kind="cpu"), method="shard", verbose=False
     )
     np.testing.assert_array_equal(np.asarray(parallel(spd)[0]), np.asarray(factor))
+
+
+def test_a_module_exported_sharded_runs_on_its_mesh_and_is_replanned(tmp_path, monkeypatch):
+    """The tiny MLP exported data-parallel over 8 devices (`in_shardings`, an `sdy.mesh` of 8):
+    called on its own it runs on 8 devices as exported; `parallelize` plans it afresh for 2 x 4
+    (the export's shardings taken as the user's), and both equal the JAX step on one device."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    monkeypatch.setenv("HLOPAR_CACHE_DIR", str(tmp_path / "cache"))
+    model = get_train_step("mlp", "tiny")
+    params = model.init(jax.random.PRNGKey(0))
+    state = model.init_opt_state(params)
+    batch = model.make_batch(jax.random.PRNGKey(1))
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    whole, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    shardings = jax.tree_util.tree_map(lambda _: whole, (params, state)) + (
+        jax.tree_util.tree_map(lambda _: rows, batch),
+    )
+    path = tmp_path / "mlp_data_parallel.mlir"
+    path.write_text(jax.jit(model.step, in_shardings=shardings).lower(params, state, batch).as_text())
+    leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves((params, state, batch))]
+    reference = model.jitted_step(params, state, batch)
+    as_exported = ModuleStep(path)(*leaves)
+    assert_step_close(list(as_exported), reference, params, rtol=RTOL, update_max_rtol=UPDATE_MAX_RTOL)
+    n, batch_count = len(leaves), len(jax.tree_util.tree_leaves(batch))
+    step = hlopar.parallelize(
+        str(path), cluster=TWO_HOSTS, num_microbatches=2, batch_argnums=tuple(range(n - batch_count, n)), verbose=False
+    )
+    assert_step_close(list(step(*leaves)), reference, params, rtol=RTOL, update_max_rtol=UPDATE_MAX_RTOL)
