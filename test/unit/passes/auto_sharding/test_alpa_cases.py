@@ -1,0 +1,352 @@
+"""Alpa's intra-op expectations (its `tests/shard_parallel/`), re-expressed for hlopar (issue 30).
+
+What carries over from Alpa's tests is their facts: the model (an MLP of 6 dense layers, a BERT
+layer stack of 2, a 2-layer MLP accumulating gradients over 2 microbatches), its sizes, the mesh
+(Alpa's [4, 1] / [1, 4] is one axis of 4 here; [2, 2] stays 2x2), the link costs Alpa gives
+the mesh (alpha, beta per axis), and the communication Alpa asserts (how many collectives of
+which kind, and the objective its ILP must reach). The steps are plain JAX with optax, as a
+user writes them.
+
+Link costs: Alpa's objective has no compute term (its heavy ops may not be replicated, the
+rest is free); hlopar's prices FLOPs too, so Alpa's unitless alpha and beta need a unit next
+to the `cpu` preset's 20 GFLOP/s. One unit is a nanosecond: latency alpha ns, bandwidth
+1/beta bytes per ns. The communication of a plan is costed with those links from the
+collectives XLA compiled (`tools/check_fidelity.py` reads them), a reduce-scatter that XLA's
+CPU backend compiles as all-reduce + dynamic-slice costed as the reduce-scatter it is on
+GPUs. A case passes where that is within Alpa's own tolerance (1 %) of the cost Alpa states.
+
+Where hlopar's plan differs in kind (it reduce-scatters gradients and all-gathers parameters
+where Alpa all-reduces: the same bytes, one latency more each), the cost still has to hold.
+`docs/auto_sharding.md` ("Alpa's cases") tabulates the results.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax import lax
+from tools_module import load_tool
+
+from hlopar.analysis.auto_sharding.cluster import logical_mesh
+from hlopar.analysis.auto_sharding.collectives import all_reduce_cost, collective_cost
+from hlopar.ir.module import parse_module
+
+tool = load_tool("check_fidelity")
+F32 = jnp.float32
+Abstract = jax.ShapeDtypeStruct
+NS = 1e-9  # one unit of Alpa's alpha and beta (see the module docstring)
+ADAM = optax.adam(1e-2)
+MOMENTUM = optax.sgd(1e-2, momentum=0.9)
+
+
+# --- the models, as a user writes them --------------------------------------------------------
+
+
+def _dense_stack(params, x):
+    for i, (w, b) in enumerate(params):
+        x = x @ w + b
+        if i < len(params) - 1:
+            x = jax.nn.relu(x)
+    return x
+
+
+def _mse(out, target):
+    return jnp.mean((out - target) ** 2)
+
+
+def _training_step(loss, optimizer=ADAM):
+    def step(params, opt_state, *batch):
+        grads = jax.grad(loss)(params, *batch)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+def _layer_norm(h, scale, bias):
+    mean = h.mean(-1, keepdims=True)
+    var = ((h - mean) ** 2).mean(-1, keepdims=True)
+    return (h - mean) * lax.rsqrt(var + 1e-12) * scale + bias
+
+
+def _bert_layer(p, h, heads):
+    """Post-norm self-attention (one fused query/key/value projection, laid out per head as
+    Alpa's BERT does, so that splitting its columns splits heads) and a GELU MLP."""
+    batch, seq, hidden = h.shape
+    qkv = (h @ p["qkv"] + p["qkv_bias"]).reshape(batch, seq, heads, hidden // heads, 3)
+    q, k, v = qkv[..., 0], qkv[..., 1], qkv[..., 2]
+    probs = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / (hidden // heads) ** 0.5, axis=-1)
+    attended = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(h.shape)
+    h = _layer_norm(h + attended @ p["out"] + p["out_bias"], p["ln1_scale"], p["ln1_bias"])
+    inner = jax.nn.gelu(h @ p["up"] + p["up_bias"])
+    return _layer_norm(h + inner @ p["down"] + p["down_bias"], p["ln2_scale"], p["ln2_bias"])
+
+
+def _mlp_params(layers: int, hidden: int):
+    return [(Abstract((hidden, hidden), F32), Abstract((hidden,), F32))] * layers
+
+
+def _bert_params(layers: int, hidden: int):
+    d = hidden
+    shapes = {
+        "qkv": (d, 3 * d),
+        "qkv_bias": (3 * d,),
+        "out": (d, d),
+        "out_bias": (d,),
+        "up": (d, 4 * d),
+        "up_bias": (4 * d,),
+        "down": (4 * d, d),
+        "down_bias": (d,),
+        **{f"ln{i}_{part}": (d,) for i in (1, 2) for part in ("scale", "bias")},
+    }
+    return [{name: Abstract(shape, F32) for name, shape in shapes.items()} for _ in range(layers)]
+
+
+@functools.cache
+def _mlp(layers: int, batch: int, hidden: int) -> str:
+    params = _mlp_params(layers, hidden)
+    x = Abstract((batch, hidden), F32)
+    step = _training_step(lambda p, x, y: _mse(_dense_stack(p, x), y))
+    return jax.jit(step).lower(params, jax.eval_shape(ADAM.init, params), x, x).as_text()
+
+
+@functools.cache
+def _bert(layers: int, batch: int, seq: int, hidden: int, heads: int) -> str:
+    def loss(params, h, label):
+        for p in params:
+            h = _bert_layer(p, h, heads)
+        return _mse(h, label)
+
+    params = _bert_params(layers, hidden)
+    x = Abstract((batch, seq, hidden), F32)
+    return jax.jit(_training_step(loss)).lower(params, jax.eval_shape(ADAM.init, params), x, x).as_text()
+
+
+@functools.cache
+def _accumulating_mlp(batch: int, microbatches: int, hidden: int) -> str:
+    """Two dense layers; the step sums the gradients of `microbatches` slices of the batch in
+    a `fori_loop`, then takes one momentum step."""
+    loss = lambda p, x, y: _mse(_dense_stack(p, x), y)  # noqa: E731
+
+    def step(params, opt_state, x, y):
+        xs = x.reshape(microbatches, batch // microbatches, hidden)
+        ys = y.reshape(microbatches, batch // microbatches, hidden)
+
+        def accumulate(i, total):
+            return jax.tree.map(jnp.add, total, jax.grad(loss)(params, xs[i], ys[i]))
+
+        grads = lax.fori_loop(0, microbatches, accumulate, jax.tree.map(jnp.zeros_like, params))
+        updates, opt_state = MOMENTUM.update(jax.tree.map(lambda g: g / microbatches, grads), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = _mlp_params(2, hidden)
+    x = Abstract((batch, hidden), F32)
+    return jax.jit(step).lower(params, jax.eval_shape(MOMENTUM.init, params), x, x).as_text()
+
+
+# --- the cases ---------------------------------------------------------------------------------
+
+
+def _param_bytes(params) -> list[int]:
+    return [4 * leaf.size for leaf in jax.tree.leaves(params)]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One of Alpa's tests on one mesh: the program, the mesh with Alpa's alpha and beta per
+    axis, and the communication Alpa states for it (seconds on that mesh)."""
+
+    name: str
+    program: Callable[[], str]
+    mesh: tuple[int, ...]
+    alpha: tuple[float, ...]
+    beta: tuple[float, ...]
+    alpa_cost: Callable[[object], float]
+    options: str = ""
+
+    @property
+    def logical_mesh(self):
+        return logical_mesh(
+            self.mesh, latencies=[a * NS for a in self.alpha], bandwidths=[1 / (b * NS) for b in self.beta]
+        )
+
+    def pass_options(self) -> str:
+        latency = ",".join(f"{a * NS:g}" for a in self.alpha)
+        bandwidth = ",".join(f"{1 / (b * NS):g}" for b in self.beta)
+        return f"latency={latency} bandwidth={bandwidth} {self.options}".strip()
+
+
+def _data_parallel(params):
+    """Alpa's data-parallel cost: one all-reduce of every weight gradient over the mesh."""
+    return lambda mesh: sum(all_reduce_cost(mesh, ("x",), n) for n in _param_bytes(params))
+
+
+def _mlp_2d(mesh):
+    """Alpa's 2-D MLP (test_n_layer_mlp_2d_mesh): weights split by columns/rows over y, the
+    batch over x: 6 gradient all-reduces (weight halves and biases) over x, 5 activation
+    all-reduces (batch halves) over y."""
+    layers, batch, hidden = 6, 256, 32
+    return layers * (
+        all_reduce_cost(mesh, ("x",), hidden * hidden * 4 / 2) + all_reduce_cost(mesh, ("x",), hidden * 4)
+    ) + (layers - 1) * all_reduce_cost(mesh, ("y",), batch * hidden * 4 / 2)
+
+
+def _bert_2d(mesh):
+    """Alpa's 2-D BERT layer (test_bert_layer_2d_mesh): every parameter's gradient half
+    all-reduced over x, 4 activation all-reduces a layer but one over y."""
+    layers, batch, seq, hidden = 2, 8, 8, 128
+    return sum(all_reduce_cost(mesh, ("x",), n / 2) for n in _param_bytes(_bert_params(layers, hidden))) + (
+        4 * layers - 1
+    ) * all_reduce_cost(mesh, ("y",), batch * seq * hidden * 4 / 2)
+
+
+CASES = [
+    # test_mlp.py: 6 dense layers with biases, Adam, alpha = beta = 1
+    Case("mlp data parallel", lambda: _mlp(6, 256, 32), (4,), (1,), (1,), _data_parallel(_mlp_params(6, 32))),
+    Case(
+        "mlp model parallel",
+        lambda: _mlp(6, 32, 256),
+        (4,),
+        (1,),
+        (1,),
+        lambda mesh: 5 * all_reduce_cost(mesh, ("x",), 32 * 256 * 4),
+    ),
+    Case("mlp 2d mesh", lambda: _mlp(6, 256, 32), (2, 2), (1, 1), (1, 0.1), _mlp_2d),
+    Case(
+        "mlp zero-2",
+        lambda: _mlp(6, 256, 32),
+        (4,),
+        (1,),
+        (1,),
+        _data_parallel(_mlp_params(6, 32)),
+        "prefer-reduce-scatter=true",
+    ),
+    # test_bert.py: 2 layers, hidden 4x in the MLP, Adam
+    Case(
+        "bert layer data parallel",
+        lambda: _bert(2, 64, 64, 32, 8),
+        (4,),
+        (1,),
+        (1,),
+        _data_parallel(_bert_params(2, 32)),
+    ),
+    Case(
+        "bert layer model parallel",
+        lambda: _bert(2, 8, 8, 128, 8),
+        (4,),
+        (1,),
+        (1,),
+        lambda mesh: 7 * all_reduce_cost(mesh, ("x",), 8 * 8 * 128 * 4),
+    ),
+    Case("bert layer 2d mesh", lambda: _bert(2, 8, 8, 128, 8), (2, 2), (2, 2), (1, 0.1), _bert_2d),
+]
+HEAVY = {"bert layer 2d mesh"}  # ~18 s to plan on two shared cores
+
+
+@functools.cache
+def _planned(case: Case):
+    """The plan's report and the compiled program's HLO (cached: two tests read each)."""
+    mesh = "x".join(map(str, case.mesh))
+    return tool.plan_and_compile(parse_module(case.program()), mesh, "cpu", case.pass_options())
+
+
+def _compiled(case: Case):
+    report, hlo = _planned(case)
+    return tool.compiled_collectives(hlo, report["mesh"]["shape"], report["mesh"]["axes"])
+
+
+def _communication_s(case: Case) -> float:
+    """The compiled collectives' time on the case's links; an all-reduce that stands for a
+    planned reduce-scatter (XLA's CPU backend has none) costed as that reduce-scatter."""
+    report, _ = _planned(case)
+    planned_scatters = [c for c in tool.predicted_collectives(report) if c[0] == "reduce-scatter"]
+    total = 0.0
+    for kind, axes, nbytes in _compiled(case):
+        if kind == "all-reduce" and ("reduce-scatter", axes, nbytes) in planned_scatters:
+            planned_scatters.remove(("reduce-scatter", axes, nbytes))
+            kind = "reduce-scatter"
+        total += collective_cost(kind, case.logical_mesh, axes, nbytes)
+    return total
+
+
+KNOWN_DEARER = {
+    "bert layer model parallel": "measured +2.1 %: hlopar keeps the attention and MLP outputs "
+    "split over hidden between the reduce-scatter and the all-gather that stand for Alpa's "
+    "all-reduce, and all-reduces each layer norm's statistics (256-512 B) there: compute "
+    "it saves, which Alpa's objective does not price",
+}
+
+
+def _params(known: dict[str, str] | None = None):
+    marks = {c.name: [pytest.mark.heavy] if c.name in HEAVY else [] for c in CASES}
+    for name, reason in (known or {}).items():
+        marks[name].append(pytest.mark.xfail(strict=True, reason=reason))
+    return [pytest.param(c, marks=marks[c.name], id=c.name) for c in CASES]
+
+
+@pytest.mark.parametrize("case", _params(KNOWN_DEARER))
+def test_plan_communicates_no_more_than_alpa_states(case):
+    report, _ = _planned(case)
+    assert report["status"] == "OPTIMAL"
+    assert _communication_s(case) <= 1.01 * case.alpa_cost(case.logical_mesh)
+
+
+@pytest.mark.parametrize("case", _params())
+def test_compiled_collectives_are_the_planned_ones(case):
+    report, _ = _planned(case)
+    fidelity = tool.compare(tool.predicted_collectives(report), _compiled(case))
+    assert fidelity.rate == 1.0, "\n".join(fidelity.notes)
+
+
+@pytest.mark.parametrize("case", _params())
+def test_merging_misses_the_optimum(case):
+    """Alpa's merging (`merge=true`) solves a restriction of the program's ILP: its plan is
+    one the default could choose, so never cheaper; on these cases 0.01 to 1.1 % dearer."""
+    report, _ = _planned(case)
+    mesh = "x".join(map(str, case.mesh))
+    merged = tool.plan(parse_module(case.program()), mesh, "cpu", f"{case.pass_options()} merge=true")
+    assert (report["status"], merged["status"]) == ("OPTIMAL", "FEASIBLE")
+    assert report["objective_s"] < merged["objective_s"] <= 1.012 * report["objective_s"]
+
+
+# --- gradient accumulation (test_gradient_accumulation.py) -------------------------------------
+
+
+def _loop_body_collectives(hlo: str, mesh_shape, axes) -> list:
+    """The collectives of the computations that `while` loops run as their bodies."""
+    bodies = set(re.findall(r"\bbody=%?([\w.\-]+)", hlo))
+    found, current = [], None
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header:
+            current = header.group(1)
+        elif current in bodies:
+            found += tool.compiled_collectives(line, mesh_shape, axes)
+    return found
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 30 item 2: without partial-sum layouts each microbatch's gradients are "
+    "all-reduced inside the loop (the accumulator is a reduced value), where Alpa reduces the "
+    "sum once per step",
+)
+@pytest.mark.parametrize("mesh", [(4,), (2, 2)], ids=["1d", "2d"])
+def test_gradient_accumulation_syncs_once_per_step(mesh):
+    """Alpa's case: batch 256 in 2 microbatches, two dense layers of 16, momentum, alpha =
+    beta = 1; it asserts the gradients' all-reduce(s) in the accumulation and none in the
+    loop of microbatches (one per mesh axis the batch is split over)."""
+    options = " ".join(["latency=" + ",".join(["1e-09"] * len(mesh)), "bandwidth=" + ",".join(["1e+09"] * len(mesh))])
+    report, hlo = tool.plan_and_compile(
+        parse_module(_accumulating_mlp(256, 2, 16)), "x".join(map(str, mesh)), "cpu", options
+    )
+    compiled = tool.compiled_collectives(hlo, report["mesh"]["shape"], report["mesh"]["axes"])
+    assert compiled, "the batch is split: the gradients must be reduced somewhere"
+    assert _loop_body_collectives(hlo, report["mesh"]["shape"], report["mesh"]["axes"]) == []
