@@ -486,7 +486,8 @@ def _communication_s(case: Case) -> float:
 _LAYER_NORM_SLICES = (
     "hlopar keeps the attention and MLP outputs split over hidden between the reduce-scatter "
     "and the all-gather that stand for Alpa's all-reduce, and all-reduces each layer norm's "
-    "statistics (256-512 B) there: compute it saves, which Alpa's objective does not price"
+    "statistics (256-512 B) there, for the elementwise compute that saves (Alpa's objective "
+    "prices none; Alpa's plan priced by hlopar's model was not measured)"
 )
 KNOWN_DEARER = {
     "bert layer model parallel": f"measured +2.1 %: {_LAYER_NORM_SLICES}",
