@@ -342,13 +342,16 @@ def load_program(spec: str):
 
 def fidelity(program: str, mesh: str = "2x4", preset: str = "cpu", options: str = "") -> Fidelity:
     """Plans a program (`load_program`), compiles it for the mesh's CPU devices and compares."""
-    import jax
+    report, hlo = plan_and_compile(load_program(program), mesh, preset, options)
+    compiled = compiled_collectives(hlo, report["mesh"]["shape"], report["mesh"]["axes"])
+    return compare(predicted_collectives(report), compiled)
 
-    from hlopar.codegen.spmd import compile_spmd
+
+def plan(module, mesh: str = "2x4", preset: str = "cpu", options: str = "") -> dict:
+    """Imports and plans `module` in place; returns the plan's report."""
     from hlopar.passes.base import PassContext
     from hlopar.passes.pipeline import Pipeline
 
-    module = load_program(program)
     with tempfile.TemporaryDirectory() as scratch:
         report_path = Path(scratch) / "plan.json"
         pipeline = (
@@ -356,11 +359,19 @@ def fidelity(program: str, mesh: str = "2x4", preset: str = "cpu", options: str 
             f"report={report_path}}})"
         )
         Pipeline.parse(pipeline, module.context).run(module, PassContext())
-        report = json.loads(report_path.read_text())
-    mesh_shape = report["mesh"]["shape"]
-    executable = compile_spmd(module, jax.devices()[: math.prod(mesh_shape)]).executable
-    compiled = compiled_collectives(executable.hlo_modules()[0].to_string(), mesh_shape, report["mesh"]["axes"])
-    return compare(predicted_collectives(report), compiled)
+        return json.loads(report_path.read_text())
+
+
+def plan_and_compile(module, mesh: str = "2x4", preset: str = "cpu", options: str = "") -> tuple[dict, str]:
+    """Plans `module` in place (`plan`), compiles it for the mesh's CPU devices, and returns
+    the plan's report and the compiled program's HLO text."""
+    import jax
+
+    from hlopar.codegen.spmd import compile_spmd
+
+    report = plan(module, mesh, preset, options)
+    executable = compile_spmd(module, jax.devices()[: math.prod(report["mesh"]["shape"])]).executable
+    return report, executable.hlo_modules()[0].to_string()
 
 
 def _explain(kind: str, axes, nbytes: int, other_side: Counter, other_all: list) -> str:

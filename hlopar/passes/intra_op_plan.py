@@ -420,18 +420,30 @@ def _constrain_reshards(
     one in that layout, so that XLA converts the value where and how the plan priced it.
     One conversion per value, layout and block, before the first consumer that needs it; it
     serves the later ones. Loop-carried values get one on each value entering the loop and
-    on each the body yields, in the carried layout."""
-    for op_id, node_index in problem.op_node.items():
-        op, node = graph.op(op_id), problem.nodes[node_index]
-        if op.name == "sdy.sharding_constraint" or not node.planned:
-            continue
+    on each the body yields, in the carried layout.
+
+    An `optimization_barrier` (`jax.checkpoint`'s) has no node: result k is operand k, in
+    its layout. Its results get constraints in that layout too, or XLA propagates layouts
+    to them from their readers and converts the value inside the recomputed forward (two
+    all-gathers of a BERT layer's activations per step that the plan does not have)."""
+
+    def constrain_results(op, specs) -> None:
         after = op.mlir_op
-        for value_id, value, spec in zip(op.results, op.mlir_op.results, chosen[node_index].result_specs):
+        for value_id, value, spec in zip(op.results, op.mlir_op.results, specs):
             if spec is None or not isinstance(value.type, ir.RankedTensorType) or not spec.rank or value_id in pinned:
                 continue  # scalars are whole on every device anyway
             with ir.InsertionPoint.after(after):
                 after = sdy.ShardingConstraintOp(value, sharding(spec)).operation
             value.replace_all_uses_except(after.result, after)
+
+    for op_id, node_index in problem.op_node.items():
+        op, node = graph.op(op_id), problem.nodes[node_index]
+        if op.name == "sdy.sharding_constraint" or not node.planned:
+            continue
+        constrain_results(op, chosen[node_index].result_specs)
+    for op in graph.walk():
+        if op.name == "stablehlo.optimization_barrier":
+            constrain_results(op, [spec_of_value(v) for v in op.results])
 
     made: dict[tuple[int, ShardingSpec, ir.Block], ir.Value] = {}
 
