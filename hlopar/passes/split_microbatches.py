@@ -243,7 +243,7 @@ class _Splitter(BatchChecks, KindAnalysis, Resizer):
         self.rng = options.rng
         self.graph = FuncGraph.from_func(main)
         self.batch_args = self._batch_args(options.batch_args)
-        self.axis = self.b if self.b > 1 else self._analysis_axis()
+        self.axis = self.b if self.b > 1 else self._analysis_axis() if self.batch_args else None
         self.loss_result = options.loss_result
         self.ops = walk_ops(main)
         self.div: dict[ir.Value, tuple[int, ...]] = {}  # values whose dims are divided
@@ -254,6 +254,8 @@ class _Splitter(BatchChecks, KindAnalysis, Resizer):
         self.scale_refusal = "none is"  # why the statistics used per example are not such normalizers
 
     def run(self) -> dict:
+        if not self.batch_args:
+            return self._unsplit()
         self._propagate()
         if self.b > 1:  # one microbatch splits nothing: no op needs to be checked
             for op, rule in zip(self.ops, self.rules):
@@ -307,6 +309,14 @@ class _Splitter(BatchChecks, KindAnalysis, Resizer):
             "per_example_results": len(self.per_example_results),
             "scales_factored": self.scales,
         }
+
+    def _unsplit(self) -> dict:
+        """One microbatch of a program that reads no batch (every argument state, as a
+        non-training program's may look): marked as one microbatch with no batch arguments,
+        every op run once."""
+        self.main.attributes[MICROBATCHES_ATTR] = ir.IntegerAttr.get(ir.IntegerType.get_signless(64), 1)
+        self.main.attributes[BATCH_ARGS_ATTR] = ir.DenseI64ArrayAttr.get([])
+        return {"microbatches": 1, "batch_args": [], "loss_result": None, "ops": {"independent": len(self.graph.ops)}}
 
     def _hand_off(self, kinds: list[str | None]) -> None:
         """Per-microbatch values without examples that the ops run once read or `@main`
@@ -386,6 +396,8 @@ class _Splitter(BatchChecks, KindAnalysis, Resizer):
                 given = batch_arguments(graph)
             except RolesError as error:
                 raise SplitError(self.main, str(error)) from None
+            if not given and self.b == 1:
+                return ()  # one microbatch of a program without a batch: nothing to split or mark
             if not given:
                 raise SplitError(
                     self.main,

@@ -141,3 +141,18 @@ def test_a_module_exported_sharded_runs_on_its_mesh_and_is_replanned(tmp_path, m
         str(path), cluster=TWO_HOSTS, num_microbatches=2, batch_argnums=tuple(range(n - batch_count, n)), verbose=False
     )
     assert_step_close(list(step(*leaves)), reference, params, rtol=RTOL, update_max_rtol=UPDATE_MAX_RTOL)
+
+
+@pytest.mark.corpus
+def test_a_module_without_a_batch_runs_as_one_microbatch():
+    """The corpus' QR module (`lapack_sgeqrf_ffi`): its one argument is the shape of its
+    result, so nothing in it looks like a batch. With one microbatch there is nothing to split:
+    it is planned as one microbatch of no batch (was refused: "no argument looks like a
+    batch") and equals its run on one device."""
+    step = ModuleStep(corpus_dir() / "jax-export" / "cpu_qr_lapack_geqrf__data_2025_04_02_f32.mlir")
+    args = [np.random.default_rng(0).normal(size=info.shape).astype(info.dtype) for info in step.in_info]
+    expected = step(*args)
+    parallel = hlopar.parallelize(step, cluster=hlopar.Cluster.local(2, 4, device_kind="cpu"), verbose=False)
+    out = parallel(*args)
+    assert parallel.planned.program.microbatches == 1
+    assert_trees_equal([np.asarray(x) for x in out], [np.asarray(x) for x in expected])
