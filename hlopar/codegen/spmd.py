@@ -71,11 +71,12 @@ def compile_spmd(module: ir.Operation, devices: Sequence[jax.Device], host_callb
     return spmd_executable(module, devices, executable)
 
 
-def _set_up_lapack(text: str) -> None:
+def _set_up_lapack(program: str | bytes) -> None:
     """XLA:CPU's LAPACK kernels (`lapack_*` custom calls) get their LAPACK routines when jax
     first lowers a linear-algebra op; a module read from a file may call them in a process
-    where jax never did, and would run them unset (a segfault): set them up first."""
-    if "@lapack_" in text:
+    where jax never did, and would run them unset (a segfault): set them up first. `program`:
+    the module's text, or its serialized executable."""
+    if ("@lapack_" if isinstance(program, str) else b"lapack_") in program:
         from jaxlib import lapack
 
         lapack.prepare_lapack_call("getrf", np.float32)  # sets every routine up, whichever named
@@ -84,7 +85,7 @@ def _set_up_lapack(text: str) -> None:
 def load_spmd(module: ir.Operation, devices: Sequence[jax.Device], serialized: bytes) -> SpmdExecutable:
     """`module`'s executable for `devices` from `serialized` (`serialize_spmd` of the same
     module compiled for as many devices of the same kind, whichever their ids), not compiled."""
-    _set_up_lapack(print_module(module))
+    _set_up_lapack(serialized)  # the executable names its custom calls' targets: no need to print the module
     executable = backend.get_backend().deserialize_executable(
         serialized, _jax.DeviceList(tuple(devices)), compile_options([d.id for d in devices])
     )
