@@ -41,20 +41,30 @@ class ShardingSpec:
     Printed as `[S(x), R]`: `S(...)` lists the axes of a split dimension (`S(x,y)`: x major,
     y minor), `R` marks a dimension that every device holds whole. Axes that no dimension uses
     replicate the tensor. `paper_str(mesh)` gives the papers' own `S0R` / `S01R` form.
+
+    `unreduced`: mesh axes over which the value is a pending sum (GSPMD's partial, Shardy's
+    `unreduced={...}`): the devices along them hold addends whose sum is the value, as a
+    matrix product that splits its contracting dimension leaves them before its all-reduce.
+    Printed after the dimensions: `[S(x), R] U(y)`.
     """
 
     dims: tuple[tuple[str, ...], ...]
+    unreduced: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         dims = tuple(tuple(axes) for axes in self.dims)
+        unreduced = tuple(self.unreduced)
         names = [name for axes in dims for name in axes]
-        for name in names:
+        for name in names + list(unreduced):
             if not isinstance(name, str) or not name:
                 raise ValueError(f"sharding spec axes are non-empty strings, got {name!r}")
         if len(set(names)) != len(names):
             duplicates = sorted({name for name in names if names.count(name) > 1})
             raise ValueError(f"mesh axes {duplicates} split more than one dimension (or one twice)")
+        if set(unreduced) & set(names) or len(set(unreduced)) != len(unreduced):
+            raise ValueError(f"unreduced axes {list(unreduced)} must be distinct and split no dimension")
         object.__setattr__(self, "dims", dims)
+        object.__setattr__(self, "unreduced", unreduced)
         object.__setattr__(self, "_used_axes", tuple(names))
 
     # Specs key the cost model's caches (`auto_sharding.resharding`): hashed once.
@@ -81,7 +91,12 @@ class ShardingSpec:
 
     @property
     def is_replicated(self) -> bool:
-        return not self.used_axes
+        """Every device holds the whole value (no split, no pending sum)."""
+        return not self.used_axes and not self.unreduced
+
+    def reduced(self) -> ShardingSpec:
+        """The same tiles with the pending sums done."""
+        return ShardingSpec(self.dims) if self.unreduced else self
 
     def num_shards(self, mesh: DeviceMesh, dim: int) -> int:
         """How many pieces dimension `dim` is cut into."""
@@ -93,7 +108,8 @@ class ShardingSpec:
             mesh.axis_index(name)
 
     def __str__(self) -> str:
-        return "[" + ", ".join(f"S({','.join(axes)})" if axes else "R" for axes in self.dims) + "]"
+        text = "[" + ", ".join(f"S({','.join(axes)})" if axes else "R" for axes in self.dims) + "]"
+        return text + f" U({','.join(self.unreduced)})" if self.unreduced else text
 
     def paper_str(self, mesh: DeviceMesh) -> str:
         """The papers' notation with mesh axis numbers: `S0R`, `RS1`, `S01R` (`S1,0` past 9 axes)."""
@@ -108,8 +124,14 @@ class ShardingSpec:
 
     @classmethod
     def parse(cls, text: str) -> ShardingSpec:
-        """Parse the `[S(x), R]` form that `str()` prints."""
+        """Parse the `[S(x), R]` (or `[S(x), R] U(y)`) form that `str()` prints."""
         text = text.strip()
+        unreduced: tuple[str, ...] = ()
+        match = re.fullmatch(r"(.*\])\s*U\(([^()]*)\)", text)
+        if match:
+            text, names = match.group(1).strip(), match.group(2)
+            unreduced = tuple(name.strip() for name in names.split(","))
+            return cls(cls.parse(text).dims, unreduced)
         if not (text.startswith("[") and text.endswith("]")):
             raise ValueError(f"invalid sharding spec {text!r}: expected '[...]'")
         body = text[1:-1].strip()
@@ -286,19 +308,20 @@ class TensorSharding:
     @classmethod
     def from_spec(cls, mesh: str | DeviceMesh, spec: ShardingSpec) -> TensorSharding:
         """Closed dimensions over whole axes, as the passes write them."""
-        return cls(mesh, tuple(DimSharding(tuple(AxisRef(n) for n in axes)) for axes in spec.dims))
+        dims = tuple(DimSharding(tuple(AxisRef(n) for n in axes)) for axes in spec.dims)
+        return cls(mesh, dims, unreduced_axes=tuple(AxisRef(n) for n in spec.unreduced))
 
     def to_spec(self) -> ShardingSpec:
         """The papers' spec; open/closed, priorities and explicit replication do not change the
-        layout and are dropped. Sub-axes and unreduced axes have no spec form: `ValueError`."""
-        if self.unreduced_axes:
-            raise ValueError(f"{self} has unreduced axes, which a sharding spec cannot express")
+        layout and are dropped. Sub-axes have no spec form: `ValueError`."""
+        if any(ref.sub is not None for ref in self.unreduced_axes):
+            raise ValueError(f"{self} uses sub-axes, which a sharding spec cannot express")
         dims = []
         for dim in self.dims:
             if any(ref.sub is not None for ref in dim.axes):
                 raise ValueError(f"{self} uses sub-axes, which a sharding spec cannot express")
             dims.append(tuple(ref.name for ref in dim.axes))
-        return ShardingSpec(tuple(dims))
+        return ShardingSpec(tuple(dims), tuple(ref.name for ref in self.unreduced_axes))
 
     # text
 

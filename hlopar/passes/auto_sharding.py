@@ -70,6 +70,12 @@ class AutoShardingPass(ModulePass):
         "fold cheap ops into their deepest operand before solving (Alpa §4.2): a smaller ILP whose "
         "optimum may cost more than the program's (the report then says FEASIBLE, gap null)",
     )
+    partial_sums: bool = option(
+        False,
+        "partial-sum layouts (Shardy's unreduced axes): a matrix product or sum that splits its reduction "
+        "may leave its sums pending through linear ops and loops, reduced once where a consumer needs them "
+        "(gradient accumulation syncs once per step)",
+    )
     tie_outputs: bool = option(
         True, "give each new value of training state the layout of its old value (step_io.state_pairs)"
     )

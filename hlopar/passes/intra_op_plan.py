@@ -66,6 +66,7 @@ class IntraOpOptions:
     data_parallel: bool = False
     batch_args: tuple[int, ...] | None = None
     merge: bool = False
+    partial_sums: bool = False
     tie_outputs: bool = True
     reshard_constraints: bool = True
 
@@ -147,6 +148,7 @@ class _Planner:
             op_result_shardings=constraints.op_results,
             memory_budget=options.memory_budget,
             merge=options.merge,
+            partial_sums=options.partial_sums,
             split_dims=self._batch_splits(graph, rules, mesh, pairs),
             tied_results=tied,
             split_args=frozenset(tied.values()) if options.weight_update_sharding else frozenset(),
@@ -430,8 +432,10 @@ def _constrain_reshards(
     def constrain_results(op, specs) -> None:
         after = op.mlir_op
         for value_id, value, spec in zip(op.results, op.mlir_op.results, specs):
-            if spec is None or not isinstance(value.type, ir.RankedTensorType) or not spec.rank or value_id in pinned:
-                continue  # scalars are whole on every device anyway
+            if spec is None or not isinstance(value.type, ir.RankedTensorType) or value_id in pinned:
+                continue
+            if not spec.rank and not spec.unreduced:
+                continue  # scalars are whole on every device anyway, unless a sum is pending
             with ir.InsertionPoint.after(after):
                 after = sdy.ShardingConstraintOp(value, sharding(spec)).operation
             value.replace_all_uses_except(after.result, after)
@@ -470,6 +474,14 @@ def _constrain_reshards(
         for k, value_id in enumerate(op.operands):
             if k < len(specs):
                 convert(op, k, value_id, specs[k])
+    _constrain_loops(graph, problem, chosen, convert, constrain_results)
+
+
+def _constrain_loops(graph: FuncGraph, problem: ShardingProblem, chosen, convert, constrain_results) -> None:
+    """`_constrain_reshards` for `while` loops: each value entering the loop and each the body
+    yields converted to the carried layout; a carried sum left pending is constrained so after
+    the loop too (XLA would otherwise give the loop the layout its first reader wants, and
+    reduce the sum in every iteration)."""
     for op_id, carried in problem.loops.items():
         op = graph.op(op_id)
         if op.name != "stablehlo.while":
@@ -481,6 +493,8 @@ def _constrain_reshards(
         yielded = body.ops[-1]
         for k, value_id in enumerate(yielded.operands):
             convert(yielded, k, value_id, specs[k])
+        if any(spec is not None and spec.unreduced for spec in specs):
+            constrain_results(op, [spec if spec is not None and spec.unreduced else None for spec in specs])
 
 
 def _trivial_meshes(module: ir.Operation) -> set[str]:

@@ -509,9 +509,12 @@ class _Stage:
                 op.erase()
         with ir.InsertionPoint(body.operations[0]):
             sdy.MeshOp(self.mesh.name, ir.Attribute.parse(f"#sdy.mesh{self.mesh.axes_text()}"))
+        # No partial sums: a value crossing fragments leaves reduced (a fragment's executable
+        # hands its results on whole), and the stage plan does not know the fragments' cuts.
+        options = {**dict(options), "partial_sums": False}
         plan_module(  # the stage plan's warnings are dropped
             module,
-            IntraOpOptions(mesh_shape=self.mesh.shape, axis_names=self.mesh.axis_names, preset=preset, **dict(options)),
+            IntraOpOptions(mesh_shape=self.mesh.shape, axis_names=self.mesh.axis_names, preset=preset, **options),
             warn=lambda where, message: None,
         )
         func = self.extraction.func

@@ -38,6 +38,8 @@ from hlopar.analysis.auto_sharding.strategies import (
     TensorInfo,
     enumerate_strategies,
     is_expressible,
+    pending_operand_variants,
+    pending_result_variant,
     replicated_strategy,
     strategy_for,
 )
@@ -69,6 +71,24 @@ CONSTRAINT_OP = "sdy.sharding_constraint"
 WHILE_OP = "stablehlo.while"
 CASE_OP = "stablehlo.case"
 UNANNOTATED_OPS = frozenset({"stablehlo.custom_call"})
+# Partial sums (`partial_sums=True`): ops whose split reduction may leave its sums pending, and
+# ops linear in some operands (per op, the groups of operands it is linear in together), which
+# carry pending sums through. Convert is left out (a sum of rounded addends is not the rounded
+# sum); so are ops linear only for a zero padding value.
+CONTRACTIONS = frozenset({"stablehlo.dot_general", "stablehlo.dot"})
+_SUMMED_TOGETHER = frozenset({"stablehlo.add", "stablehlo.subtract", "stablehlo.concatenate"})
+_LINEAR_IN_FIRST = frozenset(
+    {
+        "stablehlo.negate",
+        "stablehlo.reshape",
+        "stablehlo.transpose",
+        "stablehlo.broadcast_in_dim",
+        "stablehlo.slice",
+        "stablehlo.copy",
+        "stablehlo.reverse",
+        "stablehlo.divide",
+    }
+)
 # Seconds charged per byte a device holds: far below any communication or compute cost, it
 # only breaks ties toward the plan that uses less memory (e.g. an input that could be sent
 # whole to every device and sliced there for free is sent already split).
@@ -119,6 +139,7 @@ def build_problem(
     split_args: frozenset[int] = frozenset(),
     preferred_split_args: frozenset[int] = frozenset(),
     replicated_args: frozenset[int] = frozenset(),
+    partial_sums: bool = False,
     cache: StrategyCache | None = None,
 ) -> ShardingProblem:
     """The ILP for one function. `rules` maps top-level op indices to their sdy rules;
@@ -136,7 +157,11 @@ def build_problem(
     ILP splits them where that costs less than one extra transfer of the bytes it saves (a
     priced `prefer-reduce-scatter`, where a gradient's reduce-scatter and the weight's
     all-gather cost what the all-reduce did); `replicated_args` are arguments every device holds whole (data
-    parallelism's parameters); `cache` shares strategy work with other builds on the same mesh."""
+    parallelism's parameters); `partial_sums`: a matrix product (or sum) that splits its
+    reduction may leave its sums pending, linear ops and loop-carried values carry them, and a
+    consumer that needs the value whole all-reduces it (`ShardingSpec.unreduced`): a gradient
+    accumulated over a loop's iterations is reduced once, after the loop; results leave
+    reduced; `cache` shares strategy work with other builds on the same mesh."""
 
     if cache is not None and cache.mesh != mesh:
         raise ValueError("a StrategyCache serves builds on its own mesh only")
@@ -149,6 +174,7 @@ def build_problem(
         op_result_shardings=op_result_shardings,
         merge=merge,
         split_dims=split_dims,
+        partial_sums=partial_sums,
     )
     builder.add_arguments(arg_shardings, split_args, preferred_split_args, replicated_args)
     for op in graph.ops:
@@ -172,10 +198,11 @@ class _Builder:
         op_result_shardings: Mapping[int, tuple[ShardingSpec, ...]],
         merge: bool,
         split_dims: Mapping[int, tuple[int, tuple[str, ...]]],
+        partial_sums: bool = False,
     ):
         self.graph, self.rules, self.mesh, self.memo = graph, rules, mesh, memo
         self.constraint_specs, self.op_result_shardings = constraint_specs, op_result_shardings
-        self.merge, self.split_dims = merge, split_dims
+        self.merge, self.split_dims, self.partial_sums = merge, split_dims, partial_sums
         self.nodes: list[PlanNode] = []
         self.producer: dict[int, tuple[int, int]] = {}  # value id -> (node, result number)
         self.depth: list[int] = []
@@ -308,7 +335,10 @@ class _Builder:
                     rule, leader_operand, self.nodes[leader].strategies, result_number, operands, results, flops
                 )
             else:
-                strategies = self.filtered(memo.enumerate(rule, operands, results, flops), op.results)
+                strategies = memo.enumerate(rule, operands, results, flops)
+                if self.partial_sums:
+                    strategies = memo.with_pending_sums(strategies, *_pending_sums_of(op))
+                strategies = self.filtered(strategies, op.results)
         return strategies, leader
 
     def visit_loop(self, op: OpNode, scale: float) -> None:
@@ -321,9 +351,11 @@ class _Builder:
         carried = []
         for i, (operand, result) in enumerate(zip(op.operands, op.results)):
             info = tensor_info(self.graph, result)
+            layouts = self.memo.carried(info)
+            if self.partial_sums:  # an accumulator: the sums of every iteration pending until the loop ends
+                layouts = self.memo.with_pending_sums(layouts, False, ((0,),))
             index = self.add(
-                PlanNode("loop", op.id, f"{op.name}#{i}", self.memo.carried(info), planned=False, scale=scale),
-                entry_depth,
+                PlanNode("loop", op.id, f"{op.name}#{i}", layouts, planned=False, scale=scale), entry_depth
             )
             carried.append(index)
             self.consumers.append((index, (operand,), scale))
@@ -377,6 +409,14 @@ class _Builder:
                 arg = self.out.arg_node[tied_results[number]]
                 layouts = tuple(_pinned(s.result_specs[0], [info], [], mesh) for s in nodes[arg].strategies)
                 self.add(PlanNode("result", number, f"result{number}", layouts, leader=arg), 0)
+            elif self.partial_sums and info.is_tensor:
+                # A result leaves reduced: in a layout its producer can make, its sums done.
+                node, k = self.producer[value_id]
+                specs = [s.result_specs[k] for s in nodes[node].strategies]
+                if any(spec is not None and spec.unreduced for spec in specs):
+                    reduced = dict.fromkeys(spec.reduced() for spec in specs if spec is not None)
+                    layouts = tuple(_pinned(spec, [info], [], mesh) for spec in reduced)
+                    self.add(PlanNode("result", number, f"result{number}", layouts), 0)
 
     def finish(self, memory_budget: float | None) -> ShardingProblem:
         """The edges, the live sets (with a budget) and the ILP of the nodes built."""
@@ -487,6 +527,23 @@ class StrategyCache:
             )
         )
 
+    def with_pending_sums(self, strategies: tuple[Strategy, ...], contraction: bool, linear) -> tuple[Strategy, ...]:
+        """`strategies` and their partial-sum variants (`partial_sums`): `contraction`, each
+        split reduction's sums left pending; `linear`, the operand groups the op is linear in
+        (`strategies.pending_operand_variants`)."""
+
+        def make() -> tuple[Strategy, ...]:
+            found = list(strategies)
+            for strategy in strategies:
+                if contraction:
+                    pending = pending_result_variant(strategy, self.mesh)
+                    if pending is not None:
+                        found.append(pending)
+                found += pending_operand_variants(strategy, linear, self.mesh)
+            return tuple(found) if len(found) > len(strategies) else strategies
+
+        return self.once(("pending sums", id(strategies), contraction, linear), make, keep=strategies)
+
     def node_costs(self, strategies: tuple[Strategy, ...], scale: float) -> tuple[float, ...]:
         """An ILP node's costs: each strategy's, run `scale` times, plus the memory tie-break."""
         return self.once(
@@ -537,6 +594,31 @@ class StrategyCache:
         return self.once(
             ("layouts", info, id(sources), id(targets)), lambda: _cost_matrix(info, sources, targets, self.mesh)
         )
+
+
+def _pending_sums_of(op: OpNode) -> tuple[bool, tuple[tuple[int, ...], ...]]:
+    """How an op deals with partial sums: whether its split reduction may leave them pending
+    (a matrix product, a sum), and the groups of operands it is linear in together."""
+    name, count = op.name, len(op.operands)
+    if name in CONTRACTIONS:
+        return True, ()
+    if name == "stablehlo.reduce" and _adds(op):
+        return True, (tuple(range(count)),)  # linear in its inputs and their initial values together
+    if name in _SUMMED_TOGETHER:
+        return False, (tuple(range(count)),)
+    if name == "stablehlo.multiply":
+        return False, ((0,), (1,))
+    if name in _LINEAR_IN_FIRST:
+        return False, ((0,),)
+    return False, ()
+
+
+def _adds(op: OpNode) -> bool:
+    """Whether a reduce's body is one `add` of its two arguments."""
+    if len(op.regions) != 1 or len(op.regions[0]) != 1:
+        return False
+    names = [inner.name for inner in op.regions[0][0].ops]
+    return names == ["stablehlo.add", "stablehlo.return"]
 
 
 def _pinned(spec: ShardingSpec, operands, results, mesh: LogicalMesh) -> Strategy:

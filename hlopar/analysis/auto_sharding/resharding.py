@@ -119,6 +119,8 @@ def _steps(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> tuple[_St
     src, dst = _without_trivial_axes(src, mesh), _without_trivial_axes(dst, mesh)
     if src == dst:
         return ()
+    if src.unreduced or dst.unreduced:
+        return _pending_sums(src, dst, mesh)
     order = mesh.axis_names
     src_axes, dst_axes = set(src.used_axes), set(dst.used_axes)
     used = tuple(a for a in order if a in src_axes | dst_axes)
@@ -242,11 +244,38 @@ def _common_prefix(a: tuple[str, ...], b: tuple[str, ...]) -> int:
     return n
 
 
+def _pending_sums(src: ShardingSpec, dst: ShardingSpec, mesh: LogicalMesh) -> tuple[_Step, ...]:
+    """From or to a layout with pending sums (`ShardingSpec.unreduced`). The sums `dst` does
+    not keep are done first, at `src`'s tiles: reduce-scattered over the axes `dst` splits a
+    dimension over (each lands where `dst` has it, as the minor-most axis of that dimension),
+    all-reduced over the others; then the tiles change as between reduced layouts. Sums `dst`
+    starts over tiles it holds whole cost nothing: XLA keeps the value on one device of each
+    group along those axes and zeros elsewhere, a local select (checked on jaxlib 0.10.2)."""
+    order = mesh.axis_names
+    done = [a for a in order if a in src.unreduced and a not in dst.unreduced]
+    scattered = tuple(a for a in done if a in dst.used_axes)
+    summed = tuple(a for a in done if a not in dst.used_axes)
+    current = src.reduced()
+    steps: list[_Step] = []
+    if summed:
+        steps.append(("all-reduce", summed, current))
+    if scattered:
+        steps.append(("reduce-scatter", scattered, current))
+        dims = [list(axes) for axes in current.dims]
+        for axis in scattered:
+            dims[next(d for d, axes in enumerate(dst.dims) if axis in axes)].append(axis)
+        current = ShardingSpec(tuple(map(tuple, dims)))
+    return (*steps, *_steps(current, dst.reduced(), mesh))
+
+
 def _without_trivial_axes(spec: ShardingSpec, mesh: LogicalMesh) -> ShardingSpec:
     """`spec` without axes of size 1 (checking that every axis is on `mesh`)."""
-    if all(mesh.axis(name).size > 1 for name in spec.used_axes):
+    if all(mesh.axis(name).size > 1 for name in (*spec.used_axes, *spec.unreduced)):
         return spec
-    return ShardingSpec(tuple(tuple(a for a in axes if mesh.axis(a).size > 1) for axes in spec.dims))
+    return ShardingSpec(
+        tuple(tuple(a for a in axes if mesh.axis(a).size > 1) for axes in spec.dims),
+        tuple(a for a in spec.unreduced if mesh.axis(a).size > 1),
+    )
 
 
 def _check_rank(shape: tuple[int, ...], spec: ShardingSpec, what: str) -> None:

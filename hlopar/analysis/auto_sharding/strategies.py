@@ -178,6 +178,50 @@ def reduce_scatter_variants(strategy: Strategy, results: Sequence[TensorInfo], m
     return variants
 
 
+def pending_result_variant(strategy: Strategy, mesh: LogicalMesh) -> Strategy | None:
+    """The same split with its partial sums left pending (`ShardingSpec.unreduced`): the
+    result is a sum over the axes its all-reduces would run on, and the op communicates
+    nothing; a consumer that needs the value whole pays the all-reduce
+    (`resharding._pending_sums`), once for all the sums added up on the way (GSPMD's partial
+    layouts; Shardy's `unreduced` axes). None where the strategy reduces nothing."""
+    if len(strategy.result_specs) != 1 or strategy.result_specs[0] is None or not strategy.collectives:
+        return None
+    if any(c.kind != "all-reduce" for c in strategy.collectives):
+        return None
+    reduced = {a for c in strategy.collectives for a in c.axes}
+    spec = strategy.result_specs[0]
+    pending = ShardingSpec(spec.dims, tuple(a.name for a in mesh.axes if a.name in reduced or a.name in spec.unreduced))
+    return replace(strategy, result_specs=(pending,), collectives=(), communication_cost=0.0, scattered_dim=None)
+
+
+def pending_operand_variants(strategy: Strategy, linear: Sequence[Sequence[int]], mesh: LogicalMesh) -> list[Strategy]:
+    """Variants of a strategy of an op linear in some of its operands that read pending sums
+    and leave them pending: for each set of mesh axes the strategy splits nothing over, and
+    each group of operands in `linear` (an op linear in them together: `add`'s two operands,
+    `reduce`'s input and its zero; or in one at a time: `multiply`'s), those operands and the
+    result are pending over the axes. The rest of the op is unchanged: a sum of the op over
+    addends is the op of the sum."""
+    if len(strategy.result_specs) != 1 or strategy.result_specs[0] is None:
+        return []
+    used = {a for axes in strategy.factor_axes for a in axes}
+    spec = strategy.result_specs[0]
+    free = [a.name for a in mesh.axes if a.size > 1 and a.name not in used and a.name not in spec.unreduced]
+    variants = []
+    for count in range(1, len(free) + 1):
+        for axes in itertools.combinations(free, count):
+            for group in linear:
+                if any(strategy.operand_specs[k] is None for k in group):
+                    continue
+                operands = tuple(
+                    ShardingSpec(o.dims, axes) if k in group and o is not None else o
+                    for k, o in enumerate(strategy.operand_specs)
+                )
+                variants.append(
+                    replace(strategy, operand_specs=operands, result_specs=(ShardingSpec(spec.dims, axes),))
+                )
+    return variants
+
+
 def replicated_strategy(
     operands: Sequence[TensorInfo], results: Sequence[TensorInfo], mesh: LogicalMesh, flops: float = 0.0
 ) -> Strategy:

@@ -93,7 +93,20 @@ def test_spec_notation(spec, text, paper):
     assert spec.paper_str(MESH) == paper
 
 
-@pytest.mark.parametrize("text", ["S(x), R", "[S(), R]", "[S(x) R]", "[Q]", "[S(x),]"])
+def test_spec_with_pending_sums():
+    spec = ShardingSpec(((), ("y",)), ("x",))
+    assert str(spec) == "[R, S(y)] U(x)"
+    assert ShardingSpec.parse(str(spec)) == spec and ShardingSpec.parse("[R, S(y)]U(x)") == spec
+    assert spec != ShardingSpec.of(None, "y") and hash(spec) != hash(ShardingSpec.of(None, "y"))
+    assert spec.reduced() == ShardingSpec.of(None, "y") and not spec.is_replicated
+    assert ShardingSpec((), ("x",)).used_axes == () and not ShardingSpec((), ("x",)).is_replicated
+    with pytest.raises(ValueError, match="split no dimension"):
+        ShardingSpec((("x",),), ("x",))
+    with pytest.raises(ValueError, match="distinct"):
+        ShardingSpec(((),), ("x", "x"))
+
+
+@pytest.mark.parametrize("text", ["S(x), R", "[S(), R]", "[S(x) R]", "[Q]", "[S(x),]", "[R] U()", "[R] U(x"])
 def test_spec_parse_rejects(text):
     with pytest.raises(ValueError):
         ShardingSpec.parse(text)
@@ -253,8 +266,12 @@ def test_spec_conversion():
     assert loose.to_spec() == ShardingSpec.of("x", None)
     with pytest.raises(ValueError, match="sub-axes"):
         TensorSharding.parse('#sdy.sharding<@mesh, [{"x":(1)2}]>').to_spec()
-    with pytest.raises(ValueError, match="unreduced"):
-        TensorSharding.parse('#sdy.sharding<@mesh, [{}], unreduced={"x"}>').to_spec()
+    # Pending sums (Shardy's unreduced axes) are part of the layout, both ways.
+    pending = TensorSharding.parse('#sdy.sharding<@mesh, [{"y"}], unreduced={"x"}>')
+    assert pending.to_spec() == ShardingSpec((("y",),), ("x",))
+    assert TensorSharding.from_spec("mesh", pending.to_spec()) == pending
+    with pytest.raises(ValueError, match="sub-axes"):
+        TensorSharding.parse('#sdy.sharding<@mesh, [{}], unreduced={"x":(1)2}>').to_spec()
     inline = TensorSharding.from_spec(MESH, ShardingSpec.of("y"))
     assert inline.format() == '#sdy.sharding<mesh<["x"=2, "y"=4]>, [{"y"}]>'
 

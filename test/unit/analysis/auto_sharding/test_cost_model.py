@@ -163,6 +163,33 @@ def test_table_2(src, dst, expected):
     assert resharding_cost(SHAPE, 4, src, dst, mesh) == pytest.approx(sum(c.cost(mesh) for c in expected))
 
 
+def test_pending_sums_are_reduced_where_a_reader_needs_them():
+    """A layout with pending sums (`ShardingSpec.unreduced`) going to one without: the sums
+    done over their axes, of the tiles as they are (all-reduced, or reduce-scattered over an
+    axis the target splits), then the tiles change as between reduced layouts. Sums kept pending cost nothing; sums started on a
+    value whole along their axes neither (XLA keeps it on one device of each group)."""
+    mesh = logical_mesh((N0, N1))
+    pend = ShardingSpec(S(R, "y").dims, ("x",))
+    assert resharding_collectives(SHAPE, 4, pend, S(R, "y"), mesh) == (Collective("all-reduce", ("x",), M // N1),)
+    assert resharding_collectives(SHAPE, 4, pend, S(R, R), mesh) == (
+        Collective("all-reduce", ("x",), M // N1),
+        Collective("all-gather", ("y",), M),
+    )
+    assert resharding_cost(SHAPE, 4, pend, S(R, R), mesh) == pytest.approx(
+        Collective("all-reduce", ("x",), M // N1).cost(mesh) + Collective("all-gather", ("y",), M).cost(mesh)
+    )
+    # To a layout split over the pending axis: a reduce-scatter, of the tiles as they are.
+    assert resharding_collectives(SHAPE, 4, ShardingSpec(S(R, R).dims, ("x",)), S("x", R), mesh) == (
+        Collective("reduce-scatter", ("x",), M),
+    )
+    # Pending over x and y to pending over x, split along y: y's sums scattered there.
+    both = ShardingSpec(S(R, R).dims, ("x", "y"))
+    assert resharding_collectives(SHAPE, 4, both, pend, mesh) == (Collective("reduce-scatter", ("y",), M),)
+    for src, dst in ((pend, pend), (S(R, "y"), pend), (S(R, R), pend), (S(R, R), both)):
+        assert resharding_collectives(SHAPE, 4, src, dst, mesh) == ()
+        assert resharding_cost(SHAPE, 4, src, dst, mesh) == 0.0
+
+
 def test_equal_specs_cost_nothing():
     mesh = logical_mesh((N0, N1))
     for spec in (S(R, R), S("x", "y"), S(("y", "x"), R)):

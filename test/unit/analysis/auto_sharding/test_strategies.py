@@ -5,7 +5,12 @@ from __future__ import annotations
 from hlopar.analysis.auto_sharding.cluster import logical_mesh
 from hlopar.analysis.auto_sharding.collectives import Collective
 from hlopar.analysis.auto_sharding.rules import OpRule
-from hlopar.analysis.auto_sharding.strategies import TensorInfo, enumerate_strategies
+from hlopar.analysis.auto_sharding.strategies import (
+    TensorInfo,
+    enumerate_strategies,
+    pending_operand_variants,
+    pending_result_variant,
+)
 from hlopar.analysis.sharding import ShardingSpec
 
 # C[b,i,j] = sum_k A[b,i,k] B[b,k,j]: factors b=0, i=1, j=2, k=3 (Table 3's batched matmul).
@@ -72,6 +77,49 @@ def test_partial_sums_can_be_reduce_scattered():
     assert scattered.scattered_dim == 2
     assert scattered.communication_cost < row_2.communication_cost
     assert scattered.memory == row_2.memory / 2
+
+
+def pending(spec_: ShardingSpec, *axes: str) -> ShardingSpec:
+    return ShardingSpec(spec_.dims, axes)
+
+
+def test_a_split_reduction_may_leave_its_sums_pending():
+    mesh = logical_mesh((2, 2), ("x", "y"))
+    found = by_specs(enumerate_strategies(BMM, [A, B], [C], mesh))
+    row_2 = found[((spec("", "x", "y"), spec("", "y", "")), (spec("", "x", ""),))]
+    left = pending_result_variant(row_2, mesh)
+    assert left.result_specs == (pending(spec("", "x", ""), "y"),)
+    assert left.operand_specs == row_2.operand_specs and left.factor_axes == row_2.factor_axes
+    assert (left.collectives, left.communication_cost) == ((), 0.0)
+    assert (left.compute_cost, left.memory) == (row_2.compute_cost, row_2.memory)
+    # Reductions split over both axes: the sums pend over both, in mesh order.
+    both = found[((spec("", "", "xy"), spec("", "xy", "")), (spec("", "", ""),))]
+    assert pending_result_variant(both, mesh).result_specs == (pending(spec("", "", ""), "x", "y"),)
+    # Nothing pends where nothing is reduced, nor where a reduce-scatter already scattered it.
+    assert pending_result_variant(found[((spec("", "x", ""), spec("", "", "")), (spec("", "x", ""),))], mesh) is None
+    scattered = found[((spec("", "x", "y"), spec("", "y", "")), (spec("", "x", "y"),))]
+    assert pending_result_variant(scattered, mesh) is None
+
+
+def test_linear_ops_carry_pending_sums_over_the_axes_they_do_not_split():
+    mesh = logical_mesh((2, 2), ("x", "y"))
+    info = TensorInfo((16, 32), 4)
+    found = by_specs(enumerate_strategies(OpRule.elementwise((16, 32), 2), [info, info], [info], mesh))
+    split_x = found[((spec("x", ""), spec("x", "")), (spec("x", ""),))]
+    row = pending(spec("x", ""), "y")
+    # add: both operands pend together; multiply: one at a time, the other whole along y.
+    together = pending_operand_variants(split_x, ((0, 1),), mesh)
+    assert [(s.operand_specs, s.result_specs) for s in together] == [((row, row), (row,))]
+    one_at_a_time = pending_operand_variants(split_x, ((0,), (1,)), mesh)
+    assert [s.operand_specs for s in one_at_a_time] == [(row, spec("x", "")), (spec("x", ""), row)]
+    assert all(s.cost == split_x.cost and s.memory == split_x.memory for s in together + one_at_a_time)
+    # A strategy that splits over no axis: sums pending over x, y or both.
+    whole = found[((spec("", ""), spec("", "")), (spec("", ""),))]
+    assert [s.result_specs[0].unreduced for s in pending_operand_variants(whole, ((0, 1),), mesh)] == [
+        ("x",),
+        ("y",),
+        ("x", "y"),
+    ]
 
 
 def test_factors_that_do_not_divide_are_not_split():

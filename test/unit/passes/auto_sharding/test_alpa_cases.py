@@ -24,19 +24,23 @@ where Alpa all-reduces: the same bytes, one latency more each), the cost still h
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from jax import lax
+from numerics import assert_trees_close
 from tools_module import load_tool
 
 from hlopar.analysis.auto_sharding.cluster import logical_mesh
 from hlopar.analysis.auto_sharding.collectives import all_reduce_cost, collective_cost
+from hlopar.codegen.spmd import compile_spmd
 from hlopar.ir.graph import FuncGraph
 from hlopar.ir.module import parse_module
 from hlopar.models.moe import MoEConfig, init_moe_ffn, moe_ffn
@@ -165,6 +169,16 @@ def _moe_layer(batch: int, seq: int) -> str:
 
 @functools.cache
 def _accumulating_mlp(batch: int, microbatches: int, hidden: int) -> str:
+    params = _mlp_params(2, hidden)
+    x = Abstract((batch, hidden), F32)
+    return (
+        jax.jit(_accumulating_step(batch, microbatches, hidden))
+        .lower(params, jax.eval_shape(MOMENTUM.init, params), x, x)
+        .as_text()
+    )
+
+
+def _accumulating_step(batch: int, microbatches: int, hidden: int):
     """Two dense layers; the step sums the gradients of `microbatches` slices of the batch in
     a `fori_loop`, then takes one momentum step."""
     loss = lambda p, x, y: _mse(_dense_stack(p, x), y)  # noqa: E731
@@ -180,9 +194,7 @@ def _accumulating_mlp(batch: int, microbatches: int, hidden: int) -> str:
         updates, opt_state = MOMENTUM.update(jax.tree.map(lambda g: g / microbatches, grads), opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    params = _mlp_params(2, hidden)
-    x = Abstract((batch, hidden), F32)
-    return jax.jit(step).lower(params, jax.eval_shape(MOMENTUM.init, params), x, x).as_text()
+    return step
 
 
 def _batch_norm(x, scale, bias, mean, var):
@@ -553,24 +565,46 @@ def _loop_body_collectives(hlo: str, mesh_shape, axes) -> list:
     return found
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 30 item 2: without partial-sum layouts each microbatch's gradients are "
-    "all-reduced inside the loop (the accumulator is a reduced value), where Alpa reduces the "
-    "sum once per step",
-)
 @pytest.mark.parametrize("mesh", [(4,), (2, 2)], ids=["1d", "2d"])
 def test_gradient_accumulation_syncs_once_per_step(mesh):
     """Alpa's case: batch 256 in 2 microbatches, two dense layers of 16, momentum, alpha =
     beta = 1; it asserts the gradients' all-reduce(s) in the accumulation and none in the
-    loop of microbatches (one per mesh axis the batch is split over)."""
-    options = " ".join(["latency=" + ",".join(["1e-09"] * len(mesh)), "bandwidth=" + ",".join(["1e+09"] * len(mesh))])
-    report, hlo = tool.plan_and_compile(
-        parse_module(_accumulating_mlp(256, 2, 16)), "x".join(map(str, mesh)), "cpu", options
-    )
+    loop of microbatches. With partial-sum layouts (`partial-sums=true`, not yet the
+    default: docs/auto_sharding.md) the gradients' sums stay pending through
+    the loop and are reduced once, over every axis the batch is split over: four reductions
+    (two weights, two biases; reduce-scattered for the update, which XLA's CPU backend
+    compiles as all-reduces), as planned; the step equals one device's."""
+    links = ["latency=" + ",".join(["1e-09"] * len(mesh)), "bandwidth=" + ",".join(["1e+09"] * len(mesh))]
+    options = " ".join([*links, "partial-sums=true"])
+    module = parse_module(_accumulating_mlp(256, 2, 16))
+    report = tool.plan(module, "x".join(map(str, mesh)), "cpu", options)
+    executable = compile_spmd(module, jax.devices()[: math.prod(mesh)])
+    hlo = executable.executable.hlo_modules()[0].to_string()
     compiled = tool.compiled_collectives(hlo, report["mesh"]["shape"], report["mesh"]["axes"])
-    assert compiled, "the batch is split: the gradients must be reduced somewhere"
+    axes = tuple(report["mesh"]["axes"])
+    reductions = [(axes_, nbytes) for kind, axes_, nbytes in compiled if kind in ("all-reduce", "reduce-scatter")]
+    assert sorted(reductions) == [(axes, 64), (axes, 64), (axes, 1024), (axes, 1024)]
+    assert tool.compare(tool.predicted_collectives(report), compiled).rate == 1.0
     assert _loop_body_collectives(hlo, report["mesh"]["shape"], report["mesh"]["axes"]) == []
+    keys = jax.random.split(jax.random.PRNGKey(3), 6)
+    params = [(jax.random.normal(keys[2 * i], (16, 16)), jax.random.normal(keys[2 * i + 1], (16,))) for i in range(2)]
+    x, y = jax.random.normal(keys[4], (256, 16)), jax.random.normal(keys[5], (256, 16))
+    args = (params, MOMENTUM.init(params), x, y)
+    expected = jax.jit(_accumulating_step(256, 2, 16))(*args)
+    outputs = executable(*jax.tree.leaves(args))
+    actual = jax.tree.unflatten(jax.tree.structure(expected), [np.asarray(o) for o in outputs])
+    # Each gradient summed over the devices' addends instead of at once: float32 rounding.
+    assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_without_partial_sums_each_microbatch_is_reduced_in_the_loop():
+    """The default (`partial-sums=false`): the accumulator is a reduced value, so each
+    microbatch's gradients are reduced inside the loop."""
+    module = parse_module(_accumulating_mlp(256, 2, 16))
+    report = tool.plan(module, "4", "cpu", "latency=1e-09 bandwidth=1e+09")
+    hlo = compile_spmd(module, jax.devices()[:4]).executable.hlo_modules()[0].to_string()
+    inside = _loop_body_collectives(hlo, report["mesh"]["shape"], report["mesh"]["axes"])
+    assert len(inside) >= 4 and {kind for kind, _, _ in inside} <= {"all-reduce", "reduce-scatter"}
 
 
 def test_checkpointed_values_keep_their_planned_layout():
