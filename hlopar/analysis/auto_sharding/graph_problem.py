@@ -203,6 +203,7 @@ class _Builder:
         self.graph, self.rules, self.mesh, self.memo = graph, rules, mesh, memo
         self.constraint_specs, self.op_result_shardings = constraint_specs, op_result_shardings
         self.merge, self.split_dims, self.partial_sums = merge, split_dims, partial_sums
+        self.may_pend: set[tuple[int, int]] = set()  # (node, result number) with a pending-sum layout
         self.nodes: list[PlanNode] = []
         self.producer: dict[int, tuple[int, int]] = {}  # value id -> (node, result number)
         self.depth: list[int] = []
@@ -296,6 +297,8 @@ class _Builder:
         )
         self.out.op_node[op.id] = index
         self.out.merged += leader is not None
+        if self.partial_sums:
+            self._note_pending(index)
         self.consumers.append((index, op.operands, scale))
         for number, value_id in enumerate(op.results):
             producer[value_id] = (index, number)
@@ -337,7 +340,12 @@ class _Builder:
             else:
                 strategies = memo.enumerate(rule, operands, results, flops)
                 if self.partial_sums:
-                    strategies = memo.with_pending_sums(strategies, *_pending_sums_of(op))
+                    contraction, linear = _pending_sums_of(op)
+                    # Only operands that may arrive pending: pending sums started here would
+                    # be reduced again by a reader, never cheaper than reducing nothing.
+                    linear = tuple(g for g in linear if any(operand_nodes[k] in self.may_pend for k in g))
+                    if contraction or linear:
+                        strategies = memo.with_pending_sums(strategies, contraction, linear)
                 strategies = self.filtered(strategies, op.results)
         return strategies, leader
 
@@ -357,6 +365,8 @@ class _Builder:
             index = self.add(
                 PlanNode("loop", op.id, f"{op.name}#{i}", layouts, planned=False, scale=scale), entry_depth
             )
+            if self.partial_sums:
+                self._note_pending(index)
             carried.append(index)
             self.consumers.append((index, (operand,), scale))
             producer[result] = producer[cond.args[i]] = producer[body.args[i]] = (index, 0)
@@ -370,6 +380,13 @@ class _Builder:
                             self.consumers.append((carried[j], (value,), inner))
                     continue
                 self.visit(inner_op, inner)
+
+    def _note_pending(self, index: int) -> None:
+        """Remembers which results of node `index` have a pending-sum layout among its strategies."""
+        for strategy in self.nodes[index].strategies:
+            for number, spec in enumerate(strategy.result_specs):
+                if spec is not None and spec.unreduced:
+                    self.may_pend.add((index, number))
 
     def visit_case(self, op: OpNode, scale: float) -> None:
         """A `case`: each result is one node that every branch's yield feeds; one branch runs,
