@@ -445,6 +445,15 @@ def _constrain_reshards(
         if op.name == "sdy.sharding_constraint" or not node.planned:
             continue
         constrain_results(op, chosen[node_index].result_specs)
+    for node_index, (op_id, number) in problem.shared.items():  # the layout every reader reads
+        op, spec = graph.op(op_id), chosen[node_index].result_specs[0]
+        value = op.mlir_op.results[number]
+        uses = list(value.uses)
+        if len(uses) == 1 and uses[0].owner.name == "sdy.sharding_constraint":
+            value = uses[0].owner.results[0]
+        with ir.InsertionPoint.after(value.owner):
+            read = sdy.ShardingConstraintOp(value, sharding(spec)).operation
+        value.replace_all_uses_except(read.result, read)
     for op in graph.walk():
         if op.name == "stablehlo.optimization_barrier":
             constrain_results(op, [spec_of_value(v) for v in op.results])

@@ -113,6 +113,9 @@ class ShardingProblem:
     problem: Problem
     op_node: dict[int, int] = field(default_factory=dict)  # op id (graph-wide) -> node
     loops: dict[int, tuple[int, ...]] = field(default_factory=dict)  # while/case op id -> its result nodes
+    # Partial sums: a value that may pend and has several readers gets a node of its own, the
+    # layout all its readers read (converted once, where it is made): node -> (op id, result number).
+    shared: dict[int, tuple[int, int]] = field(default_factory=dict)
     producer: dict[int, tuple[int, int]] = field(default_factory=dict)  # value id -> (node, result number)
     arg_node: dict[int, int] = field(default_factory=dict)
     # Per ILP edge: the value it carries, the producer's result number, the consumer's operand.
@@ -211,6 +214,7 @@ class _Builder:
         self.consumers: list[tuple[int, tuple[int, ...], float]] = []  # (node, operand value ids, cost scale)
         self.out = ShardingProblem(self.nodes, Problem((), ()), warnings=self.warnings, producer=self.producer)
         self.infos: dict[int, TensorInfo] = {}  # the edges read again what the ops' strategies read
+        self.sources: list[tuple[int, tuple[int, int], int, float]] = []  # shared node, its maker, value, scale
 
     def filtered(self, strategies: tuple[Strategy, ...], value_ids) -> tuple[Strategy, ...]:
         """The strategies that split each of `value_ids` (the node's results) as `split_dims`
@@ -302,6 +306,23 @@ class _Builder:
         self.consumers.append((index, op.operands, scale))
         for number, value_id in enumerate(op.results):
             producer[value_id] = (index, number)
+            if (index, number) in self.may_pend and len(self.graph.values[value_id].users) > 1:
+                self._share(op, number, value_id, scale, node_depth)
+
+    def _share(self, op: OpNode, number: int, value_id: int, scale: float, node_depth: int) -> None:
+        """A node for the layout every reader of a value that may pend reads: the ILP prices an
+        edge per reader, so a sum all of them want reduced would be priced once per reader,
+        though the plan reduces it once (one conversion per value and layout); converted once
+        here, where it is made, it is priced once."""
+        source = self.producer[value_id]
+        layouts = self.memo.with_pending_sums(self.memo.carried(self.info_of(value_id)), False, ((0,),))
+        index = self.add(
+            PlanNode("shared", op.id, f"{op.name}#{number} (read)", layouts, planned=False, scale=scale), node_depth
+        )
+        self.out.shared[index] = (op.id, number)
+        self.sources.append((index, source, value_id, scale))
+        self.producer[value_id] = (index, 0)
+        self._note_pending(index)
 
     def _strategies(
         self, op: OpNode, rule: OpRule | None, operands, results, operand_nodes
@@ -441,6 +462,14 @@ class _Builder:
         result_nodes = {node.index: i for i, node in enumerate(nodes) if node.kind == "result"}
         self.consumers += [(result_nodes[n], (graph.results[n],), 1.0) for n in result_nodes]
         edges = _edges(self.info_of, nodes, self.producer, self.consumers, out, memo)
+        for index, (source, number), value_id, scale in self.sources:  # a shared read from its maker
+            info = self.info_of(value_id)
+            matrix = memo.matrix(info, nodes[source].strategies, number, nodes[index].strategies, 0)
+            if matrix is not None:
+                if scale != 1.0:
+                    matrix = tuple(tuple(scale * c for c in row) for row in matrix)
+                edges.append(Edge(source, index, matrix))
+                out.edge_values.append((info, number, 0))
         live_sets = _live_sets(graph, self.producer, out) if memory_budget is not None else ()
         out.problem = Problem(
             nodes=tuple(
@@ -621,6 +650,8 @@ def _pending_sums_of(op: OpNode) -> tuple[bool, tuple[tuple[int, ...], ...]]:
         return True, ()
     if name == "stablehlo.reduce" and _adds(op):
         return True, (tuple(range(count)),)  # linear in its inputs and their initial values together
+    if name == "stablehlo.scatter" and count == 3 and _adds(op):
+        return True, ((0, 2),)  # a scatter-add (an embedding lookup's gradient): in its input and updates
     if name in _SUMMED_TOGETHER:
         return False, (tuple(range(count)),)
     if name == "stablehlo.multiply":
@@ -631,7 +662,7 @@ def _pending_sums_of(op: OpNode) -> tuple[bool, tuple[tuple[int, ...], ...]]:
 
 
 def _adds(op: OpNode) -> bool:
-    """Whether a reduce's body is one `add` of its two arguments."""
+    """Whether a reduce's body (a scatter's update computation) is one `add` of its two arguments."""
     if len(op.regions) != 1 or len(op.regions[0]) != 1:
         return False
     names = [inner.name for inner in op.regions[0][0].ops]

@@ -42,8 +42,9 @@ from hlopar.analysis.auto_sharding.cluster import logical_mesh
 from hlopar.analysis.auto_sharding.collectives import all_reduce_cost, collective_cost
 from hlopar.codegen.spmd import compile_spmd
 from hlopar.ir.graph import FuncGraph
-from hlopar.ir.module import parse_module
+from hlopar.ir.module import parse_module, print_module
 from hlopar.models.moe import MoEConfig, init_moe_ffn, moe_ffn
+from hlopar.module_step import ModuleStep
 
 tool = load_tool("check_fidelity")
 F32 = jnp.float32
@@ -482,16 +483,20 @@ def _compiled(case: Case):
 
 
 def _communication_s(case: Case) -> float:
+    report, _ = _planned(case)
+    return _communication(report, _compiled(case), case.logical_mesh)
+
+
+def _communication(report: dict, compiled, mesh) -> float:
     """The compiled collectives' time on the case's links; an all-reduce that stands for a
     planned reduce-scatter (XLA's CPU backend has none) costed as that reduce-scatter."""
-    report, _ = _planned(case)
     planned_scatters = [c for c in tool.predicted_collectives(report) if c[0] == "reduce-scatter"]
     total = 0.0
-    for kind, axes, nbytes in _compiled(case):
+    for kind, axes, nbytes in compiled:
         if kind == "all-reduce" and ("reduce-scatter", axes, nbytes) in planned_scatters:
             planned_scatters.remove(("reduce-scatter", axes, nbytes))
             kind = "reduce-scatter"
-        total += collective_cost(kind, case.logical_mesh, axes, nbytes)
+        total += collective_cost(kind, mesh, axes, nbytes)
     return total
 
 
@@ -505,9 +510,9 @@ KNOWN_DEARER = {
     "bert layer model parallel": f"measured +2.1 %: {_LAYER_NORM_SLICES}",
     **dict.fromkeys(
         ("bert mlm data parallel", "bert mlm zero-2"),
-        "measured +10.7 %: issue 30 item 2, the tied word embedding's gradient is reduced twice "
-        "(its lookup's scatter and the decoder's dot, each a reduce-scatter of 8 KiB) and then "
-        "summed, where a partial sum would be reduced once",
+        "measured +10.7 % with the default options: the tied word embedding's gradient is reduced "
+        "twice (its lookup's scatter and the decoder's dot, each a reduce-scatter of 8 KiB) and then "
+        "summed; partial-sums=true reduces it once (test_partial_sums_reduce_a_tied_weight_once)",
     ),
     "conv zero-2": "measured +29 %: prefer-reduce-scatter prices each byte a replicated state "
     "holds beyond its split layout at one transfer; with that price, keeping the second and "
@@ -605,6 +610,39 @@ def test_without_partial_sums_each_microbatch_is_reduced_in_the_loop():
     hlo = compile_spmd(module, jax.devices()[:4]).executable.hlo_modules()[0].to_string()
     inside = _loop_body_collectives(hlo, report["mesh"]["shape"], report["mesh"]["axes"])
     assert len(inside) >= 4 and {kind for kind, _, _ in inside} <= {"all-reduce", "reduce-scatter"}
+
+
+def test_partial_sums_reduce_a_tied_weight_once():
+    """BERT MLM's word embedding is read twice, by the lookup and by the decoder, so its
+    gradient is the sum of a scatter-add's and a product's, both summing over the batch
+    (Alpa's case above, data parallel on 4). With partial-sum layouts both stay pending, are
+    added, and the sum is reduced once, where Adam reads it (one conversion for its several
+    readers): the plan meets Alpa's stated cost, which the default misses by 10.7 %
+    (`KNOWN_DEARER`); predicted equals compiled; the step equals one device's."""
+    case = next(c for c in CASES if c.name == "bert mlm data parallel")
+    text = case.program()
+    module = parse_module(text)
+    report = tool.plan(module, "4", "cpu", f"{case.pass_options()} partial-sums=true")
+    executable = compile_spmd(module, jax.devices()[:4])
+    hlo = executable.executable.hlo_modules()[0].to_string()
+    compiled = tool.compiled_collectives(hlo, report["mesh"]["shape"], report["mesh"]["axes"])
+    assert tool.compare(tool.predicted_collectives(report), compiled).rate == 1.0
+    assert _communication(report, compiled, case.logical_mesh) <= 1.01 * case.alpa_cost(case.logical_mesh)
+    assert "unreduced" in print_module(module)
+    rng = np.random.default_rng(0)
+    one = ModuleStep(text)
+    # Token ids below the vocabulary; the rest positive (Adam's second moments are).
+    args = [
+        rng.integers(0, 16, size=a.shape).astype(a.dtype)
+        if np.issubdtype(a.dtype, np.integer)
+        else np.abs(0.1 * rng.standard_normal(a.shape)).astype(a.dtype)
+        for a in one.in_info
+    ]
+    expected = one(*args)
+    actual = executable(*args)
+    assert len(actual) == len(expected) == 103
+    # Gradients summed over 4 devices' addends in another order: float32 rounding.
+    assert_trees_close([np.asarray(a) for a in actual], list(expected), rtol=1e-5, atol=1e-7)
 
 
 def test_checkpointed_values_keep_their_planned_layout():
