@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hlopar.analysis.auto_sharding.cluster import LogicalMesh
+from hlopar.analysis.auto_sharding.pending_sums import pending_sums_of
 from hlopar.analysis.auto_sharding.problem import Edge, Node, Problem
 from hlopar.analysis.auto_sharding.resharding import per_device_bytes, resharding_cost
 from hlopar.analysis.auto_sharding.rules import PASS_THROUGH_OPS, OpRule
@@ -71,24 +72,6 @@ CONSTRAINT_OP = "sdy.sharding_constraint"
 WHILE_OP = "stablehlo.while"
 CASE_OP = "stablehlo.case"
 UNANNOTATED_OPS = frozenset({"stablehlo.custom_call"})
-# Partial sums (`partial_sums=True`): ops whose split reduction may leave its sums pending, and
-# ops linear in some operands (per op, the groups of operands it is linear in together), which
-# carry pending sums through. Convert is left out (a sum of rounded addends is not the rounded
-# sum); so are ops linear only for a zero padding value.
-CONTRACTIONS = frozenset({"stablehlo.dot_general", "stablehlo.dot"})
-_SUMMED_TOGETHER = frozenset({"stablehlo.add", "stablehlo.subtract", "stablehlo.concatenate"})
-_LINEAR_IN_FIRST = frozenset(
-    {
-        "stablehlo.negate",
-        "stablehlo.reshape",
-        "stablehlo.transpose",
-        "stablehlo.broadcast_in_dim",
-        "stablehlo.slice",
-        "stablehlo.copy",
-        "stablehlo.reverse",
-        "stablehlo.divide",
-    }
-)
 # Seconds charged per byte a device holds: far below any communication or compute cost, it
 # only breaks ties toward the plan that uses less memory (e.g. an input that could be sent
 # whole to every device and sliced there for free is sent already split).
@@ -306,7 +289,7 @@ class _Builder:
         self.consumers.append((index, op.operands, scale))
         for number, value_id in enumerate(op.results):
             producer[value_id] = (index, number)
-            if (index, number) in self.may_pend and len(self.graph.values[value_id].users) > 1:
+            if (index, number) in self.may_pend and len(self.graph.direct_users_of(value_id)) > 1:
                 self._share(op, number, value_id, scale, node_depth)
 
     def _share(self, op: OpNode, number: int, value_id: int, scale: float, node_depth: int) -> None:
@@ -315,7 +298,7 @@ class _Builder:
         though the plan reduces it once (one conversion per value and layout); converted once
         here, where it is made, it is priced once."""
         source = self.producer[value_id]
-        layouts = self.memo.with_pending_sums(self.memo.carried(self.info_of(value_id)), False, ((0,),))
+        layouts = self.memo.read_layouts(self.nodes[source[0]].strategies, number, self.info_of(value_id))
         index = self.add(
             PlanNode("shared", op.id, f"{op.name}#{number} (read)", layouts, planned=False, scale=scale), node_depth
         )
@@ -361,7 +344,7 @@ class _Builder:
             else:
                 strategies = memo.enumerate(rule, operands, results, flops)
                 if self.partial_sums:
-                    contraction, linear = _pending_sums_of(op)
+                    contraction, linear = pending_sums_of(op)
                     # Only operands that may arrive pending: pending sums started here would
                     # be reduced again by a reader, never cheaper than reducing nothing.
                     linear = tuple(g for g in linear if any(operand_nodes[k] in self.may_pend for k in g))
@@ -590,6 +573,17 @@ class StrategyCache:
 
         return self.once(("pending sums", id(strategies), contraction, linear), make, keep=strategies)
 
+    def read_layouts(self, strategies: tuple[Strategy, ...], number: int, info: TensorInfo) -> tuple[Strategy, ...]:
+        """The layouts a value's readers may read it in (`_Builder._share`): each its maker's
+        strategies give it, and every layout of its shape, pending over any axes or not."""
+
+        def make() -> tuple[Strategy, ...]:
+            every = self.with_pending_sums(self.carried(info), False, ((0,),))
+            specs = [s.result_specs[number] for s in strategies] + [s.result_specs[0] for s in every]
+            return tuple(_pinned(spec, [info], [info], self.mesh) for spec in dict.fromkeys(specs) if spec is not None)
+
+        return self.once(("read layouts", id(strategies), number, info), make, keep=strategies)
+
     def node_costs(self, strategies: tuple[Strategy, ...], scale: float) -> tuple[float, ...]:
         """An ILP node's costs: each strategy's, run `scale` times, plus the memory tie-break."""
         return self.once(
@@ -640,33 +634,6 @@ class StrategyCache:
         return self.once(
             ("layouts", info, id(sources), id(targets)), lambda: _cost_matrix(info, sources, targets, self.mesh)
         )
-
-
-def _pending_sums_of(op: OpNode) -> tuple[bool, tuple[tuple[int, ...], ...]]:
-    """How an op deals with partial sums: whether its split reduction may leave them pending
-    (a matrix product, a sum), and the groups of operands it is linear in together."""
-    name, count = op.name, len(op.operands)
-    if name in CONTRACTIONS:
-        return True, ()
-    if name == "stablehlo.reduce" and _adds(op):
-        return True, (tuple(range(count)),)  # linear in its inputs and their initial values together
-    if name == "stablehlo.scatter" and count == 3 and _adds(op):
-        return True, ((0, 2),)  # a scatter-add (an embedding lookup's gradient): in its input and updates
-    if name in _SUMMED_TOGETHER:
-        return False, (tuple(range(count)),)
-    if name == "stablehlo.multiply":
-        return False, ((0,), (1,))
-    if name in _LINEAR_IN_FIRST:
-        return False, ((0,),)
-    return False, ()
-
-
-def _adds(op: OpNode) -> bool:
-    """Whether a reduce's body (a scatter's update computation) is one `add` of its two arguments."""
-    if len(op.regions) != 1 or len(op.regions[0]) != 1:
-        return False
-    names = [inner.name for inner in op.regions[0][0].ops]
-    return names == ["stablehlo.add", "stablehlo.return"]
 
 
 def _pinned(spec: ShardingSpec, operands, results, mesh: LogicalMesh) -> Strategy:
