@@ -153,8 +153,9 @@ def test_any_program_is_taken_a_function_of_ones_own_and_its_exported_text(tmp_p
 @pytest.mark.heavy
 @pytest.mark.xfail(
     strict=True,
-    reason="issue 30 item 4: the exact plan converts a value by two all-to-alls over y that "
-    "XLA compiles as all-to-alls over x and y and a collective-permute",
+    reason="issue 30 item 4: one conversion, [R, R, S(x,y)] -> [R, S(x), S(y)], is planned as an "
+    "all-to-all over x and a collective-permute; XLA runs an all-to-all over a sub-axis of y "
+    "(y:(1)2), which the model does not express",
 )
 def test_tiny_gpt_exact_plan_compiles_to_the_predicted_collectives():
     result = tool.fidelity("gpt:tiny", "2x4", "cpu", "latency=0,0")
@@ -212,7 +213,7 @@ def _xla_reshards(shape, pairs, mesh_shape, axes):
 
 def test_resharding_model_matches_xla():
     """Every conversion between two layouts of an 8x16x32 tensor on a 2x4 mesh, compiled by
-    XLA: the model predicts its collectives exactly for 275 of the 342 pairs (80%, against 48%
+    XLA: the model predicts its collectives exactly for 276 of the 342 pairs (81%, against 48%
     for Table 2 alone; fewer is a regression), and for every pair of the common kinds listed."""
     shape, mesh_shape, axes = (8, 16, 32), (2, 4), ["x", "y"]
     mesh = logical_mesh(mesh_shape, axes, preset="cpu")
@@ -223,7 +224,7 @@ def test_resharding_model_matches_xla():
         pair: sorted((c.kind, c.axes, c.nbytes) for c in resharding_collectives(shape, 4, *pair, mesh)) == got
         for pair, got in zip(pairs, xla)
     }
-    assert len(pairs) == 342 and sum(agree.values()) >= 275
+    assert len(pairs) == 342 and sum(agree.values()) >= 276
     S, R = ShardingSpec.of, None
     common = [
         (S("x", "y", R), S(R, R, R)),
