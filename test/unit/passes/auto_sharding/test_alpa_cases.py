@@ -169,19 +169,19 @@ def _moe_layer(batch: int, seq: int) -> str:
 
 
 @functools.cache
-def _accumulating_mlp(batch: int, microbatches: int, hidden: int) -> str:
+def _accumulating_mlp(batch: int, microbatches: int, hidden: int, loop: str = "fori_loop") -> str:
     params = _mlp_params(2, hidden)
     x = Abstract((batch, hidden), F32)
     return (
-        jax.jit(_accumulating_step(batch, microbatches, hidden))
+        jax.jit(_accumulating_step(batch, microbatches, hidden, loop))
         .lower(params, jax.eval_shape(MOMENTUM.init, params), x, x)
         .as_text()
     )
 
 
-def _accumulating_step(batch: int, microbatches: int, hidden: int):
+def _accumulating_step(batch: int, microbatches: int, hidden: int, loop: str = "fori_loop"):
     """Two dense layers; the step sums the gradients of `microbatches` slices of the batch in
-    a `fori_loop`, then takes one momentum step."""
+    a `fori_loop` (or a `scan` over them), then takes one momentum step."""
     loss = lambda p, x, y: _mse(_dense_stack(p, x), y)  # noqa: E731
 
     def step(params, opt_state, x, y):
@@ -191,7 +191,12 @@ def _accumulating_step(batch: int, microbatches: int, hidden: int):
         def accumulate(i, total):
             return jax.tree.map(jnp.add, total, jax.grad(loss)(params, xs[i], ys[i]))
 
-        grads = lax.fori_loop(0, microbatches, accumulate, jax.tree.map(jnp.zeros_like, params))
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        if loop == "scan":
+            step_grads = lambda total, xy: (jax.tree.map(jnp.add, total, jax.grad(loss)(params, *xy)), None)  # noqa: E731
+            grads, _ = lax.scan(step_grads, zeros, (xs, ys))
+        else:
+            grads = lax.fori_loop(0, microbatches, accumulate, zeros)
         updates, opt_state = MOMENTUM.update(jax.tree.map(lambda g: g / microbatches, grads), opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
@@ -570,18 +575,21 @@ def _loop_body_collectives(hlo: str, mesh_shape, axes) -> list:
     return found
 
 
-@pytest.mark.parametrize("mesh", [(4,), (2, 2)], ids=["1d", "2d"])
-def test_gradient_accumulation_syncs_once_per_step(mesh):
+@pytest.mark.parametrize(
+    "mesh, loop", [((4,), "fori_loop"), ((2, 2), "fori_loop"), ((4,), "scan")], ids=["1d", "2d", "scan"]
+)
+def test_gradient_accumulation_syncs_once_per_step(mesh, loop):
     """Alpa's case: batch 256 in 2 microbatches, two dense layers of 16, momentum, alpha =
     beta = 1; it asserts the gradients' all-reduce(s) in the accumulation and none in the
     loop of microbatches. With partial-sum layouts (`partial-sums=true`, not yet the
     default: docs/auto_sharding.md) the gradients' sums stay pending through
     the loop and are reduced once, over every axis the batch is split over: four reductions
     (two weights, two biases; reduce-scattered for the update, which XLA's CPU backend
-    compiles as all-reduces), as planned; the step equals one device's."""
+    compiles as all-reduces), as planned; the step equals one device's. The same with the
+    microbatches in a `lax.scan` (its carry is the accumulator), as a Flax loop writes it."""
     links = ["latency=" + ",".join(["1e-09"] * len(mesh)), "bandwidth=" + ",".join(["1e+09"] * len(mesh))]
     options = " ".join([*links, "partial-sums=true"])
-    module = parse_module(_accumulating_mlp(256, 2, 16))
+    module = parse_module(_accumulating_mlp(256, 2, 16, loop))
     report = tool.plan(module, "x".join(map(str, mesh)), "cpu", options)
     executable = compile_spmd(module, jax.devices()[: math.prod(mesh)])
     hlo = executable.executable.hlo_modules()[0].to_string()
@@ -595,7 +603,7 @@ def test_gradient_accumulation_syncs_once_per_step(mesh):
     params = [(jax.random.normal(keys[2 * i], (16, 16)), jax.random.normal(keys[2 * i + 1], (16,))) for i in range(2)]
     x, y = jax.random.normal(keys[4], (256, 16)), jax.random.normal(keys[5], (256, 16))
     args = (params, MOMENTUM.init(params), x, y)
-    expected = jax.jit(_accumulating_step(256, 2, 16))(*args)
+    expected = jax.jit(_accumulating_step(256, 2, 16, loop))(*args)
     outputs = executable(*jax.tree.leaves(args))
     actual = jax.tree.unflatten(jax.tree.structure(expected), [np.asarray(o) for o in outputs])
     # Each gradient summed over the devices' addends instead of at once: float32 rounding.
