@@ -94,3 +94,22 @@ def test_fragments_compile_with_accumulation():
     assert len(summed) == len(alone) == count
     for total, accumulator, result in zip(summed, values, alone):
         np.testing.assert_allclose(total, accumulator + result, rtol=1e-6, atol=1e-7)
+
+
+def test_arrays_in_host_memory_are_placed_without_compiling(monkeypatch):
+    """A CPU device's array (the caller's, on device 0) is placed from host memory, piece by
+    piece: jax's device_put between devices would compile a move program per layout (the
+    tiny GPT's first step: 7 of them, 0.3 s; docs/performance.md)."""
+    from jax._src import compiler
+
+    executable = compile_executable(parse_module(SHARDED), jax.devices()[2:4])
+    compiled = []
+    original = compiler.backend_compile_and_load
+    monkeypatch.setattr(compiler, "backend_compile_and_load", lambda *a, **k: compiled.append(1) or original(*a, **k))
+    g = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4), jax.devices()[0])
+    placed = executable.place(0, g)
+    assert compiled == []
+    assert placed.sharding == executable.input_shardings[0]
+    assert [s.device for s in placed.addressable_shards] == list(jax.devices()[2:4])
+    np.testing.assert_array_equal(np.asarray(placed), np.asarray(g))
+    assert executable.place(0, placed) is placed  # already laid out: as it is
