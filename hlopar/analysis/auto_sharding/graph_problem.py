@@ -145,9 +145,10 @@ def build_problem(
     all-gather cost what the all-reduce did); `replicated_args` are arguments every device holds whole (data
     parallelism's parameters); `partial_sums`: a matrix product (or sum) that splits its
     reduction may leave its sums pending, linear ops and loop-carried values carry them, and a
-    consumer that needs the value whole all-reduces it (`ShardingSpec.unreduced`): a gradient
-    accumulated over a loop's iterations is reduced once, after the loop; results leave
-    reduced; `cache` shares strategy work with other builds on the same mesh."""
+    reader that needs the value whole reduces it (`ShardingSpec.unreduced`,
+    `resharding._pending_sums`): a gradient accumulated over a loop's iterations is reduced
+    once, after the loop; results leave reduced; `cache` shares strategy work with other
+    builds on the same mesh."""
 
     if cache is not None and cache.mesh != mesh:
         raise ValueError("a StrategyCache serves builds on its own mesh only")
