@@ -447,13 +447,7 @@ class _Builder:
         self.consumers += [(result_nodes[n], (graph.results[n],), 1.0) for n in result_nodes]
         edges = _edges(self.info_of, nodes, self.producer, self.consumers, out, memo)
         for index, (source, number), value_id, scale in self.sources:  # a shared read from its maker
-            info = self.info_of(value_id)
-            matrix = memo.matrix(info, nodes[source].strategies, number, nodes[index].strategies, 0)
-            if matrix is not None:
-                if scale != 1.0:
-                    matrix = tuple(tuple(scale * c for c in row) for row in matrix)
-                edges.append(Edge(source, index, matrix))
-                out.edge_values.append((info, number, 0))
+            _add_edge(edges, out, memo, nodes, self.info_of(value_id), (source, number), (index, 0), scale)
         live_sets = _live_sets(graph, self.producer, out) if memory_budget is not None else ()
         out.problem = Problem(
             nodes=tuple(
@@ -731,17 +725,24 @@ def _edges(info_of, nodes, producer, consumers, out, memo: StrategyCache) -> lis
         for k, value_id in enumerate(operands):
             if value_id not in producer:
                 continue
-            source, number = producer[value_id]
             info = info_of(value_id)
-            if not info.is_tensor or source == consumer:
+            if not info.is_tensor or producer[value_id][0] == consumer:
                 continue
-            matrix = memo.matrix(info, nodes[source].strategies, number, nodes[consumer].strategies, k)
-            if matrix is not None:
-                if scale != 1.0:
-                    matrix = tuple(tuple(scale * c for c in row) for row in matrix)
-                edges.append(Edge(source, consumer, matrix))
-                out.edge_values.append((info, number, k))
+            _add_edge(edges, out, memo, nodes, info, producer[value_id], (consumer, k), scale)
     return edges
+
+
+def _add_edge(edges, out, memo: StrategyCache, nodes, info, source, target, scale: float) -> None:
+    """The edge carrying a value from result `number` of node `source` to operand `k` of node
+    `consumer` (`source` = (node, number), `target` = (node, k)), run `scale` times; none where
+    every conversion is free."""
+    (source, number), (consumer, k) = source, target
+    matrix = memo.matrix(info, nodes[source].strategies, number, nodes[consumer].strategies, k)
+    if matrix is not None:
+        if scale != 1.0:
+            matrix = tuple(tuple(scale * c for c in row) for row in matrix)
+        edges.append(Edge(source, consumer, matrix))
+        out.edge_values.append((info, number, k))
 
 
 def _cost_matrix(info: TensorInfo, sources, targets, mesh) -> tuple[tuple[float, ...], ...] | None:
