@@ -146,6 +146,7 @@ from hlopar.runtime.protocol import Runtime
 from hlopar.runtime.ray_runtime import WorkerError
 from hlopar.runtime.remote_array import RemoteArray, is_key, read_all, with_step
 from hlopar.runtime.step_arguments import wrap_keys
+from hlopar.runtime.transports import TRANSPORTS
 from hlopar.static_leaves import StaticLeaves, StaticResults
 from hlopar.step_loss import returning_loss, unreturned_loss
 from hlopar.units import parse_bytes
@@ -413,6 +414,7 @@ class ParallelizedFunction:
         loss: str | Callable | None = None,
         stages: int | None = None,
         idle_hosts: bool = False,
+        transport: str = "auto",
     ):
         """Checks every argument where the user called `parallelize` (as `jax.jit` does), then
         keeps them as `PlanOptions`. Long because each argument has its own check and message;
@@ -427,6 +429,12 @@ class ParallelizedFunction:
         schedule = schedule_named(schedule)
         check_choice("rng", RNG_MODES, rng)
         check_choice("runtime", RUNTIMES, runtime)
+        check_choice("transport", TRANSPORTS, transport)
+        if transport == "collective" and runtime == "process":
+            raise ValueError(
+                "transport='collective' moves values between worker processes; runtime='process' has none "
+                "(use runtime='ray' or 'auto')"
+            )
         remat = remat_mode(remat)
         if cluster is not None and not isinstance(cluster, Cluster):
             raise TypeError(f"cluster must be a hlopar.Cluster or None, got {type(cluster).__name__}")
@@ -471,7 +479,9 @@ class ParallelizedFunction:
             else tuple((batch_argnums,) if isinstance(batch_argnums, int) else batch_argnums)
         )
         self.donate_argnums = tuple((donate_argnums,) if isinstance(donate_argnums, int) else donate_argnums)
-        self.runtime_kind = runtime
+        # The collective transport is between Ray workers: "auto" then means them.
+        self.runtime_kind = "ray" if transport == "collective" else runtime
+        self.transport = transport
         self.timeout = timeout
         self.cache = cache
         self.verbose = verbose
@@ -704,6 +714,7 @@ class ParallelizedFunction:
                     ],
                     connect=lambda: _connect(cluster),  # again, if the cluster died under this process
                     executables=planned.executables,
+                    transport=self.transport,
                 )
                 self._log(f"starting {len(placement.workers.slots)} Ray worker(s) ({why_not})")
         except BaseException:
@@ -1182,6 +1193,7 @@ def parallelize(
     loss: str | Callable | None = None,
     stages: int | None = None,
     idle_hosts: bool = False,
+    transport: str = "auto",
 ):
     """`fn` (a pure JAX function, e.g. a training step, or an exported module: a `.mlir` /
     `.mlirbc` path, `hlopar.ModuleStep`) run over a cluster: a callable with `fn`'s signature
@@ -1207,6 +1219,9 @@ def parallelize(
     `stages`: exactly this many pipeline stages (default: chosen with the submeshes);
     `idle_hosts=True`: the stages may leave whole hosts idle where the pipeline is predicted
     faster on fewer of them (a small model on slow links between hosts; default: every device);
+    `transport`: how Ray workers move values between meshes: "object-store" (Ray's),
+    "collective" (collectives of one jax runtime of all workers: NCCL on GPUs, gloo on CPUs;
+    runs on Ray workers), "auto" (collective on GPUs, object store on CPUs; docs/runtime.md);
     `memory_per_device`: the device memory stages are planned within, bytes or a size such
     as "80GiB" (default: the cluster preset's); `loss`: the result that is the loss, by its
     path (`"[2]['loss']"`) or as a function of the results (`lambda out: out[2]['loss']`);
@@ -1240,6 +1255,7 @@ def parallelize(
             loss=loss,
             stages=stages,
             idle_hosts=idle_hosts,
+            transport=transport,
         )
 
     return wrap if fn is None else wrap(fn)

@@ -265,7 +265,10 @@ def _compiled_at_once(
 
     threaded = [k for k, job in jobs.items() if not job[2]]
     out = {k: one(k) for k, job in jobs.items() if job[2]}
-    if len(threaded) > 1 and (os.cpu_count() or 1) > 1:
+    # Not in a multi-process jax runtime: there jaxlib 0.10.2's compile, called from two
+    # threads at once, failed iterating its device list ("iter() returned non-iterator of
+    # type 'ifrt_device_iterator'", a worker of a mesh across hosts, test_ray_runtime.py).
+    if len(threaded) > 1 and (os.cpu_count() or 1) > 1 and jax.process_count() == 1:
         with ThreadPoolExecutor(min(len(threaded), os.cpu_count() or 1), thread_name_prefix="hlopar-compile") as pool:
             out.update(zip(threaded, pool.map(one, threaded)))
     else:

@@ -171,6 +171,8 @@ class ProgramTransfer:
     nbytes: int
     plan: PlannedTransfer | None = None  # None: an mpmd.transfer (a plain copy)
     streamed: bool = False  # carried per microbatch by a SEND/RECV pair (else copied once, when first read)
+    shape: tuple[int, ...] = ()  # the global shape
+    element: str = ""  # the element type, as MLIR prints it (f32, bf16, i1): for a receiver sent bytes
 
 
 @dataclass(frozen=True)
@@ -507,7 +509,8 @@ class _Reader:
 
     def _transfer(self, op: ir.Operation, number: dict) -> None:
         source = number[op.operands[0]]
-        mesh, _, nbytes = _mesh_tensor(op.results[0])
+        mesh, shape, nbytes = _mesh_tensor(op.results[0])
+        element = str(_tensor_type(op.results[0]).element_type)
         plan = None
         if op.name == CROSS_MESH_TRANSFER:
             try:
@@ -517,7 +520,16 @@ class _Reader:
         number[op.results[0]] = len(self.values)
         index = len(self.transfers)
         transfer = ProgramTransfer(
-            index, f"t{index}", source, len(self.values), self.values[source].mesh, mesh, nbytes, plan
+            index,
+            f"t{index}",
+            source,
+            len(self.values),
+            self.values[source].mesh,
+            mesh,
+            nbytes,
+            plan,
+            shape=shape,
+            element=element,
         )
         self.transfers.append(transfer)
         self.values.append(ProgramValue(mesh, self.values[source].per_microbatch, nbytes, transfer=index))
@@ -813,10 +825,16 @@ def _ops_in(op: ir.Operation) -> list[ir.Operation]:
 def _mesh_tensor(value: ir.Value) -> tuple[str, tuple[int, ...], int]:
     """(mesh, global shape, bytes) of a `!mpmd.mesh_tensor` value."""
     mesh_type = MeshTensorType.parse(str(value.type))
-    tensor = ir.RankedTensorType(ir.Type.parse(mesh_type.tensor_type, context=value.type.context))
+    tensor = _tensor_type(value)
     shape = tuple(tensor.shape)
     element_bytes = ((bit_width(tensor.element_type) or 32) + 7) // 8
     return mesh_type.mesh_name, shape, int(np.prod(shape, dtype=np.int64)) * element_bytes
+
+
+def _tensor_type(value: ir.Value) -> ir.RankedTensorType:
+    """The global tensor type of a `!mpmd.mesh_tensor` value."""
+    mesh_type = MeshTensorType.parse(str(value.type))
+    return ir.RankedTensorType(ir.Type.parse(mesh_type.tensor_type, context=value.type.context))
 
 
 def _kind_of_returned(value: ir.Value) -> str | None:

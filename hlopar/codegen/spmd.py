@@ -125,7 +125,7 @@ def main_shardings(
     )
 
 
-def numpy_dtype(element: ir.Type) -> np.dtype:
+def numpy_dtype(element: ir.Type | str) -> np.dtype:
     """The numpy type of an MLIR element type (f32, bf16, i32, i1, ui8, complex<f32>, ...)."""
     text = str(element)
     if text == "i1":

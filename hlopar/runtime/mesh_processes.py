@@ -30,10 +30,11 @@ __all__ = [
     "coordinator_address",
     "gather_pieces",
     "host_value",
-    "join_mesh",
+    "join_runtime",
     "local_pieces",
     "mesh_devices",
     "routes",
+    "runtime_process",
     "worker_layout",
 ]
 
@@ -120,21 +121,29 @@ def coordinator_address() -> str:
     return f"{ray.util.get_node_ip_address()}:{port}"
 
 
-def join_mesh(coordinator: str, slot: WorkerSlot, processes: int, device_kind: str, timeout: float) -> None:
-    """Makes this process `slot.process` of the mesh's jax runtime (before jax starts a
-    backend). CPU collectives between processes need gloo (XLA's default has none)."""
+def join_runtime(coordinator: str, process: int, processes: int, device_kind: str, timeout: float) -> None:
+    """Makes this process `process` of `processes` of one jax runtime (a mesh's, or with the
+    collective transport the plan's; before jax starts a backend). CPU collectives between
+    processes need gloo (XLA's default has none)."""
     import jax
 
     if device_kind == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
-        coordinator, num_processes=processes, process_id=slot.process, initialization_timeout=max(1, int(timeout))
+        coordinator, num_processes=processes, process_id=process, initialization_timeout=max(1, int(timeout))
     )
 
 
-def mesh_devices(layout: WorkerLayout, mesh: str) -> dict[int, object]:
+def runtime_process(layout: WorkerLayout, name: str, one_runtime: bool) -> int:
+    """A worker's process number: in the plan's one runtime (the collective transport), its
+    place among all workers; else in its mesh's (0 for a mesh inside one host)."""
+    return list(layout.slots).index(name) if one_runtime else layout.slots[name].process
+
+
+def mesh_devices(layout: WorkerLayout, mesh: str, one_runtime: bool = False) -> dict[int, object]:
     """Plan device id -> jax device, for every device of the mesh: a worker's devices are
-    its process's local devices, matched to its plan ids in increasing order of both."""
+    its process's local devices, matched to its plan ids in increasing order of both
+    (`one_runtime`: the processes are the plan's, `runtime_process`)."""
     import jax
 
     by_process: dict[int, list] = {}
@@ -142,7 +151,12 @@ def mesh_devices(layout: WorkerLayout, mesh: str) -> dict[int, object]:
         by_process.setdefault(device.process_index, []).append(device)
     out = {}
     for slot in layout.of_mesh(mesh):
-        local = by_process.get(slot.process if layout.spans(mesh) else jax.process_index(), [])
+        process = (
+            runtime_process(layout, slot.name, one_runtime)
+            if one_runtime or layout.spans(mesh)
+            else jax.process_index()
+        )
+        local = by_process.get(process, [])
         if len(local) < len(slot.devices):
             raise RuntimeError(f"worker {slot.name} needs {len(slot.devices)} devices, its process has {len(local)}")
         for d, device in zip(sorted(slot.devices), local):

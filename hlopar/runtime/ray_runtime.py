@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hlopar.codegen.pipeline_program import PipelineProgram
+from hlopar.runtime.collective_transport import collective_order
 from hlopar.runtime.host_devices import host_device_environment
 from hlopar.runtime.mesh_processes import Pieces, gather_pieces
 from hlopar.runtime.ray_placement import Placement, resources, unplaceable
@@ -32,6 +33,7 @@ from hlopar.runtime.ray_worker import MeshWorker, worker_programs
 from hlopar.runtime.remote_array import RemoteArray, is_key, jax_value
 from hlopar.runtime.step_arguments import check_batch, step_arguments
 from hlopar.runtime.step_stats import StepStats
+from hlopar.runtime.transports import transport_kind
 
 if TYPE_CHECKING:
     from hlopar.codegen.executable_cache import ExecutableCache
@@ -67,8 +69,11 @@ class RayRuntime:
         copied: Collection[int] = (),
         connect: Callable[[], None] | None = None,
         executables: ExecutableCache | None = None,
+        transport: str = "auto",
     ):
         self.program = program
+        # "object-store" or "collective" (`transports.transport_kind`: by device kind for "auto")
+        self.transport = transport_kind(placement.device_kind, transport)
         self.executables = executables  # what planning compiled (`executable_cache`): shipped to the workers
         self._connect = connect or (lambda: None)
         self.returned = tuple(returned)  # results that come back with each step (typed keys)
@@ -80,6 +85,9 @@ class RayRuntime:
         self.worker_timeout = worker_timeout
         self.streams = program.streams(schedule)
         self.programs = worker_programs(program, self.streams, self.layout)
+        if self.transport == "collective":
+            order = tuple(collective_order(self.streams.streams))
+            self.programs = {m: replace(wp, collectives=order) for m, wp in self.programs.items()}
         self.actors: dict = {}
         self.group = None
         self.connection = 0  # `local_ray.connection()` when the workers started
@@ -170,11 +178,18 @@ class RayRuntime:
                 ray.remote(MeshWorker).options(**options).remote(slot.mesh, kind, self.worker_timeout, name)
             )
         self._gather({n: a.set_peers.remote(self.actors) for n, a in self.actors.items()}, "start")
-        firsts = {self.layout.of_mesh(m)[0].name: m for m in self.program.meshes if self.layout.spans(m)}
-        coordinators = {
-            firsts[n]: address
-            for n, address in self._gather({n: self.actors[n].coordinator.remote() for n in firsts}, "start").items()
-        }
+        if self.transport == "collective":  # one jax runtime for the plan, its first worker the coordinator
+            first = next(iter(slots))
+            address = self._gather({first: self.actors[first].coordinator.remote()}, "start")[first]
+            coordinators = dict.fromkeys(self.program.meshes, address)
+        else:  # one per mesh spanning hosts
+            firsts = {self.layout.of_mesh(m)[0].name: m for m in self.program.meshes if self.layout.spans(m)}
+            coordinators = {
+                firsts[n]: address
+                for n, address in self._gather(
+                    {n: self.actors[n].coordinator.remote() for n in firsts}, "start"
+                ).items()
+            }
         self.phase("compiling")
         started = time.perf_counter()
         programs = self._shipped()

@@ -57,13 +57,14 @@ from hlopar.runtime.mesh_processes import (
     coordinator_address,
     gather_pieces,
     host_value,
-    join_mesh,
+    join_runtime,
     local_pieces,
     mesh_devices,
     routes,
+    runtime_process,
     worker_layout,
 )
-from hlopar.runtime.transports import Mailbox, TransportError, pack, transport_for
+from hlopar.runtime.transports import Mailbox, ObjectStoreTransport, TransportError, pack
 from hlopar.runtime.worker_transport import WorkerTransport
 
 __all__ = ["MeshWorker", "WorkerProgram", "worker_programs"]
@@ -85,6 +86,9 @@ class WorkerProgram:
     layout: WorkerLayout  # every worker of the program (mesh_processes)
     whole: str | None = None  # the program as one executable's module text (`codegen.one_program`), or None
     executables: dict[str, bytes] = field(default_factory=dict)  # key -> serialized (`executable_cache`)
+    # With the collective transport: the step's SENDs, (transfer, microbatch), in the order
+    # every worker runs their collectives (`collective_transport.collective_order`); else None.
+    collectives: tuple[tuple[str, int | None], ...] | None = None
 
 
 def worker_programs(
@@ -132,7 +136,8 @@ class MeshWorker:
         self.name = name or mesh
         self.device_kind = device_kind
         self.timeout = timeout
-        self.transport = transport_for(device_kind)
+        self.transport = ObjectStoreTransport()  # values moved once, and every SEND without `channel`
+        self.channel = None  # the collective transport's side of this worker (`setup`)
         self.mailbox = Mailbox()
         self.changed = threading.Condition()
         self.runs: dict[int, StepInterpreter] = {}
@@ -158,19 +163,22 @@ class MeshWorker:
         self.delay = seconds
 
     def setup(self, wp: WorkerProgram, coordinator: str | None = None) -> dict:
-        """Joins the mesh's multi-process runtime (a mesh spanning hosts) and compiles the
-        mesh's fragments for its devices."""
+        """Joins the mesh's multi-process runtime (a mesh spanning hosts; with the collective
+        transport, the plan's) and compiles the mesh's fragments for its devices."""
         clock = time.perf_counter()
         self.wp = wp
         self.program = wp.program
         self.slot = wp.layout.slots[self.name]
         self.spans = wp.layout.spans(wp.mesh)
-        if self.spans:
-            join_mesh(coordinator, self.slot, len(wp.layout.of_mesh(wp.mesh)), self.device_kind, self.timeout)
+        one = wp.collectives is not None  # one runtime for the whole plan
+        if one or self.spans:
+            processes = len(wp.layout.slots) if one else len(wp.layout.of_mesh(wp.mesh))
+            process = runtime_process(wp.layout, self.name, one)
+            join_runtime(coordinator, process, processes, self.device_kind, self.timeout)
 
         from hlopar.codegen.executable_cache import ExecutableCache
 
-        self.devices = mesh_devices(wp.layout, wp.mesh)  # plan id -> jax device, the whole mesh
+        self.devices = mesh_devices(wp.layout, wp.mesh, one)  # plan id -> jax device, the whole mesh
         self.plan_id = {device: d for d, device in self.devices.items()}
         self.mesh_devices = [self.devices[d] for d in wp.devices]
         # The driver's executables where it shipped them (compiled once, while planning);
@@ -197,6 +205,22 @@ class MeshWorker:
             for t in self.program.transfers
             if wp.mesh in (t.src_mesh, t.dst_mesh)
         }
+        if one:
+            from hlopar.runtime.collective_transport import CollectiveChannel, worker_collectives
+
+            everywhere = {
+                (mesh, d): device
+                for mesh in self.program.meshes
+                for d, device in mesh_devices(wp.layout, mesh, True).items()
+            }
+            self.channel = CollectiveChannel(
+                worker_collectives(self.program, wp.collectives, wp.layout, self.name),
+                everywhere,
+                wp.layout,
+                self.name,
+                self.mailbox,
+                self.timeout,
+            )
         return {
             "worker": self.name,
             "mesh": wp.mesh,
@@ -208,6 +232,7 @@ class MeshWorker:
             "compilations": [(e.name, e.how, e.seconds) for e in cache.events],
             "refused": {e.name: e.refused for e in cache.events if e.refused},  # bytes that did not load
             "one_program": self.whole is not None,
+            "transport": "collective" if one else self.transport.name,
             "compile_s": time.perf_counter() - clock,
         }
 
@@ -267,6 +292,8 @@ class MeshWorker:
             self.runs[step] = run
             self.changed.notify_all()
         self.mailbox.drop_before(step)
+        if self.channel is not None:
+            self.channel.begin(step)
         if self.whole is not None:
             outputs = run.whole(self.whole)
             for r in self.wp.results:
@@ -278,6 +305,8 @@ class MeshWorker:
                 self.kept[(step, r)] = run.result(self.program.results[r])
         transport.timing["step_s"] = time.perf_counter() - clock
         transport.timing["placed"] = run.placements.moved
+        if self.channel is not None:  # so far (its thread may still be sending this step's)
+            transport.timing["collectives"] = self.channel.done
         return {"timing": transport.timing, "spans": run.spans, "results": self._returned(step, returned, copied)}
 
     def _returned(self, step: int, returned: Collection[int], copied: Collection[int] = ()) -> dict:

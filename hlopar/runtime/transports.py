@@ -22,7 +22,7 @@ of its receivers (`mesh_processes.routes`), which fills only its own devices' sh
 (`unpack_shards`). Chunking (`UnitOp.chunks`) pipelines a chain of device links; it has
 nothing to pipeline here and is not reproduced.
 
-## The CPU transport: Ray's object store, through actor method calls
+## The object-store transport: Ray's object store, through actor method calls
 
 `ObjectStoreTransport` sends a payload (numpy arrays) as the argument of a method call on
 the receiving actor (`deliver`, streamed SEND/RECV pairs), or returns it from one
@@ -35,15 +35,19 @@ manager moves each object once per node. Why this and not the alternatives:
   inter-process, inter-node transport with flow control and failure reporting (a call on a
   dead actor fails, `ray.get` takes a timeout), which the fault handling relies on;
 - jax's transfer server (`jax.experimental.transfer`) is experimental and its API moves
-  between jaxlib releases; gloo needs a rendezvous and a process group per broadcast group,
-  set up again on every restart, for no gain on one machine's shared memory.
+  between jaxlib releases.
 
 It costs a serialization and a copy into shared memory per box; `tools/bench_runtime.py`
 measures it against an in-process copy of the same bytes.
 
-On GPUs the design calls for NCCL broadcasts (`nvidia-nccl-cu12`, one communicator per
-broadcast group). That is NOT implemented: `transport_for("gpu")` gives the same object
-store transport, staged through host memory (correct, slower).
+## The collective transport
+
+`transport="collective"` (`collective_transport`): every worker of the plan joins one jax
+runtime and each unit op of a streamed transfer runs as a collective of the processes that
+own its devices: NCCL between GPUs, gloo between CPU processes. `transport_kind` chooses:
+the collective transport on GPUs (where the object store stages every box through host
+memory), the object store on CPUs (one machine's shared memory; in one jax runtime a mesh's
+own collectives would also go through gloo).
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ __all__ = [
     "Payload",
     "TransportError",
     "pack",
-    "transport_for",
+    "TRANSPORTS",
+    "transport_kind",
     "unpack",
     "unpack_shards",
 ]
@@ -226,9 +231,16 @@ class ObjectStoreTransport:
             ) from None
 
 
-def transport_for(device_kind: str) -> ObjectStoreTransport:
-    """The transport for a kind of device: the object store on CPUs; on GPUs too, staged
-    through host memory, since the NCCL transport is not implemented (module docstring)."""
+TRANSPORTS = ("auto", "object-store", "collective")
+
+
+def transport_kind(device_kind: str, choice: str = "auto") -> str:
+    """The transport the workers of a plan on `device_kind` devices use (module docstring):
+    `choice`, or for "auto" the collective one on GPUs and the object store on CPUs."""
     if device_kind not in ("cpu", "gpu"):
         raise ValueError(f"unknown device kind {device_kind!r} (cpu or gpu)")
-    return ObjectStoreTransport()
+    if choice not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(TRANSPORTS)}, got {choice!r}")
+    if choice != "auto":
+        return choice
+    return "collective" if device_kind == "gpu" else "object-store"

@@ -2,7 +2,8 @@
 
 A fragment runs on the worker's devices and is waited for, to time it (`timing`). A SEND
 packs the unit ops of the transfers it names and hands them to the peer workers at once
-(`transports.ObjectStoreTransport`); a RECV waits for them in the worker's mailbox and
+(`transports.ObjectStoreTransport`), or to the worker's collective channel, which runs them
+as collectives in the plan's order (`collective_transport`); a RECV waits for them in the worker's mailbox and
 places them as the reading fragment lays them out. A value moved once is pulled by its
 reader from the workers of its maker (`MeshWorker.fetch`), except a copy of an argument,
 which the driver sent here too. A value read before it is made is waited for only by a
@@ -76,6 +77,9 @@ class WorkerTransport:
         for name in inst.transfers:
             t = step.index.transfers[name]
             source = w.source(step.read(t.source, inst.microbatch))
+            if w.channel is not None:  # the collective transport: its thread sends them
+                self.timing["sent_bytes"] += self._post(t, inst.microbatch, source)
+                continue
             for (src, dst), ops in w.routes[name].items():
                 if src == w.name:
                     payload = pack(t.plan, source, ops)
@@ -84,6 +88,18 @@ class WorkerTransport:
         for dst, payloads in items.items():
             w.transport.send(w.peers[dst], self.step, payloads)
         self.timing["send_s"] += time.perf_counter() - clock
+
+    def _post(self, t: ProgramTransfer, m: int | None, source) -> int:
+        """Hands the boxes of `t`'s unit ops this worker sends to its collective channel;
+        their bytes."""
+        w = self.w
+        if t.plan is None:
+            boxes = {None: pack(None, source).array}
+        else:
+            ops = [k for k, op in enumerate(t.plan.ops) if w.wp.layout.owner(t.src_mesh, op.sender) == w.name]
+            boxes = dict(zip(ops, pack(t.plan, source, ops).boxes))
+        w.channel.post(self.step, t.name, m, boxes)
+        return sum(int(b.nbytes) for b in boxes.values())
 
     def receive(self, step: StepInterpreter, inst: Instruction) -> None:
         w = self.w

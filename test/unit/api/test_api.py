@@ -117,6 +117,11 @@ def test_bad_options_are_refused():
         hlopar.parallelize(step, method="magic")
     with pytest.raises(ValueError, match="schedule must be one of"):
         hlopar.parallelize(step, schedule="zigzag")
+    with pytest.raises(ValueError, match="transport must be one of auto, object-store, collective"):
+        hlopar.parallelize(step, transport="nccl")
+    with pytest.raises(ValueError, match="runtime='process' has none"):
+        hlopar.parallelize(step, transport="collective", runtime="process")
+    assert hlopar.parallelize(step, transport="collective").runtime_kind == "ray"  # between workers
 
 
 def test_worker_programs_and_placement(cache):

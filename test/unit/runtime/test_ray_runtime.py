@@ -126,6 +126,40 @@ def test_training_matches_one_device(ray_cluster, model, schedule):
         parallel.shutdown()
 
 
+COLLECTIVE_SCHEDULES = ("1f1b", "gpipe", "eager-1f1b", "eager-1f1b-wd", "zb-h1", "zb-h2", "interleaved-1f1b", "zb-v")
+COLLECTIVE_CASES = [
+    pytest.param("mlp", "1f1b", CLUSTER, id="mlp-1f1b"),
+    pytest.param("mlp", "1f1b", FOUR_HOSTS, id="mlp-1f1b-mesh-across-hosts"),
+    pytest.param("gpt", "eager-1f1b", CLUSTER, id="gpt-eager-1f1b"),
+    *(
+        pytest.param(model, schedule, CLUSTER, id=f"{model}-{schedule}", marks=pytest.mark.heavy)
+        for model in ("gpt", "u_transformer")
+        for schedule in COLLECTIVE_SCHEDULES
+        if (model, schedule) != ("gpt", "eager-1f1b")
+    ),
+]
+
+
+@pytest.mark.parametrize("model, schedule, cluster", COLLECTIVE_CASES)
+def test_collective_transport_matches_one_device(ray_cluster, model, schedule, cluster):
+    """transport="collective": every worker in one jax runtime (gloo between the processes),
+    each unit op of a streamed transfer a collective of its devices' processes."""
+    parallel = train(model, 3, cluster=cluster, num_microbatches=2, schedule=schedule, transport="collective")
+    try:
+        program = parallel.runtime.program  # 2 meshes (the U-Transformer: 4, or 2 of 2 stages each)
+        assert len(program.meshes) >= 2, "the plan does not pipeline: the test would prove less"
+        info = parallel.runtime.setup_info
+        assert {i["transport"] for i in info.values()} == {"collective"}
+        assert len({i["pid"] for i in info.values()}) == len(info) and os.getpid() not in {
+            i["pid"] for i in info.values()
+        }
+        workers = parallel.last_stats.workers
+        assert sum(w["collectives"] for w in workers.values()) > 0  # boxes went by collectives
+        assert all(w["sent_bytes"] > 0 for n, w in workers.items() if "@" not in n or n.endswith("@0"))
+    finally:
+        parallel.shutdown()
+
+
 def local_gpus() -> int:
     try:
         return len(jax.devices("gpu"))
@@ -134,18 +168,22 @@ def local_gpus() -> int:
 
 
 @pytest.mark.skipif(local_gpus() < 2, reason="needs at least 2 local GPUs (jax with CUDA)")
+@pytest.mark.parametrize("transport", ["collective", "object-store"])
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
-def test_training_on_gpus_matches_one_device(ray_cluster, model):
+def test_training_on_gpus_matches_one_device(ray_cluster, model, transport):
     """The same on GPUs: 2 simulated hosts, each worker its GPUs (CUDA_VISIBLE_DEVICES), the
-    object-store transport through host memory. FP32 matmuls at full precision on both
-    sides, so TF32 does not hide a wrong result behind a loose tolerance. Never run on the
-    2-core CI machine (no GPU); see docs/runtime.md."""
+    collective transport (NCCL, the GPU default) or the object store through host memory.
+    FP32 matmuls at full precision on both sides, so TF32 does not hide a wrong result
+    behind a loose tolerance. Never run (no machine with 2 GPUs); see docs/runtime.md."""
     gpus = local_gpus()
     cluster = hlopar.Cluster.local(num_hosts=2, devices_per_host=gpus // 2, device_kind="gpu")
     with jax.default_matmul_precision("highest"):
-        parallel = train(model, 3, cluster=cluster, num_microbatches=2, schedule="eager-1f1b")
+        parallel = train(model, 3, cluster=cluster, num_microbatches=2, schedule="eager-1f1b", transport=transport)
     try:
         assert {i["platform"] for i in parallel.runtime.setup_info.values()} == {"gpu"}
+        assert {i["transport"] for i in parallel.runtime.setup_info.values()} == {
+            "collective" if transport == "collective" else "ray-object-store"
+        }
     finally:
         parallel.shutdown()
 
@@ -192,6 +230,7 @@ def test_pipeline_with_a_mesh_across_hosts(ray_cluster, model):
 KILL_CASES = [
     pytest.param({}, "m0", "m1", id="two-meshes"),
     pytest.param({"method": "shard"}, "m0@1", "m0@0", id="mesh-across-hosts"),
+    pytest.param({"transport": "collective"}, "m0", "m1", id="collective-transport"),
 ]
 
 

@@ -1,0 +1,139 @@
+"""The collective transport's order and bytes (`runtime.collective_transport`), without Ray.
+
+Its order is checked by running the streams with collectives that block (a collective
+runs only when its sender's stream has posted its boxes and every process of it has done
+all its earlier collectives, each process taking its own in the order given): every
+schedule's streams finish under `collective_order`, and the checker itself is shown to
+catch an order that deadlocks. The bytes a collective carries come back bit for bit in
+every element type. The transport on Ray workers: test_ray_runtime.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hlopar.analysis.schedules import ONE_STAGE_SCHEDULES, PipelineTopology, build_streams
+from hlopar.analysis.schedules.instructions import RECV, SEND, MeshStream
+from hlopar.runtime.collective_transport import as_bytes, collective_order, from_bytes
+
+
+def named_streams(topology: PipelineTopology, schedule: str, microbatches: int) -> list[MeshStream]:
+    """`build_streams`' streams with each SEND carrying one transfer named after it (a
+    program binds the real ones), its RECV naming the same."""
+    streams = build_streams(topology, schedule, microbatches).streams
+    sends = {i.id for s in streams for i in s.instructions if i.op == SEND}
+    out = []
+    for stream in streams:
+        instructions = []
+        for inst in stream.instructions:
+            if inst.op == SEND:
+                inst = replace(inst, transfers=(inst.id,))
+            elif inst.op == RECV:
+                inst = replace(inst, transfers=tuple(d for d in inst.deps if d in sends))
+            instructions.append(inst)
+        out.append(replace(stream, instructions=tuple(instructions)))
+    return out
+
+
+def finishes_with_blocking_collectives(streams: list[MeshStream], order: list[tuple[str, int | None]]) -> bool:
+    """Whether the streams finish when each transfer is a collective of its two meshes that
+    each mesh's collective thread runs in `order` (module docstring), a SEND only posting and
+    a RECV waiting for its collective."""
+    sender = {name: s.mesh for s in streams for i in s.instructions if i.op == SEND for name in i.transfers}
+    receiver = {name: s.mesh for s in streams for i in s.instructions if i.op == RECV for name in i.transfers}
+    queue = {s.mesh: [key for key in order if s.mesh in (sender[key[0]], receiver[key[0]])] for s in streams}
+    posted, collected = set(), set()
+    cursors = {s.mesh: 0 for s in streams}
+    done: set[str] = set()
+    while True:
+        progressed = False
+        for s in streams:
+            while cursors[s.mesh] < len(s.instructions):
+                inst = s.instructions[cursors[s.mesh]]
+                if inst.op == RECV and not all((t, inst.microbatch) in collected for t in inst.transfers):
+                    break
+                if not all(d in done or d.rpartition(":")[0] != s.mesh for d in inst.deps):
+                    break
+                if inst.op == SEND:
+                    posted.update((t, inst.microbatch) for t in inst.transfers)
+                done.add(inst.id)
+                cursors[s.mesh] += 1
+                progressed = True
+        for key in order:  # a collective runs when it heads both its meshes' queues and is posted
+            if key in collected:
+                continue
+            meshes = (sender[key[0]], receiver[key[0]])
+            if key in posted and all(queue[m] and queue[m][0] == key for m in meshes):
+                for m in meshes:
+                    queue[m].pop(0)
+                collected.add(key)
+                progressed = True
+        if all(cursors[s.mesh] == len(s.instructions) for s in streams):
+            return True
+        if not progressed:
+            return False
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 5), st.integers(1, 8), st.sampled_from(ONE_STAGE_SCHEDULES))
+def test_every_schedule_finishes_with_blocking_collectives(stages, microbatches, schedule):
+    streams = named_streams(PipelineTopology.chain(stages, 10**6, 10**6), schedule, microbatches)
+    order = collective_order(streams)
+    sends = [(t, i.microbatch) for s in streams for i in s.instructions if i.op == SEND for t in i.transfers]
+    assert sorted(order, key=str) == sorted(sends, key=str)  # each SEND's transfers, once
+    for stream in streams:  # each stream's SENDs in its own order
+        mine = [(t, i.microbatch) for i in stream.instructions if i.op == SEND for t in i.transfers]
+        assert [key for key in order if key in set(mine)] == mine
+    assert finishes_with_blocking_collectives(streams, order)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-v"])
+def test_chunked_schedules_finish_with_blocking_collectives(schedule):
+    """Two meshes holding two stages each (the transfers between a mesh's own stages are no
+    SENDs)."""
+    topology = PipelineTopology.chain(4, 10**6, 10**6)
+    placed = ["m1", "m2", "m1", "m2"] if schedule == "interleaved-1f1b" else ["m1", "m2", "m2", "m1"]
+    topology = replace(topology, meshes=tuple(placed))
+    streams = named_streams(topology, schedule, 4)
+    assert finishes_with_blocking_collectives(streams, collective_order(streams))
+
+
+def test_the_checker_catches_an_order_that_deadlocks():
+    """All gradients first: the last stage's thread waits to send gradient 0 while its
+    stream waits for activation 0, which comes later in that order."""
+    streams = named_streams(PipelineTopology.chain(2, 10**6, 10**6), "1f1b", 4)
+    order = collective_order(streams)
+    backwards = sorted(order, key=lambda key: not key[0].startswith("m2:"))
+    assert backwards != order and not finishes_with_blocking_collectives(streams, backwards)
+
+
+@pytest.mark.parametrize(
+    "element, dtype",
+    [
+        ("f32", np.float32),
+        ("bf16", ml_dtypes.bfloat16),
+        ("f16", np.float16),
+        ("f64", np.float64),
+        ("i1", np.bool_),
+        ("i32", np.int32),
+        ("ui8", np.uint8),
+        ("i64", np.int64),
+    ],
+)
+def test_a_box_travels_as_its_bytes_bit_for_bit(element, dtype):
+    rng = np.random.default_rng(0)
+    box = rng.standard_normal((3, 5)) * 100
+    box = (box > 0) if dtype is np.bool_ else box.astype(dtype)
+    if np.issubdtype(np.dtype(dtype), np.floating) and np.dtype(dtype).itemsize >= 4:
+        box[0, :3] = [-0.0, np.nan, np.inf]
+    data = as_bytes(box[:, 1:4])  # a strided view: its elements, not its buffer
+    assert data.dtype == np.uint8 and data.nbytes == 9 * np.dtype(dtype).itemsize
+    back = from_bytes(data, element, (3, 3))
+    assert back.dtype == np.dtype(dtype) and back.shape == (3, 3)
+    assert back.tobytes() == np.ascontiguousarray(box[:, 1:4]).tobytes()
