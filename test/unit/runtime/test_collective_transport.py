@@ -5,7 +5,9 @@ runs only when its sender's stream has posted its boxes and every process of it 
 all its earlier collectives, each process taking its own in the order given): every
 schedule's streams finish under `collective_order`, and the checker itself is shown to
 catch an order that deadlocks. The bytes a collective carries come back bit for bit in
-every element type. The transport on Ray workers: test_ray_runtime.py.
+every element type. `tools/bench_cross_mesh.py --measure` carries a paper case out between
+worker processes with every plan and transport (its receivers check their shards). The
+transport on Ray workers: test_ray_runtime.py.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from hypothesis import strategies as st
 from hlopar.analysis.schedules import ONE_STAGE_SCHEDULES, PipelineTopology, build_streams
 from hlopar.analysis.schedules.instructions import RECV, SEND, MeshStream
 from hlopar.runtime.collective_transport import as_bytes, collective_order, from_bytes
+from tools_module import load_tool
 
 
 def named_streams(topology: PipelineTopology, schedule: str, microbatches: int) -> list[MeshStream]:
@@ -137,3 +140,18 @@ def test_a_box_travels_as_its_bytes_bit_for_bit(element, dtype):
     back = from_bytes(data, element, (3, 3))
     assert back.dtype == np.dtype(dtype) and back.shape == (3, 3)
     assert back.tobytes() == np.ascontiguousarray(box[:, 1:4]).tobytes()
+
+
+def test_bench_measures_a_paper_case_between_workers(ray_cluster):
+    """Case 5 (S1RR -> S0RR between two 2x4 meshes: 4 workers, ops from both hosts of the
+    source to both of the destination), tensor / 64: every plan over both transports,
+    arrived whole (`measure` raises where a receiver's shards differ from the source)."""
+    bench = load_tool("bench_cross_mesh")
+    rows = bench.measure(["case5"], scale=64, repeat=1, preset="cpu")
+    assert [(r["method"], r["transport"]) for r in rows] == [
+        (m, t) for m in bench.MEASURED_METHODS for t in bench.TRANSPORT_NAMES
+    ]
+    assert all(r["workers"] == 4 and r["measured_s"] > 0 and r["predicted_s"] > 0 for r in rows)
+    # every destination device receives its half of the tensor: 8 x 1/2 x 16x16x512 fp16
+    assert {r["bytes_moved"] for r in rows} == {8 * 16 * 16 * 512 * 2 // 2}
+    assert "| case5 |" in bench.measured_table(rows)
