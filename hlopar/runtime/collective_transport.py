@@ -17,8 +17,13 @@ One collective per unit op, of the group [sending device, receiving devices] (a 
 mesh over them): a `ppermute` where there is one receiver, else an all-reduce of the box
 against zeros (the sender's bytes reach every receiver). The box travels as its bytes
 (uint8), so any element type moves bit for bit and a receiver needs no type to take part;
-it reads the transfer's element type (`ProgramTransfer.element`) to view them. Its
-chunking and the ring of `scatter_allgather` are the collective library's business here.
+it reads the transfer's element type (`ProgramTransfer.element`) to view them. What the
+unit op's kind becomes: a ring all-reduce is a reduce-scatter and then an all-gather, so a
+`scatter_allgather` op moves what it plans (2(n-1)/n of the box per device of n); jax has no
+broadcast collective, so a `broadcast` op (a chain, one box per link, pipelined in
+`chunks`) runs as the same all-reduce, up to twice its bytes per link; `send_recv` to one
+receiver is a `ppermute`, exactly; chunking is left to the library (NCCL's and gloo's rings
+pipeline their own chunks).
 Each group's program is compiled once per plan, on first use, and reused every step.
 
 The order. A collective blocks until all of its processes call it, so the workers must
@@ -32,10 +37,15 @@ done every earlier one of theirs and wait at c. Its sender's stream reaches the 
 every RECV before it in that stream ran, in the reference run, before the SEND of c, so
 its collective comes earlier in the order and is done.
 
-What does not go through it: a value moved once (a sum an update reads, an update's result
-read on another mesh) is pulled from its maker through the object store (`move`), as is
-an argument the driver sends; both are outside the streams' order. The boxes are cut and
-assembled in host memory, as the object store's are (`transports.pack`, `unpack`): on
+Values moved once (a sum over microbatches that another mesh's update reads, an update's
+result read on another mesh: not carried by a SEND/RECV pair) go the same way, after the
+streamed ones: `moved_once_order` runs the update phase once (each mesh's update fragments
+in program order, then its results, each waiting for what it reads) and takes the moves in
+the order they are first read; the sender's thread waits for the value to be made (as a
+pull of the object store does) and the reader's read waits in the mailbox. The streams
+never read such a value (only updates and results do), so this order comes after theirs.
+An argument's copy is the driver's to send, as with the object store. The boxes are cut
+and assembled in host memory, as the object store's are (`transports.pack`, `unpack`): on
 GPUs that is a copy to and from the host per box around the NCCL collective (never run
 here: no GPU).
 """
@@ -46,18 +56,28 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from hlopar.analysis.schedules.instructions import SEND, MeshStream
-from hlopar.codegen.pipeline_program import PipelineProgram
+from hlopar.codegen.pipeline_program import UPDATE, PipelineProgram, ProgramTransfer
 from hlopar.codegen.spmd import numpy_dtype
+from hlopar.runtime.interpreter import argument_origin
 from hlopar.runtime.mesh_processes import WorkerLayout
 from hlopar.runtime.transports import Payload, TransportError
 
-__all__ = ["CollectiveChannel", "GroupOp", "as_bytes", "collective_order", "from_bytes", "worker_collectives"]
+__all__ = [
+    "CollectiveChannel",
+    "GroupOp",
+    "as_bytes",
+    "collective_order",
+    "from_bytes",
+    "moved_once",
+    "moved_once_order",
+    "worker_collectives",
+]
 
 
 def collective_order(streams: Sequence[MeshStream]) -> list[tuple[str, int | None]]:
@@ -81,6 +101,64 @@ def collective_order(streams: Sequence[MeshStream]) -> list[tuple[str, int | Non
         if not progressed:
             stuck = {s.mesh: str(s.instructions[c]) for c, s in zip(cursors, streams) if c < len(s.instructions)}
             raise RuntimeError(f"the instruction streams deadlock at {stuck}")
+    return order
+
+
+def moved_once(program: PipelineProgram, t: ProgramTransfer) -> bool:
+    """Whether an update or a result reads `t`'s result moved once, through the transport (a
+    sum, or a value no SEND/RECV carries), rather than received per microbatch or sent by
+    the driver (an argument's copy) or handed over between two stages of one mesh. The
+    interpreter's read rule for `once` reads."""
+    if t.src_mesh == t.dst_mesh or argument_origin(program, t.source) is not None:
+        return False
+    return program.values[t.source].accumulated or not t.streamed
+
+
+def moved_once_order(program: PipelineProgram) -> list[tuple[str, None]]:
+    """(transfer, None) of every value moved once per step, in the order a run of the update
+    phase first reads them (module docstring): mesh by mesh in turn, each mesh's update
+    fragments in program order and then its results, as far as what they read is made."""
+    values, transfers = program.values, program.transfers
+    ran: set[int] = set()  # update fragments run
+    moved: set[int] = set()  # transfers moved
+    order: list[tuple[str, None]] = []
+
+    def made(v: int) -> bool:
+        value = values[v]
+        if value.transfer is not None:
+            t = transfers[value.transfer]
+            if not moved_once(program, t):  # received, sent by the driver, or handed over here
+                return t.src_mesh != t.dst_mesh or made(t.source)
+            if t.index not in moved:
+                if not made(t.source):
+                    return False
+                moved.add(t.index)
+                order.append((t.name, None))
+            return True
+        if value.producer is None:
+            return True
+        fragment = program.fragments[value.producer]
+        return fragment.role != UPDATE or value.producer in ran
+
+    queues = {
+        mesh: [("fragment", k) for k, f in enumerate(program.fragments) if f.role == UPDATE and f.mesh == mesh]
+        + [("result", v) for v in program.results if values[v].mesh == mesh]
+        for mesh in program.meshes
+    }
+    while any(queues.values()):
+        progressed = False
+        for queue_ in queues.values():
+            while queue_:
+                kind, item = queue_[0]
+                reads = program.fragments[item].operands if kind == "fragment" else (item,)
+                if not all(made(v) for v in reads):
+                    break
+                if kind == "fragment":
+                    ran.add(item)
+                queue_.pop(0)
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the update fragments wait for each other's values: no order for their moves")
     return order
 
 
@@ -127,8 +205,9 @@ def worker_collectives(
 class CollectiveChannel:
     """A worker's side of the collective transport: the thread that runs, step after step,
     the collectives it takes part in (`ops`, in the plan's order), taking the boxes its
-    SENDs post (`post`) and putting what it receives in the worker's mailbox under the keys
-    the object store delivers with ((step, transfer, microbatch, sending worker))."""
+    SENDs post (`post`), or for a value moved once (microbatch None) what `made` cuts from it
+    once it exists, and putting what it receives in the worker's mailbox under the keys the
+    object store delivers with ((step, transfer, microbatch, sending worker))."""
 
     def __init__(
         self,
@@ -138,11 +217,13 @@ class CollectiveChannel:
         worker: str,
         mailbox,
         timeout: float,
+        made: Callable[[int, str], Mapping[int | None, np.ndarray]] | None = None,
     ):
         self.ops = list(ops)
         self.devices = devices  # (mesh, plan id) -> jax device, every mesh of the plan
         self.layout, self.worker, self.mailbox, self.timeout = layout, worker, mailbox, timeout
         self.slot = layout.slots[worker]
+        self.made = made  # (step, transfer) -> its boxes this worker sends, once the value is made
         self.outbox: dict = {}
         self.posted = threading.Condition()
         self.steps: queue.Queue = queue.Queue()
@@ -192,6 +273,7 @@ class CollectiveChannel:
 
     def _run_step(self, step: int) -> None:
         received: dict[tuple, dict] = {}  # (transfer, microbatch, sending worker) -> op -> box
+        once: dict[str, Mapping] = {}  # transfer moved once -> the boxes this worker sends
         expected: dict[tuple, int] = {}
         for g in self.ops:
             if not self.mine(*g.sender):
@@ -202,7 +284,12 @@ class CollectiveChannel:
             clock = time.perf_counter()
             data = None
             if self.mine(*g.sender):
-                boxes = self._boxes(step, g.transfer, g.microbatch)
+                if g.microbatch is not None:  # a SEND posts them
+                    boxes = self._boxes(step, g.transfer, g.microbatch)
+                else:  # moved once: taken when made
+                    if g.transfer not in once:
+                        once[g.transfer] = self.made(step, g.transfer)
+                    boxes = once[g.transfer]
                 data = as_bytes(boxes[g.op])
                 self.sent_bytes += data.nbytes
             got = self._collective(g, data)

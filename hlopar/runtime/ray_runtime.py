@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hlopar.codegen.pipeline_program import PipelineProgram
-from hlopar.runtime.collective_transport import collective_order
+from hlopar.runtime.collective_transport import collective_order, moved_once_order
 from hlopar.runtime.host_devices import host_device_environment
 from hlopar.runtime.mesh_processes import Pieces, gather_pieces
 from hlopar.runtime.ray_placement import Placement, resources, unplaceable
@@ -86,7 +86,7 @@ class RayRuntime:
         self.streams = program.streams(schedule)
         self.programs = worker_programs(program, self.streams, self.layout)
         if self.transport == "collective":
-            order = tuple(collective_order(self.streams.streams))
+            order = tuple(collective_order(self.streams.streams) + moved_once_order(program))
             self.programs = {m: replace(wp, collectives=order) for m, wp in self.programs.items()}
         self.actors: dict = {}
         self.group = None

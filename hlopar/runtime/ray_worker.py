@@ -220,6 +220,7 @@ class MeshWorker:
                 self.name,
                 self.mailbox,
                 self.timeout,
+                made=self._moved_once,
             )
         return {
             "worker": self.name,
@@ -335,6 +336,23 @@ class MeshWorker:
         """A peer's SEND: payloads by (transfer, microbatch, sending worker)."""
         for key, payload in items.items():
             self.mailbox.put((step, *key), payload)
+
+    def _moved_once(self, step: int, name: str) -> dict:
+        """The collective transport's sender side of a value moved once: the boxes of the
+        unit ops this worker sends, cut once the value is made (as `fetch` waits for it)."""
+        deadline = time.monotonic() + self.timeout
+        with self.changed:
+            while step not in self.runs:
+                if time.monotonic() > deadline:
+                    raise TransportError(f"{self.name}: step {step} did not start in {self.timeout:g} s")
+                self.changed.wait(deadline - time.monotonic())
+            run = self.runs[step]
+        t = self.index.transfers[name]
+        source = self.source(run.read(t.source, self.program.microbatches - 1, True, wait=True))
+        if t.plan is None:
+            return {None: pack(None, source).array}
+        ops = [k for k, op in enumerate(t.plan.ops) if self.wp.layout.owner(t.src_mesh, op.sender) == self.name]
+        return dict(zip(ops, pack(t.plan, source, ops).boxes))
 
     def fetch(self, step: int, name: str, m: int, once: bool, to: str | None = None):
         """A peer worker (`to`) pulls a transfer made on this mesh (a value moved once): the

@@ -3,11 +3,12 @@
 A fragment runs on the worker's devices and is waited for, to time it (`timing`). A SEND
 packs the unit ops of the transfers it names and hands them to the peer workers at once
 (`transports.ObjectStoreTransport`), or to the worker's collective channel, which runs them
-as collectives in the plan's order (`collective_transport`); a RECV waits for them in the worker's mailbox and
-places them as the reading fragment lays them out. A value moved once is pulled by its
-reader from the workers of its maker (`MeshWorker.fetch`), except a copy of an argument,
-which the driver sent here too. A value read before it is made is waited for only by a
-peer's pull (`fetch` runs in another thread of the worker, while the stream runs).
+as collectives in the plan's order (`collective_transport`); a RECV waits for them in the
+worker's mailbox and places them as the reading fragment lays them out. A value moved once
+is pulled by its reader from the workers of its maker (`MeshWorker.fetch`), or with the
+collective channel waited for in the mailbox, except a copy of an argument, which the driver
+sent here too. A value read before it is made is waited for only by a peer's pull (`fetch`
+runs in another thread of the worker, while the stream runs).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from hlopar.analysis.schedules.instructions import Instruction
 from hlopar.codegen.executables import DeviceExecutable
 from hlopar.codegen.pipeline_program import ProgramFragment, ProgramTransfer
+from hlopar.runtime.collective_transport import moved_once
 from hlopar.runtime.interpreter import StepInterpreter, argument_origin
 from hlopar.runtime.transports import TransportError, pack, unpack, unpack_shards
 
@@ -61,13 +63,25 @@ class WorkerTransport:
             # A copy of an argument: the driver sent the argument here too.
             return self.place(transfer.result, step.read(transfer.source, m, once))
         w = self.w
+        if transfer.src_mesh == transfer.dst_mesh and not w.spans:
+            # A hand-over between two stages this worker runs (its maker ran before, in this
+            # stream): the value is here, laid out as its reader reads it.
+            return self.place(transfer.result, step.read(transfer.source, m, once))
         clock = time.perf_counter()
-        payloads = [
-            w.transport.pull(w.peers[src], self.step, transfer.name, m, once, w.timeout, w.name)
-            for src in w.senders(transfer.name)
-        ]
+        if w.channel is not None and moved_once(step.program, transfer):  # the channel receives it
+            payloads = [
+                w.mailbox.take((self.step, transfer.name, None, src), w.timeout, f"{transfer.name} (once) <- {src}")
+                for src in w.senders(transfer.name)
+            ]
+            waited = "recv_wait_s"
+        else:
+            payloads = [
+                w.transport.pull(w.peers[src], self.step, transfer.name, m, once, w.timeout, w.name)
+                for src in w.senders(transfer.name)
+            ]
+            waited = "pull_s"  # through the object store
         array = self.received(transfer, payloads)
-        self.timing["pull_s"] += time.perf_counter() - clock
+        self.timing[waited] += time.perf_counter() - clock
         return array
 
     def send(self, step: StepInterpreter, inst: Instruction) -> None:

@@ -4,7 +4,8 @@ Its order is checked by running the streams with collectives that block (a colle
 runs only when its sender's stream has posted its boxes and every process of it has done
 all its earlier collectives, each process taking its own in the order given): every
 schedule's streams finish under `collective_order`, and the checker itself is shown to
-catch an order that deadlocks. The bytes a collective carries come back bit for bit in
+catch an order that deadlocks. Values moved once are ordered as the updates read them
+(not a hand-over inside a mesh, nor an argument's copy). The bytes a collective carries come back bit for bit in
 every element type. `tools/bench_cross_mesh.py --measure` carries a paper case out between
 worker processes with every plan and transport (its receivers check their shards). The
 transport on Ray workers: test_ray_runtime.py.
@@ -13,17 +14,19 @@ transport on Ray workers: test_ray_runtime.py.
 from __future__ import annotations
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tools_module import load_tool
 
 from hlopar.analysis.schedules import ONE_STAGE_SCHEDULES, PipelineTopology, build_streams
 from hlopar.analysis.schedules.instructions import RECV, SEND, MeshStream
-from hlopar.runtime.collective_transport import as_bytes, collective_order, from_bytes
-from tools_module import load_tool
+from hlopar.codegen.pipeline_program import UPDATE, ProgramTransfer, ProgramValue
+from hlopar.runtime.collective_transport import as_bytes, collective_order, from_bytes, moved_once, moved_once_order
 
 
 def named_streams(topology: PipelineTopology, schedule: str, microbatches: int) -> list[MeshStream]:
@@ -155,3 +158,52 @@ def test_bench_measures_a_paper_case_between_workers(ray_cluster):
     # every destination device receives its half of the tensor: 8 x 1/2 x 16x16x512 fp16
     assert {r["bytes_moved"] for r in rows} == {8 * 16 * 16 * 512 * 2 // 2}
     assert "| case5 |" in bench.measured_table(rows)
+
+
+def _program(updates_read: dict[str, tuple[int, ...]]):
+    """Two meshes. Values: 0 an argument on m0; 1 a gradient summed over microbatches on m1
+    (a backward's); 2 its move to m0 (t0); 3 m0's update result; 4 its move to m1 (t1);
+    5 m1's update result; 6 the argument's copy on m1 (t2); 7 a hand-over of 3 between two
+    stages of m0 (t3); 8 m1's update result moved to m0 (t4). `updates_read`: what each
+    mesh's update reads."""
+    values = [
+        ProgramValue("m0", False, 4, argument=0),
+        ProgramValue("m1", True, 4, accumulated=True, producer=0),
+        ProgramValue("m0", True, 4, transfer=0),
+        ProgramValue("m0", False, 4, producer=1),
+        ProgramValue("m1", False, 4, transfer=1),
+        ProgramValue("m1", False, 4, producer=2),
+        ProgramValue("m1", False, 4, transfer=2),
+        ProgramValue("m0", False, 4, transfer=3),
+        ProgramValue("m0", False, 4, transfer=4),
+    ]
+    transfers = [
+        ProgramTransfer(0, "t0", 1, 2, "m1", "m0", 4),
+        ProgramTransfer(1, "t1", 3, 4, "m0", "m1", 4),
+        ProgramTransfer(2, "t2", 0, 6, "m0", "m1", 4),
+        ProgramTransfer(3, "t3", 3, 7, "m0", "m0", 4),
+        ProgramTransfer(4, "t4", 5, 8, "m1", "m0", 4),
+    ]
+    fragments = [
+        SimpleNamespace(role="backward", mesh="m1", operands=()),
+        SimpleNamespace(role=UPDATE, mesh="m0", operands=updates_read["m0"]),
+        SimpleNamespace(role=UPDATE, mesh="m1", operands=updates_read["m1"]),
+    ]
+    return SimpleNamespace(
+        values=values, transfers=transfers, fragments=fragments, meshes=("m0", "m1"), results=(3, 5, 7)
+    )
+
+
+def test_values_moved_once_are_ordered_as_the_updates_read_them():
+    """m0's update reads the moved sum (t0), m1's reads m0's update result (t1) and the
+    argument's copy (t2, the driver's): t0 then t1; the hand-over t3 (a result of m0) and
+    the copy are no collectives."""
+    program = _program({"m0": (0, 2), "m1": (4, 6)})
+    assert moved_once_order(program) == [("t0", None), ("t1", None)]
+    assert [moved_once(program, t) for t in program.transfers] == [True, True, False, False, True]
+
+
+def test_updates_that_wait_for_each_other_have_no_order():
+    """m0's update reads m1's update result (t4), m1's reads m0's (t1)."""
+    with pytest.raises(RuntimeError, match="wait for each other"):
+        moved_once_order(_program({"m0": (8,), "m1": (4,)}))

@@ -112,14 +112,17 @@ SCHEDULE_CASES = [
 def test_training_matches_one_device(ray_cluster, model, schedule):
     parallel = train(model, 3, num_microbatches=2, schedule=schedule)
     try:
-        program = parallel.runtime.program
-        assert len(program.meshes) == 2, "the plan does not pipeline: the test would prove less"
-        assert sorted(len(d) for d in program.devices.values()) == [4, 4]
+        program = parallel.runtime.program  # 2 meshes of 4 (the U-Transformer: 4, of 1, 1, 2 and 4)
+        meshes = len(program.meshes)
+        assert meshes >= 2, "the plan does not pipeline: the test would prove less"
+        assert sum(len(d) for d in program.devices.values()) == 8
         info = parallel.runtime.setup_info
-        assert len({i["pid"] for i in info.values()}) == 2 and os.getpid() not in {i["pid"] for i in info.values()}
-        assert all(len(i["devices"]) == 4 and i["platform"] == "cpu" for i in info.values())  # its own 4 CPU devices
+        pids = {i["pid"] for i in info.values()}
+        assert len(pids) == meshes and os.getpid() not in pids
+        # each worker its own CPU devices, those of its mesh
+        assert all(len(i["devices"]) == len(program.devices[n]) and i["platform"] == "cpu" for n, i in info.items())
         workers = parallel.last_stats.workers
-        assert len(workers) == 2 and all(
+        assert len(workers) == meshes and all(
             w["sent_bytes"] > 0 for w in workers.values()
         )  # activations and gradients crossed
     finally:
@@ -143,7 +146,7 @@ COLLECTIVE_CASES = [
 @pytest.mark.parametrize("model, schedule, cluster", COLLECTIVE_CASES)
 def test_collective_transport_matches_one_device(ray_cluster, model, schedule, cluster):
     """transport="collective": every worker in one jax runtime (gloo between the processes),
-    each unit op of a streamed transfer a collective of its devices' processes."""
+    each unit op of a transfer (streamed, or a sum moved once) a collective of its devices' processes."""
     parallel = train(model, 3, cluster=cluster, num_microbatches=2, schedule=schedule, transport="collective")
     try:
         program = parallel.runtime.program  # 2 meshes (the U-Transformer: 4, or 2 of 2 stages each)
@@ -155,6 +158,7 @@ def test_collective_transport_matches_one_device(ray_cluster, model, schedule, c
         }
         workers = parallel.last_stats.workers
         assert sum(w["collectives"] for w in workers.values()) > 0  # boxes went by collectives
+        assert all(w["pull_s"] == 0 for w in workers.values())  # sums too: nothing through the object store
         assert all(w["sent_bytes"] > 0 for n, w in workers.items() if "@" not in n or n.endswith("@0"))
     finally:
         parallel.shutdown()
