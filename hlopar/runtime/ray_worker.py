@@ -337,33 +337,35 @@ class MeshWorker:
         for key, payload in items.items():
             self.mailbox.put((step, *key), payload)
 
-    def _moved_once(self, step: int, name: str) -> dict:
-        """The collective transport's sender side of a value moved once: the boxes of the
-        unit ops this worker sends, cut once the value is made (as `fetch` waits for it)."""
+    def _run_of(self, step: int) -> StepInterpreter:
+        """The interpreter of `step`, once the step has started here (waited for)."""
         deadline = time.monotonic() + self.timeout
         with self.changed:
             while step not in self.runs:
                 if time.monotonic() > deadline:
                     raise TransportError(f"{self.name}: step {step} did not start in {self.timeout:g} s")
                 self.changed.wait(deadline - time.monotonic())
-            run = self.runs[step]
-        t = self.index.transfers[name]
-        source = self.source(run.read(t.source, self.program.microbatches - 1, True, wait=True))
+            return self.runs[step]
+
+    def own_boxes(self, t, source) -> dict:
+        """The collective transport's boxes of transfer `t` that this worker sends: unit op
+        -> its box cut from `source` (None -> the whole value of an unplanned transfer)."""
         if t.plan is None:
             return {None: pack(None, source).array}
         ops = [k for k, op in enumerate(t.plan.ops) if self.wp.layout.owner(t.src_mesh, op.sender) == self.name]
         return dict(zip(ops, pack(t.plan, source, ops).boxes))
 
+    def _moved_once(self, step: int, name: str) -> dict:
+        """The collective transport's sender side of a value moved once: `own_boxes`, cut
+        once the value is made (as `fetch` waits for it)."""
+        t = self.index.transfers[name]
+        run = self._run_of(step)
+        return self.own_boxes(t, self.source(run.read(t.source, self.program.microbatches - 1, True, wait=True)))
+
     def fetch(self, step: int, name: str, m: int, once: bool, to: str | None = None):
         """A peer worker (`to`) pulls a transfer made on this mesh (a value moved once): the
         unit ops this worker sends it, once the value exists."""
-        deadline = time.monotonic() + self.timeout
-        with self.changed:
-            while step not in self.runs:
-                if time.monotonic() > deadline:
-                    raise TransportError(f"{self.name}: step {step} did not start in {self.timeout:g} s")
-                self.changed.wait(deadline - time.monotonic())
-            run = self.runs[step]
+        run = self._run_of(step)
         transfer = self.index.transfers[name]
         ops = self.routes[name][(self.name, to or transfer.dst_mesh)]
         return pack(transfer.plan, self.source(run.read(transfer.source, m, once, wait=True)), ops)

@@ -106,13 +106,8 @@ class WorkerTransport:
     def _post(self, t: ProgramTransfer, m: int | None, source) -> int:
         """Hands the boxes of `t`'s unit ops this worker sends to its collective channel;
         their bytes."""
-        w = self.w
-        if t.plan is None:
-            boxes = {None: pack(None, source).array}
-        else:
-            ops = [k for k, op in enumerate(t.plan.ops) if w.wp.layout.owner(t.src_mesh, op.sender) == w.name]
-            boxes = dict(zip(ops, pack(t.plan, source, ops).boxes))
-        w.channel.post(self.step, t.name, m, boxes)
+        boxes = self.w.own_boxes(t, source)
+        self.w.channel.post(self.step, t.name, m, boxes)
         return sum(int(b.nbytes) for b in boxes.values())
 
     def receive(self, step: StepInterpreter, inst: Instruction) -> None:
