@@ -46,8 +46,8 @@ __all__ = ["ProgramIndex", "StepInterpreter", "Transport", "argument_origin", "v
 
 class Transport(Protocol):
     """Where fragments run and how values move between meshes: what tells the in-process,
-    local and Ray runtimes apart (module docstring). A collective transport (NCCL) is one
-    more implementation of it."""
+    local and Ray runtimes apart (module docstring). On Ray workers the collective
+    transport is a channel behind `worker_transport.WorkerTransport`, not another one."""
 
     def executable(self, fragment: ProgramFragment) -> DeviceExecutable:
         """The executable that runs `fragment` on this process's devices of its mesh."""
