@@ -231,7 +231,6 @@ class CollectiveChannel:
         self.failure: str | None = None
         self.seconds = 0.0  # in collectives, waits for their boxes included
         self.done = 0  # collectives run
-        self.sent_bytes = 0
         self._thread = threading.Thread(target=self._serve, name=f"hlopar-collectives-{worker}", daemon=True)
         self._thread.start()
 
@@ -263,8 +262,6 @@ class CollectiveChannel:
     def _serve(self) -> None:
         while True:
             step = self.steps.get()
-            if step is None:
-                return
             try:
                 self._run_step(step)
             except Exception as error:  # noqa: BLE001 - the receiving streams time out and say so
@@ -291,7 +288,6 @@ class CollectiveChannel:
                         once[g.transfer] = self.made(step, g.transfer)
                     boxes = once[g.transfer]
                 data = as_bytes(boxes[g.op])
-                self.sent_bytes += data.nbytes
             got = self._collective(g, data)
             self.seconds += time.perf_counter() - clock
             self.done += 1
@@ -362,9 +358,6 @@ class CollectiveChannel:
             fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("g"), out_specs=P("g")))
             found = self.programs[key] = (fn, mesh)
         return found
-
-    def close(self) -> None:
-        self.steps.put(None)
 
 
 def _itemsize(element: str) -> int:

@@ -308,6 +308,7 @@ class MeshWorker:
         transport.timing["placed"] = run.placements.moved
         if self.channel is not None:  # so far (its thread may still be sending this step's)
             transport.timing["collectives"] = self.channel.done
+            transport.timing["collective_s"] = self.channel.seconds
         return {"timing": transport.timing, "spans": run.spans, "results": self._returned(step, returned, copied)}
 
     def _returned(self, step: int, returned: Collection[int], copied: Collection[int] = ()) -> dict:
