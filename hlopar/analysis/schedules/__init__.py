@@ -31,7 +31,7 @@ from hlopar.analysis.schedules.registry import (
     UnknownScheduleError,
     get_schedule,
 )
-from hlopar.analysis.schedules.simulator import DeadlockError, Event, SimResult, simulate
+from hlopar.analysis.schedules.simulator import DeadlockError, Event, SimResult, iteration_lower_bound, simulate
 from hlopar.analysis.schedules.tasks import LOOP, V_SHAPE, Schedule, Task, max_in_flight, max_stashes, stage_placement
 from hlopar.analysis.schedules.timeline import Timeline, chrome_trace, draw_timeline, write_chrome_trace
 from hlopar.analysis.schedules.topology import Edge, PipelineTopology
@@ -72,6 +72,7 @@ __all__ = [
     "chrome_trace",
     "draw_timeline",
     "get_schedule",
+    "iteration_lower_bound",
     "max_in_flight",
     "max_stashes",
     "signal",

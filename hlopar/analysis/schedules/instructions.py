@@ -68,14 +68,14 @@ class Instruction:
     transfers: tuple[str, ...] = ()
     stage: int | None = None  # the stage it is of, on a mesh that holds several (else None)
     peer_stage: int | None = None  # with `stage`: the stage at the other end of a SEND/RECV
+    # The mesh it runs on, the id's part before its last ":" (read per instruction by the
+    # simulator and the runners, so taken from the id once).
+    mesh: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.op not in OPS:
             raise ValueError(f"unknown instruction {self.op!r}; valid: {', '.join(OPS)}")
-
-    @property
-    def mesh(self) -> str:
-        return self.id.rpartition(":")[0]
+        object.__setattr__(self, "mesh", self.id.rpartition(":")[0])
 
     def describe(self) -> str:
         """The instruction without its id and deps: `SEND act mb=3 -> m2 (3.8 MiB)`."""

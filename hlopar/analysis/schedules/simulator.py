@@ -11,10 +11,11 @@ not parameters or optimizer state, which do not depend on the schedule.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hlopar.analysis.schedules.costs import CommModel, StageCost, as_comm_model
 from hlopar.analysis.schedules.instructions import (
@@ -27,8 +28,19 @@ from hlopar.analysis.schedules.instructions import (
     Instruction,
     PipelineStreams,
 )
+from hlopar.analysis.schedules.tasks import BACKWARD, FORWARD, WEIGHT
+from hlopar.analysis.schedules.topology import PipelineTopology
 
-__all__ = ["COMPUTE", "SEND_STREAM", "RECV_STREAM", "Event", "SimResult", "DeadlockError", "simulate"]
+__all__ = [
+    "COMPUTE",
+    "SEND_STREAM",
+    "RECV_STREAM",
+    "Event",
+    "SimResult",
+    "DeadlockError",
+    "iteration_lower_bound",
+    "simulate",
+]
 
 COMPUTE, SEND_STREAM, RECV_STREAM = "compute", "send", "recv"
 _STREAM_OF = {RUN: COMPUTE, ACCUMULATE: COMPUTE, UPDATE: COMPUTE, SEND: SEND_STREAM, RECV: RECV_STREAM}
@@ -64,13 +76,42 @@ class Event:
 
 @dataclass(frozen=True)
 class SimResult:
+    """What a run of the streams took. `events` and `peak_memory` are made from the run when
+    first read: the planner ranks thousands of runs by their time alone."""
+
     schedule: str
     meshes: tuple[str, ...]
     iteration_time: float
     bubble_fraction: float  # idle compute time over meshes x iteration time
     compute_busy: dict[str, float]
-    peak_memory: dict[str, int]  # bytes per mesh
-    events: tuple[Event, ...]
+    # The run: the instructions, each one's stream (None for FREE), start and end times.
+    run: tuple[list[Instruction], list[tuple[str, str] | None], list[float], list[float]] = field(
+        repr=False, compare=False
+    )
+
+    @functools.cached_property
+    def events(self) -> tuple[Event, ...]:
+        insts, stream_key, start, finish = self.run
+        return tuple(
+            Event(
+                inst.id,
+                inst.mesh,
+                key[1] if key else "",
+                inst.op,
+                inst.kind,
+                inst.microbatch,
+                inst.peer,
+                start[i],
+                finish[i],
+            )
+            for i, (inst, key) in enumerate(zip(insts, stream_key))
+        )
+
+    @functools.cached_property
+    def peak_memory(self) -> dict[str, int]:
+        """Bytes per mesh."""
+        insts, _, start, finish = self.run
+        return _peak_memory(insts, start, finish)
 
     @property
     def steady_period(self) -> float:
@@ -204,29 +245,52 @@ def simulate(  # noqa: C901 (one event loop; reason in the docstring)
             f"deadlock: {n - done} of {n} instructions never run; stream heads:\n  " + "\n  ".join(lines), stuck
         )
 
-    events = tuple(
-        Event(
-            inst.id,
-            inst.mesh,
-            key[1] if key else "",
-            inst.op,
-            inst.kind,
-            inst.microbatch,
-            inst.peer,
-            start[i],
-            finish[i],
-        )
-        for i, (inst, key) in enumerate(zip(insts, stream_key))
-    )
-    total = max((e.end for e in events), default=0.0)
+    total = max(finish, default=0.0)
     busy = {mesh: 0.0 for mesh in streams.meshes}
-    for e in events:
-        if e.stream == COMPUTE:
-            busy[e.mesh] += e.end - e.start
+    for i, key in enumerate(stream_key):
+        if key is not None and key[1] == COMPUTE:
+            busy[key[0]] += finish[i] - start[i]
     meshes = streams.meshes
     idle = sum(total - busy[m] for m in meshes)
     bubble = idle / (len(meshes) * total) if total > 0 else 0.0
-    return SimResult(streams.schedule, meshes, total, bubble, busy, _peak_memory(insts, start, finish), events)
+    return SimResult(streams.schedule, meshes, total, bubble, busy, (insts, stream_key, start, finish))
+
+
+def iteration_lower_bound(
+    topology: PipelineTopology,
+    costs: Sequence[StageCost],
+    comm: CommModel | Callable[[str, str, int], float] | None,
+    num_microbatches: int,
+    split_backward: bool,
+) -> float:
+    """A time `simulate` never undercuts for any schedule's streams on `topology` (the planner
+    skips a plan whose bound is above the best time already simulated; it costs O(stages +
+    edges), a simulation O(microbatches x stages)).
+
+    Every compute instruction of a mesh runs after the earliest forward of one of its stages
+    can start, and its compute stream runs them one at a time, so the step takes at least
+    that start plus their durations. A stage's forward of any microbatch starts no earlier
+    than its inputs' forwards of that microbatch ended and their activations arrived (a
+    transfer takes at least `comm.time`; links shared only delay it): the longest path to
+    the stage through the forward edges."""
+    comm = as_comm_model(comm)
+    meshes = topology.meshes
+    earliest = [0.0] * topology.num_stages
+    for k in range(topology.num_stages):  # edges go from lower to higher stages
+        for e in topology.inputs(k):
+            moved = 0.0 if meshes[e.src] == meshes[k] else comm.time(meshes[e.src], meshes[k], e.nbytes)
+            earliest[k] = max(earliest[k], earliest[e.src] + costs[e.src].forward + moved)
+    bound = 0.0
+    for mesh in topology.mesh_names:
+        stages = topology.stages_on(mesh)
+        busy = 0.0
+        for k in stages:
+            cost = costs[k]
+            kinds = (FORWARD, BACKWARD, WEIGHT) if split_backward else (FORWARD, BACKWARD)
+            per_microbatch = sum(cost.run_time(kind, split_backward) for kind in kinds) + cost.accumulate
+            busy += num_microbatches * per_microbatch + cost.update
+        bound = max(bound, min(earliest[k] for k in stages) + busy)
+    return bound
 
 
 def _peak_memory(insts: list[Instruction], start: list, finish: list) -> dict[str, int]:

@@ -14,6 +14,7 @@ stages of one mesh is a hand-over on that mesh, not a transfer.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -91,20 +92,32 @@ class PipelineTopology:
         ]
         return cls(num_stages, tuple(merged) + tuple(extra.values()), tuple(stash), tuple(meshes))
 
-    def inputs(self, stage: int) -> list[Edge]:
+    # Read per instruction while streams are built (a step of 1024 microbatches reads them
+    # millions of times): computed once per topology, which is immutable.
+    def inputs(self, stage: int) -> tuple[Edge, ...]:
         """Edges into `stage`, by source stage."""
-        return sorted((e for e in self.edges if e.dst == stage), key=lambda e: e.src)
+        return self._ends[0][stage]
 
-    def outputs(self, stage: int) -> list[Edge]:
+    def outputs(self, stage: int) -> tuple[Edge, ...]:
         """Edges out of `stage`, by destination stage."""
-        return sorted((e for e in self.edges if e.src == stage), key=lambda e: e.dst)
+        return self._ends[1][stage]
 
-    @property
+    @functools.cached_property
+    def _ends(self) -> tuple[tuple[tuple[Edge, ...], ...], tuple[tuple[Edge, ...], ...]]:
+        inputs = tuple(
+            tuple(sorted((e for e in self.edges if e.dst == k), key=lambda e: e.src)) for k in range(self.num_stages)
+        )
+        outputs = tuple(
+            tuple(sorted((e for e in self.edges if e.src == k), key=lambda e: e.dst)) for k in range(self.num_stages)
+        )
+        return inputs, outputs
+
+    @functools.cached_property
     def mesh_names(self) -> tuple[str, ...]:
         """The distinct meshes, in order of their first stage."""
         return tuple(dict.fromkeys(self.meshes))
 
-    @property
+    @functools.cached_property
     def chunks(self) -> int:
         """Stages per mesh (1 unless virtual stages)."""
         return self.num_stages // len(self.mesh_names)

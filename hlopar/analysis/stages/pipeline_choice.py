@@ -20,6 +20,10 @@ runner-ups). How candidates are ranked:
   A plan is kept only where each stage also fits with the stashes it holds under that
   schedule (`Schedule.stashes`: a zero-bubble stage keeps a stash until its W, more than
   the DP's Eq. 5 count for every stage but the first).
+  A simulation costs time in proportion to the count (GPT-1.3B's plans of 1024 microbatches
+  on 24 stages: seconds each), a bound on what it can return almost nothing
+  (`schedules.iteration_lower_bound`): plans are simulated in the order of their bounds,
+  and those that could be neither the choice nor its runner-up are not (`_simulated`).
 
 Schedules of several stages per mesh (`Schedule.mesh_order`: interleaved-1f1b, zb-v) are
 planned on p meshes of ONE submesh shape and one logical shape (p times the submesh's size
@@ -44,7 +48,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -56,6 +60,7 @@ from hlopar.analysis.schedules import (
     StageCost,
     build_streams,
     get_schedule,
+    iteration_lower_bound,
     simulate,
 )
 from hlopar.analysis.stages.span_costs import LayerArrays, SpanTable, span_tables
@@ -107,6 +112,7 @@ class Candidate:
     why: str = ""
     others: tuple[Slicing, ...] = ()
     chunks: int = 1  # stages per mesh (`plan`'s v p stages on p meshes where > 1)
+    at_least: float = np.inf  # not simulated (`_simulated`): a bound of its simulated step time
 
     @property
     def placement(self) -> tuple[int, ...]:
@@ -121,8 +127,9 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Choice:
-    """Every (schedule, count) tried, best first (its order on ties: the order given), and
-    the seconds the span tables, the DPs and the simulations took."""
+    """Every (schedule, count) tried, best first (its order on ties: the order given; those
+    not simulated after those simulated, by their bounds), and the seconds the span tables,
+    the DPs and the simulations took."""
 
     candidates: tuple[Candidate, ...]
     timings: dict[str, float]
@@ -204,7 +211,7 @@ def choose_pipeline(
         for schedule in schedules:
             if schedule.mesh_order is not None:
                 candidates.append(
-                    _chunked_best(space, schedule, count, layers, received, per_microbatch, num_runner_ups, timings)
+                    _chunked_plans(space, schedule, count, layers, received, per_microbatch, num_runner_ups, timings)
                 )
                 continue
             flight = flight_of[schedule.name]
@@ -228,14 +235,17 @@ def choose_pipeline(
                 )
                 continue
             clock = time.perf_counter()
-            candidates.append(
-                _simulated_best(
-                    space, schedule, count, table, received, per_microbatch, (best, *result.runner_ups), result
-                )
-            )
+            plans = (best, *result.runner_ups)
+            fitting = [
+                _Priced(plan, table, result, plans) for plan in plans if _fits(space, schedule, count, table, plan)
+            ]
+            candidates.append(_Group.of(space, schedule, count, received, per_microbatch, fitting, 1))
             timings["simulation"] += time.perf_counter() - clock
+    clock = time.perf_counter()
+    candidates = _simulated(candidates, space.split)
+    timings["simulation"] += time.perf_counter() - clock
     order = {id(c): k for k, c in enumerate(candidates)}
-    return Choice(tuple(sorted(candidates, key=lambda c: (c.seconds, order[id(c)]))), timings)
+    return Choice(tuple(sorted(candidates, key=lambda c: (c.seconds, c.at_least, order[id(c)]))), timings)
 
 
 def _priced_at(space: PipelineSpace, count: int) -> tuple[LayerArrays, np.ndarray, bool]:
@@ -248,43 +258,122 @@ def _priced_at(space: PipelineSpace, count: int) -> tuple[LayerArrays, np.ndarra
     return space.layers.scaled(space.split), np.asarray(space.received) * space.split, False
 
 
-def _simulated_best(space, schedule, count, table, received, per_microbatch, plans, result, chunks=1) -> Candidate:
-    """The fastest in simulation of the DP's plans that fit under the schedule's stashes (per
-    stage; with `chunks` > 1 stages per mesh, per mesh: `_meshes_fit`)."""
-    best = None
-    num_meshes = len(plans[0].stages) // chunks
-    placement = None if chunks == 1 else schedule.placed(num_meshes, chunks)
-    for plan in plans:
-        if chunks == 1 and not _fits(space, schedule, count, table, plan):
-            continue
-        if chunks > 1 and not _meshes_fit(space, schedule, count, table, plan, num_meshes, chunks):
-            continue
-        seconds, bubble = simulated_step(space, schedule, count, table, plan, received, per_microbatch, placement)
-        if best is None or seconds < best.seconds:
-            best = Candidate(
-                schedule.name,
-                count,
-                plan,
-                table,
-                seconds,
-                plan.total_latency,
-                bubble,
-                evaluated_t_max=result.evaluated_t_max,
-                others=tuple(p for p in plans if p.stages != plan.stages),
-                chunks=chunks,
+@dataclass(frozen=True)
+class _Priced:
+    """A plan to simulate, with what its candidate would say of it: the span table it reads,
+    the DP result and the DP's plans it came from (`chunks` stages per mesh)."""
+
+    plan: Slicing
+    table: SpanTable
+    result: object
+    plans: tuple[Slicing, ...]
+    chunks: int = 1
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The plans of one (schedule, count) that fit, each with what its simulation reads and a
+    time that simulation never undercuts (`iteration_lower_bound`, shrunk by a relative 1e-9
+    so that rounding never lets it pass a time it ties)."""
+
+    schedule: Schedule
+    count: int
+    priced: tuple[_Priced, ...]
+    runs: tuple[tuple[float, list[StageCost], PipelineTopology, Callable], ...]  # (bound, costs, topology, comm)
+    chunks: int  # stages per mesh; 0 where the plans have several counts of chunks
+
+    @classmethod
+    def of(cls, space, schedule, count, received, per_microbatch, priced: Sequence[_Priced], chunks: int) -> _Group:
+        runs = []
+        for p in priced:
+            num_meshes = len(p.plan.stages) // p.chunks
+            placement = None if p.chunks == 1 else schedule.placed(num_meshes, p.chunks)
+            costs, topology, comm = _simulation_of(space, count, p.table, p.plan, received, per_microbatch, placement)
+            bound = iteration_lower_bound(topology, costs, comm, count, schedule.split_backward) * (1 - 1e-9)
+            runs.append((bound, costs, topology, comm))
+        return cls(schedule, count, tuple(priced), tuple(runs), chunks)
+
+    @property
+    def bound(self) -> float:
+        return min((run[0] for run in self.runs), default=np.inf)
+
+    def best(self) -> Candidate:
+        """The fastest plan in simulation (the first of equal times), or why none fits. Plans
+        are simulated in the order of their bounds; one whose bound is above the best time so
+        far is not: it cannot win."""
+        schedule, count = self.schedule, self.count
+        if not self.priced:
+            held = (
+                "stashes (held until W)"
+                if self.chunks == 1
+                else f"{self.chunks} chunks per mesh (their memories summed)"
             )
-    if best is None:
-        held = "stashes (held until W)" if chunks == 1 else f"{chunks} chunks per mesh (their memories summed)"
-        why = f"no plan of the stage DP fits {schedule.name}'s {held} in memory"
-        return Candidate(schedule.name, count, None, None, np.inf, np.inf, why=why)
-    return best
+            why = f"no plan of the stage DP fits {schedule.name}'s {held} in memory"
+            return Candidate(schedule.name, count, None, None, np.inf, np.inf, why=why)
+        best, best_at = None, -1
+        for k in sorted(range(len(self.runs)), key=lambda k: self.runs[k][0]):
+            bound, costs, topology, comm = self.runs[k]
+            if best is not None and (bound, k) > (best.iteration_time, best_at):
+                if bound > best.iteration_time:
+                    break  # so are the bounds after it
+                continue
+            result = simulate(build_streams(topology, schedule, count), costs, comm)
+            if best is None or (result.iteration_time, k) < (best.iteration_time, best_at):
+                best, best_at = result, k
+        p = self.priced[best_at]
+        return Candidate(
+            schedule.name,
+            count,
+            p.plan,
+            p.table,
+            best.iteration_time,
+            p.plan.total_latency,
+            best.bubble_fraction,
+            evaluated_t_max=p.result.evaluated_t_max,
+            others=tuple(q for q in p.plans if q.stages != p.plan.stages),
+            chunks=p.chunks,
+        )
 
 
-def _chunked_best(space, schedule, count, layers, received, per_microbatch, num_runner_ups, timings) -> Candidate:
-    """The fastest in simulation of a several-stages-per-mesh schedule's plans over every
-    (submesh, logical shape, chunks per mesh) (module docstring)."""
+def _simulated(slots: Sequence[Candidate | _Group], keep: int | None) -> list[Candidate]:
+    """Each group's best (`_Group.best`), taken in the order of their bounds. A group of
+    another count than `keep` (a split step's own) whose bound is above the best time found so
+    far, and either of the best's schedule or above the best time of the other schedules too,
+    is not simulated: it could be neither the choice nor its runner-up (`Choice.runner_up`),
+    and the others only rank below them. Its candidate says so, with its bound."""
+    done: dict[int, Candidate] = {}
+    found: list[Candidate] = []
+    groups = sorted((k for k, slot in enumerate(slots) if isinstance(slot, _Group)), key=lambda k: slots[k].bound)
+    for k in groups:
+        group = slots[k]
+        if group.count != keep and found:
+            first = min(found, key=lambda c: c.seconds)
+            second = min((c.seconds for c in found if c.schedule != first.schedule), default=None)
+            if group.bound > first.seconds and (
+                group.schedule.name == first.schedule or (second is not None and group.bound > second)
+            ):
+                why = (
+                    f"not simulated: a step takes at least {group.bound:.4g} s (a lower bound), more than "
+                    f"{first.seconds:.4g} s ({first.schedule}, B={first.microbatches})"
+                )
+                done[k] = Candidate(
+                    group.schedule.name, group.count, None, None, np.inf, np.inf, why=why, at_least=group.bound
+                )
+                continue
+        done[k] = group.best()
+        if done[k].plan is not None:
+            found.append(done[k])
+    return [done.get(k, slot) for k, slot in enumerate(slots)]
+
+
+def _chunked_plans(
+    space, schedule, count, layers, received, per_microbatch, num_runner_ups, timings
+) -> Candidate | _Group:
+    """A several-stages-per-mesh schedule's plans that fit, over every (submesh, logical
+    shape, chunks per mesh) (module docstring), or why none does."""
     num_layers = layers.latency.shape[1]
-    best, whys = None, []
+    fitting: list[_Priced] = []  # every (submesh, logical shape, v)'s DP plans that fit, in that order
+    whys = []
     for m, size in enumerate(space.submesh_sizes):
         num_meshes = space.num_devices // size
         if num_meshes < 2 or num_meshes * size != space.num_devices or not space.meshes_of_submesh[m]:
@@ -307,26 +396,30 @@ def _chunked_best(space, schedule, count, layers, received, per_microbatch, num_
         for group in _shape_groups(space, m):
             tables = priced.tables(group, flights, space.memory_per_device, max(chunks) * num_meshes)
             for v, flight, table in zip(chunks, flights, tables):
-                found = priced.best(table, num_meshes, v)
-                if found.plan is None and found.table is not None:
+                found = priced.fitting(table, num_meshes, v)
+                if isinstance(found, _Unfit):
                     # Each chunk fits, a mesh's chunks together not: each chunk within 1/v of
                     # the memory, which the table meets by rematerializing where it can.
                     tighter = priced.tables(group, [flight], space.memory_per_device / v, v * num_meshes)[0]
-                    summed = found.why
-                    found = priced.best(tighter, num_meshes, v)
-                    if found.plan is None:
-                        found = replace(found, why=f"{summed}; nor with each chunk in 1/{v} of it: {found.why}")
-                if found.plan is None:
-                    whys.append(f"{num_meshes} meshes of {size} device(s), {v} chunks: {found.why}")
-                elif best is None or found.seconds < best.seconds:
-                    best = found
-    if best is None:
+                    found = priced.fitting(tighter, num_meshes, v)
+                    if isinstance(found, str):
+                        found = f"{_unfit(schedule, v)}; nor with each chunk in 1/{v} of it: {found}"
+                    elif isinstance(found, _Unfit):
+                        found = f"{_unfit(schedule, v)}; nor with each chunk in 1/{v} of it: {_unfit(schedule, v)}"
+                if isinstance(found, str):
+                    whys.append(f"{num_meshes} meshes of {size} device(s), {v} chunks: {found}")
+                else:
+                    fitting += found
+    if not fitting:
         why = "; ".join(dict.fromkeys(whys)) or (
             f"no {schedule.name} plan: it needs at least 2 meshes of one submesh size and "
             f"{min(VIRTUAL_CHUNKS if schedule.chunks is None else (schedule.chunks,))} or more layers per mesh"
         )
         return Candidate(schedule.name, count, None, None, np.inf, np.inf, why=why)
-    return best
+    clock = time.perf_counter()
+    group = _Group.of(space, schedule, count, received, per_microbatch, fitting, 0)
+    timings["simulation"] += time.perf_counter() - clock
+    return group
 
 
 @dataclass(frozen=True)
@@ -363,11 +456,11 @@ class _ChunkPricing:
         self.timings["span_costs"] += time.perf_counter() - clock
         return found
 
-    def best(self, table: SpanTable, num_meshes: int, chunks: int) -> Candidate:
-        """The DP's v p stages on the table (the submesh's devices counted once per chunk),
-        the fastest of its plans in simulation; without a plan, why, and the table where the
-        DP found plans and none fit their meshes."""
-        space, schedule, count = self.space, self.schedule, self.count
+    def fitting(self, table: SpanTable, num_meshes: int, chunks: int) -> list[_Priced] | _Unfit | str:
+        """The DP's v p stages on the table (the submesh's devices counted once per chunk):
+        those of its plans that fit their meshes; `_Unfit` where it found plans and none fit;
+        why where it found none."""
+        space, count = self.space, self.count
         num_stages = chunks * num_meshes
         clock = time.perf_counter()
         try:
@@ -381,17 +474,26 @@ class _ChunkPricing:
                 num_stages=num_stages,
             )
         except ValueError:  # its words count the submesh's devices once per chunk: say it here
-            why = f"no cut of the layers into {num_stages} stages fits in memory chunk by chunk"
-            return Candidate(schedule.name, count, None, None, np.inf, np.inf, why=why)
+            return f"no cut of the layers into {num_stages} stages fits in memory chunk by chunk"
         finally:
             self.timings["stage_dp"] += time.perf_counter() - clock
         clock = time.perf_counter()
         plans = (Slicing(result.stages, result.total_latency, result.t_max, result.sum_latency), *result.runner_ups)
-        found = _simulated_best(
-            space, schedule, count, table, self.received, self.per_microbatch, plans, result, chunks
-        )
+        fit = [
+            _Priced(plan, table, result, plans, chunks)
+            for plan in plans
+            if _meshes_fit(space, self.schedule, count, table, plan, num_meshes, chunks)
+        ]
         self.timings["simulation"] += time.perf_counter() - clock
-        return found if found.plan is not None else replace(found, table=table)
+        return fit or _Unfit()
+
+
+class _Unfit:
+    """The DP found plans and none fits its meshes with their chunks' memories summed."""
+
+
+def _unfit(schedule: Schedule, chunks: int) -> str:
+    return f"no plan of the stage DP fits {schedule.name}'s {chunks} chunks per mesh (their memories summed) in memory"
 
 
 def _shape_groups(space: PipelineSpace, m: int) -> list[list[int]]:
@@ -442,6 +544,13 @@ def simulated_step(
     docstring); `received` the bytes per step (per microbatch where `per_microbatch`) that
     layer b reads from layer a, at [a, b]; `placement` the mesh of each stage where meshes
     hold several (None: stage k on mesh k)."""
+    costs, topology, comm = _simulation_of(space, count, table, plan, received, per_microbatch, placement)
+    result = simulate(build_streams(topology, schedule, count), costs, comm)
+    return result.iteration_time, result.bubble_fraction
+
+
+def _simulation_of(space, count, table, plan, received, per_microbatch, placement):
+    """What `simulated_step` simulates: the stages' costs, the topology and the links."""
     num_stages = len(plan.stages)
     costs = []
     for k, stage in enumerate(plan.stages):
@@ -466,5 +575,4 @@ def simulated_step(
     def comm(src: str, dst: str, nbytes: int) -> float:
         return space.transfer_seconds(nbytes, size_of[dst]) if nbytes > 0 else 0.0
 
-    result = simulate(build_streams(topology, schedule, count), costs, comm)
-    return result.iteration_time, result.bubble_fraction
+    return costs, topology, comm

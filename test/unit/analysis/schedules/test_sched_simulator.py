@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from hlopar.analysis.schedules import (
     ONE_STAGE_SCHEDULES,
+    SCHEDULES,
     ZERO_COST,
     AlphaBeta,
     DeadlockError,
@@ -20,6 +21,8 @@ from hlopar.analysis.schedules import (
     PipelineTopology,
     StageCost,
     build_streams,
+    get_schedule,
+    iteration_lower_bound,
     signal,
     simulate,
 )
@@ -238,3 +241,33 @@ def test_steady_period_of_schedules_whose_first_stage_spans_the_step(name):
     result = simulate(build_streams(topo, name, 8), [StageCost(1.0, 2.0, weight_fraction=0.5)] * 4, ZERO_COST)
     assert result.steady_period == pytest.approx(result.iteration_time)
     assert result.steady_bubble_fraction == pytest.approx(result.bubble_fraction)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pipelines(),
+    st.sampled_from(sorted(SCHEDULES)),
+    st.integers(1, 3),
+    st.lists(st.floats(0.0, 3.0), min_size=20, max_size=20),
+    st.sampled_from([ZERO_COST, AlphaBeta(1e-3, 1e6), AlphaBeta(0.5, 1e5)]),
+)
+def test_lower_bound_never_above_the_simulated_step(pipeline, name, chunks, times, comm):
+    """The planner skips plans by `iteration_lower_bound` (pipeline_choice): a bound above a
+    simulated time would skip a plan that wins. Every schedule, with chunks on repeated meshes,
+    with and without transfer costs; tight (equal) where one stage runs alone."""
+    topo, micro = pipeline
+    schedule = get_schedule(name)
+    if schedule.mesh_order is not None:  # 2 meshes, v chunks each, a count of whole rounds
+        placed = schedule.placed(2, schedule.chunks or chunks + 1)
+        meshes = tuple(f"m{j + 1}" for j in placed)
+        topo = PipelineTopology.chain(len(placed), 10**6, 10**6, skips=[Edge(0, len(placed) - 1, 10**5)], meshes=meshes)
+        micro *= 2
+    costs = [
+        StageCost(times[k % 10], times[10 + k % 10], accumulate=times[k % 7] / 10, update=times[k % 5] / 5)
+        for k in range(topo.num_stages)
+    ]
+    result = simulate(build_streams(topo, name, micro), costs, comm)
+    bound = iteration_lower_bound(topo, costs, comm, micro, schedule.split_backward)
+    assert bound <= result.iteration_time * (1 + 1e-12)
+    if topo.num_stages == 1:
+        assert bound == pytest.approx(result.iteration_time, rel=1e-12)

@@ -103,11 +103,23 @@ def test_the_microbatch_count_trades_the_bubble_for_start_up_costs(fixed, count)
     cost the most microbatches win; with 0.5 s a microbatch (B=1: 16 s, 2: 11.25, 4: 9.625,
     8: 10.3125, 16: 13.66) four do."""
     counts = [1, 2, 4, 8, 16]
-    choice = choose_pipeline(space(layers(fixed=fixed)), [get_schedule("1f1b")], counts)
-    seconds = {c.microbatches: c.seconds for c in choice.candidates}
+    expected = {b: (b + L - 1) * (fixed + (4 - fixed) / b) for b in counts}
     for b in counts:
-        assert seconds[b] == pytest.approx((b + L - 1) * (fixed + (4 - fixed) / b), rel=1e-9)
+        (alone,) = choose_pipeline(space(layers(fixed=fixed)), [get_schedule("1f1b")], [b]).candidates
+        assert alone.seconds == pytest.approx(expected[b], rel=1e-9)
+    choice = choose_pipeline(space(layers(fixed=fixed)), [get_schedule("1f1b")], counts)
     assert choice.best.microbatches == count
+    assert choice.best.seconds == pytest.approx(expected[count], rel=1e-9)
+    # The counts whose lower bound (each microbatch's compute, one after another on a mesh)
+    # is above the best are not simulated; the others are, exactly.
+    for c in choice.candidates[1:]:
+        if c.plan is None:
+            bound = float(c.why.split("at least ")[1].split(" s")[0])
+            assert c.why.startswith("not simulated") and choice.best.seconds < bound <= expected[c.microbatches]
+        else:
+            assert c.seconds == pytest.approx(expected[c.microbatches], rel=1e-9)
+    pruned = sorted(c.microbatches for c in choice.candidates if c.plan is None)
+    assert pruned == {16: [1, 2, 4], 4: [16]}[count]
 
 
 def test_a_split_step_prices_other_counts_as_the_whole_step_would():
@@ -121,6 +133,51 @@ def test_a_split_step_prices_other_counts_as_the_whole_step_would():
     got = {(c.schedule, c.microbatches): c.seconds for c in split.candidates}
     want = {(c.schedule, c.microbatches): c.seconds for c in direct.candidates}
     assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k], rel=1e-12) for k in got)
+
+
+@pytest.mark.parametrize(
+    "fixed, memory, split",
+    [(0.0, 1e9, None), (0.3, 1e9, None), (0.1, 6.0, None), (0.2, 1e9, 2), (0.05, 1e9, 16)],
+)
+def test_skipping_by_lower_bounds_keeps_the_choice_and_its_runner_up(fixed, memory, split):
+    """Each (schedule, count) priced alone is simulated whatever its bound: the reference. All
+    of them priced together: the choice, its runner-up, the split's own count and every
+    candidate simulated are the reference's; a candidate not simulated has a bound above the
+    choice and is slower in the reference."""
+    counts = [1, 2, 4, 8, 16]
+    per_step = 4.0 if split is None else 4.0 / split  # a split step's arrays are one microbatch's
+    arrays = layers(fixed=fixed, activations=[2.0, 1.0, 1.0, 3.0], per_step=per_step)
+    alone = {}
+    for schedule in ALL:
+        for b in counts:
+            (c,) = choose_pipeline(space(arrays, memory, split), [schedule], [b]).candidates
+            alone[(c.schedule, b)] = c
+    choice = choose_pipeline(space(arrays, memory, split), ALL, counts)
+    ranked = sorted((c for c in alone.values() if c.plan is not None), key=lambda c: c.seconds)
+    best = choice.best
+    assert (best.schedule, best.microbatches, best.seconds) == (
+        ranked[0].schedule,
+        ranked[0].microbatches,
+        ranked[0].seconds,
+    )
+    runner_up = choice.runner_up(best)
+    want = next(c for c in ranked if c.schedule != best.schedule)
+    assert (runner_up.schedule, runner_up.microbatches, runner_up.seconds) == (
+        want.schedule,
+        want.microbatches,
+        want.seconds,
+    )
+    skipped = 0
+    for c in choice.candidates:
+        reference = alone[(c.schedule, c.microbatches)]
+        if c.why.startswith("not simulated"):
+            skipped += 1
+            assert c.microbatches != split
+            bound = float(c.why.split("at least ")[1].split(" s")[0])
+            assert best.seconds < bound <= reference.seconds * (1 + 1e-3)  # the why rounds to 4 digits
+        else:
+            assert (c.seconds, c.why, c.plan) == (reference.seconds, reference.why, reference.plan)
+    assert skipped > 0
 
 
 def test_ranking_by_eq2_keeps_the_dp_s_plan():
