@@ -95,6 +95,8 @@ def main() -> int:
         source.write_text(get_train_step(model, config).lower(donate=args.donate))
         export_s = time.perf_counter() - start
         roots = [ROOT] if args.against is None else [args.against.resolve(), ROOT]
+        for root in roots:
+            _check_code(root)
         runs: dict[Path, list] = {root: [] for root in roots}
         for _ in range(args.repeat):
             for root in roots:
@@ -203,7 +205,11 @@ def _plan(args, source: Path, out: Path, root: Path) -> tuple[float, float, floa
     command += ["-o", str(out / "out.mlir"), "--mlir-timing"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    # In `root` too: `python -m` puts the working folder first on the path, before PYTHONPATH,
+    # so from another checkout's folder that checkout's code would run.
+    result = subprocess.run(
+        command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, cwd=root
+    )
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if result.returncode != 0:
@@ -212,6 +218,20 @@ def _plan(args, source: Path, out: Path, root: Path) -> tuple[float, float, floa
     (out / "timing.txt").write_text(result.stderr)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     return wall, cpu, os.getloadavg()[0], out
+
+
+def _check_code(root: Path) -> None:
+    """Refuses to time a checkout whose code the command would not run (an installed copy
+    first on the path)."""
+    found = subprocess.run(
+        [sys.executable, "-c", "import hlopar; print(hlopar.__file__)"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        cwd=root,
+    ).stdout.strip()
+    if not Path(found).resolve().is_relative_to(root.resolve()):
+        sys.exit(f"the command would run {found}, not {root}'s code")
 
 
 def _same_plan(expected: Path, got: Path) -> bool | str:
