@@ -346,7 +346,7 @@ def _simulated(slots: Sequence[Candidate | _Group], keep: int | None) -> list[Ca
     groups = sorted((k for k, slot in enumerate(slots) if isinstance(slot, _Group)), key=lambda k: slots[k].bound)
     for k in groups:
         group = slots[k]
-        if group.count != keep and found:
+        if group.priced and group.count != keep and found:  # (without plans: why none fits)
             first = min(found, key=lambda c: c.seconds)
             second = min((c.seconds for c in found if c.schedule != first.schedule), default=None)
             if group.bound > first.seconds and (

@@ -136,17 +136,26 @@ def test_a_split_step_prices_other_counts_as_the_whole_step_would():
 
 
 @pytest.mark.parametrize(
-    "fixed, memory, split",
-    [(0.0, 1e9, None), (0.3, 1e9, None), (0.1, 6.0, None), (0.2, 1e9, 2), (0.05, 1e9, 16)],
+    "fixed, memory, split, stashed, skips",
+    [
+        (0.0, 1e9, None, (2.0, 1.0, 1.0, 3.0), True),
+        (0.3, 1e9, None, (2.0, 1.0, 1.0, 3.0), True),
+        (0.1, 6.0, None, (2.0, 1.0, 1.0, 3.0), True),
+        # Only some schedules' stashes fit (four candidates, none skipped): the others keep
+        # saying why, whatever their bounds (none: no plan).
+        (0.1, 12.0, None, (16.0, 8.0, 8.0, 80.0), False),
+        (0.2, 1e9, 2, (2.0, 1.0, 1.0, 3.0), True),
+        (0.05, 1e9, 16, (2.0, 1.0, 1.0, 3.0), True),
+    ],
 )
-def test_skipping_by_lower_bounds_keeps_the_choice_and_its_runner_up(fixed, memory, split):
+def test_skipping_by_lower_bounds_keeps_the_choice_and_its_runner_up(fixed, memory, split, stashed, skips):
     """Each (schedule, count) priced alone is simulated whatever its bound: the reference. All
-    of them priced together: the choice, its runner-up, the split's own count and every
-    candidate simulated are the reference's; a candidate not simulated has a bound above the
-    choice and is slower in the reference."""
+    of them priced together: the choice, its runner-up, the split's own count, every candidate
+    simulated and every one without a plan that fits are the reference's; a candidate not
+    simulated has a plan that fits, a bound above the choice, and is slower in the reference."""
     counts = [1, 2, 4, 8, 16]
     per_step = 4.0 if split is None else 4.0 / split  # a split step's arrays are one microbatch's
-    arrays = layers(fixed=fixed, activations=[2.0, 1.0, 1.0, 3.0], per_step=per_step)
+    arrays = layers(fixed=fixed, activations=list(stashed), per_step=per_step)
     alone = {}
     for schedule in ALL:
         for b in counts:
@@ -172,12 +181,12 @@ def test_skipping_by_lower_bounds_keeps_the_choice_and_its_runner_up(fixed, memo
         reference = alone[(c.schedule, c.microbatches)]
         if c.why.startswith("not simulated"):
             skipped += 1
-            assert c.microbatches != split
+            assert c.microbatches != split and reference.plan is not None  # a plan that fits, not simulated
             bound = float(c.why.split("at least ")[1].split(" s")[0])
             assert best.seconds < bound <= reference.seconds * (1 + 1e-3)  # the why rounds to 4 digits
         else:
             assert (c.seconds, c.why, c.plan) == (reference.seconds, reference.why, reference.plan)
-    assert skipped > 0
+    assert (skipped > 0) == skips
 
 
 def test_ranking_by_eq2_keeps_the_dp_s_plan():
