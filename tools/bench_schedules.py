@@ -10,7 +10,8 @@ on a 2-device mesh, stages 0-1 on host 0 and 2-3 on host 1), each schedule of th
 is simulated twice: with real transfer sizes, and with every transfer costing one byte (the
 paper's upper bound, §4). The schedules of several stages per mesh (interleaved-1f1b, zb-v)
 run the same layers cut into 2 x 4 chunks, two per mesh, placed as each places them. Prints
-time, signal time, their ratio, bubble fraction and peak stash memory per device, then
+time, signal time, their ratio, bubble fraction, peak memory per device and the peak
+activation stash in microbatches (`peak_stash_microbatches`), then
 ZB-H1's, ZB-H2's, interleaved 1F1B's and ZB-V's bubbles next to 1F1B's and the papers'
 formulas, and what `schedule="auto"` picks on these stages (the fastest within
 `--memory-per-device` of stash, default 80 GB, among every schedule the planner places,
@@ -197,11 +198,37 @@ def _row(case: Case, name: str, stages: int, microbatches: int, timeline: Path |
         "steady_time_s": real.steady_period,
         "steady_bubble_fraction": real.steady_bubble_fraction,
         "peak_memory_bytes": max(real.peak_memory.values()),
+        "peak_stash_microbatches": peak_stash_microbatches(real, case.topology),
         "devices_per_mesh": HOSTS * DEVICES_PER_HOST // stages,
         "edges": [[e.src, e.dst, e.nbytes] for e in case.topology.edges],
         "forward_s": [c.forward for c in case.costs],
         "chunks": case.topology.chunks,
     }
+
+
+def peak_stash_microbatches(result, topology) -> float:
+    """The most activation stashes a mesh holds at once in the run, in microbatches of the
+    mesh's layers (a mesh of v chunks holds a microbatch's stash when each chunk holds one):
+    its live `stash` buffers' bytes at their peak over one microbatch's stash on the mesh.
+    Transfer buffers and a split backward's carries are left out (the peak memory column
+    has them)."""
+    insts, _, start, finish = result.run
+    changes: dict[str, list[tuple[float, int, int]]] = {}
+    for i, inst in enumerate(insts):
+        for name, nbytes in inst.allocates:
+            if name.rpartition(":")[2].startswith("stash."):
+                changes.setdefault(inst.mesh, []).append((start[i], 1, nbytes))
+        if inst.op == "FREE" and inst.buffer.rpartition(":")[2].startswith("stash."):
+            changes.setdefault(inst.mesh, []).append((finish[i], 0, -inst.nbytes))  # frees first at equal times
+    peak = 0.0
+    for mesh, items in changes.items():
+        per_microbatch = sum(topology.activation_bytes[k] for k in topology.stages_on(mesh))
+        live = most = 0
+        for _, _, delta in sorted(items):
+            live += delta
+            most = max(most, live)
+        peak = max(peak, most / per_microbatch)
+    return peak
 
 
 def table(rows: list[dict], memory: float = 80e9) -> str:
@@ -215,6 +242,7 @@ def table(rows: list[dict], memory: float = 80e9) -> str:
         "vs 1f1b",
         "bubble",
         "peak stash GB/device",
+        "peak stash, microbatches",
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     base = {(r["model"], r["microbatches"]): r["time_s"] for r in rows if r["schedule"] == "1f1b"}
@@ -233,6 +261,7 @@ def table(rows: list[dict], memory: float = 80e9) -> str:
                     f"{base[key] / r['time_s']:.3f}x",
                     f"{100 * r['bubble_fraction']:.1f}%",
                     f"{r['peak_memory_bytes'] / r['devices_per_mesh'] / 1e9:.1f}",
+                    f"{r['peak_stash_microbatches']:.3g}",
                 ]
             )
             + " |"

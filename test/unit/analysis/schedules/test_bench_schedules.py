@@ -58,3 +58,15 @@ def test_auto_weighs_the_virtual_stages(bench):
         line.startswith("u_transformer-2.1B, B=8: auto picks zb-v") and "runner-up zb-h2" in line for line in lines
     ), lines
     assert any(line.startswith("gpt-1.3B, B=8: auto picks zb-h2") and "gpipe, zb-v" in line for line in lines), lines
+
+
+def test_peak_stash_in_microbatches_is_each_schedule_s_count(bench):
+    """The table's peak activation memory in microbatches, read off the simulated run: GPipe
+    all B, 1F1B and ZB-H1 p, eager-1F1B and ZB-H2 2p - 1, interleaved 1F1B p + (p - 1) / v
+    (Narayanan et al.'s warm-up of (p - 1) / v more chunks' worth), at p = 4, B = 16, v = 2."""
+    rows = {r["schedule"]: r["peak_stash_microbatches"] for r in bench.run([16], 4, 10.0) if r["model"] == "gpt-1.3B"}
+    p, v = 4, 2
+    assert rows["gpipe"] == 16
+    assert rows["1f1b"] == rows["zb-h1"] == p
+    assert rows["eager-1f1b"] == rows["eager-1f1b-wd"] == rows["zb-h2"] == 2 * p - 1
+    assert rows["interleaved-1f1b"] == pytest.approx(p + (p - 1) / v, rel=1e-12)
