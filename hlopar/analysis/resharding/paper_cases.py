@@ -61,11 +61,13 @@ TABLE_2 = (
     PaperCase("case9", (2, 4), (2, 4), "RS0R", "RRS0"),
 )
 
+# One host of 2 devices ("1to1x2") belongs to both families: listed once.
 ONE_TO_MANY = tuple(PaperCase(f"1to1x{n}", (1, 1), (1, n), "RRR", "RRR") for n in range(1, 5)) + tuple(
-    PaperCase(f"1to{n}x2", (1, 1), (n, 2), "RRR", "RRR") for n in range(1, 5)
+    PaperCase(f"1to{n}x2", (1, 1), (n, 2), "RRR", "RRR") for n in range(2, 5)
 )
 
 
 def paper_cases() -> tuple[PaperCase, ...]:
-    """Table 2's cases, then §5.1.1's (to 1–4 devices of one host, to 1–4 hosts of 2)."""
+    """Table 2's cases, then §5.1.1's (to 1–4 devices of one host, to 1–4 hosts of 2), each
+    once."""
     return TABLE_2 + ONE_TO_MANY

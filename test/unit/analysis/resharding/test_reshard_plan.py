@@ -133,3 +133,10 @@ def test_hundreds_of_unit_tasks_plan_in_under_a_second():
     assert len(result.tasks) == 256
     assert result.planning_seconds < 1.0
     assert result.predicted_time <= 1.05 * result.lower_bound
+
+
+def test_paper_cases_are_listed_once():
+    """Table 2's nine and §5.1.1's seven: (1, 1) -> (1, 2) is in both of §5.1.1's families."""
+    cases = paper_cases()
+    assert len({c.name for c in cases}) == len(cases) == 16
+    assert len({(c.src_mesh, c.dst_mesh, c.src_spec, c.dst_spec, c.shape) for c in cases}) == 16
