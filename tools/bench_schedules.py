@@ -212,23 +212,15 @@ def peak_stash_microbatches(result, topology) -> float:
     its live `stash` buffers' bytes at their peak over one microbatch's stash on the mesh.
     Transfer buffers and a split backward's carries are left out (the peak memory column
     has them)."""
-    insts, _, start, finish = result.run
-    changes: dict[str, list[tuple[float, int, int]]] = {}
-    for i, inst in enumerate(insts):
-        for name, nbytes in inst.allocates:
-            if name.rpartition(":")[2].startswith("stash."):
-                changes.setdefault(inst.mesh, []).append((start[i], 1, nbytes))
-        if inst.op == "FREE" and inst.buffer.rpartition(":")[2].startswith("stash."):
-            changes.setdefault(inst.mesh, []).append((finish[i], 0, -inst.nbytes))  # frees first at equal times
-    peak = 0.0
-    for mesh, items in changes.items():
-        per_microbatch = sum(topology.activation_bytes[k] for k in topology.stages_on(mesh))
-        live = most = 0
-        for _, _, delta in sorted(items):
-            live += delta
-            most = max(most, live)
-        peak = max(peak, most / per_microbatch)
-    return peak
+    peaks = result.peak_live(lambda buffer: buffer.rpartition(":")[2].startswith("stash."))
+    return max(
+        (
+            peak / sum(topology.activation_bytes[k] for k in topology.stages_on(mesh))
+            for mesh, peak in peaks.items()
+            if peak
+        ),
+        default=0.0,
+    )
 
 
 def table(rows: list[dict], memory: float = 80e9) -> str:

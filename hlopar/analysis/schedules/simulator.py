@@ -110,8 +110,29 @@ class SimResult:
     @functools.cached_property
     def peak_memory(self) -> dict[str, int]:
         """Bytes per mesh."""
+        return self.peak_live()
+
+    def peak_live(self, counted: Callable[[str], bool] = lambda buffer: True) -> dict[str, int]:
+        """Per mesh, the most bytes of the buffers `counted` (by name) live at once: a buffer
+        lives from its allocating instruction's start to its FREE's end (frees first at equal
+        times)."""
         insts, _, start, finish = self.run
-        return _peak_memory(insts, start, finish)
+        changes: dict[str, list[tuple[float, int, int]]] = defaultdict(list)
+        for i, inst in enumerate(insts):
+            changes.setdefault(inst.mesh, [])
+            for name, nbytes in inst.allocates:
+                if counted(name):
+                    changes[inst.mesh].append((start[i], 1, nbytes))
+            if inst.op == FREE and counted(inst.buffer):
+                changes[inst.mesh].append((finish[i], 0, -inst.nbytes))
+        peaks = {}
+        for mesh, items in changes.items():
+            live = peak = 0
+            for _, _, delta in sorted(items):
+                live += delta
+                peak = max(peak, live)
+            peaks[mesh] = peak
+        return peaks
 
     @property
     def steady_period(self) -> float:
@@ -291,23 +312,3 @@ def iteration_lower_bound(
             busy += num_microbatches * per_microbatch + cost.update
         bound = max(bound, min(earliest[k] for k in stages) + busy)
     return bound
-
-
-def _peak_memory(insts: list[Instruction], start: list, finish: list) -> dict[str, int]:
-    """Per mesh, the most bytes live at once: a buffer lives from its allocating instruction's
-    start to its FREE's end (frees first at equal times)."""
-    changes: dict[str, list[tuple[float, int, int]]] = defaultdict(list)
-    for i, inst in enumerate(insts):
-        changes.setdefault(inst.mesh, [])
-        for _, nbytes in inst.allocates:
-            changes[inst.mesh].append((start[i], 1, nbytes))
-        if inst.op == FREE:
-            changes[inst.mesh].append((finish[i], 0, -inst.nbytes))
-    peaks = {}
-    for mesh, items in changes.items():
-        live = peak = 0
-        for _, _, delta in sorted(items):
-            live += delta
-            peak = max(peak, live)
-        peaks[mesh] = peak
-    return peaks
