@@ -33,6 +33,11 @@ first update by ``eps_adam * delta / g**2`` relative; with ``k = 1000``, ``delta
 about 5% of the entries of GPT and MoE (the smallest gradients) and 16% of the MLP's (exactly
 zero gradients behind dead ReLUs, whose update is zero anyway). Masked entries are still checked
 to be finite and to move no further than the reference's largest update.
+
+After the first step an update moves with Adam's first moment alone, and where ``m`` is a
+sum that nearly cancels, the same rounding of a few ``eps * max|m|`` is a large part of it:
+`first_moment_slack` (from the reference's moments, like the mask) allows each entry that
+relative error, ``5 * eps * max|m| / |m|`` of its update.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import numpy as np
 PyTree = Any
 
 NOISE_K = 1000.0
+MOMENT_ROUNDING_K = 5.0  # a reduction's rounding over two runs, in eps * max|term| (below)
 
 
 def _leaves(actual: PyTree, expected: PyTree) -> list[tuple[str, np.ndarray, np.ndarray]]:
@@ -116,6 +122,7 @@ def assert_updates_close(
     rtol: float,
     max_rtol: float = 0.0,
     noise_mask: PyTree | None = None,
+    slack: PyTree | None = None,
 ) -> None:
     """Compare the updates ``new - old`` with ``reference_new - old`` (see the module docstring):
     per entry within ``rtol * |u| + max_rtol * max|u of the leaf| + 1 ulp``.
@@ -126,20 +133,25 @@ def assert_updates_close(
 
     `noise_mask` (a tree of booleans shaped like the parameters, e.g. from `adam_noise_mask`)
     marks entries whose update is rounding noise: those are only checked to be finite and no
-    larger than the largest reference update.
+    larger than the largest reference update. `slack` (a tree of floats shaped like the
+    parameters, e.g. from `first_moment_slack`) adds that fraction of each entry's update.
     """
     leaves = _leaves(new, reference_new)
     olds = _leaves(old, reference_new)
     masks = (
         [None] * len(leaves) if noise_mask is None else [m for _, m, _ in _leaves(noise_mask, _bools(reference_new))]
     )
+    slacks = [None] * len(leaves) if slack is None else [x for _, x, _ in _leaves(slack, reference_new)]
     largest = max((float(np.max(np.abs(r - o))) for (_, _, r), (_, o, _) in zip(leaves, olds) if r.size), default=0.0)
-    for (name, a, r), (_, o, _), mask in zip(leaves, olds, masks, strict=True):
+    for (name, a, r), (_, o, _), mask, extra in zip(leaves, olds, masks, slacks, strict=True):
         a1, r1, o1 = (np.atleast_1d(x).astype(np.float64) for x in (a, r, o))
         got, want = a1 - o1, r1 - o1
         ulp = np.spacing(np.maximum(np.abs(np.atleast_1d(a)), np.abs(np.atleast_1d(r)))).astype(np.float64)
         scale = float(np.max(np.abs(want))) if want.size else 0.0
-        bad = ~(np.abs(got - want) <= rtol * np.abs(want) + max_rtol * scale + ulp)
+        allowed = rtol * np.abs(want) + max_rtol * scale + ulp
+        if extra is not None:
+            allowed = allowed + np.atleast_1d(extra) * np.abs(want)
+        bad = ~(np.abs(got - want) <= allowed)
         if mask is not None:
             m = np.atleast_1d(mask)
             wild = ~(np.abs(got) <= largest * (1 + rtol) + ulp)
@@ -215,7 +227,15 @@ def assert_adam_step_close(
         rtol=rtol,
         max_rtol=max_rtol,
     )
-    assert_updates_close(params_of(actual), want_params, params_before, rtol=rtol, max_rtol=max_rtol, noise_mask=mask)
+    assert_updates_close(
+        params_of(actual),
+        want_params,
+        params_before,
+        rtol=rtol,
+        max_rtol=max_rtol,
+        noise_mask=mask,
+        slack=first_moment_slack(expected, want_params),
+    )
 
 
 def _is_key(x) -> bool:
@@ -247,6 +267,42 @@ def _comparable(tree: PyTree, params: set[int], noise: list | None) -> PyTree:
         return np.where(mask, np.zeros((), np.asarray(x).dtype), x)
 
     return jax.tree_util.tree_map_with_path(leaf, tree)
+
+
+def first_moment_slack(results: PyTree, params: PyTree, *, k: float = MOMENT_ROUNDING_K) -> PyTree | None:
+    """Per parameter entry, the relative error of its update that rounding in Adam's first
+    moment explains after the first step, from the reference's `results`; None where the
+    step runs no Adam or is its first.
+
+    After the first step ``u = lr * m / (sqrt(v) + eps)`` moves with ``m`` alone (``v`` is a
+    sum of squares, which does not cancel), and ``m`` is a sum of gradients that may cancel:
+    its rounding is ``k * eps * max|m|`` (a reduction's, two runs: module docstring), so
+    ``|du| / |u| <= k * eps * max|m| / |m|``. Where ``m`` is small next to the tree's largest
+    that exceeds `rtol` (measured: the zoo's transformer LM pipelined over 4 microbatches,
+    an entry of ``pos_embedding`` with ``|m| = 1.1e-3 max|m|``, its ``m`` off by 0.58
+    ``eps * max|m|``, its update by 7.3e-5 relative). At the first step ``u = lr * g / (|g| +
+    eps)`` hardly moves with ``g`` (the noise mask's derivation), so no slack is given there.
+    """
+    leaves = [x for path, x in jax.tree_util.tree_flatten_with_path(results)[0] if _moment(path) == "mu"]
+    counts = [
+        int(np.max(np.asarray(x)))
+        for path, x in jax.tree_util.tree_flatten_with_path(results)[0]
+        if jax.tree_util.keystr(path).endswith((".count", "['count']"))
+    ]
+    if not leaves or not counts or max(counts) <= 1:
+        return None
+    treedef = jax.tree_util.tree_structure(params)
+    assert len(leaves) == treedef.num_leaves
+    scale = max((float(np.max(np.abs(np.asarray(m)))) for m in leaves if np.asarray(m).size), default=0.0)
+
+    def relative(m):
+        dtype = np.asarray(m).dtype
+        m = np.abs(np.asarray(m, np.float64))
+        # |m| = 0: the noise mask's (it holds every |m| <= NOISE_K * eps * max|m|).
+        out = np.where(m > 0, k * float(np.finfo(dtype).eps) * scale / np.where(m > 0, m, 1.0), 0.0)
+        return out.astype(dtype)  # shaped and typed as the parameter it is compared beside
+
+    return jax.tree_util.tree_unflatten(treedef, [relative(m) for m in leaves])
 
 
 def first_moment_mask(results: PyTree, params: PyTree) -> PyTree | None:

@@ -60,3 +60,27 @@ def test_masked_entries_are_bounded_and_max_rtol_is_relative_to_the_leaf():
     with pytest.raises(AssertionError, match="update not within"):
         assert_updates_close(small, reference, old, rtol=1e-5)
     assert_updates_close(small, reference, old, rtol=1e-5, max_rtol=1e-5)  # 5e-6 of the leaf's largest
+
+
+def test_first_moment_slack_covers_rounding_of_a_small_moment_after_the_first_step():
+    from numerics import first_moment_slack
+
+    eps = float(np.finfo(np.float32).eps)
+    params = {"w": np.zeros(3, np.float32)}
+    mu = np.array([0.028, -0.01, 3.0e-5], np.float32)  # the last: 1.1e-3 of the largest
+
+    def results(count):
+        return (params, {"count": np.int32(count), "mu": {"w": mu}, "nu": {"w": mu**2}})
+
+    assert first_moment_slack(results(1), params) is None  # the first step: no slack
+    slack = first_moment_slack(results(2), params)["w"]
+    np.testing.assert_allclose(slack, 5 * eps * 0.028 / np.abs(mu.astype(np.float64)), rtol=1e-6)
+    old = {"w": np.zeros(3, np.float32)}
+    reference = {"w": np.array([-0.05, 0.05, -0.0128010], np.float32)}
+    rounded = {"w": reference["w"] + np.array([0, 0, 9.3e-7], np.float32)}  # m off by 0.58 eps max|m|
+    with pytest.raises(AssertionError, match=r"1 of 3 entries"):
+        assert_updates_close(rounded, reference, old, rtol=1e-5, max_rtol=1e-5)
+    assert_updates_close(rounded, reference, old, rtol=1e-5, max_rtol=1e-5, slack={"w": slack})
+    wrong = {"w": reference["w"] * np.float32(1.01)}  # 1 % off: no rounding explains it
+    with pytest.raises(AssertionError, match=r"3 of 3 entries"):
+        assert_updates_close(wrong, reference, old, rtol=1e-5, max_rtol=1e-5, slack={"w": slack})

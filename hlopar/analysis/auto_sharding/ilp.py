@@ -36,7 +36,8 @@ How it is solved:
 `Solution.sizes` counts the model at each stage: `variables_eq1` / `constraints_eq1` (Alpa's
 plain formulation of the input), `nodes_merged` / `edges_merged` (followers collapsed),
 `nodes_simplified` / `edges_simplified` (after the exact steps), `nodes_core` / `edges_core` /
-`live_sets_core` (after the bound), `variables` / `constraints` (the CP-SAT model), and what each
+`live_sets_core` (after the bound), `variables` / `constraints` (the CP-SAT model), `workers`
+(CP-SAT's, where it ran), and what each
 step did (`strategies_removed`, `fixed_by_bound`, `eliminated`, `constants`, `sweeps`).
 
 Determinism: the model is built in a fixed order, and CP-SAT runs with a fixed `random_seed`,
@@ -47,6 +48,17 @@ CP-SAT's parallel portfolio (several workers sharing solutions and bounds as the
 reproducible, so `num_workers > 1` turns on `interleave_search`, which runs the subsolvers in
 batches and synchronizes between batches: deterministic for a given model, whatever the
 machine and load.
+
+Workers: by default (`num_workers=None`) two, interleaved, for a CP-SAT model of up to
+`PORTFOLIO_MAX_VARIABLES` variables, and one above. Interleaving gives each LP subsolver its own
+copy of the LP and runs them in turns, which on large cores costs far more than it finds
+(`tools/bench_ilp.py --no-bound`, 2 cores: 24k variables 0.30 s with one worker against 7.2 s
+with two; 98k 3.3 s against 40 s; 297k proven optimal in 26 s against not proven within the
+limit in 233 s; GPT-39B's 16 x 8 stage cores, 276k variables, 7.1 s against 35.5 s, the same
+optimum). Below the cut both take a fraction of a second, and the two-worker search keeps the
+plans it has always given (which optimum of several equal ones: the tests' numerics pin them).
+A problem a time limit stops before CP-SAT has a plan of its own comes back with the plan it
+was started from (`_hint`), FEASIBLE with its gap.
 """
 
 from __future__ import annotations
@@ -63,10 +75,12 @@ from hlopar.analysis.auto_sharding.dual import decode
 from hlopar.analysis.auto_sharding.merging import Infeasible, Reduced, Simplify, reduce_problem
 from hlopar.analysis.auto_sharding.problem import Problem, evaluate, violations
 
-__all__ = ["Solution", "solve", "brute_force", "RESOLUTION"]
+__all__ = ["Solution", "solve", "brute_force", "RESOLUTION", "PORTFOLIO_MAX_VARIABLES"]
 
 # Costs are integers in units of (largest core coefficient) / RESOLUTION.
 RESOLUTION = 1e9
+# Above this many CP-SAT variables one worker instead of two interleaved (module docstring).
+PORTFOLIO_MAX_VARIABLES = 10_000
 
 
 @dataclass(frozen=True)
@@ -249,12 +263,13 @@ def _build(reduced: Reduced) -> _Core:
     return _Core(builder, groups, first_var, scale, reduced.constant + offset, live_rows)
 
 
-def _hint(core: _Core, reduced: Reduced) -> None:
+def _hint(core: _Core, reduced: Reduced) -> dict[int, int] | None:
     """Starts CP-SAT from the best plan the simplifications found, or else from a greedy one
-    (`dual.decode`), so that a time limit always leaves a plan. A plan over the memory budget
-    is not given: CP-SAT 9.15 aborts (a failed CHECK, not an error) on a hint for a model that
-    is infeasible at the root with presolve off and interleaved search, and a hint that fits
-    proves the model feasible."""
+    (`dual.decode`), and returns it (group -> index in its domain), so that a time limit
+    always leaves a plan: CP-SAT's own search may not have completed one by then. A plan over
+    the memory budget is neither given nor returned: CP-SAT 9.15 aborts (a failed CHECK, not
+    an error) on a hint for a model that is infeasible at the root with presolve off and
+    interleaved search, and a hint that fits proves the model feasible."""
     choice = {}
     for g, strategy in reduced.incumbent.items():
         where = np.flatnonzero(reduced.domains[g] == strategy)
@@ -265,10 +280,11 @@ def _hint(core: _Core, reduced: Reduced) -> None:
     literals = {core.first_var[g] + i for g, i in choice.items()}
     for variables, coeffs, high in core.live_rows:
         if sum(c for v, c in zip(variables, coeffs) if v in literals) > high:
-            return
+            return None
     hint = core.builder.proto.solution_hint
     hint.vars.extend(sorted(literals))
     hint.values.extend([1] * len(literals))
+    return choice
 
 
 def _relative_gap(objective: float, bound: float) -> float:
@@ -282,7 +298,7 @@ def solve(
     problem: Problem,
     *,
     time_limit: float = 60.0,
-    num_workers: int = 2,
+    num_workers: int | None = None,
     seed: int = 0,
     simplify: Simplify = Simplify(),
     log: bool = False,
@@ -294,7 +310,9 @@ def solve(
     plan found so far comes back with status FEASIBLE and its relative gap to the best bound.
     The simplifications before CP-SAT do a bounded amount of work (`simplify.rounds` rounds of
     `simplify.sweeps` sweeps) and are not limited by it. INFEASIBLE and UNKNOWN (no plan found
-    in time) come back with no choices and a message. `log` prints CP-SAT's search log.
+    in time, not even one to start from that fits) come back with no choices and a message.
+    `num_workers`: CP-SAT's (None: by the model's size, see the module docstring). `log`
+    prints CP-SAT's search log.
     """
     start = time.perf_counter()
     sizes = _eq1_sizes(problem)
@@ -311,14 +329,16 @@ def solve(
         return Solution(choices, evaluate(problem, choices), "OPTIMAL", 0.0, elapsed, sizes, timings=timings)
 
     core = _build(reduced)
-    _hint(core, reduced)
+    hinted = _hint(core, reduced)
     sizes.update(variables=core.builder.num_vars, constraints=len(core.builder.proto.constraints))
     timings["build"] = time.perf_counter() - start - timings["simplify"]
     from ortools.sat.python import cp_model
 
     solver = cp_model.CpSolver()
     params = solver.parameters
-    params.num_workers = num_workers
+    if num_workers is None:
+        num_workers = 2 if core.builder.num_vars <= PORTFOLIO_MAX_VARIABLES else 1
+    sizes["workers"] = params.num_workers = num_workers
     params.interleave_search = num_workers > 1
     params.random_seed = seed
     params.randomize_search = False
@@ -334,7 +354,16 @@ def solve(
     status = solver.status_name(solver.solve(core.builder.model))
     elapsed = time.perf_counter() - start
     timings["cpsat"] = solver.wall_time
-    if status not in ("OPTIMAL", "FEASIBLE"):
+    if status == "UNKNOWN" and hinted is not None:  # out of time before a plan of its own
+        local = hinted
+        status = "FEASIBLE"
+    elif status in ("OPTIMAL", "FEASIBLE"):
+        values = np.asarray(solver.response_proto.solution, dtype=np.int64)
+        local = {
+            g: int(np.argmax(values[core.first_var[g] : core.first_var[g] + len(reduced.domains[g])]))
+            for g in core.groups
+        }
+    else:
         if status == "INFEASIBLE":
             message = (
                 f"no plan fits the memory budget of {problem.memory_budget:.6g} bytes per device "
@@ -346,14 +375,13 @@ def solve(
             raise RuntimeError(f"CP-SAT rejected the model: {status} {core.builder.model.validate()}")
         return Solution((), math.inf, status, 0.0, elapsed, sizes, message, timings)
 
-    values = np.asarray(solver.response_proto.solution, dtype=np.int64)
-    picked = {}
-    for g in core.groups:
-        first = core.first_var[g]
-        local = int(np.argmax(values[first : first + len(reduced.domains[g])]))
-        picked[g] = int(reduced.domains[g][local])
-    choices = reduced.expand(picked)
+    choices = reduced.expand({g: int(reduced.domains[g][i]) for g, i in local.items()})
     objective = evaluate(problem, choices)
+    if status == "FEASIBLE" and hinted is not None and local is not hinted:  # never worse than its start
+        start_choices = reduced.expand({g: int(reduced.domains[g][i]) for g, i in hinted.items()})
+        start_objective = evaluate(problem, start_choices)
+        if start_objective < objective:
+            choices, objective = start_choices, start_objective
     gap = 0.0
     if status == "FEASIBLE":
         bound = max(reduced.lower_bound, core.offset + solver.best_objective_bound / core.scale)

@@ -10,7 +10,7 @@ import random
 import pytest
 from tools_module import load_tool
 
-from hlopar.analysis.auto_sharding.ilp import brute_force, solve
+from hlopar.analysis.auto_sharding.ilp import PORTFOLIO_MAX_VARIABLES, brute_force, solve
 from hlopar.analysis.auto_sharding.merging import Simplify
 from hlopar.analysis.auto_sharding.problem import Edge, Node, Problem, evaluate, violations
 
@@ -192,6 +192,25 @@ def test_time_limit_keeps_the_best_plan_and_reports_the_gap():
     assert 0.0 < solution.gap < 1.0
     assert violations(problem, solution.choices) == []
     assert solution.objective == pytest.approx(evaluate(problem, solution.choices))
+
+
+def test_time_limit_before_cp_sat_has_a_plan_keeps_the_plan_it_started_from():
+    # One worker at 0.05 deterministic seconds is still in its LP when stopped (checked:
+    # UNKNOWN from CP-SAT); the plan it was hinted with comes back.
+    problem = bench_ilp.gpt_like_problem(2, (2, 4))
+    solution = solve(problem, simplify=Simplify(bound=False), time_limit=0.05, num_workers=1)
+    assert (solution.status, solution.sizes["workers"]) == ("FEASIBLE", 1)
+    assert 0.0 < solution.gap < 1.0
+    assert violations(problem, solution.choices) == []
+    assert solution.objective == pytest.approx(evaluate(problem, solution.choices))
+
+
+def test_workers_by_model_size():
+    small = solve(bench_ilp.gpt_like_problem(1, (1, 4)), simplify=Simplify(bound=False))
+    large = solve(bench_ilp.gpt_like_problem(2, (2, 4)), simplify=Simplify(bound=False))
+    assert small.sizes["variables"] <= PORTFOLIO_MAX_VARIABLES < large.sizes["variables"]
+    assert (small.sizes["workers"], large.sizes["workers"]) == (2, 1)
+    assert small.status == large.status == "OPTIMAL"
 
 
 def test_benchmark_problem_solves_to_optimality():
