@@ -27,6 +27,7 @@ from hlopar.analysis.auto_sharding import ilp
 from hlopar.analysis.auto_sharding.batch_flow import batch_dims
 from hlopar.analysis.auto_sharding.cluster import LogicalMesh, logical_mesh
 from hlopar.analysis.auto_sharding.graph_problem import ShardingProblem, build_problem
+from hlopar.analysis.auto_sharding.problem import Problem
 from hlopar.analysis.auto_sharding.resharding import resharding_collectives
 from hlopar.analysis.auto_sharding.rules import rule_of
 from hlopar.analysis.mesh import DeviceMesh
@@ -37,7 +38,7 @@ from hlopar.ir.diagnostics import Diagnostic, DiagnosticError, source_location
 from hlopar.ir.graph import FuncGraph
 from hlopar.ir.module import planned_functions, run_function_pass
 
-__all__ = ["NAME", "SDY_SHARDING", "IntraOpOptions", "ModulePlan", "plan_module"]
+__all__ = ["NAME", "SDY_SHARDING", "IntraOpOptions", "ModulePlan", "ModulePlanning", "plan_module", "start_planning"]
 
 # The planner's name: its pass's pipeline name, and what its messages start with (also
 # where stage construction runs it on a stage).
@@ -88,6 +89,59 @@ def plan_module(module: ir.Operation, options: IntraOpOptions, warn: Warn) -> Mo
         return _Planner(options, warn).run(module)
 
 
+def start_planning(module: ir.Operation, options: IntraOpOptions, warn: Warn) -> ModulePlanning | None:
+    """`plan_module` up to its ILPs, for a caller that solves the ILPs of several modules
+    together (the stages of a pipeline, `mpmd_program`): every public function's problem
+    built (`ModulePlanning.problems`), nothing written; `ModulePlanning.finish` takes their
+    solutions (`ilp.solve` with `options.time_limit`, wherever it ran) and writes the plan.
+    Every function is built before any is written, where `plan_module` takes them one by
+    one: the same plan for a module of one public function."""
+    with module.context, ir.Location.unknown():
+        return _Planner(options, warn).start(module)
+
+
+@dataclass(frozen=True)
+class _Built:
+    """One function's ILP, built, with what writing its plan reads."""
+
+    func: Any
+    graph: FuncGraph
+    problem: ShardingProblem
+    constraints: _UserShardings
+    build_seconds: float
+
+
+@dataclass(frozen=True)
+class ModulePlanning:
+    """A module's functions with their ILPs built, waiting for the solutions (`start_planning`)."""
+
+    planner: _Planner
+    module: ir.Operation
+    analysable: tuple
+    mesh: LogicalMesh
+    mesh_name: str
+    functions: tuple[_Built, ...]
+
+    @property
+    def problems(self) -> tuple[Problem, ...]:
+        return tuple(built.problem.problem for built in self.functions)
+
+    @property
+    def time_limit(self) -> float:
+        """What each of `problems` is solved with (`ilp.solve`'s `time_limit`)."""
+        return self.planner.options.time_limit
+
+    def finish(self, solutions) -> ModulePlan:
+        """Writes the plan of each function from its solution (in `problems`' order)."""
+        with self.module.context, ir.Location.unknown():
+            reports = [
+                self.planner._write(self.module, built, solution, self.mesh, self.mesh_name)
+                for built, solution in zip(self.functions, solutions, strict=True)
+            ]
+            run_function_pass(self.module, list(self.analysable), "sdy-drop-sharding-rules")
+        return ModulePlan(self.mesh, tuple(reports))
+
+
 def _fail(op_or_location: Any, message: str) -> NoReturn:
     location = getattr(op_or_location, "location", op_or_location)
     raise DiagnosticError([Diagnostic("error", f"{NAME}: {message}", source_location(location))])
@@ -112,6 +166,29 @@ class _Planner:
     warn: Warn
 
     def run(self, module: ir.Operation) -> ModulePlan | None:
+        """Each function built, solved and written before the next is built."""
+        prepared = self._prepare(module)
+        if prepared is None:
+            return None
+        funcs, analysable, mesh, mesh_name = prepared
+        reports = []
+        for func in funcs:
+            built = self._build(module, func, func in analysable, mesh, mesh_name)
+            reports.append(self._write(module, built, self._solve(built), mesh, mesh_name))
+        run_function_pass(module, analysable, "sdy-drop-sharding-rules")
+        return ModulePlan(mesh, tuple(reports))
+
+    def start(self, module: ir.Operation) -> ModulePlanning | None:
+        prepared = self._prepare(module)
+        if prepared is None:
+            return None
+        funcs, analysable, mesh, mesh_name = prepared
+        built = tuple(self._build(module, func, func in analysable, mesh, mesh_name) for func in funcs)
+        return ModulePlanning(self, module, tuple(analysable), mesh, mesh_name, built)
+
+    def _prepare(self, module: ir.Operation) -> tuple | None:
+        """(public functions, those Shardy's rules cover, mesh, mesh name), the rules
+        populated; None where no function is public."""
         funcs = planned_functions(module)
         if not funcs:
             return None  # only private functions: nothing is an entry point
@@ -125,11 +202,12 @@ class _Planner:
                     f"Shardy's sharding rules do not cover: it runs replicated",
                 )
         run_function_pass(module, analysable, "sdy-populate-op-sharding-rules")
-        reports = [self._plan_function(module, func, func in analysable, mesh, mesh_name) for func in funcs]
-        run_function_pass(module, analysable, "sdy-drop-sharding-rules")
-        return ModulePlan(mesh, tuple(reports))
+        return funcs, analysable, mesh, mesh_name
 
-    def _plan_function(self, module, func, analysable: bool, mesh: LogicalMesh, mesh_name: str) -> dict:
+    def _solve(self, built: _Built) -> ilp.Solution:
+        return ilp.solve(built.problem.problem, time_limit=self.options.time_limit)
+
+    def _build(self, module, func, analysable: bool, mesh: LogicalMesh, mesh_name: str) -> _Built:
         start = time.perf_counter()
         graph = FuncGraph.from_func(func)
         rules = {op.id: rule_of(op.mlir_op) for op in graph.walk()} if analysable else {}
@@ -157,15 +235,25 @@ class _Planner:
         )
         for op, message in problem.warnings:
             self.warn(op.mlir_op, message)
-        build_seconds = time.perf_counter() - start
-        solution = ilp.solve(problem.problem, time_limit=options.time_limit)
+        return _Built(func, graph, problem, constraints, time.perf_counter() - start)
+
+    def _write(self, module, built: _Built, solution: ilp.Solution, mesh: LogicalMesh, mesh_name: str) -> dict:
+        """The plan of `built` from its ILP's `solution`, written into the module; its report."""
         if solution.status not in ("OPTIMAL", "FEASIBLE"):
             detail = f": {solution.message}" if solution.message else ""
-            _fail(func, f"no sharding plan fits ({solution.status}){detail}")
+            _fail(built.func, f"no sharding plan fits ({solution.status}){detail}")
         _write_plan(
-            module, func, graph, problem, solution.choices, mesh, mesh_name, constraints, options.reshard_constraints
+            module,
+            built.func,
+            built.graph,
+            built.problem,
+            solution.choices,
+            mesh,
+            mesh_name,
+            built.constraints,
+            self.options.reshard_constraints,
         )
-        return _function_report(graph, problem, solution, build_seconds, mesh)
+        return _function_report(built.graph, built.problem, solution, built.build_seconds, mesh)
 
     def _planning_mesh(self, module: ir.Operation) -> tuple[LogicalMesh, str]:
         """The mesh asked for, unless the input's shardings already live on a mesh of another

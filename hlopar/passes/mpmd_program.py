@@ -67,13 +67,14 @@ from jaxlib.mlir.dialects import mpmd, sdy
 
 from hlopar.analysis.mesh import quote_string
 from hlopar.analysis.sharding import ShardingPerValue, TensorSharding
+from hlopar.analysis.stages.ilp_pool import solve_all
 from hlopar.dialect.attributes import ROLES
 from hlopar.dialect.mpmd import TOPOLOGY_ATTR, build_fragment, write_devices
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError, source_location
 from hlopar.ir.extract import Extraction, clone_into, extract_function
 from hlopar.ir.graph import FuncGraph, reaches
 from hlopar.ir.module import main_func
-from hlopar.passes.intra_op_plan import SDY_SHARDING, IntraOpOptions, plan_module
+from hlopar.passes.intra_op_plan import SDY_SHARDING, IntraOpOptions, ModulePlanning, start_planning
 
 __all__ = [
     "FragmentSpec",
@@ -350,21 +351,28 @@ def write_mpmd_program(
         _check_order(graph, stage_of_op, roles)
     layout = layout_program(graph, stage_of_op, roles)
     with module.context, ir.Location.unknown():
-        stages = [
-            _Stage.build(
-                graph,
-                layout,
-                t,
-                mesh,
-                plan=plan_shardings,
-                preset=preset,
-                options={**(auto_sharding or {}), **dict(mesh.options)},
-            )
-            for t, mesh in enumerate(meshes)
-        ]
+        stages = [_Stage.build(graph, layout, t, mesh) for t, mesh in enumerate(meshes)]
+        if plan_shardings:
+            _plan_stages(graph, stages, preset, [{**(auto_sharding or {}), **dict(mesh.options)} for mesh in meshes])
         _add_meshes(module, _distinct(meshes))
         _write_main(module, main, graph, layout, stages, _distinct(meshes))
     module.verify()
+
+
+def _plan_stages(graph: FuncGraph, stages: Sequence[_Stage], preset: str, options: Sequence[Mapping[str, Any]]) -> None:
+    """Each stage's intra-op plan (stages on one device need none): every stage's ILPs built,
+    then solved together (`ilp_pool.solve_all`: big ones side by side), then written."""
+    planning = [
+        (stage, stage.start_plan(preset, opts))
+        for stage, opts in zip(stages, options, strict=True)
+        if stage.extraction is not None and stage.mesh.size > 1
+    ]
+    problems = [(problem, plan.time_limit) for _, plan in planning if plan is not None for problem in plan.problems]
+    solutions = iter(solve_all(problems))
+    for stage, plan in planning:
+        if plan is not None:
+            plan.finish([next(solutions) for _ in plan.problems])
+        stage.read_plan(graph)
 
 
 def _check_plan(graph: FuncGraph, stage_of_op, roles, meshes) -> None:
@@ -470,17 +478,8 @@ class _Stage:
     added: dict[ir.Value, ir.Operation] = field(default_factory=dict)
 
     @classmethod
-    def build(
-        cls,
-        graph: FuncGraph,
-        layout: ProgramLayout,
-        stage: int,
-        mesh: StageMesh,
-        *,
-        plan: bool,
-        preset: str,
-        options: Mapping[str, Any],
-    ) -> _Stage:
+    def build(cls, graph: FuncGraph, layout: ProgramLayout, stage: int, mesh: StageMesh) -> _Stage:
+        """The stage's function extracted, not yet planned (`_plan_stages`)."""
         ops = layout.stage_ops(stage)
         if not ops:
             return cls(mesh, None, {}, {}, {})
@@ -494,12 +493,10 @@ class _Stage:
         values = dict(zip(inputs, extraction.func.regions[0].blocks[0].arguments))
         for index, op in stage_ops.items():
             values.update(zip(graph.ops[index].results, op.results))
-        stage = cls(mesh, extraction, stage_ops, values, {})
-        if plan and mesh.size > 1:
-            stage._plan(graph, preset, options)
-        return stage
+        return cls(mesh, extraction, stage_ops, values, {})
 
-    def _plan(self, graph: FuncGraph, preset: str, options: Mapping[str, Any]) -> None:
+    def start_plan(self, preset: str, options: Mapping[str, Any]) -> ModulePlanning | None:
+        """The stage's intra-op ILPs built (`intra_op_plan.start_planning`), to be solved."""
         # The stage's mesh goes first: the planner plans on the first mesh of the right shape.
         module = self.extraction.module
         body = module.regions[0].blocks[0]
@@ -512,11 +509,14 @@ class _Stage:
         # No partial sums: a value crossing fragments leaves reduced (a fragment's executable
         # hands its results on whole), and the stage plan does not know the fragments' cuts.
         options = {**dict(options), "partial_sums": False}
-        plan_module(  # the stage plan's warnings are dropped
+        return start_planning(  # the stage plan's warnings are dropped
             module,
             IntraOpOptions(mesh_shape=self.mesh.shape, axis_names=self.mesh.axis_names, preset=preset, **options),
             warn=lambda where, message: None,
         )
+
+    def read_plan(self, graph: FuncGraph) -> None:
+        """The layouts the stage's plan wrote, and the ops it added."""
         func = self.extraction.func
         kept = set(self.ops.values())
         for op in func.regions[0].blocks[0].operations:

@@ -12,6 +12,10 @@ a pool of spawned processes, which receive each problem as plain data (pickled) 
 only numpy and CP-SAT, never JAX. The planning process meanwhile builds the next problems.
 Small models (a tiny GPT's handful of ILPs) thus never start a process; CP-SAT runs with one
 thread and a fixed seed, so where a problem is solved does not change its solution.
+
+`solve_all` serves the stages' own ILPs (`passes/mpmd_program.py`), a few problems known
+together, each as big as a stage: where two or more are big enough to take seconds, they are
+solved side by side (one here, the others in spawned processes), by the same `ilp.solve`.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -28,7 +32,15 @@ from hlopar.analysis.auto_sharding import ilp
 from hlopar.analysis.auto_sharding.problem import Problem
 from hlopar.processes import die_with_parent
 
-__all__ = ["SPAWN_START_SECONDS", "IlpPool", "same_content", "shape_key", "worth_spawning"]
+__all__ = [
+    "BIG_PROBLEM_NODES",
+    "SPAWN_START_SECONDS",
+    "IlpPool",
+    "same_content",
+    "shape_key",
+    "solve_all",
+    "worth_spawning",
+]
 
 # What starting the pool costs before its first solve: a spawned interpreter importing numpy,
 # ortools' CP-SAT (which imports pandas) and hlopar's ILP modules, and a problem pickled over.
@@ -36,6 +48,10 @@ __all__ = ["SPAWN_START_SECONDS", "IlpPool", "same_content", "shape_key", "worth
 # worker; twice that in wall seconds leaves room for a loaded machine, so that a pool starts
 # only where it clearly pays.
 SPAWN_START_SECONDS = 2.0
+# A problem of more nodes takes seconds to tens of seconds (GPT-39B's stages on 16 x 8,
+# ~15k nodes: 20-30 s each, presolve and CP-SAT), far more than a spawned process's start:
+# `solve_all` solves several such side by side.
+BIG_PROBLEM_NODES = 10_000
 
 
 def same_content(a: Problem, b: Problem) -> bool:
@@ -137,5 +153,29 @@ class IlpPool:
             self._pool = None
 
 
-def _solve(problem: Problem, time_limit: float) -> ilp.Solution:
-    return ilp.solve(problem, time_limit=time_limit, num_workers=1)
+def solve_all(problems: Sequence[tuple[Problem, float]], *, big_nodes: int = BIG_PROBLEM_NODES) -> list[ilp.Solution]:
+    """`ilp.solve(problem, time_limit=limit)` of each (problem, limit), CP-SAT's workers by
+    the problem's size. Where two or more are big (more than `big_nodes` nodes), they are
+    solved side by side, as many at once as there are cores: all but the first in spawned
+    processes, that one here. Where a problem is solved does not change its solution."""
+    big = [k for k, (problem, _) in enumerate(problems) if len(problem.nodes) > big_nodes]
+    workers = min(len(big) - 1, (os.cpu_count() or 1) - 1)
+    if workers < 1:
+        return [ilp.solve(problem, time_limit=limit) for problem, limit in problems]
+    with ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("spawn"), initializer=die_with_parent, initargs=(os.getpid(),)
+    ) as pool:
+        away = {k: pool.submit(_solve, *problems[k], None) for k in big[1:]}
+        out = [
+            None if k in away else ilp.solve(problem, time_limit=limit) for k, (problem, limit) in enumerate(problems)
+        ]
+        for k, future in away.items():
+            try:
+                out[k] = future.result()
+            except BrokenProcessPool:  # a worker died (killed, out of memory): solve it here
+                out[k] = ilp.solve(problems[k][0], time_limit=problems[k][1])
+    return out
+
+
+def _solve(problem: Problem, time_limit: float, num_workers: int | None = 1) -> ilp.Solution:
+    return ilp.solve(problem, time_limit=time_limit, num_workers=num_workers)

@@ -3,9 +3,11 @@ rule of `ilp_pool`, with the same plans either way."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from test_layer_costs import gpt_layers
+from tools_module import load_tool
 
 from hlopar.analysis.auto_sharding import ilp
 from hlopar.analysis.auto_sharding.cluster import logical_mesh
@@ -91,3 +93,18 @@ def _recording(exit_, record: list):
 
 def _plain(plan):
     return replace(plan, solve_seconds=0.0)
+
+
+def test_big_problems_are_solved_side_by_side_with_the_same_solutions(monkeypatch):
+    bench_ilp = load_tool("bench_ilp")
+    problems = [(bench_ilp.gpt_like_problem(layers, (2, 4)), 60.0) for layers in (1, 2, 1)]
+    alone = [ilp.solve(problem, time_limit=limit) for problem, limit in problems]
+    assert ilp_pool.solve_all(problems) == alone  # none above BIG_PROBLEM_NODES: all here
+    started = []
+    pool = ilp_pool.ProcessPoolExecutor
+    monkeypatch.setattr(ilp_pool, "ProcessPoolExecutor", lambda *a, **k: started.append(a[0]) or pool(*a, **k))
+    together = ilp_pool.solve_all(problems, big_nodes=10)
+    cores = os.cpu_count() or 1
+    assert started == ([min(2, cores - 1)] if cores > 1 else [])  # the first here, the others away
+    assert together == alone
+    assert [s.status for s in together] == ["OPTIMAL"] * 3
