@@ -118,12 +118,7 @@ class IlpPool:
         if self._pool is None and self._solved_here and not self.spawned:
             mean = self._seconds_here / self._solved_here
             if worth_spawning(mean, self.expected + 1, self.workers):
-                self._pool = ProcessPoolExecutor(
-                    min(self.workers, self.expected + 1),
-                    mp_context=multiprocessing.get_context("spawn"),
-                    initializer=die_with_parent,
-                    initargs=(os.getpid(),),
-                )
+                self._pool = _spawned(min(self.workers, self.expected + 1))
                 self.spawned = True
         if self._pool is not None:
             try:
@@ -162,9 +157,7 @@ def solve_all(problems: Sequence[tuple[Problem, float]], *, big_nodes: int = BIG
     workers = min(len(big) - 1, (os.cpu_count() or 1) - 1)
     if workers < 1:
         return [ilp.solve(problem, time_limit=limit) for problem, limit in problems]
-    with ProcessPoolExecutor(
-        workers, mp_context=multiprocessing.get_context("spawn"), initializer=die_with_parent, initargs=(os.getpid(),)
-    ) as pool:
+    with _spawned(workers) as pool:
         away = {k: pool.submit(_solve, *problems[k], None) for k in big[1:]}
         out = [
             None if k in away else ilp.solve(problem, time_limit=limit) for k, (problem, limit) in enumerate(problems)
@@ -175,6 +168,13 @@ def solve_all(problems: Sequence[tuple[Problem, float]], *, big_nodes: int = BIG
             except BrokenProcessPool:  # a worker died (killed, out of memory): solve it here
                 out[k] = ilp.solve(problems[k][0], time_limit=problems[k][1])
     return out
+
+
+def _spawned(workers: int) -> ProcessPoolExecutor:
+    """Spawned (not forked) processes that end with this one."""
+    return ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("spawn"), initializer=die_with_parent, initargs=(os.getpid(),)
+    )
 
 
 def _solve(problem: Problem, time_limit: float, num_workers: int | None = 1) -> ilp.Solution:
