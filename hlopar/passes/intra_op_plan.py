@@ -8,8 +8,9 @@ stock jaxlib compiles: `sdy.mesh`, `sdy.sharding` on arguments, results and ever
 that it executes the plan). Shardings already in the input are kept as hard constraints.
 
 `plan_module` is the whole of `hlopar-auto-sharding` but its option parsing and report
-file (`passes/auto_sharding.py`); stage construction runs it on each stage's function
-(`passes/mpmd_program.py`). It is not a pass: the IR side of the intra-op planner that two
+file (`passes/auto_sharding.py`); stage construction runs it in two halves on each stage's
+function (`start_planning`, `ModulePlanning.finish`: `passes/mpmd_program.py` solves the
+stages' ILPs together in between). It is not a pass: the IR side of the intra-op planner that two
 passes share, so that neither imports the other (docs/architecture.md).
 """
 
