@@ -5,10 +5,6 @@ alone, the JAX name stack of an op, and the op families they walk through.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Iterator
-
 from hlopar.ir.graph import FuncGraph
 
 __all__ = [
@@ -21,7 +17,6 @@ __all__ = [
     "ancestors",
     "constant_derived",
     "name_stack",
-    "paused_gc",
     "predecessors",
 ]
 
@@ -89,20 +84,6 @@ UPDATE_WALK_OPS = ELEMENTWISE_OPS | CONSTANT_OPS | {"stablehlo.broadcast_in_dim"
 # Ops whose results are their operands unchanged (a typed key's sharding constraint).
 PASS_THROUGH_OPS = frozenset({"sdy.sharding_constraint", "sdy.reshard", "stablehlo.optimization_barrier"})
 MATMUL_OPS = frozenset({"stablehlo.dot_general", "stablehlo.dot", "stablehlo.convolution"})
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """The analyses make a few small lists per op and free none: the cyclic collector would
-    rescan the graph's hundred thousand objects again and again for nothing (as when the
-    graph is built)."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def name_stack(graph: FuncGraph, i: int) -> str | None:

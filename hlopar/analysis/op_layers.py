@@ -8,8 +8,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from hlopar.analysis.dataflow import constant_derived, name_stack, paused_gc, predecessors
+from hlopar.analysis.dataflow import constant_derived, name_stack, predecessors
 from hlopar.analysis.training_roles import Role, TrainingRoles
+from hlopar.ir.collector import paused_gc
 from hlopar.ir.graph import FuncGraph
 
 __all__ = ["consistent_layers", "layer_of_ops", "marked_layers"]

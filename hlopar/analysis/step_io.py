@@ -32,9 +32,9 @@ from hlopar.analysis.dataflow import (
     UPDATE_WALK_OPS,
     ancestors,
     name_stack,
-    paused_gc,
     predecessors,
 )
+from hlopar.ir.collector import paused_gc
 from hlopar.ir.graph import FuncGraph, callee_graph
 from hlopar.ir.signature import FuncSignature, path_tokens
 

@@ -43,8 +43,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from hlopar.analysis.dataflow import CONSTANT_OPS, UPDATE_WALK_OPS, ancestors, name_stack, paused_gc, predecessors
+from hlopar.analysis.dataflow import CONSTANT_OPS, UPDATE_WALK_OPS, ancestors, name_stack, predecessors
 from hlopar.analysis.step_io import pick_loss, state_pairs
+from hlopar.ir.collector import paused_gc
 from hlopar.ir.graph import FuncGraph
 
 __all__ = ["Role", "TrainingRoles", "classify"]

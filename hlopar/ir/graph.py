@@ -36,7 +36,6 @@ the cyclic garbage collector is paused while building.
 from __future__ import annotations
 
 import functools
-import gc
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -44,6 +43,7 @@ from typing import NamedTuple
 
 from jaxlib.mlir import ir
 
+from hlopar.ir.collector import paused_gc
 from hlopar.ir.op_attrs import DECODERS, OpAttrs
 
 Shape = tuple[int | None, ...]
@@ -190,13 +190,8 @@ class FuncGraph:
         """The view of a `func.func` op (a body-less declaration gives args and no ops)."""
         # The build makes a few objects per op and frees none: the cyclic collector would
         # rescan the growing heap again and again for nothing.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+        with paused_gc():
             return _Builder().build(func_op.operation)
-        finally:
-            if collecting:
-                gc.enable()
 
     @classmethod
     def from_module(cls, module: ir.Module | ir.Operation, name: str = "main") -> FuncGraph:
@@ -351,16 +346,11 @@ def callee_graph(graph: FuncGraph, call: OpNode) -> FuncGraph | None:
 
 def module_graphs(module: ir.Module | ir.Operation) -> dict[str, FuncGraph]:
     """The graph of every function in the module, by symbol name."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
+    with paused_gc():
         types: dict[ir.Type, _TypeInfo] = {}  # types are uniqued by the context: share them
         return {
             ir.StringAttr(func.attributes["sym_name"]).value: _Builder(types).build(func) for func in _funcs(module)
         }
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def _funcs(module: ir.Module | ir.Operation) -> Iterator[ir.Operation]:

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Literal
 from jaxlib.mlir import ir
 
 from hlopar.analysis.limits import check_count, check_number
+from hlopar.ir.collector import paused_gc
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError, source_location
 from hlopar.ir.output import output_problem, write_output
 from hlopar.ir.suggestions import did_you_mean
@@ -70,10 +71,12 @@ class PassContext:
     seconds: dict[str, float] = field(default_factory=dict)  # pass name -> time it ran (`timed`), summed
 
     def timed(self, pass_: ModulePass, module: ir.Operation) -> None:
-        """Runs `pass_` on `module` in this context, its time added to `seconds`."""
+        """Runs `pass_` on `module` in this context (the cyclic collector paused, as a
+        pipeline step runs it), its time added to `seconds`."""
         clock = time.perf_counter()
         try:
-            pass_.run(module, self)
+            with paused_gc():
+                pass_.run(module, self)
         finally:
             self.seconds[pass_.name] = self.seconds.get(pass_.name, 0.0) + time.perf_counter() - clock
 

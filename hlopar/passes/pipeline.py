@@ -16,6 +16,7 @@ from typing import TextIO
 
 from jaxlib.mlir import ir, passmanager
 
+from hlopar.ir.collector import paused_gc
 from hlopar.ir.diagnostics import Diagnostic, DiagnosticError
 from hlopar.ir.suggestions import did_you_mean
 from hlopar.passes.base import ModulePass, OptionError, PassContext
@@ -127,7 +128,8 @@ class Step:
 
     def run(self, module: ir.Operation, context: PassContext) -> None:
         if self.hlopar_pass is not None:
-            self.hlopar_pass.run(module, context)
+            with paused_gc():
+                self.hlopar_pass.run(module, context)
             return
         manager = passmanager.PassManager.parse(f"builtin.module({self.upstream_text})", context=module.context)
         try:
