@@ -444,8 +444,15 @@ def _write_plan(
         with ir.InsertionPoint(body.operations[0]):
             sdy.MeshOp(mesh_name, ir.Attribute.parse(f"#sdy.mesh{mesh.to_device_mesh().to_sdy()}"))
 
+    # Each distinct layout (and list of layouts) is formatted and parsed once: a stage's
+    # tens of thousands of ops share a few hundred, and the context uniques attributes.
+    attributes: dict = {}
+
     def sharding(spec: ShardingSpec) -> ir.Attribute:
-        return ir.Attribute.parse(TensorSharding.from_spec(mesh_name, spec).format())
+        found = attributes.get(spec)
+        if found is None:
+            found = attributes[spec] = ir.Attribute.parse(TensorSharding.from_spec(mesh_name, spec).format())
+        return found
 
     chosen = [node.strategies[c] for node, c in zip(problem.nodes, choices)]
 
@@ -461,8 +468,12 @@ def _write_plan(
 
     def annotate(operation: ir.Operation, specs) -> None:
         if specs and all(spec is not None for spec in specs):
-            per_value = ShardingPerValue(tuple(TensorSharding.from_spec(mesh_name, s) for s in specs))
-            operation.attributes[SDY_SHARDING] = ir.Attribute.parse(per_value.format())
+            key = ("per value", tuple(specs))
+            found = attributes.get(key)
+            if found is None:
+                per_value = ShardingPerValue(tuple(TensorSharding.from_spec(mesh_name, s) for s in specs))
+                found = attributes[key] = ir.Attribute.parse(per_value.format())
+            operation.attributes[SDY_SHARDING] = found
 
     for op_id, node_index in problem.op_node.items():
         op, node = graph.op(op_id), problem.nodes[node_index]

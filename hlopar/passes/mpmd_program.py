@@ -523,9 +523,13 @@ class _Stage:
             op = op.operation
             if op not in kept and op.name != "func.return":
                 self.added.update((result, op) for result in op.results)
+        parsed: dict[str, ShardingPerValue] = {}  # a stage's ops share a few hundred distinct shardings
         for index, op in self.ops.items():
             if SDY_SHARDING in op.attributes:
-                per_value = ShardingPerValue.parse(str(op.attributes[SDY_SHARDING]))
+                text = str(op.attributes[SDY_SHARDING])
+                per_value = parsed.get(text)
+                if per_value is None:
+                    per_value = parsed[text] = ShardingPerValue.parse(text)
                 for v, sharding in zip(graph.ops[index].results, per_value):
                     self.layouts[v] = sharding
         # The stage's results leave as the plan returns them: a training state's new value in
