@@ -1,6 +1,6 @@
 """Time the auto-sharding ILP on a synthetic GPT-like training step.
 
-    python tools/bench_ilp.py [--layers N] [--mesh 2x4] [--workers 2] [--time-limit S] [--seed K]
+    python tools/bench_ilp.py [--layers N] [--mesh 2x4] [--workers W] [--time-limit S] [--seed K]
                               [--budget-fraction F [--live-window W]] [--no-bound]
 
 The problem is built like the pass builds one: every op is an einsum whose strategies assign each
@@ -198,7 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=72)
     parser.add_argument("--mesh", default="2x4")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="CP-SAT workers (default: `ilp.solve`'s rule by model size, as the passes run it)",
+    )
     parser.add_argument("--time-limit", type=float, default=60.0, help="deterministic seconds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", action="store_true", help="print CP-SAT's search log")
