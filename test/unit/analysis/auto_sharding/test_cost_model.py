@@ -190,6 +190,35 @@ def test_pending_sums_are_reduced_where_a_reader_needs_them():
         assert resharding_cost(SHAPE, 4, src, dst, mesh) == 0.0
 
 
+def test_resharding_cost_is_the_sum_of_its_collectives_costs_to_the_last_bit():
+    """`resharding_cost` prices steps from what it reads of the mesh once per layout pair;
+    it must give, float for float, the sum of its collectives' `Collective.cost` in order
+    (the ILP's ties, and so the plans, depend on the last bit): uneven shapes, axes of size
+    1, links of several speeds, pending sums, every layout pair of ranks 1 to 3."""
+    meshes = [
+        LogicalMesh((MeshAxis("x", a, 1e-5 * (1 + a % 3), 1e11 / (1 + b)), MeshAxis("y", b, 3e-6, 2.4e11)), 3e14, 8e10)
+        for a, b in ((1, 2), (2, 4), (4, 2), (3, 16), (2, 1), (5, 8))
+    ]
+    options = ((), ("x",), ("y",), ("x", "y"), ("y", "x"))
+    shapes = {1: ((8,), (7,), (48,)), 2: ((8, 8192), (6, 10), (2048, 64)), 3: ((8, 2048, 96), (3, 5, 7))}
+    checked = 0
+    for rank, shapes_of_rank in shapes.items():
+        layouts = [ShardingSpec(dims) for dims in itertools.product(options, repeat=rank) if _disjoint(dims)]
+        layouts += [ShardingSpec(layouts[0].dims, ("x",)), ShardingSpec(layouts[0].dims, ("x", "y"))]
+        for mesh, src, dst, shape in itertools.product(meshes, layouts, layouts, shapes_of_rank):
+            total = 0.0
+            for collective in resharding_collectives(shape, 2, src, dst, mesh):
+                total += collective.cost(mesh)
+            assert resharding_cost(shape, 2, src, dst, mesh) == total, (mesh, src, dst, shape)
+            checked += 1
+    assert checked > 5000
+
+
+def _disjoint(dims) -> bool:
+    used = [axis for axes in dims for axis in axes]
+    return len(used) == len(set(used))
+
+
 def test_equal_specs_cost_nothing():
     mesh = logical_mesh((N0, N1))
     for spec in (S(R, R), S("x", "y"), S(("y", "x"), R)):
