@@ -12,6 +12,9 @@ the fit is checked on its own:
 - `kernel_launch_s`: the time one more kernel adds to a chain of dependent tiny kernels;
 - `executable_launch_s`: a near-empty executable's time on every device (what each fragment
   run costs beyond its kernels: what a pipeline pays per microbatch and stage);
+- `device_memory_bandwidth`: the bytes of results an elementwise kernel writes per second,
+  from the difference between a large and a small one (so neither launch counts), every
+  device busy: what a memory-bound op costs beyond its FLOPs (`LogicalMesh.compute_seconds`);
 - link latency (alpha) and bandwidth (beta) of a class of links: the least-squares fit of
   t = alpha + bytes_sent / beta over every collective timed on those links, with
   `collectives.bytes_sent`'s traffic factors, the model the ILP prices collectives with; so a
@@ -79,6 +82,9 @@ class Measurements:
     kernel_s: float  # one more kernel of a dependent chain
     launch_s: float  # one executable on every device, doing next to nothing
     collectives: tuple[CollectiveTiming, ...]
+    # An elementwise kernel's results per device, small and large, and their seconds (0: not timed)
+    elementwise_bytes: tuple[float, float] = (0.0, 0.0)
+    elementwise_s: tuple[float, float] = (0.0, 0.0)
 
     def as_dict(self) -> dict:
         out = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "collectives"}
@@ -130,6 +136,10 @@ def preset_from_measurements(m: Measurements, name: str, description: str = "") 
     if not (peak > 0 and math.isfinite(peak)):
         raise ValueError(f"matmul timing gives no FLOP/s: {m.large_matmul_flops} FLOPs in {m.large_matmul_s} s")
     half = max(0.0, m.small_matmul_s * peak - m.small_matmul_flops)
+    written = m.elementwise_bytes[1] - m.elementwise_bytes[0]
+    taken = m.elementwise_s[1] - m.elementwise_s[0]
+    # Not resolved (not timed, or the larger kernel no slower): not priced, as in the presets.
+    memory_bandwidth = written / taken if written > 0 and taken > 0 else 0.0
     intra = fit_links([t for t in m.collectives if not t.across_processes])
     crossing = [t for t in m.collectives if t.across_processes]
     inter = fit_links(crossing) if crossing else intra
@@ -146,11 +156,13 @@ def preset_from_measurements(m: Measurements, name: str, description: str = "") 
         kernel_launch_s=max(0.0, m.kernel_s),
         matmul_half_flops=half,
         executable_launch_s=m.launch_s,
+        device_memory_bandwidth=memory_bandwidth,
     )
     fits = {
         "intra_host": vars(intra),
         "inter_host": vars(inter) if crossing else None,
         "device_flops": peak,
         "matmul_half_flops": half,
+        "device_memory_bandwidth": memory_bandwidth,
     }
     return preset, fits

@@ -7,6 +7,7 @@ once, as in a stage) and fits a `ClusterPreset` to the timings
 - a 1024^3 matrix product per device (peak FLOP/s), a chain of 64^3 products (the ramp);
 - a chain of dependent 4x4 dot + tanh kernels (the cost of one more kernel);
 - a near-empty executable on every device (the launch, subtracted from the chains);
+- an elementwise kernel on 256 KiB and on 4 MiB per device (the memory bandwidth);
 - the five collectives the ILP prices (all-reduce, all-gather, reduce-scatter, all-to-all,
   collective-permute) over groups of 2 devices, a host's and all of them, on a 1 KiB and a
   1 MiB buffer, each as a chain of 9 against a chain of 1 in one executable (so neither the
@@ -50,6 +51,7 @@ __all__ = ["BusyMachineWarning", "Calibration", "calibrate", "calibrated_preset"
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 SMALL_BUFFER, LARGE_BUFFER = 1 << 10, 1 << 20  # bytes per device
 CHAIN = 9  # collectives (or kernels) of the long chain; the short one has 1
+ELEMENTWISE_BYTES = 1 << 22  # per device, the larger elementwise kernel's result
 BUSY_LOAD_PER_CORE = 0.5  # a 1-minute load average above this per core: the machine is busy
 
 
@@ -83,6 +85,8 @@ class Calibration:
             f"product: {m.small_matmul_s * 1e6:.1f} us)",
             f"  kernel launch          {p.kernel_launch_s * 1e6:10.2f} us",
             f"  executable launch      {p.executable_launch_s * 1e6:10.1f} us  (a near-empty executable on every device)",
+            f"  memory bandwidth       {p.device_memory_bandwidth / 1e9:10.2f} GB/s  (results an elementwise kernel "
+            f"writes, every device at once)",
             f"  memory per device      {p.device_memory_bytes / 2**30:10.2f} GiB",
         ]
         if self.load is not None:
@@ -207,6 +211,7 @@ def calibrated_preset(cluster: Cluster, *, across_processes: bool = False) -> Pa
         "kind": cluster.device_kind,
         "jax": jax.__version__,
         "across_processes": across_processes,
+        "measures": 2,  # what a calibration times: 2 with the memory bandwidth
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     path = cache_root() / "calibration" / f"{digest}.json"
@@ -277,6 +282,11 @@ def _compute_timings(devices: Sequence, timer: _Timer) -> dict:
     x4, w4 = placed(4, 4, scale=0.5), placed(4, 4, scale=0.5)
     kernel_s = (timer(chain(dot_tanh, 65), x4, w4) - timer(chain(dot_tanh, 1), x4, w4)) / 128
     launch_s = timer(jax.jit(lambda v: v + 1.0), placed(4))
+    # One elementwise kernel (a read, a write: XLA fuses the two ops) of 256 KiB and of 4 MiB
+    # per device: the difference is what the extra bytes cost, without the launch.
+    scale = jax.jit(lambda v: v * 0.5 + 1.0)
+    sizes = (ELEMENTWISE_BYTES // 16, ELEMENTWISE_BYTES)
+    elementwise_s = tuple(timer(scale, placed(size // 4)) for size in sizes)
     return {
         "large_matmul_flops": 2.0 * large**3,
         "large_matmul_s": large_s,
@@ -284,6 +294,8 @@ def _compute_timings(devices: Sequence, timer: _Timer) -> dict:
         "small_matmul_s": max(small_s, 0.0),
         "kernel_s": kernel_s,
         "launch_s": launch_s,
+        "elementwise_bytes": tuple(float(size) for size in sizes),
+        "elementwise_s": elementwise_s,
     }
 
 

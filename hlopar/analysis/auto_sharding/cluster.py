@@ -76,7 +76,9 @@ class MeshAxis:
 
 @dataclass(frozen=True)
 class LogicalMesh:
-    """Mesh axes (major first) plus what every device of the mesh has: peak FLOP/s and memory.
+    """Mesh axes (major first) plus what every device of the mesh has: peak FLOP/s, memory,
+    and the rate it writes results of memory-bound ops (`device_memory_bandwidth`, bytes per
+    second with every device busy; 0: not priced, an op costs its FLOPs only).
 
     Devices are homogeneous within a mesh (Alpa §4, SPMD). Hashable, so it can key caches.
     """
@@ -84,6 +86,7 @@ class LogicalMesh:
     axes: tuple[MeshAxis, ...]
     device_flops: float
     device_memory_bytes: float
+    device_memory_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         axes = tuple(self.axes)
@@ -98,6 +101,8 @@ class LogicalMesh:
             raise ValueError(f"device_flops must be finite and > 0, got {self.device_flops!r}")
         if not self.device_memory_bytes > 0:
             raise ValueError(f"device_memory_bytes must be > 0, got {self.device_memory_bytes!r}")
+        if not self.device_memory_bandwidth >= 0 or math.isinf(self.device_memory_bandwidth):
+            raise ValueError(f"device_memory_bandwidth must be finite and >= 0, got {self.device_memory_bandwidth!r}")
         object.__setattr__(self, "axes", axes)
         object.__setattr__(self, "_by_name", {axis.name: axis for axis in axes})
 
@@ -123,6 +128,15 @@ class LogicalMesh:
         if found is None:
             raise ValueError(f"mesh {self.axis_names} has no axis {name!r}")
         return found
+
+    def compute_seconds(self, flops: float, written_bytes: float) -> float:
+        """One device's time for an op: its FLOPs at the peak, plus, where the memory
+        bandwidth is known, the bytes of results it writes at that rate (a roofline, added:
+        an elementwise op on a CPU or a GPU is bound by memory, not arithmetic)."""
+        seconds = flops / self.device_flops
+        if self.device_memory_bandwidth:
+            seconds += written_bytes / self.device_memory_bandwidth
+        return seconds
 
     def axes_size(self, names: Iterable[str]) -> int:
         """How many pieces splitting over all of `names` makes (1 for none)."""
@@ -153,6 +167,11 @@ class ClusterPreset:
     kernels, paid per fragment run (a stage's forward and backward per microbatch, its update
     per step): 0 in the built-in presets; `hlopar-calibrate` measures it (on 8 CPU devices of
     a 2-core machine, 0.2-0.6 ms).
+    `device_memory_bandwidth`: the bytes of results per second a device writes in a
+    memory-bound (elementwise) kernel with every device busy, which `LogicalMesh.compute_seconds`
+    adds to an op's FLOPs; 0 (the built-in presets): not priced. `hlopar-calibrate` measures
+    it (8 CPU devices sharing 2 cores: ~1 GB/s each, where the tiny GPT's step writes 13 MB of
+    results on one device and its FLOPs at the peak take a tenth of its time).
     """
 
     name: str
@@ -167,11 +186,12 @@ class ClusterPreset:
     kernel_launch_s: float = 0.0
     matmul_half_flops: float = 0.0
     executable_launch_s: float = 0.0
+    device_memory_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         if self.devices_per_host < 1:
             raise ValueError(f"preset {self.name!r}: devices_per_host must be >= 1, got {self.devices_per_host}")
-        for field_name in ("kernel_launch_s", "matmul_half_flops", "executable_launch_s"):
+        for field_name in ("kernel_launch_s", "matmul_half_flops", "executable_launch_s", "device_memory_bandwidth"):
             value = getattr(self, field_name)
             if not value >= 0 or math.isinf(value):
                 raise ValueError(f"preset {self.name!r}: {field_name} must be finite and >= 0, got {value!r}")
@@ -339,7 +359,7 @@ def logical_mesh(
             )
         )
     memory = cluster.device_memory_bytes if memory_budget is None else memory_budget
-    return LogicalMesh(tuple(axes), cluster.device_flops, memory)
+    return LogicalMesh(tuple(axes), cluster.device_flops, memory, cluster.device_memory_bandwidth)
 
 
 # A preset file: `write_preset`'s JSON, the fields of `ClusterPreset` (what `hlopar-calibrate`

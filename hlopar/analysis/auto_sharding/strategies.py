@@ -231,16 +231,15 @@ def replicated_strategy(
         return ShardingSpec.replicated(len(info.shape)) if info.is_tensor else None
 
     result_specs = tuple(spec(r) for r in results)
+    memory = float(sum(per_device_bytes(r.shape, r.dtype_bytes, s, mesh) for r, s in zip(results, result_specs) if s))
     return Strategy(
         factor_axes=(),
         operand_specs=tuple(spec(o) for o in operands),
         result_specs=result_specs,
         collectives=(),
         communication_cost=0.0,
-        compute_cost=flops / mesh.device_flops,
-        memory=float(
-            sum(per_device_bytes(r.shape, r.dtype_bytes, s, mesh) for r, s in zip(results, result_specs) if s)
-        ),
+        compute_cost=mesh.compute_seconds(flops, memory if flops else 0.0),
+        memory=memory,
     )
 
 
@@ -278,6 +277,6 @@ def strategy_for(
         result_specs=result_specs,
         collectives=collectives,
         communication_cost=sum(c.cost(mesh) for c in collectives),
-        compute_cost=flops / parallelism / mesh.device_flops,
+        compute_cost=mesh.compute_seconds(flops / parallelism, sum(result_bytes) if flops else 0.0),
         memory=float(sum(result_bytes)),
     )

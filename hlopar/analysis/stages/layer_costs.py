@@ -410,9 +410,7 @@ def _start_up_latency(problem, choices: Sequence[int], mesh: LogicalMesh, only: 
 @functools.lru_cache(maxsize=256)
 def _start_ups_only(mesh: LogicalMesh) -> LogicalMesh:
     """`mesh` with links of unbounded bandwidth: a collective's cost on it is its start-up."""
-    return LogicalMesh(
-        tuple(replace(a, bandwidth_bytes_per_s=1e30) for a in mesh.axes), mesh.device_flops, mesh.device_memory_bytes
-    )
+    return replace(mesh, axes=tuple(replace(a, bandwidth_bytes_per_s=1e30) for a in mesh.axes))
 
 
 def _objective_share(problem: Problem, choices: Sequence[int], only: Sequence[bool]) -> float:
@@ -457,7 +455,11 @@ def kernel_counts(layer: FuncGraph, roles: Sequence[str]) -> dict[str, tuple[flo
 
 def trivial_axes_key(mesh: LogicalMesh) -> tuple:
     """Meshes that differ only by axes of size 1 plan identically."""
-    return tuple((a.size, a.latency_s, a.bandwidth_bytes_per_s) for a in mesh.axes if a.size > 1), mesh.device_flops
+    return (
+        tuple((a.size, a.latency_s, a.bandwidth_bytes_per_s) for a in mesh.axes if a.size > 1),
+        mesh.device_flops,
+        mesh.device_memory_bandwidth,
+    )
 
 
 def useful_axes(mesh: LogicalMesh, dims: frozenset[int]) -> tuple[str, ...]:
@@ -470,7 +472,11 @@ def useful_axes(mesh: LogicalMesh, dims: frozenset[int]) -> tuple[str, ...]:
 def plan_key(mesh: LogicalMesh, dims: frozenset[int]) -> tuple:
     """Meshes with the same key plan a layer with these dimensions identically (axes renamed)."""
     kept = useful_axes(mesh, dims)
-    return tuple((a.size, a.latency_s, a.bandwidth_bytes_per_s) for a in mesh.axes if a.name in kept), mesh.device_flops
+    return (
+        tuple((a.size, a.latency_s, a.bandwidth_bytes_per_s) for a in mesh.axes if a.name in kept),
+        mesh.device_flops,
+        mesh.device_memory_bandwidth,
+    )
 
 
 def layer_dims(layer: FuncGraph) -> frozenset[int]:

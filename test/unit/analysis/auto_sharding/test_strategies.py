@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+
 from hlopar.analysis.auto_sharding.cluster import logical_mesh
 from hlopar.analysis.auto_sharding.collectives import Collective
 from hlopar.analysis.auto_sharding.rules import OpRule
@@ -63,6 +67,37 @@ def test_replicated_is_first_and_costs_the_full_compute():
     assert min(s.compute_cost for s in strategies) == full / 4  # split over both axes
     # 5 choices (none, b, i, j, k) per axis: 25 distinct strategies, plus reduce-scatter variants.
     assert len([s for s in strategies if s.scattered_dim is None]) == 25
+
+
+def test_a_known_memory_bandwidth_prices_the_results_each_device_writes():
+    """A roofline, added: FLOPs at the peak plus the bytes of results at the memory rate;
+    without a bandwidth (the built-in presets) an op costs its FLOPs only, to the last bit."""
+    plain = logical_mesh((2, 2), ("x", "y"))
+    mesh = dataclasses.replace(plain, device_memory_bandwidth=1e9)
+    flops = 2 * 8 * 16 * 32 * 64
+    priced = by_specs(enumerate_strategies(BMM, [A, B], [C], mesh, flops=flops))
+    unpriced = by_specs(enumerate_strategies(BMM, [A, B], [C], plain, flops=flops))
+    assert priced.keys() == unpriced.keys()
+    c_bytes = 8 * 16 * 32 * 4
+    whole = {s.factor_axes: s for s in priced.values() if s.scattered_dim is None}
+    for key, strategy in priced.items():
+        before = unpriced[key]
+        assert strategy.memory == before.memory
+        # The product writes its partial sums whole; a reduce-scatter variant's result is
+        # smaller, its kernel the same.
+        written = whole[strategy.factor_axes].memory
+        assert strategy.compute_cost == before.compute_cost + written / 1e9
+    replicated = priced[((spec("", "", ""), spec("", "", "")), (spec("", "", ""),))]
+    assert replicated.compute_cost == flops / plain.device_flops + c_bytes / 1e9
+    split = priced[((spec("", "x", ""), spec("", "", "y")), (spec("", "x", "y"),))]
+    assert split.compute_cost == flops / 4 / plain.device_flops + c_bytes / 4 / 1e9
+    # What costs nothing to make (an argument's layouts) writes nothing.
+    free = enumerate_strategies(OpRule.elementwise(C.shape, 0, 1), [], [C], mesh, flops=0.0)
+    assert {s.compute_cost for s in free} == {0.0}
+    assert mesh.compute_seconds(2e9, 3e9) == 2e9 / plain.device_flops + 3.0
+    assert plain.compute_seconds(2e9, 3e9) == 2e9 / plain.device_flops
+    with pytest.raises(ValueError, match="device_memory_bandwidth must be finite and >= 0"):
+        dataclasses.replace(plain, device_memory_bandwidth=-1.0)
 
 
 def test_partial_sums_can_be_reduce_scattered():
