@@ -12,6 +12,8 @@ the fit is checked on its own:
 - `kernel_launch_s`: the time one more kernel adds to a chain of dependent tiny kernels;
 - `executable_launch_s`: a near-empty executable's time on every device (what each fragment
   run costs beyond its kernels: what a pipeline pays per microbatch and stage);
+- `value_launch_s`: what one more argument and result add to an executable's launch (the
+  difference between one with many and one with one, over the values added);
 - `device_memory_bandwidth`: the bytes of results an elementwise kernel writes per second,
   from the difference between a large and a small one (so neither launch counts), every
   device busy: what a memory-bound op costs beyond its FLOPs (`LogicalMesh.compute_seconds`);
@@ -85,6 +87,9 @@ class Measurements:
     # An elementwise kernel's results per device, small and large, and their seconds (0: not timed)
     elementwise_bytes: tuple[float, float] = (0.0, 0.0)
     elementwise_s: tuple[float, float] = (0.0, 0.0)
+    # An executable of 1 and of `many_values` arguments (as many results): its launch's seconds
+    many_values: int = 0
+    many_values_launch_s: float = 0.0
 
     def as_dict(self) -> dict:
         out = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "collectives"}
@@ -140,6 +145,8 @@ def preset_from_measurements(m: Measurements, name: str, description: str = "") 
     taken = m.elementwise_s[1] - m.elementwise_s[0]
     # Not resolved (not timed, or the larger kernel no slower): not priced, as in the presets.
     memory_bandwidth = written / taken if written > 0 and taken > 0 else 0.0
+    added = 2 * (m.many_values - 1)  # arguments and results beyond the one executable's
+    value_launch = max(0.0, (m.many_values_launch_s - m.launch_s) / added) if added > 0 else 0.0
     intra = fit_links([t for t in m.collectives if not t.across_processes])
     crossing = [t for t in m.collectives if t.across_processes]
     inter = fit_links(crossing) if crossing else intra
@@ -157,6 +164,7 @@ def preset_from_measurements(m: Measurements, name: str, description: str = "") 
         matmul_half_flops=half,
         executable_launch_s=m.launch_s,
         device_memory_bandwidth=memory_bandwidth,
+        value_launch_s=value_launch,
     )
     fits = {
         "intra_host": vars(intra),

@@ -637,13 +637,32 @@ def _batch_size(graph: FuncGraph) -> int:
     return math.gcd(*(int(s) for s in sizes if s)) if any(sizes) else 1
 
 
+def boundary_values(graph: FuncGraph, layering: Layering, l: int, layer: FuncGraph) -> dict[str, int]:
+    """Per role, the values layer `l` reads from outside it or makes for outside it with ops of
+    that role: what a fragment of the layer alone hands over per run (values passed between
+    layers of one stage are counted too: an estimate from above)."""
+    counts = dict.fromkeys(ROLES, 0)
+    for v in layer.args:
+        for role in {layering.roles[u] for u in graph.values[v].users if layering.layers[u] == l}:
+            if role in counts:
+                counts[role] += 1
+    for v in layer.results:
+        producer = graph.values[v].producer
+        role = layering.roles[producer] if producer is not None else None
+        if role in counts:
+            counts[role] += 1
+    return counts
+
+
 def _layer_arrays(
     graph: FuncGraph, layering: Layering, layers: list[FuncGraph], plans, meshes, preset
 ) -> tuple[LayerArrays, np.ndarray]:
     """The per-layer arrays of `span_costs` and the bytes each layer reads from each other.
     Each layer's latencies gain the preset's per-kernel overheads (`ClusterPreset.op_seconds`):
     its forward and backward kernels' in the part paid per microbatch, its update kernels'
-    (run once per step) in the rest."""
+    (run once per step) in the rest; and, likewise, what its fragments pay per value they
+    read or write (`boundary_values`; not in the forward share a rematerializing backward
+    recomputes: that runs inside the backward's fragment)."""
     meshes = [mesh for mesh, _ in meshes]
     L, G = len(layers), len(meshes)
 
@@ -651,10 +670,16 @@ def _layer_arrays(
         return np.array([[getattr(plans[l][g], name) for l in range(L)] for g in range(G)], dtype=float)
 
     overhead = np.zeros((len(ROLES), L))
+    handed = np.zeros((len(ROLES), L))
     for l, layer in enumerate(layers):
         counts = kernel_counts(layer, layering.roles)
         overhead[:, l] = [preset.op_seconds(*counts[role]) for role in ROLES]
-    forward_overhead, per_microbatch_overhead = overhead[0], overhead[0] + overhead[1]
+        if preset.value_launch_s:
+            values = boundary_values(graph, layering, l, layer)
+            handed[:, l] = [preset.op_seconds(0, 0, values[role]) for role in ROLES]
+    forward_overhead = overhead[0]
+    overhead += handed
+    per_microbatch_overhead = overhead[0] + overhead[1]
 
     received = np.zeros((L, L))
     inputs = np.zeros((G, L, L))

@@ -7,6 +7,7 @@ once, as in a stage) and fits a `ClusterPreset` to the timings
 - a 1024^3 matrix product per device (peak FLOP/s), a chain of 64^3 products (the ramp);
 - a chain of dependent 4x4 dot + tanh kernels (the cost of one more kernel);
 - a near-empty executable on every device (the launch, subtracted from the chains);
+- the same with 33 arguments and results (what each value a fragment reads or writes adds);
 - an elementwise kernel on 256 KiB and on 4 MiB per device (the memory bandwidth);
 - the five collectives the ILP prices (all-reduce, all-gather, reduce-scatter, all-to-all,
   collective-permute) over groups of 2 devices, a host's and all of them, on a 1 KiB and a
@@ -52,6 +53,7 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
 SMALL_BUFFER, LARGE_BUFFER = 1 << 10, 1 << 20  # bytes per device
 CHAIN = 9  # collectives (or kernels) of the long chain; the short one has 1
 ELEMENTWISE_BYTES = 1 << 22  # per device, the larger elementwise kernel's result
+MANY_VALUES = 33  # arguments (and results) of the launch timed against one of one
 BUSY_LOAD_PER_CORE = 0.5  # a 1-minute load average above this per core: the machine is busy
 
 
@@ -85,6 +87,8 @@ class Calibration:
             f"product: {m.small_matmul_s * 1e6:.1f} us)",
             f"  kernel launch          {p.kernel_launch_s * 1e6:10.2f} us",
             f"  executable launch      {p.executable_launch_s * 1e6:10.1f} us  (a near-empty executable on every device)",
+            f"  per value launched     {p.value_launch_s * 1e6:10.2f} us  (an argument and a result more: "
+            f"{m.many_values} of each in {m.many_values_launch_s * 1e6:.1f} us)",
             f"  memory bandwidth       {p.device_memory_bandwidth / 1e9:10.2f} GB/s  (results an elementwise kernel "
             f"writes, every device at once)",
             f"  memory per device      {p.device_memory_bytes / 2**30:10.2f} GiB",
@@ -211,7 +215,7 @@ def calibrated_preset(cluster: Cluster, *, across_processes: bool = False) -> Pa
         "kind": cluster.device_kind,
         "jax": jax.__version__,
         "across_processes": across_processes,
-        "measures": 2,  # what a calibration times: 2 with the memory bandwidth
+        "measures": 2,  # what a calibration times: 2 with the memory bandwidth and the launch per value
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     path = cache_root() / "calibration" / f"{digest}.json"
@@ -282,6 +286,8 @@ def _compute_timings(devices: Sequence, timer: _Timer) -> dict:
     x4, w4 = placed(4, 4, scale=0.5), placed(4, 4, scale=0.5)
     kernel_s = (timer(chain(dot_tanh, 65), x4, w4) - timer(chain(dot_tanh, 1), x4, w4)) / 128
     launch_s = timer(jax.jit(lambda v: v + 1.0), placed(4))
+    values = [placed(4) for _ in range(MANY_VALUES)]
+    many_values_s = timer(jax.jit(lambda *vs: tuple(v + 1.0 for v in vs)), *values)
     # One elementwise kernel (a read, a write: XLA fuses the two ops) of 256 KiB and of 4 MiB
     # per device: the difference is what the extra bytes cost, without the launch.
     scale = jax.jit(lambda v: v * 0.5 + 1.0)
@@ -294,6 +300,8 @@ def _compute_timings(devices: Sequence, timer: _Timer) -> dict:
         "small_matmul_s": max(small_s, 0.0),
         "kernel_s": kernel_s,
         "launch_s": launch_s,
+        "many_values": MANY_VALUES,
+        "many_values_launch_s": many_values_s,
         "elementwise_bytes": tuple(float(size) for size in sizes),
         "elementwise_s": elementwise_s,
     }

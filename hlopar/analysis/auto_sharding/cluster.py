@@ -167,6 +167,10 @@ class ClusterPreset:
     kernels, paid per fragment run (a stage's forward and backward per microbatch, its update
     per step): 0 in the built-in presets; `hlopar-calibrate` measures it (on 8 CPU devices of
     a 2-core machine, 0.2-0.6 ms).
+    `value_launch_s`: what a fragment run pays per value it reads or writes beyond its launch
+    (the runtime hands each argument's and result's buffers to the executable one by one: on
+    4 CPU devices ~8 us a value through `jax.jit`'s dispatch, 20 through PJRT's
+    `execute_sharded`); 0 in the built-in presets, `hlopar-calibrate` measures it.
     `device_memory_bandwidth`: the bytes of results per second a device writes in a
     memory-bound (elementwise) kernel with every device busy, which `LogicalMesh.compute_seconds`
     adds to an op's FLOPs; 0 (the built-in presets): not priced. `hlopar-calibrate` measures
@@ -187,11 +191,18 @@ class ClusterPreset:
     matmul_half_flops: float = 0.0
     executable_launch_s: float = 0.0
     device_memory_bandwidth: float = 0.0
+    value_launch_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.devices_per_host < 1:
             raise ValueError(f"preset {self.name!r}: devices_per_host must be >= 1, got {self.devices_per_host}")
-        for field_name in ("kernel_launch_s", "matmul_half_flops", "executable_launch_s", "device_memory_bandwidth"):
+        for field_name in (
+            "kernel_launch_s",
+            "matmul_half_flops",
+            "executable_launch_s",
+            "device_memory_bandwidth",
+            "value_launch_s",
+        ):
             value = getattr(self, field_name)
             if not value >= 0 or math.isinf(value):
                 raise ValueError(f"preset {self.name!r}: {field_name} must be finite and >= 0, got {value!r}")
@@ -200,11 +211,13 @@ class ClusterPreset:
         """The fraction of the peak a matrix product of `flops` FLOPs per device reaches."""
         return flops / (flops + self.matmul_half_flops) if flops > 0 else 0.0
 
-    def op_seconds(self, kernels: float, matmuls: float) -> float:
+    def op_seconds(self, kernels: float, matmuls: float, values: float = 0.0) -> float:
         """Seconds `kernels` kernel launches, `matmuls` of them matrix products, cost beyond
         their FLOPs at peak (which the intra-op costs already hold): a launch each, and
-        n-half / peak per product (`matmul_efficiency`)."""
-        return kernels * self.kernel_launch_s + matmuls * self.matmul_half_flops / self.device_flops
+        n-half / peak per product (`matmul_efficiency`); and `values` handed to or taken
+        from a fragment run, `value_launch_s` each."""
+        seconds = kernels * self.kernel_launch_s + matmuls * self.matmul_half_flops / self.device_flops
+        return seconds + values * self.value_launch_s if values else seconds
 
 
 # Every GPU preset: a kernel launch costs ~5 us, the order of the CUDA launch latency NVIDIA

@@ -116,12 +116,22 @@ def test_memory_bandwidth_from_two_elementwise_kernels():
     assert logical_mesh((2, 4)).device_memory_bandwidth == 0.0
 
 
+def test_launch_per_value_from_an_executable_of_many_values():
+    launch, per_value = 2e-4, 8e-6  # `measurements`' launch; 33 arguments and 33 results
+    timed = measurements(exact_timings(40e-6, 3e9), many_values=33, many_values_launch_s=launch + 64 * per_value)
+    assert preset_from_measurements(timed, "here")[0].value_launch_s == pytest.approx(per_value, rel=1e-9)
+    # Not timed, or no slower than one value (noise): not priced.
+    assert preset_from_measurements(measurements(exact_timings(40e-6, 3e9)), "here")[0].value_launch_s == 0
+    noisy = measurements(exact_timings(40e-6, 3e9), many_values=33, many_values_launch_s=launch / 2)
+    assert preset_from_measurements(noisy, "here")[0].value_launch_s == 0
+
+
 def test_a_preset_file_from_before_the_memory_bandwidth_still_reads(tmp_path):
     path = write_preset(dataclasses.replace(CLUSTER_PRESETS["cpu"], name="old"), tmp_path / "old.json")
     data = json.loads(path.read_text())
-    del data["preset"]["device_memory_bandwidth"]
+    del data["preset"]["device_memory_bandwidth"], data["preset"]["value_launch_s"]
     path.write_text(json.dumps(data))
-    assert cluster_preset(str(path)).device_memory_bandwidth == 0.0
+    assert (cluster_preset(str(path)).device_memory_bandwidth, cluster_preset(str(path)).value_launch_s) == (0.0, 0.0)
 
 
 def test_preset_file_round_trips_and_plans(tmp_path):

@@ -4,8 +4,10 @@ and the pass's `remat` option marking backward fragments `hlopar.remat`."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,7 @@ import pytest
 from jaxlib.mlir import ir
 from zoo_steps import mlp_step
 
-from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS, logical_mesh
+from hlopar.analysis.auto_sharding.cluster import CLUSTER_PRESETS, logical_mesh, write_preset
 from hlopar.analysis.auto_sharding.rules import rule_of
 from hlopar.analysis.stages.layer_costs import kernel_counts, plan_layer
 from hlopar.ir.graph import FuncGraph
@@ -24,6 +26,7 @@ from hlopar.passes.cluster_operators import ClusterOperatorsPass
 from hlopar.passes.pipeline import Pipeline
 
 WIDTH, BATCH, LAYERS = 64, 32, 3
+EXAMPLES = Path(__file__).resolve().parents[4] / "examples"
 
 
 def _layer(w, h):
@@ -80,6 +83,48 @@ def test_preset_overheads():
     assert v100.matmul_efficiency(v100.matmul_half_flops) == pytest.approx(0.5)
     assert v100.matmul_efficiency(2 * 1024**3) == pytest.approx(2 * 1024**3 / (2 * 1024**3 + 1e9), rel=1e-12)
     assert CLUSTER_PRESETS["cpu"].op_seconds(10, 4) == 0.0
+    handing = dataclasses.replace(v100, value_launch_s=2e-6)
+    assert handing.op_seconds(10, 4, 7) == v100.op_seconds(10, 4) + 7 * 2e-6
+    assert CLUSTER_PRESETS["cpu"].op_seconds(10, 4, 7) == 0.0
+
+
+def _mlp_plan(tmp_path, value_launch_s: float, microbatches: str = "auto") -> dict:
+    """The bundled MLP step's stage report with the `cpu` preset and a per-value launch."""
+    preset = write_preset(
+        dataclasses.replace(CLUSTER_PRESETS["cpu"], name="values", value_launch_s=value_launch_s),
+        tmp_path / f"values-{value_launch_s}.json",
+    )
+    report = tmp_path / f"mlp-{value_launch_s}-{microbatches}.json"
+    module = parse_module((EXAMPLES / "mlp_train_step.mlir").read_text())
+    count = "" if microbatches == "auto" else f" split=true microbatches={microbatches}"
+    Pipeline.parse(
+        f"builtin.module(hlopar-auto-parallel{{num-hosts=2 devices-per-host=4 preset={preset} report={report}{count}}})",
+        module.context,
+    ).run(module, PassContext())
+    return json.loads(report.read_text())["stages"]
+
+
+def test_values_a_fragment_hands_over_are_priced_per_run(tmp_path):
+    """Each value a fragment reads or writes costs `value_launch_s` a run (the runtime hands
+    buffers over one by one): at a fixed plan the predicted step grows linearly in it, and
+    its price moves the planner to fewer microbatches (fewer runs)."""
+    plans = [_mlp_plan(tmp_path, v, microbatches="8") for v in (1e-5, 2e-5, 3e-5)]
+    assert (
+        len(
+            {
+                json.dumps([(s["layers"], s["submesh"], s["logical_shape"], s["intra_op"]) for s in p["stages"]])
+                for p in plans
+            }
+        )
+        == 1
+    )
+    steps = [p["predicted_step_seconds"] for p in plans]
+    rise = steps[1] - steps[0]
+    assert steps[2] - steps[1] == pytest.approx(rise, rel=1e-9)
+    # A whole number of values a step: each run of each fragment hands its values over.
+    assert rise / 1e-5 == pytest.approx(round(rise / 1e-5), abs=1e-6) and rise / 1e-5 >= 8 * 2
+    chosen_free, chosen_priced = _mlp_plan(tmp_path, 0.0), _mlp_plan(tmp_path, 1e-5)
+    assert chosen_priced["microbatches"] < chosen_free["microbatches"]
 
 
 @functools.cache
