@@ -14,6 +14,9 @@ the fit is checked on its own:
   run costs beyond its kernels: what a pipeline pays per microbatch and stage);
 - `value_launch_s`: what one more argument and result add to an executable's launch (the
   difference between one with many and one with one, over the values added);
+- `transfer_latency_s`, `transfer_bandwidth`: the cross-mesh transport (a value moved from
+  one half of the devices to the other, laid out anew), the line through a small and a large
+  value's times;
 - `device_memory_bandwidth`: the bytes of results an elementwise kernel writes per second,
   from the difference between a large and a small one (so neither launch counts), every
   device busy: what a memory-bound op costs beyond its FLOPs (`LogicalMesh.compute_seconds`);
@@ -90,6 +93,9 @@ class Measurements:
     # An executable of 1 and of `many_values` arguments (as many results): its launch's seconds
     many_values: int = 0
     many_values_launch_s: float = 0.0
+    # A value moved between two meshes, small and large: its bytes and seconds (0: not timed)
+    transfer_bytes: tuple[float, float] = (0.0, 0.0)
+    transfer_s: tuple[float, float] = (0.0, 0.0)
 
     def as_dict(self) -> dict:
         out = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "collectives"}
@@ -145,6 +151,11 @@ def preset_from_measurements(m: Measurements, name: str, description: str = "") 
     taken = m.elementwise_s[1] - m.elementwise_s[0]
     # Not resolved (not timed, or the larger kernel no slower): not priced, as in the presets.
     memory_bandwidth = written / taken if written > 0 and taken > 0 else 0.0
+    moved, moving = m.transfer_bytes[1] - m.transfer_bytes[0], m.transfer_s[1] - m.transfer_s[0]
+    transfer_bandwidth = moved / moving if moved > 0 and moving > 0 else 0.0
+    transfer_latency = (
+        max(0.0, m.transfer_s[0] - m.transfer_bytes[0] / transfer_bandwidth) if transfer_bandwidth else 0.0
+    )
     added = 2 * (m.many_values - 1)  # arguments and results beyond the one executable's
     value_launch = max(0.0, (m.many_values_launch_s - m.launch_s) / added) if added > 0 else 0.0
     intra = fit_links([t for t in m.collectives if not t.across_processes])
@@ -165,6 +176,8 @@ def preset_from_measurements(m: Measurements, name: str, description: str = "") 
         executable_launch_s=m.launch_s,
         device_memory_bandwidth=memory_bandwidth,
         value_launch_s=value_launch,
+        transfer_latency_s=transfer_latency,
+        transfer_bandwidth=transfer_bandwidth,
     )
     fits = {
         "intra_host": vars(intra),

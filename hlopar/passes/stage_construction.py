@@ -46,7 +46,7 @@ from hlopar.analysis.schedules import AUTO_SCHEDULE, DEFAULT_SCHEDULE, PLANNED_S
 from hlopar.analysis.stages.layer_costs import FORWARD, ROLES, kernel_counts, plan_layers, trivial_axes_key, value_bytes
 from hlopar.analysis.stages.layering import cluster_layers
 from hlopar.analysis.stages.pipeline_choice import Candidate, Choice, PipelineSpace, choose_pipeline
-from hlopar.analysis.stages.span_costs import REMAT_MODES, LayerArrays
+from hlopar.analysis.stages.span_costs import REMAT_MODES, LayerArrays, values_received_by_span
 from hlopar.analysis.stages.submeshes import (
     Submesh,
     assign_devices,
@@ -63,7 +63,7 @@ from hlopar.ir.graph import FuncGraph
 from hlopar.ir.module import planned_functions, run_function_pass
 from hlopar.ir.signature import FuncSignature
 from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto, report_option
-from hlopar.passes.mpmd_program import StageMesh, write_mpmd_program
+from hlopar.passes.mpmd_program import FLOATING_OPS, StageMesh, write_mpmd_program
 from hlopar.units import parse_bytes
 
 AXIS_NAMES = ("x", "y")
@@ -415,6 +415,8 @@ class StageConstructionPass(ModulePass):
         on different hosts), over the intra-host ones otherwise; every receiving device takes
         its share."""
         preset = cluster_preset(self.preset)
+        if preset.transfer_bandwidth:  # the transport as calibrated (its cost per value: `span_costs`)
+            return nbytes / preset.transfer_bandwidth
         if hosts > 1:
             return preset.inter_host_latency_s + nbytes / (preset.inter_host_bandwidth * devices)
         return preset.intra_host_latency_s + nbytes / (preset.intra_host_bandwidth * devices)
@@ -654,6 +656,19 @@ def boundary_values(graph: FuncGraph, layering: Layering, l: int, layer: FuncGra
     return counts
 
 
+def _streamed_readers(graph: FuncGraph, layering: Layering, v: int) -> set[int]:
+    """The layers whose forward or backward read value v per microbatch, where the MPMD
+    program streams it (`pipeline_program`): made by a forward or backward op that is not a
+    constant (those are copied into each fragment that reads them); else none."""
+    producer = graph.values[v].producer
+    if producer is None or layering.roles[producer] not in (FORWARD, BACKWARD):
+        return set()
+    op = graph.ops[producer]
+    if op.name in FLOATING_OPS and not op.operands and not op.regions:
+        return set()
+    return {layering.layers[u] for u in graph.values[v].users if layering.roles[u] in (FORWARD, BACKWARD)}
+
+
 def _layer_arrays(
     graph: FuncGraph, layering: Layering, layers: list[FuncGraph], plans, meshes, preset
 ) -> tuple[LayerArrays, np.ndarray]:
@@ -682,6 +697,7 @@ def _layer_arrays(
     per_microbatch_overhead = overhead[0] + overhead[1]
 
     received = np.zeros((L, L))
+    producers, readers_of = [], []  # each tensor another layer reads: its layer, its readers'
     inputs = np.zeros((G, L, L))
     resharding = np.zeros((G, L, L))
     result_position = [{v: k for k, v in enumerate(layer.results)} for layer in layers]
@@ -691,6 +707,10 @@ def _layer_arrays(
             readers = {layering.layers[u] for u in graph.values[v].users} - {a}
             info = tensor_info(graph, v)
             forward_readers = {layering.layers[u] for u in graph.values[v].users if layering.roles[u] == FORWARD}
+            streamed = _streamed_readers(graph, layering, v) - {a}
+            if streamed and info.is_tensor:
+                producers.append(a)
+                readers_of.append(tuple(streamed))
             for b in readers:
                 received[a, b] += info.dtype_bytes * math.prod(info.shape) if info.is_tensor else 0
                 if b > a and b in forward_readers:
@@ -717,5 +737,7 @@ def _layer_arrays(
         forward_fixed_latency=field_of("forward_fixed_latency") + forward_overhead,
         input_bytes=inputs,
         launch_s=preset.executable_launch_s,
+        received_values=values_received_by_span(producers, readers_of, L) if preset.transfer_latency_s else None,
+        transfer_latency_s=preset.transfer_latency_s,
     )
     return arrays, received

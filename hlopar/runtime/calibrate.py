@@ -9,6 +9,8 @@ once, as in a stage) and fits a `ClusterPreset` to the timings
 - a near-empty executable on every device (the launch, subtracted from the chains);
 - the same with 33 arguments and results (what each value a fragment reads or writes adds);
 - an elementwise kernel on 256 KiB and on 4 MiB per device (the memory bandwidth);
+- a value of 16 KiB and of 4 MiB moved from half of the devices to the other half, laid out
+  anew (the in-process transport's `jax.device_put`: the cross-mesh transport);
 - the five collectives the ILP prices (all-reduce, all-gather, reduce-scatter, all-to-all,
   collective-permute) over groups of 2 devices, a host's and all of them, on a 1 KiB and a
   1 MiB buffer, each as a chain of 9 against a chain of 1 in one executable (so neither the
@@ -54,6 +56,7 @@ SMALL_BUFFER, LARGE_BUFFER = 1 << 10, 1 << 20  # bytes per device
 CHAIN = 9  # collectives (or kernels) of the long chain; the short one has 1
 ELEMENTWISE_BYTES = 1 << 22  # per device, the larger elementwise kernel's result
 MANY_VALUES = 33  # arguments (and results) of the launch timed against one of one
+TRANSFER_BYTES = 1 << 22  # the larger value moved between meshes (the smaller: 1/256 of it)
 BUSY_LOAD_PER_CORE = 0.5  # a 1-minute load average above this per core: the machine is busy
 
 
@@ -89,6 +92,8 @@ class Calibration:
             f"  executable launch      {p.executable_launch_s * 1e6:10.1f} us  (a near-empty executable on every device)",
             f"  per value launched     {p.value_launch_s * 1e6:10.2f} us  (an argument and a result more: "
             f"{m.many_values} of each in {m.many_values_launch_s * 1e6:.1f} us)",
+            f"  cross-mesh transport   {p.transfer_latency_s * 1e6:10.1f} us a value, "
+            f"{p.transfer_bandwidth / 1e9:.2f} GB/s  (a value moved from half of the devices to the other half)",
             f"  memory bandwidth       {p.device_memory_bandwidth / 1e9:10.2f} GB/s  (results an elementwise kernel "
             f"writes, every device at once)",
             f"  memory per device      {p.device_memory_bytes / 2**30:10.2f} GiB",
@@ -215,7 +220,7 @@ def calibrated_preset(cluster: Cluster, *, across_processes: bool = False) -> Pa
         "kind": cluster.device_kind,
         "jax": jax.__version__,
         "across_processes": across_processes,
-        "measures": 2,  # what a calibration times: 2 with the memory bandwidth and the launch per value
+        "measures": 2,  # what a calibration times: 2 with the memory bandwidth, launch per value, transport
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     path = cache_root() / "calibration" / f"{digest}.json"
@@ -293,7 +298,10 @@ def _compute_timings(devices: Sequence, timer: _Timer) -> dict:
     scale = jax.jit(lambda v: v * 0.5 + 1.0)
     sizes = (ELEMENTWISE_BYTES // 16, ELEMENTWISE_BYTES)
     elementwise_s = tuple(timer(scale, placed(size // 4)) for size in sizes)
+    transfer_bytes, transfer_s = _transfer_timings(devices, timer)
     return {
+        "transfer_bytes": transfer_bytes,
+        "transfer_s": transfer_s,
         "large_matmul_flops": 2.0 * large**3,
         "large_matmul_s": large_s,
         "small_matmul_flops": 2.0 * small**3,
@@ -305,6 +313,30 @@ def _compute_timings(devices: Sequence, timer: _Timer) -> dict:
         "elementwise_bytes": tuple(float(size) for size in sizes),
         "elementwise_s": elementwise_s,
     }
+
+
+def _transfer_timings(devices: Sequence, timer: _Timer) -> tuple[tuple[float, float], tuple[float, float]]:
+    """A value split over the first half of the devices moved whole onto the second half (the
+    in-process transport's `jax.device_put`), small and large: bytes and seconds. ((0, 0),
+    (0, 0)) on one device: there is no other mesh."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    half = len(devices) // 2
+    if half < 1:
+        return (0.0, 0.0), (0.0, 0.0)
+    source = NamedSharding(Mesh(np.array(devices[:half]), ("d",)), PartitionSpec("d"))
+    landing = NamedSharding(Mesh(np.array(devices[half:]), ("d",)), PartitionSpec())
+    sizes = (TRANSFER_BYTES // 256, TRANSFER_BYTES)
+    # A fresh value each time, as the runtime moves what a fragment just made (jax keeps the
+    # host copy of an array it once moved through host memory): made and moved, less made.
+    fresh = jax.jit(lambda v: v * 1.0)
+    seconds = []
+    for size in sizes:
+        value = jax.device_put(np.ones(size // 4 // half * half, np.float32), source)
+        made = timer(fresh, value)
+        seconds.append(max(0.0, timer(lambda v: jax.device_put(fresh(v), landing), value) - made))
+    return tuple(float(size // 4 // half * half * 4) for size in sizes), tuple(seconds)
 
 
 def _collective_step(kind: str, group: int, length: int):

@@ -171,6 +171,12 @@ class ClusterPreset:
     (the runtime hands each argument's and result's buffers to the executable one by one: on
     4 CPU devices ~8 us a value through `jax.jit`'s dispatch, 20 through PJRT's
     `execute_sharded`); 0 in the built-in presets, `hlopar-calibrate` measures it.
+    `transfer_latency_s`, `transfer_bandwidth`: the runtime's cross-mesh transport as
+    `hlopar-calibrate` times it (a value copied from one mesh's devices to another's, laid out
+    anew: in process on CPU devices through host memory), its cost per value moved and bytes
+    per second; stage construction charges a stage the first per value it receives per
+    microbatch and moves its bytes at the second. 0 (the built-in presets): the links'
+    alpha-beta, one start-up per stage's inputs.
     `device_memory_bandwidth`: the bytes of results per second a device writes in a
     memory-bound (elementwise) kernel with every device busy, which `LogicalMesh.compute_seconds`
     adds to an op's FLOPs; 0 (the built-in presets): not priced. `hlopar-calibrate` measures
@@ -192,6 +198,8 @@ class ClusterPreset:
     executable_launch_s: float = 0.0
     device_memory_bandwidth: float = 0.0
     value_launch_s: float = 0.0
+    transfer_latency_s: float = 0.0
+    transfer_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         if self.devices_per_host < 1:
@@ -202,6 +210,8 @@ class ClusterPreset:
             "executable_launch_s",
             "device_memory_bandwidth",
             "value_launch_s",
+            "transfer_latency_s",
+            "transfer_bandwidth",
         ):
             value = getattr(self, field_name)
             if not value >= 0 or math.isinf(value):

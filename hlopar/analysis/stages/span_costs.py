@@ -12,7 +12,8 @@ prefix sums:
   stage's fragments (a forward and a backward per microbatch, the update once a step:
   `LayerArrays.launch_s`, the preset's `executable_launch_s`);
 - beyond Alpa (its §7): the bytes the stage receives from other stages (activations going
-  forward, their gradients coming back) over the link between meshes, over B;
+  forward, their gradients coming back) over the link between meshes, over B, and, where the
+  transport is calibrated, its cost per value moved (`LayerArrays.transfer_latency_s`);
 - memory (Eq. 5 generalized to the schedule and to what the compiled fragments hold, as
   `codegen.memory_check` counts them): the most of the stage's two phases, not their sum.
   While the forward and backward run: state + gradient accumulators + the activations of
@@ -59,7 +60,7 @@ from typing import Literal
 
 import numpy as np
 
-__all__ = ["LayerArrays", "REMAT_MODES", "SpanTable", "span_table", "span_tables"]
+__all__ = ["LayerArrays", "REMAT_MODES", "SpanTable", "span_table", "span_tables", "values_received_by_span"]
 
 REMAT_MODES = ("auto", "always", "never", "layers")
 KEEP, STAGE, LAYERS = 0, 1, 2  # the options, in the order ties go
@@ -87,6 +88,10 @@ class LayerArrays:
     forward_fixed_latency: np.ndarray | None = None
     input_bytes: np.ndarray | None = None  # (G, L, L), zero on and below the diagonal
     launch_s: float = 0.0  # one fragment's launch (`ClusterPreset.executable_launch_s`)
+    # [i, j]: the distinct values layers i..j read from layers outside i..j (a count per
+    # microbatch, not scaled: `values_received_by_span`), each moved at `transfer_latency_s`
+    received_values: np.ndarray | None = None
+    transfer_latency_s: float = 0.0  # the transport's cost per value (`ClusterPreset.transfer_latency_s`)
 
     def scaled(self, factor: float) -> LayerArrays:
         """The arrays of a step of `factor` times this one's batch: what grows with the batch
@@ -119,6 +124,8 @@ class LayerArrays:
             forward_fixed_latency=forward_fixed,
             input_bytes=grow(self.input_bytes),
             launch_s=self.launch_s,
+            received_values=self.received_values,
+            transfer_latency_s=self.transfer_latency_s,
         )
 
 
@@ -309,6 +316,10 @@ def _spans(layers: LayerArrays, received_bytes: np.ndarray, B: float, remat: str
         lat_span = lat_span + (2.0 + 1.0 / B) * layers.launch_s
         if forward_span is not None:
             forward_span = forward_span + layers.launch_s
+    if layers.transfer_latency_s and layers.received_values is not None:
+        # Each value a stage receives (activations forward, their gradients back) is moved by
+        # the runtime's transport once a microbatch, whatever its bytes.
+        lat_span = lat_span + layers.transfer_latency_s * layers.received_values
     return _Spans(
         lat_span,
         update_peak,
@@ -418,6 +429,29 @@ def _inputs_by_span(pairs: np.ndarray) -> np.ndarray:
     diagonal = np.diagonal(rows, offset=-1, axis1=-2, axis2=-1)  # rows[g, i, i-1] for i >= 1
     start = np.concatenate([np.zeros(rows.shape[:-2] + (1,)), diagonal], axis=-1)
     return rows - start[..., :, None]
+
+
+def values_received_by_span(producers: Sequence[int], readers: Sequence[Sequence[int]], num_layers: int) -> np.ndarray:
+    """[i, j]: how many of the values (value k made by layer `producers[k]`, read by the layers
+    `readers[k]`) layers i..j read from outside i..j: each once, however many of the span's
+    layers read it (the transport moves it once)."""
+    counts = np.zeros((num_layers, num_layers))
+    i = np.arange(num_layers)[:, None]
+    j = np.arange(num_layers)[None, :]
+    groups: dict[tuple[int, tuple[int, ...]], int] = {}
+    for a, rs in zip(producers, readers):
+        key = (a, tuple(sorted(set(rs) - {a})))
+        if key[1]:
+            groups[key] = groups.get(key, 0) + 1
+    for (a, rs), count in groups.items():
+        # the first reader at or after each i (num_layers: none)
+        first = np.full(num_layers + 1, num_layers)
+        for r in reversed(rs):
+            first[: r + 1] = r
+        reads = first[:num_layers, None] <= j
+        outside = (a < i) | (a > j)
+        counts += count * (reads & outside & (j >= i))
+    return counts
 
 
 def _received_by_span(received_bytes: np.ndarray) -> np.ndarray:

@@ -126,12 +126,29 @@ def test_launch_per_value_from_an_executable_of_many_values():
     assert preset_from_measurements(noisy, "here")[0].value_launch_s == 0
 
 
+def test_the_cross_mesh_transport_from_a_small_and_a_large_value():
+    latency, rate = 3e-4, 8e9
+    sizes = (16384.0, 4194304.0)
+    timed = measurements(
+        exact_timings(40e-6, 3e9), transfer_bytes=sizes, transfer_s=tuple(latency + b / rate for b in sizes)
+    )
+    preset, _ = preset_from_measurements(timed, "here")
+    assert preset.transfer_latency_s == pytest.approx(latency, rel=1e-9)
+    assert preset.transfer_bandwidth == pytest.approx(rate, rel=1e-9)
+    # Not timed (one device), or the large value no slower: the links price transfers.
+    untimed = preset_from_measurements(measurements(exact_timings(40e-6, 3e9)), "here")[0]
+    assert (untimed.transfer_latency_s, untimed.transfer_bandwidth) == (0.0, 0.0)
+    noisy = measurements(exact_timings(40e-6, 3e9), transfer_bytes=sizes, transfer_s=(2e-3, 1e-3))
+    assert preset_from_measurements(noisy, "here")[0].transfer_bandwidth == 0.0
+
+
 def test_a_preset_file_from_before_the_memory_bandwidth_still_reads(tmp_path):
     path = write_preset(dataclasses.replace(CLUSTER_PRESETS["cpu"], name="old"), tmp_path / "old.json")
     data = json.loads(path.read_text())
-    del data["preset"]["device_memory_bandwidth"], data["preset"]["value_launch_s"]
+    for name in ("device_memory_bandwidth", "value_launch_s", "transfer_latency_s", "transfer_bandwidth"):
+        del data["preset"][name]
     path.write_text(json.dumps(data))
-    assert (cluster_preset(str(path)).device_memory_bandwidth, cluster_preset(str(path)).value_launch_s) == (0.0, 0.0)
+    assert cluster_preset(str(path)) == dataclasses.replace(CLUSTER_PRESETS["cpu"], name="old")
 
 
 def test_preset_file_round_trips_and_plans(tmp_path):

@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from hlopar.analysis.stages.span_costs import LayerArrays, span_table, span_tables
+from hlopar.analysis.stages.span_costs import LayerArrays, span_table, span_tables, values_received_by_span
 
 
 def _random_layers(rng, G, L):
@@ -136,3 +136,40 @@ def test_fragment_launches_are_paid_per_stage_not_per_layer():
     forward = launched.forward[..., 0, 0][upper] - bare.forward[..., 0, 0][upper]
     np.testing.assert_allclose(forward, 0.25, rtol=1e-12)
     assert dataclasses.replace(layers, launch_s=0.25).scaled(2.0).launch_s == 0.25
+
+
+def test_values_a_span_receives_are_counted_once_each():
+    """`values_received_by_span` against the definition, on random values: a value is
+    received by layers i..j when its layer is outside and one of its readers inside."""
+    rng = np.random.default_rng(5)
+    L = 7
+    producers = [int(rng.integers(L)) for _ in range(40)]
+    readers = [tuple(int(r) for r in rng.choice(L, size=int(rng.integers(1, 4)), replace=False)) for _ in producers]
+    counts = values_received_by_span(producers, readers, L)
+    expected = np.zeros((L, L))
+    for i in range(L):
+        for j in range(i, L):
+            expected[i, j] = sum(
+                1 for a, rs in zip(producers, readers) if not i <= a <= j and any(i <= r <= j for r in rs)
+            )
+    np.testing.assert_array_equal(counts, expected)
+
+
+def test_the_transport_charges_each_value_a_stage_receives_per_microbatch():
+    """A calibrated transport's cost per value (`transfer_latency_s`) is paid per microbatch for
+    every value a span receives, whatever its bytes (which the transfer time prices apart)."""
+    rng = np.random.default_rng(3)
+    G, L, B = 1, 4, 4
+    layers = _random_layers(rng, G, L)
+    options = dict(microbatches=B, in_flight=lambda s: 1, memory_per_device=np.inf, max_stages=2)
+    args = (np.zeros((L, L)), [[0]], lambda nbytes, devices: 0.0, [1])
+    received = values_received_by_span([0, 1, 3], [(2,), (2, 3), (0,)], L)
+    bare = span_table(layers, *args, **options)
+    moved = span_table(dataclasses.replace(layers, received_values=received, transfer_latency_s=0.5), *args, **options)
+    upper = np.triu(np.ones((L, L), bool))
+    added = moved.latency[..., 0, 0][upper] - bare.latency[..., 0, 0][upper]
+    np.testing.assert_allclose(added, 0.5 * received[upper], rtol=1e-12)
+    assert received[0, 3] == 0 and received[2, 2] == 2 and received[0, 1] == 1  # the whole chain receives nothing
+    # Not scaled with the batch: a count per microbatch.
+    scaled = dataclasses.replace(layers, received_values=received, transfer_latency_s=0.5).scaled(2.0)
+    np.testing.assert_array_equal(scaled.received_values, received)

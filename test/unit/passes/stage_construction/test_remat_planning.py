@@ -88,13 +88,15 @@ def test_preset_overheads():
     assert CLUSTER_PRESETS["cpu"].op_seconds(10, 4, 7) == 0.0
 
 
-def _mlp_plan(tmp_path, value_launch_s: float, microbatches: str = "auto") -> dict:
-    """The bundled MLP step's stage report with the `cpu` preset and a per-value launch."""
+def _mlp_plan(tmp_path, value_launch_s: float, microbatches: str = "auto", **preset_fields) -> dict:
+    """The bundled MLP step's stage report with the `cpu` preset, a per-value launch and
+    `preset_fields`."""
+    name = f"values-{value_launch_s}-" + "-".join(f"{k}={v}" for k, v in sorted(preset_fields.items()))
     preset = write_preset(
-        dataclasses.replace(CLUSTER_PRESETS["cpu"], name="values", value_launch_s=value_launch_s),
-        tmp_path / f"values-{value_launch_s}.json",
+        dataclasses.replace(CLUSTER_PRESETS["cpu"], name="values", value_launch_s=value_launch_s, **preset_fields),
+        tmp_path / f"{name}.json",
     )
-    report = tmp_path / f"mlp-{value_launch_s}-{microbatches}.json"
+    report = tmp_path / f"mlp-{name}-{microbatches}.json"
     module = parse_module((EXAMPLES / "mlp_train_step.mlir").read_text())
     count = "" if microbatches == "auto" else f" split=true microbatches={microbatches}"
     Pipeline.parse(
@@ -187,3 +189,12 @@ def test_kernels_in_a_loop_count_once_per_trip():
     unrolled, scanned = counts
     assert [unrolled[role][1] for role in ("forward", "backward")] == [13.0, 26.0]
     assert [scanned[role][1] for role in ("forward", "backward")] == [13.0, 26.0]
+
+
+def test_a_dear_transport_keeps_the_step_on_one_stage(tmp_path):
+    """With the transport calibrated at a millisecond a value moved between meshes, the MLP's
+    three stages (cheap links) become one: its microbatches would move their activations and
+    gradients at every stage boundary."""
+    assert len(_mlp_plan(tmp_path, 0.0, microbatches="2")["stages"]) > 1
+    dear = _mlp_plan(tmp_path, 0.0, microbatches="2", transfer_latency_s=1e-3, transfer_bandwidth=5e9)
+    assert len(dear["stages"]) == 1
