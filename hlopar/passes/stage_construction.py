@@ -707,7 +707,7 @@ def _layer_arrays(
             readers = {layering.layers[u] for u in graph.values[v].users} - {a}
             info = tensor_info(graph, v)
             forward_readers = {layering.layers[u] for u in graph.values[v].users if layering.roles[u] == FORWARD}
-            streamed = _streamed_readers(graph, layering, v) - {a}
+            streamed = _streamed_readers(graph, layering, v) - {a} if preset.transfer_latency_s else ()
             if streamed and info.is_tensor:
                 producers.append(a)
                 readers_of.append(tuple(streamed))
