@@ -277,6 +277,10 @@ def strategy_for(
         result_specs=result_specs,
         collectives=collectives,
         communication_cost=sum(c.cost(mesh) for c in collectives),
-        compute_cost=mesh.compute_seconds(flops / parallelism, sum(result_bytes) if flops else 0.0),
+        compute_cost=(
+            mesh.compute_seconds(flops / parallelism, sum(result_bytes))
+            if flops and mesh.device_memory_bandwidth
+            else flops / parallelism / mesh.device_flops  # compute_seconds without bytes, inlined: the hot path
+        ),
         memory=float(sum(result_bytes)),
     )
