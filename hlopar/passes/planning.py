@@ -28,7 +28,9 @@ The microbatch policy (where `split` and no count is given: `parallelize`'s
    into (every power of two, `hlopar-stage-construction{other-microbatches=true}`), scaled from
    the split's microbatch, beside every schedule; where one is predicted 5% faster or more, the
    step is split again at it and planned again (schedule still "auto", that count fixed), and
-   that plan kept unless the split refuses the count. One policy count, then the planner's
+   that plan kept unless the split refuses the count or its own simulated step is not faster
+   than the first plan's (the price from the first split's microbatch is an estimate). One
+   policy count, then the planner's
    choice: the layer ILPs of the split step are solved once for every candidate, and a second
    time only where a new split pays (its shapes are other ILPs);
 4. where the plan at the chosen count is one stage, the step is planned again with one
@@ -208,12 +210,23 @@ def plan(
             if not any(d.message.startswith(f"{SplitMicrobatchesPass.name}:") for d in error.diagnostics):
                 raise
         else:
-            again.notes.append(
-                f"{better['microbatches']} microbatch(es), not the {count} of the first split (schedule=auto): predicted "
-                f"{better['simulated_step_seconds'] * 1e3:.3g} ms a step against "
-                f"{planned.reports['stages']['schedule_choice']['chosen']['simulated_step_seconds'] * 1e3:.3g} ms"
-            )
-            planned, count = _after(again, planned.seconds), better["microbatches"]
+            first_s, again_s = _simulated_step(planned), _simulated_step(again)
+            if again_s is None or first_s is None or again_s < first_s:
+                again.notes.append(
+                    f"{better['microbatches']} microbatch(es), not the {count} of the first split (schedule=auto): predicted "
+                    f"{better['simulated_step_seconds'] * 1e3:.3g} ms a step against "
+                    f"{planned.reports['stages']['schedule_choice']['chosen']['simulated_step_seconds'] * 1e3:.3g} ms"
+                )
+                planned, count = _after(again, planned.seconds), better["microbatches"]
+            else:
+                # Priced from the first split's microbatch, the count looked faster; planned at
+                # it, it is not: the first plan stays.
+                planned = _after(planned, again.seconds)
+                planned.notes.append(
+                    f"{better['microbatches']} microbatch(es) were priced {better['simulated_step_seconds'] * 1e3:.3g} "
+                    f"ms a step from the first split and planned at {again_s * 1e3:.3g} ms, not under the "
+                    f"{count} microbatches' {first_s * 1e3:.3g} ms: kept {count}"
+                )
     if _stages(planned) == 1 and count > 1:
         try:
             single = run_passes(_one_microbatch(load()), cluster)
@@ -235,6 +248,12 @@ def _after(planned: Plan, before: dict[str, float]) -> Plan:
 
 def _one_microbatch(step: ImportedStep) -> ImportedStep:
     return replace(step, options=replace(step.options, microbatches=1))
+
+
+def _simulated_step(planned: Plan) -> float | None:
+    """The chosen plan's simulated step time (schedule "auto"), None where not simulated."""
+    chosen = ((planned.reports.get("stages") or {}).get("schedule_choice") or {}).get("chosen") or {}
+    return chosen.get("simulated_step_seconds")
 
 
 def _stages(planned: Plan) -> int:

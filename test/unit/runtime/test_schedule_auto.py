@@ -74,3 +74,30 @@ def test_auto_plans_again_at_the_count_it_predicts_faster(tmp_path, monkeypatch)
         note.startswith("1 microbatch(es), not the 4 of the first split (schedule=auto): predicted") for note in notes
     ), notes
     assert planned.plan["stages"]["schedule"] == planned.schedule.name == "eager-1f1b"  # ties: the default
+
+
+def test_a_count_priced_faster_but_planned_slower_is_not_taken(tmp_path, monkeypatch):
+    """The price of another count comes from the first split's microbatch (scaled): an
+    estimate. Planned at that count, the step is kept only where its own simulated step is
+    faster than the first plan's; here the second plan is made to predict slower, and the
+    first split's count stays, saying why."""
+    from hlopar.passes import planning
+
+    monkeypatch.setenv("HLOPAR_CACHE_DIR", str(tmp_path))
+    _, text = lowered("mlp")
+    run_passes = planning.run_passes
+
+    def slower_when_split_again(step, cluster, **options):
+        planned = run_passes(step, cluster, **options)
+        if not options.get("other_microbatches"):
+            chosen = planned.reports["stages"]["schedule_choice"]["chosen"]
+            chosen["simulated_step_seconds"] = 1e9
+        return planned
+
+    monkeypatch.setattr(planning, "run_passes", slower_when_split_again)
+    notes = []
+    planned = plan_step(text, CLUSTER, schedule="auto", log=notes.append, cache=False)
+    assert planned.program.microbatches == 4, notes
+    assert any("planned at 1e+12 ms, not under the 4 microbatches'" in note and "kept 4" in note for note in notes), (
+        notes
+    )
