@@ -81,6 +81,7 @@ __all__ = [
     "ProgramLayout",
     "StageMesh",
     "form_fragments",
+    "is_floating",
     "layout_program",
     "misordered_reads",
     "write_mpmd_program",
@@ -233,10 +234,16 @@ class ProgramLayout:
         )
 
 
+def is_floating(op) -> bool:
+    """Whether a top-level op is copied into each fragment that reads it (a constant, an
+    iota) instead of making a value that crosses fragments."""
+    return op.name in FLOATING_OPS and not op.operands and not op.regions
+
+
 def _reads(graph: FuncGraph) -> tuple[list[set[int]], list[bool]]:
     """Per top-level op, the top-level ops whose results it (or an op nested in it) reads,
     and whether it floats (a constant or iota copied into each fragment that reads it)."""
-    floating = [op.name in FLOATING_OPS and not op.operands and not op.regions for op in graph.ops]
+    floating = [is_floating(op) for op in graph.ops]
     reads: list[set[int]] = []
     for index, op in enumerate(graph.ops):
         producers = {graph.values[v].producer for node in op.walk() for v in node.operands}

@@ -63,7 +63,7 @@ from hlopar.ir.graph import FuncGraph
 from hlopar.ir.module import planned_functions, run_function_pass
 from hlopar.ir.signature import FuncSignature
 from hlopar.passes.base import ModulePass, PassContext, option, parse_count_or_auto, report_option
-from hlopar.passes.mpmd_program import FLOATING_OPS, StageMesh, write_mpmd_program
+from hlopar.passes.mpmd_program import StageMesh, is_floating, write_mpmd_program
 from hlopar.units import parse_bytes
 
 AXIS_NAMES = ("x", "y")
@@ -663,8 +663,7 @@ def _streamed_readers(graph: FuncGraph, layering: Layering, v: int) -> set[int]:
     producer = graph.values[v].producer
     if producer is None or layering.roles[producer] not in (FORWARD, BACKWARD):
         return set()
-    op = graph.ops[producer]
-    if op.name in FLOATING_OPS and not op.operands and not op.regions:
+    if is_floating(graph.ops[producer]):
         return set()
     return {layering.layers[u] for u in graph.values[v].users if layering.roles[u] in (FORWARD, BACKWARD)}
 
