@@ -43,7 +43,15 @@ from hlopar.analysis.limits import (
     check_workers,
 )
 from hlopar.analysis.schedules import AUTO_SCHEDULE, DEFAULT_SCHEDULE, PLANNED_SCHEDULES, ScheduleOption, get_schedule
-from hlopar.analysis.stages.layer_costs import FORWARD, ROLES, kernel_counts, plan_layers, trivial_axes_key, value_bytes
+from hlopar.analysis.stages.layer_costs import (
+    FORWARD,
+    ROLES,
+    boundary_values,
+    kernel_counts,
+    plan_layers,
+    trivial_axes_key,
+    value_bytes,
+)
 from hlopar.analysis.stages.layering import cluster_layers
 from hlopar.analysis.stages.pipeline_choice import Candidate, Choice, PipelineSpace, choose_pipeline
 from hlopar.analysis.stages.span_costs import REMAT_MODES, LayerArrays, values_received_by_span
@@ -639,23 +647,6 @@ def _batch_size(graph: FuncGraph) -> int:
     return math.gcd(*(int(s) for s in sizes if s)) if any(sizes) else 1
 
 
-def boundary_values(graph: FuncGraph, layering: Layering, l: int, layer: FuncGraph) -> dict[str, int]:
-    """Per role, the values layer `l` reads from outside it or makes for outside it with ops of
-    that role: what a fragment of the layer alone hands over per run (values passed between
-    layers of one stage are counted too: an estimate from above)."""
-    counts = dict.fromkeys(ROLES, 0)
-    for v in layer.args:
-        for role in {layering.roles[u] for u in graph.values[v].users if layering.layers[u] == l}:
-            if role in counts:
-                counts[role] += 1
-    for v in layer.results:
-        producer = graph.values[v].producer
-        role = layering.roles[producer] if producer is not None else None
-        if role in counts:
-            counts[role] += 1
-    return counts
-
-
 def _streamed_readers(graph: FuncGraph, layering: Layering, v: int) -> set[int]:
     """The layers whose forward or backward read value v per microbatch, where the MPMD
     program streams it (`pipeline_program`): made by a forward or backward op that is not a
@@ -689,7 +680,7 @@ def _layer_arrays(
         counts = kernel_counts(layer, layering.roles)
         overhead[:, l] = [preset.op_seconds(*counts[role]) for role in ROLES]
         if preset.value_launch_s:
-            values = boundary_values(graph, layering, l, layer)
+            values = boundary_values(graph, layering.layers, layering.roles, l, layer)
             handed[:, l] = [preset.op_seconds(0, 0, values[role]) for role in ROLES]
     forward_overhead = overhead[0]
     overhead += handed

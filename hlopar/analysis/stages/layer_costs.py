@@ -46,7 +46,7 @@ from hlopar.analysis.sharding import ShardingSpec
 from hlopar.analysis.stages.ilp_pool import IlpPool
 from hlopar.ir.graph import FuncGraph
 
-__all__ = ["LayerPlan", "kernel_counts", "layer_signature", "plan_layer", "value_bytes"]
+__all__ = ["LayerPlan", "boundary_values", "kernel_counts", "layer_signature", "plan_layer", "value_bytes"]
 
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
 ROLES = (FORWARD, BACKWARD, UPDATE)
@@ -451,6 +451,26 @@ def kernel_counts(layer: FuncGraph, roles: Sequence[str]) -> dict[str, tuple[flo
         if roles[top.index] in counts:
             visit(top, roles[top.index], 1.0)
     return {role: (k, m) for role, (k, m) in counts.items()}
+
+
+def boundary_values(
+    graph: FuncGraph, layer_of_op: Sequence[int], roles: Sequence[str], l: int, layer: FuncGraph
+) -> dict[str, int]:
+    """Per role, the values layer `l` (of `graph`, its top-level ops' layers `layer_of_op`)
+    reads from outside it or makes for outside it with ops of that role: what a fragment of the
+    layer alone hands over per run (values passed between layers of one stage are counted
+    too: an estimate from above), for `ClusterPreset.value_launch_s`."""
+    counts = dict.fromkeys(ROLES, 0)
+    for v in layer.args:
+        for role in {roles[u] for u in graph.values[v].users if layer_of_op[u] == l}:
+            if role in counts:
+                counts[role] += 1
+    for v in layer.results:
+        producer = graph.values[v].producer
+        role = roles[producer] if producer is not None else None
+        if role in counts:
+            counts[role] += 1
+    return counts
 
 
 def trivial_axes_key(mesh: LogicalMesh) -> tuple:
