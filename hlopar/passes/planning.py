@@ -24,18 +24,25 @@ The microbatch policy (where `split` and no count is given: `parallelize`'s
 2. where the split pass refuses that many (a whole-batch op, a generator that must draw for
    the whole batch), the step is planned again with one microbatch, the refusal kept as a
    warning that says so; a count the user gives is refused instead;
-3. with `schedule="auto"`, stage construction also prices the other counts the batch divides
-   into (every power of two, `hlopar-stage-construction{other-microbatches=true}`), scaled from
-   the split's microbatch, beside every schedule; where one is predicted 5% faster or more, the
-   step is split again at it and planned again (schedule still "auto", that count fixed), and
-   that plan kept unless the split refuses the count or its own simulated step is not faster
-   than the first plan's (the price from the first split's microbatch is an estimate). One
-   policy count, then the planner's
-   choice: the layer ILPs of the split step are solved once for every candidate, and a second
-   time only where a new split pays (its shapes are other ILPs);
-4. where the plan at the chosen count is one stage, the step is planned again with one
-   microbatch and that plan kept if it is still one stage (microbatches would only add
-   launches; where memory needs them, the plan at one is more stages and is not kept).
+3. with `schedule="auto"`, the step is first planned at one microbatch (the batch whole),
+   and stage construction prices the other counts the batch divides into (every power of two,
+   `hlopar-stage-construction{other-microbatches=true}`) beside every schedule, scaled down
+   from the whole batch: an optimistic price (a layer plan of the whole batch may split the
+   batch over more devices than a microbatch has examples), so no count that could pay is
+   missed. Where one is predicted 5% faster or more, the step is split at it and planned
+   again (schedule still "auto", that count fixed), and that plan kept where its own
+   simulated step is faster than the first's; where the split refuses it, the plan of one
+   microbatch stays, with the refusal as a warning. Where no plan of the whole batch fits the
+   memory, the policy's count of 1. is planned instead, the other counts priced from its
+   microbatch (scaled up: the same re-split rule). Why the whole batch first: priced from a
+   split's microbatch (of one example, on the tiny GPT), fewer and larger microbatches cost
+   their small microbatch's plans times the count, which split no batch over a mesh: one stage
+   at one microbatch was priced 26.5 ms where its own plan predicts 11.4 and runs 13-15 ms,
+   and the planner picked a pipeline twice as slow (docs/performance.md);
+4. otherwise (a schedule given), where the plan at the policy's count is one stage, the step
+   is planned again with one microbatch and that plan kept if it is still one stage
+   (microbatches would only add launches; where memory needs them, the plan at one is more
+   stages and is not kept).
 
 With `schedule="auto"` the plan's options (`Plan.options`) hold the schedule chosen (the
 stage report's `schedule`; `DEFAULT_SCHEDULE` for "shard", one stage).
@@ -181,34 +188,88 @@ def plan(
     count = step.options.microbatches
     if not chosen or load is None or count == 1:
         return run_passes(step, cluster)
+    whole_tried = step.options.schedule == AUTO_SCHEDULE
+    if whole_tried:
+        try:
+            whole = run_passes(_one_microbatch(step), cluster, other_microbatches=True)
+        except DiagnosticError as error:
+            if not any(d.message.startswith(_NO_FIT) for d in error.diagnostics):
+                raise
+            step = replace(
+                load(), options=step.options
+            )  # one microbatch does not fit: the policy's count, priced as in 3.
+        else:
+            return _better_count(whole, 1, step, cluster, load, refused_warns=True)
     try:
         planned = run_passes(step, cluster, other_microbatches=True)
     except DiagnosticError as error:
-        refusal = next((d for d in error.diagnostics if d.message.startswith(f"{SplitMicrobatchesPass.name}:")), None)
+        refusal = _refusal(error)
         if refusal is None:
             raise
         planned = _after(run_passes(_one_microbatch(load()), cluster), step.context.seconds)
-        planned.diagnostics.insert(
-            0,
-            replace(
-                refusal,
-                severity="warning",
-                message=(
-                    f"{refusal.message}; so the step is not split into the {count} microbatches hlopar would "
-                    "have chosen: planned with one microbatch (num_microbatches=1)"
-                ),
-            ),
-        )
+        planned.diagnostics.insert(0, _refused_warning(refusal, count))
         return planned
+    planned = _better_count(planned, count, step, cluster, load, known_not_to_fit=(1,) if whole_tried else ())
+    count = planned.options.microbatches
+    if _stages(planned) == 1 and count > 1 and not whole_tried:
+        try:
+            single = run_passes(_one_microbatch(load()), cluster)
+        except DiagnosticError:
+            single = None
+        if single is not None and _stages(single) == 1:
+            single = _after(single, planned.seconds)
+            single.notes.append(f"one stage: planned with one microbatch, not the {count} hlopar would have split into")
+            return single
+    return planned
+
+
+# Stage construction's refusal where no plan of the split's count fits the memory.
+_NO_FIT = f"{StageConstructionPass.name}: no pipeline fits"
+
+
+def _refusal(error: DiagnosticError) -> Diagnostic | None:
+    """The split's refusal among an error's diagnostics, if it is one."""
+    return next((d for d in error.diagnostics if d.message.startswith(f"{SplitMicrobatchesPass.name}:")), None)
+
+
+def _refused_warning(refusal: Diagnostic, count: int) -> Diagnostic:
+    return replace(
+        refusal,
+        severity="warning",
+        message=(
+            f"{refusal.message}; so the step is not split into the {count} microbatches hlopar would "
+            "have chosen: planned with one microbatch (num_microbatches=1)"
+        ),
+    )
+
+
+def _better_count(
+    planned: Plan,
+    count: int,
+    step: ImportedStep,
+    cluster: Cluster,
+    load: Callable[[], ImportedStep],
+    *,
+    refused_warns: bool = False,
+    known_not_to_fit: tuple[int, ...] = (),
+) -> Plan:
+    """Rule 3: where stage construction priced another count faster (`better_microbatches`),
+    the step split again at it and planned; kept where its own simulated step is faster. A
+    refusal of that split keeps `planned` (with a warning where `refused_warns`), and so does
+    a plan at that count that does not fit the memory (priced scaled, it did; a count in
+    `known_not_to_fit` is not planned)."""
     better = ((planned.reports.get("stages") or {}).get("schedule_choice") or {}).get("better_microbatches")
-    if better is not None:
+    if better is not None and better["microbatches"] not in known_not_to_fit:
         try:
             again = run_passes(
                 replace(load(), options=replace(step.options, microbatches=better["microbatches"])), cluster
             )
         except DiagnosticError as error:
-            if not any(d.message.startswith(f"{SplitMicrobatchesPass.name}:") for d in error.diagnostics):
+            refusal = _refusal(error)
+            if refusal is None and not any(d.message.startswith(_NO_FIT) for d in error.diagnostics):
                 raise
+            if refusal is not None and refused_warns:
+                planned.diagnostics.insert(0, _refused_warning(refusal, better["microbatches"]))
         else:
             first_s, again_s = _simulated_step(planned), _simulated_step(again)
             if again_s is None or first_s is None or again_s < first_s:
@@ -217,7 +278,7 @@ def plan(
                     f"{better['simulated_step_seconds'] * 1e3:.3g} ms a step against "
                     f"{planned.reports['stages']['schedule_choice']['chosen']['simulated_step_seconds'] * 1e3:.3g} ms"
                 )
-                planned, count = _after(again, planned.seconds), better["microbatches"]
+                planned = _after(again, planned.seconds)
             else:
                 # Priced from the first split's microbatch, the count looked faster; planned at
                 # it, it is not: the first plan stays.
@@ -227,15 +288,6 @@ def plan(
                     f"ms a step from the first split and planned at {again_s * 1e3:.3g} ms, not under the "
                     f"{count} microbatches' {first_s * 1e3:.3g} ms: kept {count}"
                 )
-    if _stages(planned) == 1 and count > 1:
-        try:
-            single = run_passes(_one_microbatch(load()), cluster)
-        except DiagnosticError:
-            single = None
-        if single is not None and _stages(single) == 1:
-            single = _after(single, planned.seconds)
-            single.notes.append(f"one stage: planned with one microbatch, not the {count} hlopar would have split into")
-            return single
     return planned
 
 

@@ -149,8 +149,8 @@ def whole_shape_dropout_step(params, key, x, y):
 def test_refusals_name_the_users_line(step, impl, why):
     """What docs/training_step.md says is refused with microbatches, raised as PlanningError at
     the line of the user's code that does it, before any worker starts, when the user asks
-    for microbatches; with hlopar's own default, planned with one microbatch and said as a
-    warning at the same line."""
+    for microbatches; with hlopar's own count (a schedule given: the policy's count split
+    first), planned with one microbatch and said as a warning at the same line."""
     line = next(
         n
         for n, text in enumerate(inspect.getsourcelines(step)[0], inspect.getsourcelines(step)[1])
@@ -161,7 +161,7 @@ def test_refusals_name_the_users_line(step, impl, why):
         parallel(init_mlp(), jax.random.key(0, impl=impl), *data())
     assert parallel.runtime is None
     with pytest.warns(hlopar.HloparWarning, match=rf"{__file__}:{line}:\d+: warning: .*{why}.*one microbatch"):
-        planned, _ = hlopar.parallelize(step, cluster=CLUSTER, verbose=False).plan(
+        planned, _ = hlopar.parallelize(step, cluster=CLUSTER, schedule="eager-1f1b", verbose=False).plan(
             init_mlp(), jax.random.key(0, impl=impl), *data()
         )
     assert planned.program.microbatches == 1

@@ -302,19 +302,47 @@ def _worst_example(ws, x, y):
 
 def test_hlopars_own_microbatch_count_falls_back_to_one_where_the_split_is_refused(cache):
     """A split the user did not ask for is not worth a refusal: with `num_microbatches`
-    left to hlopar, a step the split refuses (here a loss that is the maximum over the batch)
-    is planned with one microbatch, and a warning says
-    why at the user's line. A number the user gave is refused as before."""
+    left to hlopar (and a schedule given: the policy's count of 4 split first), a step the
+    split refuses (here a loss that is the maximum over the batch) is planned with one
+    microbatch, and a warning says why at the user's line. A number the user gave is refused
+    as before."""
     cluster = Cluster.local(num_hosts=1, devices_per_host=2)
     args = (jnp.ones((3, 4, 4)), jnp.ones((8, 4)), jnp.ones((8, 4)))
     with pytest.warns(hlopar.HloparWarning) as warned:
-        planned, _ = hlopar.parallelize(_worst_example, cluster=cluster, verbose=False).plan(*args)
+        planned, _ = hlopar.parallelize(_worst_example, cluster=cluster, schedule="1f1b", verbose=False).plan(*args)
     assert planned.program.microbatches == 1
     messages = [str(w.message) for w in warned]
     assert len(messages) == 1 and messages[0].startswith(f"{__file__}:")
     assert "can only sum" in messages[0] and "planned with one microbatch (num_microbatches=1)" in messages[0]
     with pytest.raises(hlopar.PlanningError, match="can only sum"):
         hlopar.parallelize(_worst_example, cluster=cluster, num_microbatches=2, verbose=False).plan(*args)
+
+
+def test_a_faster_count_the_split_refuses_leaves_the_whole_batch_with_a_warning(cache, monkeypatch):
+    """With schedule=auto the batch is planned whole first; where another count is priced
+    faster (made so here) and the split refuses it, the whole batch's plan stays and a
+    warning says why at the user's line, naming the count hlopar would have chosen."""
+    from hlopar.passes import planning
+
+    run_passes = planning.run_passes
+
+    def two_priced_faster(step, cluster, **options):
+        planned = run_passes(step, cluster, **options)
+        if options.get("other_microbatches"):
+            choice = planned.reports["stages"]["schedule_choice"]
+            choice["better_microbatches"] = {**choice["chosen"], "microbatches": 2}
+        return planned
+
+    monkeypatch.setattr(planning, "run_passes", two_priced_faster)
+    cluster = Cluster.local(num_hosts=1, devices_per_host=2)
+    args = (jnp.ones((3, 4, 4)), jnp.ones((8, 4)), jnp.ones((8, 4)))
+    with pytest.warns(hlopar.HloparWarning) as warned:
+        planned, _ = hlopar.parallelize(_worst_example, cluster=cluster, verbose=False, cache=False).plan(*args)
+    assert planned.program.microbatches == 1
+    messages = [str(w.message) for w in warned]
+    assert len(messages) == 1 and messages[0].startswith(f"{__file__}:")
+    assert "can only sum" in messages[0]
+    assert "not split into the 2 microbatches hlopar would have chosen" in messages[0]
 
 
 def test_the_number_of_stages_is_an_option(cache):
