@@ -531,10 +531,10 @@ class ParallelizedFunction:
 
     # -- building
 
-    def _signature(self, args: tuple) -> tuple:
+    @staticmethod
+    def _signature(split: StaticLeaves) -> tuple:
         """The pytree, the traced leaves' shapes and dtypes, the static leaves' values
         (`static_leaves`: as eqx.filter_jit keeps them)."""
-        split = StaticLeaves.of(args, self.__name__)
         return (split.key, tuple((np.shape(x), _dtype(x)) for x in split.leaves()))
 
     def plan(self, *args) -> tuple[PlannedStep, Any]:
@@ -619,8 +619,13 @@ class ParallelizedFunction:
         function's cache; a new one is planned while the current workers keep running (a
         refusal changes nothing), and they are stopped only as the bounds say (module
         docstring, "Signatures")."""
+        return self._compile(args, StaticLeaves.of(args, self.__name__))
+
+    def _compile(self, args: tuple, split: StaticLeaves) -> _Compiled:
+        """`compile` of arguments already split into traced and static leaves (a call splits
+        them once, for the signature and the runtime)."""
         with self._lock:
-            signature = self._signature(args)
+            signature = self._signature(split)
             compiled = self._signatures.get(signature)
             if compiled is None:
                 compiled = self._build(signature, args)
@@ -821,7 +826,8 @@ class ParallelizedFunction:
             return out
 
     def _call(self, args: tuple):
-        compiled = self.compile(*args)
+        split = StaticLeaves.of(args, self.__name__)  # the static leaves are in the plan
+        compiled = self._compile(args, split)
         for other in self._signatures.values():
             if other is not compiled and other.runtime.alive:
                 try:
@@ -829,7 +835,6 @@ class ParallelizedFunction:
                 except WorkerError:  # its workers died: stopped, what they held says so when read
                     pass
         runtime = compiled.runtime
-        split = StaticLeaves.of(args, self.__name__)  # the static leaves are in the plan
         arguments, resident = [], {}  # resident: leaf -> (step, result leaf) the runtime keeps
         for i, leaf in enumerate(split.leaves()):
             if isinstance(leaf, RemoteArray):

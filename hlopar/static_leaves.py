@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import numpy as np
 
 __all__ = ["StaticLeaves", "is_static", "static_mask"]
 
@@ -45,14 +46,20 @@ def is_static(leaf: Any) -> bool:
     """Whether a leaf stays a Python value (module docstring)."""
     if isinstance(leaf, bool):
         return True
-    if isinstance(leaf, (int, float, complex)):
+    if isinstance(leaf, (jax.Array, np.ndarray, int, float, complex)):  # the common leaves first: every call asks
         return False
     return not (hasattr(leaf, "shape") and hasattr(leaf, "dtype"))
 
 
 def _is_equinox_module(x: Any) -> bool:
     """Whether `x` is an `equinox.Module` (found by its classes: equinox is not a dependency)."""
-    return any(c.__name__ == "Module" and c.__module__.startswith("equinox") for c in type(x).__mro__)
+    return _is_equinox_class(type(x))
+
+
+@functools.cache
+def _is_equinox_class(cls: type) -> bool:
+    # Per class, once: asked of every node of the arguments' pytree on every call.
+    return any(c.__name__ == "Module" and c.__module__.startswith("equinox") for c in cls.__mro__)
 
 
 def static_mask(tree: Any) -> list[bool]:
