@@ -190,7 +190,9 @@ def jit_candidate(fn, args, batch_argnums, devices: int) -> Candidate:
     )
     jitted = jax.jit(fn, in_shardings=shardings)
     clock = time.perf_counter()
-    candidate = Candidate(f"jax.jit data-parallel ({devices})", jitted, jax.device_put(args, shardings))
+    candidate = Candidate(
+        f"jax.jit data-parallel ({devices})", jitted, jax.device_put(args, shardings), state=min(batch_argnums)
+    )
     candidate.step()
     candidate.row = {"first_call_s": time.perf_counter() - clock}
     return candidate

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
 import pytest
 from tools_module import load_tool
 
@@ -54,6 +55,27 @@ def test_steps_it_takes(tool, tmp_path):
     )
     fn, args, batch = tool.load_step(f"{own}:make")
     assert batch == (1,) and len(args) == 2 and float(fn(*args)[-1]) == 8.0
+
+
+def test_the_jit_reference_feeds_back_the_state_before_the_batch(tool):
+    """A step whose batch is its second argument (`TrainState`, batch), as Flax writes it:
+    the jax.jit reference feeds back the one leading result, not two (a loss fed back as the
+    batch failed the second step)."""
+    import jax
+    import jax.numpy as jnp
+
+    def step(state, batch):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean((batch["x"] @ w) ** 2))(state["w"])
+        return {"w": state["w"] - 0.1 * g}, loss
+
+    state, batch = {"w": jnp.ones((4, 3))}, {"x": jnp.ones((8, 4))}
+    candidate = tool.jit_candidate(step, (state, batch), (1,), 2)
+    candidate.measure(1, 2)
+    expected = (state, batch)
+    for _ in range(4):  # the first call, the warm-up and two timed steps
+        expected = (step(*expected)[0], batch)
+    assert jax.tree_util.tree_structure(candidate.args) == jax.tree_util.tree_structure(expected)
+    np.testing.assert_allclose(candidate.args[0]["w"], expected[0]["w"], rtol=1e-6)
 
 
 @pytest.mark.heavy  # four plans planned, compiled and run: ~20 s on 2 cores
