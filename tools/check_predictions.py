@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The planner's predicted step times against measured ones, for the candidate plans of a step.
 
-    python tools/check_predictions.py [STEP ...] [--cluster 2x4] [--preset P] [--microbatches 4]
+    python tools/check_predictions.py [STEP ...] [--cluster 2x4] [--preset P | --calibrate] [--microbatches 4]
                                       [--steps 5] [--warmup 2] [--rounds 3] [--stages 1,2,4]
                                       [--schedules gpipe,1f1b,eager-1f1b,zb-h1] [--json]
 
@@ -15,7 +15,8 @@ positions (each step feeds those results back), the rest its batch; the last res
 as the loss. A module is not a JAX function: it has no `jax.jit data-parallel` candidate.
 
 For each step, on `Cluster.local(hosts, devices)` with `--preset` (a built-in preset or a
-preset file, `hlopar-calibrate -o FILE`), the candidates are planned and run in this process
+preset file, `hlopar-calibrate -o FILE`; `--calibrate`: this machine calibrated at the start
+of the run), the candidates are planned and run in this process
 (`runtime="auto"`), each on its own:
 
 - `auto`: `parallelize`'s default plan (`schedule="auto"`: stages, submeshes, schedule and
@@ -307,6 +308,23 @@ def print_report(result: dict) -> None:
     )
 
 
+def calibrated_now(cluster: str) -> str:
+    """A preset file of this machine calibrated as `cluster` ("HxD") uses it, just now (not
+    the cached one `preset="calibrated"` reads: these machines' speed moves within the hour,
+    docs/performance.md)."""
+    import tempfile
+
+    import hlopar
+    from hlopar.runtime.calibrate import calibrate
+
+    hosts, devices = (int(n) for n in cluster.split("x"))
+    path = Path(tempfile.mkdtemp(prefix="hlopar-check-")) / f"calibrated-{cluster}.json"
+    clock = time.perf_counter()
+    calibrate(hlopar.Cluster.local(hosts, devices), output=path)
+    print(f"calibrated {cluster} in {time.perf_counter() - clock:.1f} s: {path}")
+    return str(path)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("steps_", nargs="*", metavar="STEP", default=["gpt:tiny", "mlp:tiny"])
@@ -318,8 +336,16 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--stages", default="1,2,4", type=lambda s: [int(n) for n in s.split(",")])
     parser.add_argument("--schedules", default="gpipe,1f1b,eager-1f1b,zb-h1", type=lambda s: s.split(","))
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="calibrate this machine as --cluster first and plan with that preset (instead of --preset): "
+        "a calibration is of the machine at that moment",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.calibrate:
+        args.preset = calibrated_now(args.cluster)
     results = []
     for spec in args.steps_:
         results.append(check_step(spec, args))

@@ -5,6 +5,7 @@ prediction where the plan has one."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -76,6 +77,22 @@ def test_the_jit_reference_feeds_back_the_state_before_the_batch(tool):
         expected = (step(*expected)[0], batch)
     assert jax.tree_util.tree_structure(candidate.args) == jax.tree_util.tree_structure(expected)
     np.testing.assert_allclose(candidate.args[0]["w"], expected[0]["w"], rtol=1e-6)
+
+
+def test_calibrate_plans_with_this_machine_calibrated_as_the_cluster_now(tool, monkeypatch):
+    """`--calibrate`: the cluster of `--cluster` calibrated at the start (a fresh
+    measurement, not the cached `preset="calibrated"`), its preset file the one planned with."""
+    from hlopar.runtime import calibrate as calibration
+
+    asked = []
+
+    def calibrate(cluster, *, output):
+        asked.append((cluster.num_hosts, cluster.devices_per_host))
+        Path(output).write_text("{}")
+
+    monkeypatch.setattr(calibration, "calibrate", calibrate)
+    path = tool.calibrated_now("2x3")
+    assert asked == [(2, 3)] and Path(path).read_text() == "{}" and path.endswith("calibrated-2x3.json")
 
 
 @pytest.mark.heavy  # four plans planned, compiled and run: ~20 s on 2 cores
