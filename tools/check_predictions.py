@@ -30,7 +30,8 @@ Each first call plans and compiles; then, `--rounds` times, each candidate in tu
 `--warmup` untimed and `--steps` timed steps (interleaved: a load that comes and goes falls
 on all alike); a step is the call and its loss read as a float, each step fed the last one's
 state. Printed per candidate: predicted step (the stage construction report's
-`predicted_step_seconds`), measured step (median of every round's steps; the range of the
+`simulated_step_seconds`, the plan's step in the simulator; its `predicted_step_seconds`,
+Alpa's Eq. 2, where there is none), measured step (median of every round's steps; the range of the
 rounds' medians), the relative error; per step: the Spearman rank correlation of predicted
 and measured over the candidates with a prediction, the median relative error, and how much
 slower than the fastest measured candidate `auto` runs (issue 31's targets: correlation at
@@ -165,7 +166,8 @@ def hlopar_candidate(name, fn, args, cluster, preset, **options) -> Candidate:
     candidate = Candidate(name, parallel, args, state=min(options["batch_argnums"]))
     candidate.step()  # the first call: compiles and starts
     stages = planned.plan.get("stages") or {}
-    candidate.predicted_s = stages.get("predicted_step_seconds")
+    simulated = stages.get("simulated_step_seconds")
+    candidate.predicted_s = simulated if simulated is not None else stages.get("predicted_step_seconds")
     candidate.row = {
         "stages": len(stages.get("stages", [])),
         "schedule": planned.schedule.name,

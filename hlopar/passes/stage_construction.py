@@ -53,7 +53,7 @@ from hlopar.analysis.stages.layer_costs import (
     value_bytes,
 )
 from hlopar.analysis.stages.layering import cluster_layers
-from hlopar.analysis.stages.pipeline_choice import Candidate, Choice, PipelineSpace, choose_pipeline
+from hlopar.analysis.stages.pipeline_choice import Candidate, Choice, HostLaunches, PipelineSpace, choose_pipeline
 from hlopar.analysis.stages.span_costs import REMAT_MODES, LayerArrays, values_received_by_span
 from hlopar.analysis.stages.submeshes import (
     Submesh,
@@ -93,6 +93,7 @@ class PipelinePlan:
     candidates: tuple[dict, ...]  # per microbatch count tried: its best latency
     schedule: str  # the user's, or the one chosen (schedule=auto)
     choice: dict | None  # schedule=auto: what was chosen, the runner-up, every candidate
+    simulated_step_seconds: float | None = None  # the plan's step in the simulator
 
 
 @dataclass
@@ -261,9 +262,16 @@ class StageConstructionPass(ModulePass):
         plans, distinct, spawned = table.plans, table.solved, table.spawned
         timings["layer_ilps"] = time.perf_counter() - clock
 
-        arrays, received = _layer_arrays(graph, layering, layers, plans, meshes, cluster_preset(self.preset))
+        preset = cluster_preset(self.preset)
+        arrays, received, handed = _layer_arrays(graph, layering, layers, plans, meshes, preset)
+        host = None
+        if preset.dispatch_s or preset.device_dispatch_s:
+            devices = self.num_hosts * self.devices_per_host
+            host = HostLaunches(
+                preset.dispatch_s, preset.device_dispatch_s, handed[:2], devices, preset.devices_share_host_cores
+            )
         chosen, (candidates, choice), hosts = self._best_pipeline(
-            func, graph, layering, arrays, received, submeshes, meshes_of_submesh, shapes, timings
+            func, graph, layering, arrays, received, submeshes, meshes_of_submesh, shapes, timings, host
         )
         result = chosen.plan
         placement = chosen.placement  # stage -> mesh
@@ -281,6 +289,7 @@ class StageConstructionPass(ModulePass):
             tuple(candidates),
             chosen.schedule,
             choice,
+            chosen.simulated,
         )
         stats = {
             "timings": timings,
@@ -293,7 +302,9 @@ class StageConstructionPass(ModulePass):
         }
         return plan, stats
 
-    def _best_pipeline(self, func, graph, layering, arrays, received, submeshes, meshes_of_submesh, shapes, timings):
+    def _best_pipeline(
+        self, func, graph, layering, arrays, received, submeshes, meshes_of_submesh, shapes, timings, host
+    ):
         """The best (schedule, count, stages) of `pipeline_choice.choose_pipeline`: the DP for
         each microbatch count (the split's where it ran, else the option's or the candidates)
         and, with schedule=auto, each schedule, ranked by simulated step time (else by Eq. 2);
@@ -327,6 +338,7 @@ class StageConstructionPass(ModulePass):
             epsilon=self.epsilon,
             split=split,
             mesh_shapes=shapes,
+            host=host,
         )
         # Ties (one stage, or warm-ups clamped by few microbatches) go to the default schedule.
         schedules = (
@@ -447,6 +459,7 @@ class StageConstructionPass(ModulePass):
             **({"schedule_choice": plan.choice} if plan.choice is not None else {}),
             "microbatches": plan.microbatches,
             "predicted_step_seconds": plan.total_latency,
+            "simulated_step_seconds": plan.simulated_step_seconds,
             "t_max": plan.t_max,
             "bubble_fraction": bubble,
             "stages": list(plan.stages),
@@ -661,8 +674,9 @@ def _streamed_readers(graph: FuncGraph, layering: Layering, v: int) -> set[int]:
 
 def _layer_arrays(
     graph: FuncGraph, layering: Layering, layers: list[FuncGraph], plans, meshes, preset
-) -> tuple[LayerArrays, np.ndarray]:
-    """The per-layer arrays of `span_costs` and the bytes each layer reads from each other.
+) -> tuple[LayerArrays, np.ndarray, np.ndarray]:
+    """The per-layer arrays of `span_costs`, the bytes each layer reads from each other, and
+    per role and layer what its fragments pay for the values they hand over (`handed`).
     Each layer's latencies gain the preset's per-kernel overheads (`ClusterPreset.op_seconds`):
     its forward and backward kernels' in the part paid per microbatch, its update kernels'
     (run once per step) in the rest; and, likewise, what its fragments pay per value they
@@ -730,4 +744,4 @@ def _layer_arrays(
         received_values=values_received_by_span(producers, readers_of, L) if preset.transfer_latency_s else None,
         transfer_latency_s=preset.transfer_latency_s,
     )
-    return arrays, received
+    return arrays, received, handed

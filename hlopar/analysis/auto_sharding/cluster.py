@@ -182,6 +182,15 @@ class ClusterPreset:
     adds to an op's FLOPs; 0 (the built-in presets): not priced. `hlopar-calibrate` measures
     it (8 CPU devices sharing 2 cores: ~1 GB/s each, where the tiny GPT's step writes 13 MB of
     results on one device and its FLOPs at the peak take a tenth of its time).
+    `dispatch_s`, `device_dispatch_s`: what the in-process runtime's one host thread, which
+    plays every mesh of a plan, spends launching a fragment run (`dispatch_s`, plus
+    `device_dispatch_s` per device the fragment spans, plus `value_launch_s` per value), one
+    run after the other whichever mesh it is for; it also makes every cross-mesh copy. The
+    simulator prices a step at least that thread's work (`schedules.HostThread`). With
+    `devices_share_host_cores` (CPU devices), the devices compute on the cores that thread
+    runs on, and its work and theirs add up. 0 / False in the built-in presets (not priced);
+    `hlopar-calibrate` measures them for one process's devices (on 8 CPU devices of a 2-core
+    machine: ~60 us and ~20 us a device, against a bare launch's latency of ~45 us).
     """
 
     name: str
@@ -200,6 +209,9 @@ class ClusterPreset:
     value_launch_s: float = 0.0
     transfer_latency_s: float = 0.0
     transfer_bandwidth: float = 0.0
+    dispatch_s: float = 0.0
+    device_dispatch_s: float = 0.0
+    devices_share_host_cores: bool = False
 
     def __post_init__(self) -> None:
         if self.devices_per_host < 1:
@@ -212,6 +224,8 @@ class ClusterPreset:
             "value_launch_s",
             "transfer_latency_s",
             "transfer_bandwidth",
+            "dispatch_s",
+            "device_dispatch_s",
         ):
             value = getattr(self, field_name)
             if not value >= 0 or math.isinf(value):
@@ -440,6 +454,9 @@ def preset_from_dict(data: object, where: str = "cluster preset") -> ClusterPres
         if name in ("name", "description"):
             if not isinstance(value, str):
                 raise ValueError(f"{where}: {name} must be a string, got {value!r}")
+        elif name == "devices_share_host_cores":
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}: {name} must be true or false, got {value!r}")
         elif name == "devices_per_host":
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{where}: devices_per_host must be an integer, got {value!r}")

@@ -7,7 +7,7 @@ instruction streams; `simulate` runs them against stage costs and a communicatio
 for Perfetto.
 """
 
-from hlopar.analysis.schedules.costs import ZERO_COST, AlphaBeta, HostComm, StageCost, signal
+from hlopar.analysis.schedules.costs import ZERO_COST, AlphaBeta, HostComm, HostThread, StageCost, signal
 from hlopar.analysis.schedules.instructions import (
     ACCUMULATE,
     FREE,
@@ -53,6 +53,7 @@ __all__ = [
     "Edge",
     "Event",
     "HostComm",
+    "HostThread",
     "LOOP",
     "Instruction",
     "MeshStream",

@@ -15,7 +15,17 @@ from typing import Protocol
 
 from hlopar.analysis.schedules.tasks import BACKWARD, FORWARD, WEIGHT
 
-__all__ = ["StageCost", "CommModel", "AlphaBeta", "HostComm", "FunctionComm", "ZERO_COST", "signal", "as_comm_model"]
+__all__ = [
+    "StageCost",
+    "CommModel",
+    "AlphaBeta",
+    "HostComm",
+    "FunctionComm",
+    "HostThread",
+    "ZERO_COST",
+    "signal",
+    "as_comm_model",
+]
 
 GBPS = 1e9 / 8  # bytes per second in one Gbit/s
 
@@ -50,6 +60,22 @@ class StageCost:
         if kind == WEIGHT:
             return self.backward * self.weight_fraction
         raise ValueError(f"unknown task kind {kind!r}")
+
+
+@dataclass(frozen=True)
+class HostThread:
+    """One host thread that plays every mesh (the in-process runtime): it launches each
+    fragment run in turn, `launch[stage]` seconds for that stage's forward and backward runs
+    (`(forward, backward)`; a W run and an update pay the backward's), and makes every
+    transfer itself (a copy through host memory: the SEND's duration). So a step takes at
+    least the sum of its launches and transfers, whatever the meshes overlap. With
+    `share` (mesh -> its fraction of the devices of the process), the devices compute on the
+    cores the host thread runs on (CPU devices): a stage's time is priced with every device
+    busy, so a mesh's run takes the machine that time times its share, and host work and
+    device work add up: the step takes at least both summed."""
+
+    launch: Mapping[int, tuple[float, float]]
+    share: Mapping[str, float] | None = None
 
 
 class CommModel(Protocol):

@@ -7,6 +7,11 @@ a SEND also waits for the links it needs (`CommModel.links`), first come first s
 carries the transfer; its RECV completes when the SEND does. FREE runs on no stream.
 Peak memory counts the buffers instructions allocate (stashes, sent and received tensors),
 not parameters or optimizer state, which do not depend on the schedule.
+
+Where one host thread plays every mesh (`HostThread`: the in-process runtime), the step takes
+at least that thread's work (its launches and copies, one after the other), and, where the
+devices compute on the host's cores, its work and the devices' summed: the simulated time is
+the larger of the event loop's and that bound.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from hlopar.analysis.schedules.costs import CommModel, StageCost, as_comm_model
+from hlopar.analysis.schedules.costs import CommModel, HostThread, StageCost, as_comm_model
 from hlopar.analysis.schedules.instructions import (
     ACCUMULATE,
     FREE,
@@ -162,9 +167,11 @@ def simulate(  # noqa: C901 (one event loop; reason in the docstring)
     streams: PipelineStreams,
     costs: Sequence[StageCost],
     comm: CommModel | Callable[[str, str, int], float] | None = None,
+    host: HostThread | None = None,
 ) -> SimResult:
     """Run `streams` with per-stage `costs` (indexed by stage) and transfers priced by `comm`
     (default: alpha-beta at 10 Gbps); raises `DeadlockError` if some stream cannot finish.
+    `host`: the thread that plays every mesh, where one does (module docstring).
 
     One function on purpose: a discrete-event loop whose small closures (`push`, `offer`)
     share its queues and clocks; split into functions they would hand a dozen values around."""
@@ -266,7 +273,7 @@ def simulate(  # noqa: C901 (one event loop; reason in the docstring)
             f"deadlock: {n - done} of {n} instructions never run; stream heads:\n  " + "\n  ".join(lines), stuck
         )
 
-    total = max(finish, default=0.0)
+    total = max(max(finish, default=0.0), _host_bound(streams, insts, start, finish, host) if host else 0.0)
     busy = {mesh: 0.0 for mesh in streams.meshes}
     for i, key in enumerate(stream_key):
         if key is not None and key[1] == COMPUTE:
@@ -275,6 +282,29 @@ def simulate(  # noqa: C901 (one event loop; reason in the docstring)
     idle = sum(total - busy[m] for m in meshes)
     bubble = idle / (len(meshes) * total) if total > 0 else 0.0
     return SimResult(streams.schedule, meshes, total, bubble, busy, (insts, stream_key, start, finish))
+
+
+def _host_bound(
+    streams: PipelineStreams, insts: list[Instruction], start: list, finish: list, host: HostThread
+) -> float:
+    """The host thread's work (`HostThread`): every fragment run's launch (a RUN names its
+    executables where a program is known: each is a launch) and every transfer; plus, where
+    devices share its cores, every compute instruction's time times its mesh's share."""
+    stream_of = {s.mesh: s for s in streams.streams}
+    work = 0.0
+    for i, inst in enumerate(insts):
+        if inst.op == SEND:
+            work += finish[i] - start[i]
+        elif inst.op in (RUN, UPDATE):
+            stream = stream_of[inst.mesh]
+            stages = stream.stages if inst.op == UPDATE else (stream.stage_of(inst),)
+            for stage in stages:
+                forward, backward = host.launch.get(stage, (0.0, 0.0))
+                launch = forward if inst.op == RUN and inst.kind == FORWARD else backward
+                work += launch * max(1, len(inst.executables)) if inst.op == RUN else launch
+        if host.share is not None and inst.op in (RUN, ACCUMULATE, UPDATE):
+            work += (finish[i] - start[i]) * host.share.get(inst.mesh, 1.0)
+    return work
 
 
 def iteration_lower_bound(

@@ -16,7 +16,10 @@ runner-ups). How candidates are ranked:
   forward latencies (W half the backward where a schedule splits it: `StageCost`'s default),
   and the bytes the layers of two stages read from each other go over the link in the
   simulator instead, so a schedule that overlaps them gains. Iteration time with the barrier
-  at the optimizer step, as hlopar's executors run a step (not `steady_period`).
+  at the optimizer step, as hlopar's executors run a step (not `steady_period`); with
+  `PipelineSpace.host`, at least what the in-process runtime's one host thread does
+  (`HostLaunches`, `schedules.HostThread`). With `by="eq2"` the plan picked is simulated
+  too (`Candidate.simulated`: what the report predicts its step by).
   A plan is kept only where each stage also fits with the stashes it holds under that
   schedule (`Schedule.stashes`: a zero-bubble stage keeps a stash until its W, more than
   the DP's Eq. 5 count for every stage but the first).
@@ -48,13 +51,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
 
 from hlopar.analysis.schedules import (
     Edge,
+    HostThread,
     PipelineTopology,
     Schedule,
     StageCost,
@@ -66,7 +70,15 @@ from hlopar.analysis.schedules import (
 from hlopar.analysis.stages.span_costs import LayerArrays, SpanTable, span_tables
 from hlopar.analysis.stages.stage_dp import Slicing, stage_dp
 
-__all__ = ["VIRTUAL_CHUNKS", "Candidate", "Choice", "PipelineSpace", "choose_pipeline", "simulated_step"]
+__all__ = [
+    "VIRTUAL_CHUNKS",
+    "Candidate",
+    "Choice",
+    "HostLaunches",
+    "PipelineSpace",
+    "choose_pipeline",
+    "simulated_step",
+]
 
 # Chunks per mesh priced for a schedule that takes any count (interleaved 1F1B): each chunk
 # more divides the bubble further but adds a transfer per microbatch and chunk boundary, and
@@ -93,6 +105,23 @@ class PipelineSpace:
     epsilon: float = 1e-6
     split: int | None = None
     mesh_shapes: Sequence[tuple[int, ...]] = ()  # logical shape of each logical mesh g (empty: one per submesh)
+    host: HostLaunches | None = None  # one host thread plays every mesh (None: not priced)
+
+
+@dataclass(frozen=True)
+class HostLaunches:
+    """What one host thread pays to launch a stage's fragment runs (`schedules.HostThread`,
+    `ClusterPreset.dispatch_s`): `launch_s` each, `device_s` per device the fragment spans,
+    and per layer of the stage `values_s[0 | 1, l]`, the values its forward | backward hands
+    over, priced (`ClusterPreset.value_launch_s`: from above, as the latencies count them);
+    with `shares_cores`, the `devices` of the process (every device of the cluster, used or
+    not) compute on that host's cores (CPU devices)."""
+
+    launch_s: float
+    device_s: float
+    values_s: np.ndarray  # (2, L)
+    devices: int
+    shares_cores: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,6 +142,7 @@ class Candidate:
     others: tuple[Slicing, ...] = ()
     chunks: int = 1  # stages per mesh (`plan`'s v p stages on p meshes where > 1)
     at_least: float = np.inf  # not simulated (`_simulated`): a bound of its simulated step time
+    simulated: float | None = None  # its simulated step time (ranked by Eq. 2: the best's only)
 
     @property
     def placement(self) -> tuple[int, ...]:
@@ -245,7 +275,17 @@ def choose_pipeline(
     candidates = _simulated(candidates, space.split)
     timings["simulation"] += time.perf_counter() - clock
     order = {id(c): k for k, c in enumerate(candidates)}
-    return Choice(tuple(sorted(candidates, key=lambda c: (c.seconds, c.at_least, order[id(c)]))), timings)
+    ranked = sorted(candidates, key=lambda c: (c.seconds, c.at_least, order[id(c)]))
+    if by == "eq2" and ranked and ranked[0].plan is not None and ranked[0].simulated is None:
+        clock = time.perf_counter()
+        best = ranked[0]
+        _, received, per_microbatch = _priced_at(space, best.microbatches)
+        seconds, _ = simulated_step(
+            space, get_schedule(best.schedule), best.microbatches, best.table, best.plan, received, per_microbatch
+        )
+        ranked[0] = replace(best, simulated=seconds)
+        timings["simulation"] += time.perf_counter() - clock
+    return Choice(tuple(ranked), timings)
 
 
 def _priced_at(space: PipelineSpace, count: int) -> tuple[LayerArrays, np.ndarray, bool]:
@@ -279,7 +319,8 @@ class _Group:
     schedule: Schedule
     count: int
     priced: tuple[_Priced, ...]
-    runs: tuple[tuple[float, list[StageCost], PipelineTopology, Callable], ...]  # (bound, costs, topology, comm)
+    # (bound, costs, topology, comm, host)
+    runs: tuple[tuple[float, list[StageCost], PipelineTopology, Callable, HostThread | None], ...]
     chunks: int  # stages per mesh; 0 where the plans have several counts of chunks
 
     @classmethod
@@ -288,9 +329,11 @@ class _Group:
         for p in priced:
             num_meshes = len(p.plan.stages) // p.chunks
             placement = None if p.chunks == 1 else schedule.placed(num_meshes, p.chunks)
-            costs, topology, comm = _simulation_of(space, count, p.table, p.plan, received, per_microbatch, placement)
+            costs, topology, comm, host = _simulation_of(
+                space, count, p.table, p.plan, received, per_microbatch, placement
+            )
             bound = iteration_lower_bound(topology, costs, comm, count, schedule.split_backward) * (1 - 1e-9)
-            runs.append((bound, costs, topology, comm))
+            runs.append((bound, costs, topology, comm, host))
         return cls(schedule, count, tuple(priced), tuple(runs), chunks)
 
     @property
@@ -312,12 +355,12 @@ class _Group:
             return Candidate(schedule.name, count, None, None, np.inf, np.inf, why=why)
         best, best_at = None, -1
         for k in sorted(range(len(self.runs)), key=lambda k: self.runs[k][0]):
-            bound, costs, topology, comm = self.runs[k]
+            bound, costs, topology, comm, host = self.runs[k]
             if best is not None and (bound, k) > (best.iteration_time, best_at):
                 if bound > best.iteration_time:
                     break  # so are the bounds after it
                 continue
-            result = simulate(build_streams(topology, schedule, count), costs, comm)
+            result = simulate(build_streams(topology, schedule, count), costs, comm, host)
             if best is None or (result.iteration_time, k) < (best.iteration_time, best_at):
                 best, best_at = result, k
         p = self.priced[best_at]
@@ -332,6 +375,7 @@ class _Group:
             evaluated_t_max=p.result.evaluated_t_max,
             others=tuple(q for q in p.plans if q.stages != p.plan.stages),
             chunks=p.chunks,
+            simulated=best.iteration_time,
         )
 
 
@@ -544,13 +588,14 @@ def simulated_step(
     docstring); `received` the bytes per step (per microbatch where `per_microbatch`) that
     layer b reads from layer a, at [a, b]; `placement` the mesh of each stage where meshes
     hold several (None: stage k on mesh k)."""
-    costs, topology, comm = _simulation_of(space, count, table, plan, received, per_microbatch, placement)
-    result = simulate(build_streams(topology, schedule, count), costs, comm)
+    costs, topology, comm, host = _simulation_of(space, count, table, plan, received, per_microbatch, placement)
+    result = simulate(build_streams(topology, schedule, count), costs, comm, host)
     return result.iteration_time, result.bubble_fraction
 
 
 def _simulation_of(space, count, table, plan, received, per_microbatch, placement):
-    """What `simulated_step` simulates: the stages' costs, the topology and the links."""
+    """What `simulated_step` simulates: the stages' costs, the topology, the links and the
+    host thread (`_host_thread`)."""
     num_stages = len(plan.stages)
     costs = []
     for k, stage in enumerate(plan.stages):
@@ -575,4 +620,20 @@ def _simulation_of(space, count, table, plan, received, per_microbatch, placemen
     def comm(src: str, dst: str, nbytes: int) -> float:
         return space.transfer_seconds(nbytes, size_of[dst]) if nbytes > 0 else 0.0
 
-    return costs, topology, comm
+    return costs, topology, comm, _host_thread(space, count, plan, size_of)
+
+
+def _host_thread(space: PipelineSpace, count: int, plan: Slicing, size_of: dict[str, int]) -> HostThread | None:
+    """The host thread of `space.host` for `plan`: each stage's launches, each mesh's share
+    of the devices. None where not priced, or for one stage of one microbatch: that plan runs
+    as one executable (`codegen.one_program`), its one launch in its latency."""
+    host = space.host
+    if host is None or (len(plan.stages) == 1 and count == 1):
+        return None
+    launch = {}
+    for k, stage in enumerate(plan.stages):
+        fixed = host.launch_s + host.device_s * space.submesh_sizes[stage.submesh_index]
+        values = host.values_s[:, stage.start_layer : stage.end_layer + 1].sum(axis=1)
+        launch[k] = (fixed + float(values[0]), fixed + float(values[1]))
+    share = {mesh: size / host.devices for mesh, size in size_of.items()} if host.shares_cores else None
+    return HostThread(launch, share)

@@ -126,6 +126,31 @@ def test_launch_per_value_from_an_executable_of_many_values():
     assert preset_from_measurements(noisy, "here")[0].value_launch_s == 0
 
 
+def test_the_host_threads_launch_from_launches_on_half_and_all_of_the_devices():
+    """The line through the pace of back-to-back launches on 4 and on 8 devices: 60 us and
+    20 us a device. In one process, on CPU devices: their cores are the host thread's."""
+    fixed, per_device = 60e-6, 20e-6
+    paces = (fixed + 4 * per_device, fixed + 8 * per_device)
+    timed = measurements(exact_timings(40e-6, 3e9), dispatch_devices=(4, 8), dispatch_s=paces)
+    preset = preset_from_measurements(timed, "here")[0]
+    assert preset.dispatch_s == pytest.approx(fixed, rel=1e-9)
+    assert preset.device_dispatch_s == pytest.approx(per_device, rel=1e-9)
+    assert preset.devices_share_host_cores is True
+    gpus = preset_from_measurements(dataclasses.replace(timed, device_kind="gpu"), "here")[0]
+    assert (gpus.dispatch_s, gpus.devices_share_host_cores) == (preset.dispatch_s, False)
+    # One device: no line, its pace is the fixed part. Noise (fewer devices slower): no
+    # per-device part. Not timed, or timed across processes (Ray workers launch their own):
+    # not priced.
+    alone = preset_from_measurements(dataclasses.replace(timed, dispatch_devices=(1, 1)), "here")[0]
+    assert (alone.dispatch_s, alone.device_dispatch_s) == (paces[1], 0.0)
+    noisy = preset_from_measurements(dataclasses.replace(timed, dispatch_s=paces[::-1]), "here")[0]
+    assert (noisy.dispatch_s, noisy.device_dispatch_s) == (paces[0], 0.0)
+    across = exact_timings(40e-6, 3e9) + exact_timings(400e-6, 1e8, across=True, groups=(2,))
+    for untimed in (measurements(exact_timings(40e-6, 3e9)), dataclasses.replace(timed, collectives=tuple(across))):
+        preset = preset_from_measurements(untimed, "here")[0]
+        assert (preset.dispatch_s, preset.device_dispatch_s, preset.devices_share_host_cores) == (0.0, 0.0, False)
+
+
 def test_the_cross_mesh_transport_from_a_small_and_a_large_value():
     latency, rate = 3e-4, 8e9
     sizes = (16384.0, 4194304.0)
@@ -145,14 +170,30 @@ def test_the_cross_mesh_transport_from_a_small_and_a_large_value():
 def test_a_preset_file_from_before_the_memory_bandwidth_still_reads(tmp_path):
     path = write_preset(dataclasses.replace(CLUSTER_PRESETS["cpu"], name="old"), tmp_path / "old.json")
     data = json.loads(path.read_text())
-    for name in ("device_memory_bandwidth", "value_launch_s", "transfer_latency_s", "transfer_bandwidth"):
+    for name in (
+        "device_memory_bandwidth",
+        "value_launch_s",
+        "transfer_latency_s",
+        "transfer_bandwidth",
+        "dispatch_s",
+        "device_dispatch_s",
+        "devices_share_host_cores",
+    ):
         del data["preset"][name]
     path.write_text(json.dumps(data))
     assert cluster_preset(str(path)) == dataclasses.replace(CLUSTER_PRESETS["cpu"], name="old")
 
 
 def test_preset_file_round_trips_and_plans(tmp_path):
-    preset = dataclasses.replace(CLUSTER_PRESETS["cpu"], name="mine", inter_host_bandwidth=1e6, kernel_launch_s=2e-6)
+    preset = dataclasses.replace(
+        CLUSTER_PRESETS["cpu"],
+        name="mine",
+        inter_host_bandwidth=1e6,
+        kernel_launch_s=2e-6,
+        dispatch_s=7e-5,
+        device_dispatch_s=1e-5,
+        devices_share_host_cores=True,
+    )
     path = write_preset(preset, tmp_path / "mine.json", measured={"note": "synthetic"})
     assert cluster_preset(str(path)) == preset
     assert json.loads(path.read_text())["measured"] == {"note": "synthetic"}
@@ -199,6 +240,11 @@ def test_bad_preset_values_and_missing_files(tmp_path):
     (tmp_path / "neg.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="inter_host_bandwidth must be a finite number >= 0, got -1.0"):
         cluster_preset(str(tmp_path / "neg.json"))
+    data["preset"]["inter_host_bandwidth"] = 1.0
+    data["preset"]["devices_share_host_cores"] = 1
+    (tmp_path / "flag.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="devices_share_host_cores must be true or false, got 1"):
+        cluster_preset(str(tmp_path / "flag.json"))
     with pytest.raises(ValueError, match="cluster preset file .*missing.json: No such file"):
         cluster_preset(str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="unknown cluster preset 'tpu'; known presets: cpu, .*or a preset file"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import pytest
@@ -16,6 +17,7 @@ from hlopar.analysis.schedules import (
     DeadlockError,
     Edge,
     HostComm,
+    HostThread,
     MeshStream,
     PipelineStreams,
     PipelineTopology,
@@ -271,3 +273,34 @@ def test_lower_bound_never_above_the_simulated_step(pipeline, name, chunks, time
     assert bound <= result.iteration_time * (1 + 1e-12)
     if topo.num_stages == 1:
         assert bound == pytest.approx(result.iteration_time, rel=1e-12)
+
+
+def test_one_host_thread_makes_the_step_at_least_its_launches_and_copies():
+    """2 stages of F 1 s, B 2 s, 4 microbatches, transfers of 0.5 s: the event loop's step is
+    17 s. One host thread that launches each run and each mesh's update in 1 s (16 + 2) and
+    makes the 8 transfers itself (4 activations, 4 gradients: 4 s) works 22 s: the step.
+    Where the devices compute on its cores (half of the devices each), their 2 x 4 x 3 s of
+    compute take the machine 12 s more: 34 s."""
+    topo = PipelineTopology.chain(2, 10**6)
+    costs, comm = _uniform(2), AlphaBeta(0.5, math.inf)
+    streams = build_streams(topo, "1f1b", 4)
+    alone = simulate(streams, costs, comm)
+    assert alone.iteration_time == pytest.approx(17.0)
+    launches = {0: (1.0, 1.0), 1: (1.0, 1.0)}
+    assert simulate(streams, costs, comm, HostThread(launches)).iteration_time == pytest.approx(22.0)
+    shared = simulate(streams, costs, comm, HostThread(launches, share={"m1": 0.5, "m2": 0.5}))
+    assert shared.iteration_time == pytest.approx(34.0)
+    # Launches no one pays: the event loop's step, to the bit.
+    idle = HostThread({0: (0.0, 0.0), 1: (0.0, 0.0)})
+    assert simulate(streams, costs, comm, idle).iteration_time == alone.iteration_time
+
+
+def test_a_host_thread_charges_forward_and_backward_launches_apart():
+    """One stage, 3 microbatches, F 1 s, B 2 s, an update of 1 s: 10 s on the devices. Launches
+    of 2 s for a forward and 5 s for a backward (and the update): 3 x 2 + 3 x 5 + 5 = 26 s."""
+    topo = PipelineTopology.chain(1, 0)
+    streams = build_streams(topo, "1f1b", 3)
+    costs = [StageCost(1.0, 2.0, update=1.0)]
+    assert simulate(streams, costs, ZERO_COST).iteration_time == pytest.approx(10.0)
+    result = simulate(streams, costs, ZERO_COST, HostThread({0: (2.0, 5.0)}))
+    assert result.iteration_time == pytest.approx(26.0)

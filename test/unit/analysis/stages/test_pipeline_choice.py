@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from hlopar.analysis.schedules import PLANNED_SCHEDULES, SCHEDULES, get_schedule
-from hlopar.analysis.stages.pipeline_choice import PipelineSpace, choose_pipeline, simulated_step
+from hlopar.analysis.stages.pipeline_choice import HostLaunches, PipelineSpace, choose_pipeline, simulated_step
 from hlopar.analysis.stages.span_costs import LayerArrays
 
 L = 4  # layers, stages and devices
@@ -197,6 +197,37 @@ def test_ranking_by_eq2_keeps_the_dp_s_plan():
         (8, pytest.approx(4 * 0.5 + 7 * 0.5)),
         (2, pytest.approx(4 * 2.0 + 1 * 2.0)),
     ]
+
+
+def test_ranking_by_eq2_simulates_the_plan_it_picks_only():
+    """The DP's pick is also run in the simulator (what the report predicts the step by);
+    the other counts' plans are not."""
+    sp = space(layers())
+    choice = choose_pipeline(sp, [get_schedule("1f1b")], [2, 8], by="eq2")
+    best, other = choice.candidates
+    received = np.eye(L, k=1) + np.eye(L, k=-1)
+    expected = simulated_step(sp, get_schedule("1f1b"), 8, best.table, best.plan, received, False)[0]
+    assert best.simulated == expected == pytest.approx((8 + 3) * 0.5)
+    assert other.simulated is None
+
+
+def test_a_host_thread_that_pays_each_launch_makes_fewer_microbatches_win():
+    """Without a host thread, 8 microbatches win ((8 + 3) x 0.5 s against (2 + 3) x 2 s). One
+    thread that launches every run in 1 s: 4 stages x 2 runs x B + 4 updates, 20 s at 2
+    microbatches, 68 s at 8: the fewer win, priced at the thread's work."""
+    one = [get_schedule("1f1b")]
+    assert choose_pipeline(space(layers()), one, [2, 8]).best.microbatches == 8
+    host = HostLaunches(launch_s=1.0, device_s=0.0, values_s=np.zeros((2, L)), devices=L)
+    choice = choose_pipeline(replace(space(layers()), host=host), one, [2, 8])
+    assert [(c.microbatches, c.seconds) for c in choice.candidates] == [
+        (2, pytest.approx(20.0)),
+        (8, pytest.approx(68.0)),
+    ]
+    # The same 1 s a launch from its three parts: 0.25 s, 0.5 s for the stage's one device,
+    # 0.25 s for the values its one layer hands over (forward and backward alike).
+    values = np.full((2, L), 0.25)
+    dearer = HostLaunches(launch_s=0.25, device_s=0.5, values_s=values, devices=L)
+    assert choose_pipeline(replace(space(layers()), host=dearer), one, [2]).best.seconds == pytest.approx(20.0)
 
 
 def test_interleaving_two_chunks_per_mesh_wins_on_uniform_layers():
