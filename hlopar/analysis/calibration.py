@@ -14,12 +14,14 @@ the fit is checked on its own:
   run costs beyond its kernels: what a pipeline pays per microbatch and stage);
 - `value_launch_s`: what one more argument and result add to an executable's launch (the
   difference between one with many and one with one, over the values added);
-- `dispatch_s`, `device_dispatch_s`: what the host thread pays per launch, fixed and per
-  device spanned: the line through near-empty executables launched back to back (each call
-  returns before its devices finish, so the calls' pace is the host's) on half and on all
-  of the devices; measured in one process, they price the in-process runtime's one thread
-  (not set where collectives were timed across processes: Ray workers dispatch their own);
-  `devices_share_host_cores` where the devices are the host's CPU cores;
+- `dispatch_s`, `device_dispatch_s`, `value_dispatch_s`: what the host thread pays per
+  launch, fixed, per device spanned and per value: near-empty executables run as the
+  runtime runs a fragment, back to back (each run returns before its devices finish, so the
+  runs' pace is the host's), on half and on all of the devices (the line through the two)
+  and with many values on all of them (the difference over the values added); measured in
+  one process, they price the in-process runtime's one thread (not set where collectives
+  were timed across processes: Ray workers launch their own); `devices_share_host_cores`
+  where the devices are the host's CPU cores;
 - `transfer_latency_s`, `transfer_bandwidth`: the cross-mesh transport (a value moved from
   one half of the devices to the other, laid out anew), the line through a small and a large
   value's times;
@@ -102,10 +104,12 @@ class Measurements:
     # A value moved between two meshes, small and large: its bytes and seconds (0: not timed)
     transfer_bytes: tuple[float, float] = (0.0, 0.0)
     transfer_s: tuple[float, float] = (0.0, 0.0)
-    # Near-empty executables launched back to back on fewer and on more devices, waited for at
-    # the end: the devices each spans and the seconds per launch (0: not timed)
+    # Near-empty executables run back to back as the runtime runs a fragment, on fewer and on
+    # more devices, waited for at the end: the devices each spans and the seconds per run (0:
+    # not timed)
     dispatch_devices: tuple[int, int] = (0, 0)
     dispatch_s: tuple[float, float] = (0.0, 0.0)
+    many_values_dispatch_s: float = 0.0  # `many_values` values on the more devices
 
     def as_dict(self) -> dict:
         out = {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "collectives"}
@@ -171,11 +175,13 @@ def preset_from_measurements(m: Measurements, name: str, description: str = "") 
     intra = fit_links([t for t in m.collectives if not t.across_processes])
     crossing = [t for t in m.collectives if t.across_processes]
     inter = fit_links(crossing) if crossing else intra
-    dispatch = device_dispatch = 0.0
+    dispatch = device_dispatch = value_dispatch = 0.0
     (few, many), (few_s, many_s) = m.dispatch_devices, m.dispatch_s
     if many_s > 0 and not crossing:
         device_dispatch = max(0.0, (many_s - few_s) / (many - few)) if many > few and few_s > 0 else 0.0
         dispatch = max(0.0, many_s - device_dispatch * many)
+        if m.many_values_dispatch_s > 0 and added > 0:
+            value_dispatch = max(0.0, (m.many_values_dispatch_s - many_s) / added)
     preset = ClusterPreset(
         name=name,
         intra_host_latency_s=intra.latency_s,
@@ -195,6 +201,7 @@ def preset_from_measurements(m: Measurements, name: str, description: str = "") 
         transfer_bandwidth=transfer_bandwidth,
         dispatch_s=dispatch,
         device_dispatch_s=device_dispatch,
+        value_dispatch_s=value_dispatch,
         devices_share_host_cores=m.device_kind == "cpu" and dispatch + device_dispatch > 0,
     )
     fits = {

@@ -268,7 +268,13 @@ class StageConstructionPass(ModulePass):
         if preset.dispatch_s or preset.device_dispatch_s:
             devices = self.num_hosts * self.devices_per_host
             host = HostLaunches(
-                preset.dispatch_s, preset.device_dispatch_s, handed[:2], devices, preset.devices_share_host_cores
+                preset.dispatch_s,
+                preset.device_dispatch_s,
+                handed[:2],
+                preset.value_dispatch_s,
+                devices,
+                preset.devices_share_host_cores,
+                preset.value_launch_s,
             )
         chosen, (candidates, choice), hosts = self._best_pipeline(
             func, graph, layering, arrays, received, submeshes, meshes_of_submesh, shapes, timings, host
@@ -676,7 +682,8 @@ def _layer_arrays(
     graph: FuncGraph, layering: Layering, layers: list[FuncGraph], plans, meshes, preset
 ) -> tuple[LayerArrays, np.ndarray, np.ndarray]:
     """The per-layer arrays of `span_costs`, the bytes each layer reads from each other, and
-    per role and layer what its fragments pay for the values they hand over (`handed`).
+    per role and layer the values its fragments hand over (`handed`, where the preset prices
+    them).
     Each layer's latencies gain the preset's per-kernel overheads (`ClusterPreset.op_seconds`):
     its forward and backward kernels' in the part paid per microbatch, its update kernels'
     (run once per step) in the rest; and, likewise, what its fragments pay per value they
@@ -689,15 +696,15 @@ def _layer_arrays(
         return np.array([[getattr(plans[l][g], name) for l in range(L)] for g in range(G)], dtype=float)
 
     overhead = np.zeros((len(ROLES), L))
-    handed = np.zeros((len(ROLES), L))
+    handed = np.zeros((len(ROLES), L))  # values per role and layer
     for l, layer in enumerate(layers):
         counts = kernel_counts(layer, layering.roles)
         overhead[:, l] = [preset.op_seconds(*counts[role]) for role in ROLES]
-        if preset.value_launch_s:
+        if preset.value_launch_s or preset.value_dispatch_s:
             values = boundary_values(graph, layering.layers, layering.roles, l, layer)
-            handed[:, l] = [preset.op_seconds(0, 0, values[role]) for role in ROLES]
+            handed[:, l] = [values[role] for role in ROLES]
     forward_overhead = overhead[0]
-    overhead += handed
+    overhead += handed * preset.value_launch_s
     per_microbatch_overhead = overhead[0] + overhead[1]
 
     received = np.zeros((L, L))

@@ -8,8 +8,9 @@ once, as in a stage) and fits a `ClusterPreset` to the timings
 - a chain of dependent 4x4 dot + tanh kernels (the cost of one more kernel);
 - a near-empty executable on every device (the launch, subtracted from the chains);
 - the same with 33 arguments and results (what each value a fragment reads or writes adds);
-- the near-empty executable launched 64 times back to back, on half and on all of the
-  devices (what the in-process runtime's host thread pays per launch);
+- near-empty executables run as the runtime runs a fragment, 64 times back to back, on half
+  and on all of the devices, and with 33 values on all (what the in-process runtime's host
+  thread pays per launch, per device and per value);
 - an elementwise kernel on 256 KiB and on 4 MiB per device (the memory bandwidth);
 - a value of 16 KiB and of 4 MiB moved from half of the devices to the other half, laid out
   anew (the in-process transport's `jax.device_put`: the cross-mesh transport);
@@ -95,9 +96,10 @@ class Calibration:
             f"  executable launch      {p.executable_launch_s * 1e6:10.1f} us  (a near-empty executable on every device)",
             f"  per value launched     {p.value_launch_s * 1e6:10.2f} us  (an argument and a result more: "
             f"{m.many_values} of each in {m.many_values_launch_s * 1e6:.1f} us)",
-            f"  host thread per launch {p.dispatch_s * 1e6:10.1f} us + {p.device_dispatch_s * 1e6:.1f} us a device  "
-            f"({m.dispatch_devices[0]} and {m.dispatch_devices[1]} devices: "
-            f"{m.dispatch_s[0] * 1e6:.1f} and {m.dispatch_s[1] * 1e6:.1f} us, launches back to back; "
+            f"  host thread per launch {p.dispatch_s * 1e6:10.1f} us + {p.device_dispatch_s * 1e6:.1f} us a device "
+            f"+ {p.value_dispatch_s * 1e6:.1f} us a value  ({m.dispatch_devices[0]} and {m.dispatch_devices[1]} "
+            f"devices: {m.dispatch_s[0] * 1e6:.1f} and {m.dispatch_s[1] * 1e6:.1f} us, {m.many_values} values: "
+            f"{m.many_values_dispatch_s * 1e6:.1f} us, runs back to back; "
             + ("devices on its cores)" if p.devices_share_host_cores else "not priced where 0)"),
             f"  cross-mesh transport   {p.transfer_latency_s * 1e6:10.1f} us a value, "
             f"{p.transfer_bandwidth / 1e9:.2f} GB/s  (a value moved from half of the devices to the other half)",
@@ -306,10 +308,8 @@ def _compute_timings(devices: Sequence, timer: _Timer) -> dict:
     sizes = (ELEMENTWISE_BYTES // 16, ELEMENTWISE_BYTES)
     elementwise_s = tuple(timer(scale, placed(size // 4)) for size in sizes)
     transfer_bytes, transfer_s = _transfer_timings(devices, timer)
-    dispatch_devices, dispatch_s = _dispatch_timings(devices, timer.repeats)
     return {
-        "dispatch_devices": dispatch_devices,
-        "dispatch_s": dispatch_s,
+        **_dispatch_timings(devices, timer.repeats),
         "transfer_bytes": transfer_bytes,
         "transfer_s": transfer_s,
         "large_matmul_flops": 2.0 * large**3,
@@ -325,28 +325,39 @@ def _compute_timings(devices: Sequence, timer: _Timer) -> dict:
     }
 
 
-def _dispatch_timings(devices: Sequence, repeats: int) -> tuple[tuple[int, int], tuple[float, float]]:
-    """A near-empty executable on half of the devices (one device: on it) and on all of them,
-    launched `DISPATCHES` times back to back and waited for at the end: the devices and the
-    least seconds per launch over `repeats` rounds. The launches return before the devices
-    finish, so their pace is what the host thread pays per launch."""
+def _dispatch_timings(devices: Sequence, repeats: int) -> dict:
+    """Near-empty executables run as the runtime runs a fragment (`Placements.inputs`, then
+    `DeviceExecutable.run`: the in-process runtime's own path, not `jax.jit`'s), `DISPATCHES`
+    times back to back and waited for at the end, the least seconds per run over `repeats`
+    rounds: one value on half of the devices (one device: on it) and on all of them, and
+    `MANY_VALUES` values on all of them. The runs return before the devices finish, so their
+    pace is what the host thread pays per launch."""
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    counts = (max(1, len(devices) // 2), len(devices))
-    seconds = []
-    for count in counts:
-        layout = NamedSharding(Mesh(np.array(devices[:count]), ("d",)), PartitionSpec("d"))
-        value = jax.device_put(np.ones((count, 4), np.float32), layout)
-        bump = jax.jit(lambda v: v + 1.0)
-        jax.block_until_ready(bump(value))
+    from hlopar.codegen.executables import compile_executable
+    from hlopar.ir.module import parse_module
+    from hlopar.runtime.fragment_calls import Placements
+
+    def pace(count: int, values: int) -> float:
+        layout = NamedSharding(Mesh(np.array(devices[:count]), ("d",)), PartitionSpec("d", None))
+        arrays = [jax.device_put(np.ones((count, 4), np.float32), layout) for _ in range(values)]
+        bump = jax.jit(lambda *vs: tuple(v + 1.0 for v in vs), out_shardings=(layout,) * values)
+        ex = compile_executable(parse_module(bump.lower(*arrays).as_text()), devices[:count])
+        jax.block_until_ready(ex.run(arrays))
         best = float("inf")
         for _ in range(repeats):
             begin = time.perf_counter()
-            jax.block_until_ready([bump(value) for _ in range(DISPATCHES)])
+            jax.block_until_ready([ex.run(Placements().inputs(ex, arrays, 0)) for _ in range(DISPATCHES)])
             best = min(best, (time.perf_counter() - begin) / DISPATCHES)
-        seconds.append(best)
-    return counts, tuple(seconds)
+        return best
+
+    counts = (max(1, len(devices) // 2), len(devices))
+    return {
+        "dispatch_devices": counts,
+        "dispatch_s": (pace(counts[0], 1), pace(counts[1], 1)),
+        "many_values_dispatch_s": pace(counts[1], MANY_VALUES),
+    }
 
 
 def _transfer_timings(devices: Sequence, timer: _Timer) -> tuple[tuple[float, float], tuple[float, float]]:

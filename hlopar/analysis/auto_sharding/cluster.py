@@ -182,15 +182,16 @@ class ClusterPreset:
     adds to an op's FLOPs; 0 (the built-in presets): not priced. `hlopar-calibrate` measures
     it (8 CPU devices sharing 2 cores: ~1 GB/s each, where the tiny GPT's step writes 13 MB of
     results on one device and its FLOPs at the peak take a tenth of its time).
-    `dispatch_s`, `device_dispatch_s`: what the in-process runtime's one host thread, which
-    plays every mesh of a plan, spends launching a fragment run (`dispatch_s`, plus
-    `device_dispatch_s` per device the fragment spans, plus `value_launch_s` per value), one
-    run after the other whichever mesh it is for; it also makes every cross-mesh copy. The
+    `dispatch_s`, `device_dispatch_s`, `value_dispatch_s`: what the in-process runtime's one
+    host thread, which plays every mesh of a plan, spends launching a fragment run
+    (`dispatch_s`, plus `device_dispatch_s` per device the fragment spans, plus
+    `value_dispatch_s` per value it reads or writes), one run after the other whichever mesh
+    it is for; it also makes every cross-mesh copy. The
     simulator prices a step at least that thread's work (`schedules.HostThread`). With
     `devices_share_host_cores` (CPU devices), the devices compute on the cores that thread
     runs on, and its work and theirs add up. 0 / False in the built-in presets (not priced);
     `hlopar-calibrate` measures them for one process's devices (on 8 CPU devices of a 2-core
-    machine: ~60 us and ~20 us a device, against a bare launch's latency of ~45 us).
+    machine: ~90 us, ~12 us a device and ~8 us a value).
     """
 
     name: str
@@ -211,6 +212,7 @@ class ClusterPreset:
     transfer_bandwidth: float = 0.0
     dispatch_s: float = 0.0
     device_dispatch_s: float = 0.0
+    value_dispatch_s: float = 0.0
     devices_share_host_cores: bool = False
 
     def __post_init__(self) -> None:
@@ -226,6 +228,7 @@ class ClusterPreset:
             "transfer_bandwidth",
             "dispatch_s",
             "device_dispatch_s",
+            "value_dispatch_s",
         ):
             value = getattr(self, field_name)
             if not value >= 0 or math.isinf(value):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from hlopar.analysis.schedules.tasks import BACKWARD, FORWARD, WEIGHT
@@ -72,10 +72,13 @@ class HostThread:
     `share` (mesh -> its fraction of the devices of the process), the devices compute on the
     cores the host thread runs on (CPU devices): a stage's time is priced with every device
     busy, so a mesh's run takes the machine that time times its share, and host work and
-    device work add up: the step takes at least both summed."""
+    device work add up: the step takes at least both summed. `counted[stage]`: the launch
+    seconds a microbatch's forward and backward times already hold (a stage's latency prices
+    its launches: the host thread's work, not the devices'), left out of the devices' work."""
 
     launch: Mapping[int, tuple[float, float]]
     share: Mapping[str, float] | None = None
+    counted: Mapping[int, tuple[float, float]] = field(default_factory=dict)
 
 
 class CommModel(Protocol):

@@ -289,22 +289,27 @@ def _host_bound(
 ) -> float:
     """The host thread's work (`HostThread`): every fragment run's launch (a RUN names its
     executables where a program is known: each is a launch) and every transfer; plus, where
-    devices share its cores, every compute instruction's time times its mesh's share."""
+    devices share its cores, every compute instruction's time times its mesh's share, less
+    the launches those times already hold (`HostThread.counted`, per microbatch: a stage's
+    forward RUN stands for its microbatch)."""
     stream_of = {s.mesh: s for s in streams.streams}
-    work = 0.0
+    host_work = device_work = 0.0
     for i, inst in enumerate(insts):
         if inst.op == SEND:
-            work += finish[i] - start[i]
+            host_work += finish[i] - start[i]
         elif inst.op in (RUN, UPDATE):
             stream = stream_of[inst.mesh]
             stages = stream.stages if inst.op == UPDATE else (stream.stage_of(inst),)
             for stage in stages:
                 forward, backward = host.launch.get(stage, (0.0, 0.0))
                 launch = forward if inst.op == RUN and inst.kind == FORWARD else backward
-                work += launch * max(1, len(inst.executables)) if inst.op == RUN else launch
+                host_work += launch * max(1, len(inst.executables)) if inst.op == RUN else launch
         if host.share is not None and inst.op in (RUN, ACCUMULATE, UPDATE):
-            work += (finish[i] - start[i]) * host.share.get(inst.mesh, 1.0)
-    return work
+            share = host.share.get(inst.mesh, 1.0)
+            device_work += (finish[i] - start[i]) * share
+            if inst.op == RUN and inst.kind == FORWARD:
+                device_work -= sum(host.counted.get(stream_of[inst.mesh].stage_of(inst), (0.0, 0.0))) * share
+    return host_work + max(device_work, 0.0)
 
 
 def iteration_lower_bound(

@@ -112,16 +112,20 @@ class PipelineSpace:
 class HostLaunches:
     """What one host thread pays to launch a stage's fragment runs (`schedules.HostThread`,
     `ClusterPreset.dispatch_s`): `launch_s` each, `device_s` per device the fragment spans,
-    and per layer of the stage `values_s[0 | 1, l]`, the values its forward | backward hands
-    over, priced (`ClusterPreset.value_launch_s`: from above, as the latencies count them);
-    with `shares_cores`, the `devices` of the process (every device of the cluster, used or
-    not) compute on that host's cores (CPU devices)."""
+    and `value_s` per value: per layer of the stage `values[0 | 1, l]`, the values its
+    forward | backward hands over (`layer_costs.boundary_values`: from above, as the
+    latencies count them); with `shares_cores`, the `devices` of the process (every device
+    of the cluster, used or not) compute on that host's cores (CPU devices), and the launches
+    their latencies price (`LayerArrays.launch_s` per run, `counted_value_s` per value) are
+    left out of the devices' work (`schedules.HostThread.counted`)."""
 
     launch_s: float
     device_s: float
-    values_s: np.ndarray  # (2, L)
+    values: np.ndarray  # (2, L)
+    value_s: float
     devices: int
     shares_cores: bool = False
+    counted_value_s: float = 0.0  # what the latencies price a value handed over at (`value_launch_s`)
 
 
 @dataclass(frozen=True)
@@ -630,10 +634,15 @@ def _host_thread(space: PipelineSpace, count: int, plan: Slicing, size_of: dict[
     host = space.host
     if host is None or (len(plan.stages) == 1 and count == 1):
         return None
-    launch = {}
+    launch, counted = {}, {}
+    each = space.layers.launch_s  # a run's launch in the latencies: (2 + 1/B) a microbatch (`span_costs`)
     for k, stage in enumerate(plan.stages):
         fixed = host.launch_s + host.device_s * space.submesh_sizes[stage.submesh_index]
-        values = host.values_s[:, stage.start_layer : stage.end_layer + 1].sum(axis=1)
-        launch[k] = (fixed + float(values[0]), fixed + float(values[1]))
+        values = host.values[:, stage.start_layer : stage.end_layer + 1].sum(axis=1)
+        launch[k] = (fixed + float(values[0]) * host.value_s, fixed + float(values[1]) * host.value_s)
+        counted[k] = (
+            each + float(values[0]) * host.counted_value_s,
+            each * (1 + 1 / count) + float(values[1]) * host.counted_value_s,
+        )
     share = {mesh: size / host.devices for mesh, size in size_of.items()} if host.shares_cores else None
-    return HostThread(launch, share)
+    return HostThread(launch, share, counted)

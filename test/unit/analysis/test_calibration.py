@@ -127,14 +127,22 @@ def test_launch_per_value_from_an_executable_of_many_values():
 
 
 def test_the_host_threads_launch_from_launches_on_half_and_all_of_the_devices():
-    """The line through the pace of back-to-back launches on 4 and on 8 devices: 60 us and
-    20 us a device. In one process, on CPU devices: their cores are the host thread's."""
-    fixed, per_device = 60e-6, 20e-6
+    """The line through the pace of back-to-back runs on 4 and on 8 devices: 60 us and 20 us
+    a device; 33 values (arguments and results) on 8: 10 us a value more. In one process,
+    on CPU devices: their cores are the host thread's."""
+    fixed, per_device, per_value = 60e-6, 20e-6, 10e-6
     paces = (fixed + 4 * per_device, fixed + 8 * per_device)
-    timed = measurements(exact_timings(40e-6, 3e9), dispatch_devices=(4, 8), dispatch_s=paces)
+    timed = measurements(
+        exact_timings(40e-6, 3e9),
+        dispatch_devices=(4, 8),
+        dispatch_s=paces,
+        many_values=33,
+        many_values_dispatch_s=paces[1] + 64 * per_value,
+    )
     preset = preset_from_measurements(timed, "here")[0]
     assert preset.dispatch_s == pytest.approx(fixed, rel=1e-9)
     assert preset.device_dispatch_s == pytest.approx(per_device, rel=1e-9)
+    assert preset.value_dispatch_s == pytest.approx(per_value, rel=1e-9)
     assert preset.devices_share_host_cores is True
     gpus = preset_from_measurements(dataclasses.replace(timed, device_kind="gpu"), "here")[0]
     assert (gpus.dispatch_s, gpus.devices_share_host_cores) == (preset.dispatch_s, False)
@@ -148,7 +156,8 @@ def test_the_host_threads_launch_from_launches_on_half_and_all_of_the_devices():
     across = exact_timings(40e-6, 3e9) + exact_timings(400e-6, 1e8, across=True, groups=(2,))
     for untimed in (measurements(exact_timings(40e-6, 3e9)), dataclasses.replace(timed, collectives=tuple(across))):
         preset = preset_from_measurements(untimed, "here")[0]
-        assert (preset.dispatch_s, preset.device_dispatch_s, preset.devices_share_host_cores) == (0.0, 0.0, False)
+        priced = (preset.dispatch_s, preset.device_dispatch_s, preset.value_dispatch_s, preset.devices_share_host_cores)
+        assert priced == (0.0, 0.0, 0.0, False)
 
 
 def test_the_cross_mesh_transport_from_a_small_and_a_large_value():
@@ -177,6 +186,7 @@ def test_a_preset_file_from_before_the_memory_bandwidth_still_reads(tmp_path):
         "transfer_bandwidth",
         "dispatch_s",
         "device_dispatch_s",
+        "value_dispatch_s",
         "devices_share_host_cores",
     ):
         del data["preset"][name]
@@ -192,6 +202,7 @@ def test_preset_file_round_trips_and_plans(tmp_path):
         kernel_launch_s=2e-6,
         dispatch_s=7e-5,
         device_dispatch_s=1e-5,
+        value_dispatch_s=8e-6,
         devices_share_host_cores=True,
     )
     path = write_preset(preset, tmp_path / "mine.json", measured={"note": "synthetic"})

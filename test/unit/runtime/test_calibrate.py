@@ -98,6 +98,7 @@ def test_hlopar_calibrate_writes_the_file_to_stdout():
     assert data["measured"]["fits"]["intra_host"]["samples"] == 30 and data["measured"]["fits"]["inter_host"] is None
     # The host thread's pace, on half and all of the devices, in one process on CPU devices.
     assert measured["dispatch_devices"] == [4, 8] and min(measured["dispatch_s"]) > 0
+    assert measured["many_values_dispatch_s"] > 0
     assert preset.dispatch_s + preset.device_dispatch_s > 0 and preset.devices_share_host_cores is True
     assert "host thread per launch" in done.stderr
     assert "calibrated 2 host(s) x 4 cpu device(s)" in done.stderr and "Traceback" not in done.stderr

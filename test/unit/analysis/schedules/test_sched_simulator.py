@@ -290,6 +290,11 @@ def test_one_host_thread_makes_the_step_at_least_its_launches_and_copies():
     assert simulate(streams, costs, comm, HostThread(launches)).iteration_time == pytest.approx(22.0)
     shared = simulate(streams, costs, comm, HostThread(launches, share={"m1": 0.5, "m2": 0.5}))
     assert shared.iteration_time == pytest.approx(34.0)
+    # Where 0.5 s of each F and of each B are their launches (the host's work, priced above),
+    # the devices' work is 2 x 4 x (3 - 1) s at half the machine: 8 s, 30 s in all.
+    counted = {0: (0.5, 0.5), 1: (0.5, 0.5)}
+    launched = HostThread(launches, share={"m1": 0.5, "m2": 0.5}, counted=counted)
+    assert simulate(streams, costs, comm, launched).iteration_time == pytest.approx(30.0)
     # Launches no one pays: the event loop's step, to the bit.
     idle = HostThread({0: (0.0, 0.0), 1: (0.0, 0.0)})
     assert simulate(streams, costs, comm, idle).iteration_time == alone.iteration_time

@@ -217,17 +217,16 @@ def test_a_host_thread_that_pays_each_launch_makes_fewer_microbatches_win():
     microbatches, 68 s at 8: the fewer win, priced at the thread's work."""
     one = [get_schedule("1f1b")]
     assert choose_pipeline(space(layers()), one, [2, 8]).best.microbatches == 8
-    host = HostLaunches(launch_s=1.0, device_s=0.0, values_s=np.zeros((2, L)), devices=L)
+    host = HostLaunches(launch_s=1.0, device_s=0.0, values=np.zeros((2, L)), value_s=0.0, devices=L)
     choice = choose_pipeline(replace(space(layers()), host=host), one, [2, 8])
     assert [(c.microbatches, c.seconds) for c in choice.candidates] == [
         (2, pytest.approx(20.0)),
         (8, pytest.approx(68.0)),
     ]
     # The same 1 s a launch from its three parts: 0.25 s, 0.5 s for the stage's one device,
-    # 0.25 s for the values its one layer hands over (forward and backward alike).
-    values = np.full((2, L), 0.25)
-    dearer = HostLaunches(launch_s=0.25, device_s=0.5, values_s=values, devices=L)
-    assert choose_pipeline(replace(space(layers()), host=dearer), one, [2]).best.seconds == pytest.approx(20.0)
+    # 0.25 s for the 5 values its one layer hands over (forward and backward alike).
+    parts = HostLaunches(launch_s=0.25, device_s=0.5, values=np.full((2, L), 5.0), value_s=0.05, devices=L)
+    assert choose_pipeline(replace(space(layers()), host=parts), one, [2]).best.seconds == pytest.approx(20.0)
 
 
 def test_interleaving_two_chunks_per_mesh_wins_on_uniform_layers():
