@@ -22,9 +22,12 @@ from hlopar.cli.guard import run_guarded
 EPILOG = """\
 The measurements (runtime/calibrate.py): a large matrix product per device with every device
 busy (peak FLOP/s), a chain of small ones (the matmul ramp), a chain of tiny kernels (the cost of
-a launch), and the five collectives over groups of 2 devices, a host's and all of them, fit to
-the alpha-beta model the planner prices collectives with. --across-processes adds collectives
-across --hosts processes (gloo on CPUs): what a mesh spanning hosts pays on Ray workers.
+a launch), near-empty executables run back to back as the runtime runs a fragment (what its
+one host thread pays per launch, device and value), a value moved between meshes, and the five
+collectives over groups of 2 devices, a host's and all of them, fit to the alpha-beta model the
+planner prices collectives with. --across-processes adds collectives across --hosts processes
+(gloo on CPUs): what a mesh spanning hosts pays on Ray workers (the host thread is then not
+priced: each worker launches its own).
 """
 
 

@@ -27,7 +27,7 @@ from hlopar.codegen.pipeline_program import PipelineProgram
 
 __all__ = ["CACHE_VERSION", "cache_root", "cached_bundle", "executables_dir", "is_cached", "write_cached"]
 
-CACHE_VERSION = "hlopar-plan-v16"  # bumped when the planner's output changes
+CACHE_VERSION = "hlopar-plan-v17"  # bumped when the planner's output changes
 
 
 def cache_root() -> Path:

@@ -193,7 +193,7 @@ def plan(
         try:
             whole = run_passes(_one_microbatch(step), cluster, other_microbatches=True)
         except DiagnosticError as error:
-            if not any(d.message.startswith(_NO_FIT) for d in error.diagnostics):
+            if not _no_fit(error):
                 raise
             step = replace(
                 load(), options=step.options
@@ -225,6 +225,11 @@ def plan(
 
 # Stage construction's refusal where no plan of the split's count fits the memory.
 _NO_FIT = f"{StageConstructionPass.name}: no pipeline fits"
+
+
+def _no_fit(error: DiagnosticError) -> bool:
+    """Whether stage construction refused for want of memory (`_NO_FIT`)."""
+    return any(d.message.startswith(_NO_FIT) for d in error.diagnostics)
 
 
 def _refusal(error: DiagnosticError) -> Diagnostic | None:
@@ -266,7 +271,7 @@ def _better_count(
             )
         except DiagnosticError as error:
             refusal = _refusal(error)
-            if refusal is None and not any(d.message.startswith(_NO_FIT) for d in error.diagnostics):
+            if refusal is None and not _no_fit(error):
                 raise
             if refusal is not None and refused_warns:
                 planned.diagnostics.insert(0, _refused_warning(refusal, better["microbatches"]))

@@ -71,6 +71,7 @@ from hlopar.analysis.stages.span_costs import LayerArrays, SpanTable, span_table
 from hlopar.analysis.stages.stage_dp import Slicing, stage_dp
 
 __all__ = [
+    "MESH_MARGIN",
     "VIRTUAL_CHUNKS",
     "Candidate",
     "Choice",
@@ -84,6 +85,18 @@ __all__ = [
 # more divides the bubble further but adds a transfer per microbatch and chunk boundary, and
 # a span table, a DP and simulations per count; Megatron's runs use a few (Narayanan et al.).
 VIRTUAL_CHUNKS = (2, 3, 4)
+
+# A plan of more meshes is chosen in simulation only where predicted faster by this much a mesh
+# more: each mesh adds costs the model leaves out or prices low in process (its launches'
+# bookkeeping, the batch's slices placed per microbatch, accumulators zeroed), and near-ties
+# are within the predictions' spread. Measured (issue 31, docs/performance.md "One host
+# thread"): two-mesh plans at one microbatch predicted 0.1-3% faster than one mesh ran 1.1-1.2x
+# slower.
+MESH_MARGIN = 0.05
+
+
+def _mesh_factor(meshes: int) -> float:
+    return (1.0 + MESH_MARGIN) ** max(meshes - 1, 0)
 
 
 @dataclass(frozen=True)
@@ -147,6 +160,14 @@ class Candidate:
     chunks: int = 1  # stages per mesh (`plan`'s v p stages on p meshes where > 1)
     at_least: float = np.inf  # not simulated (`_simulated`): a bound of its simulated step time
     simulated: float | None = None  # its simulated step time (ranked by Eq. 2: the best's only)
+
+    @property
+    def score(self) -> float:
+        """What simulated candidates are ranked by: the time, `MESH_MARGIN` more per mesh
+        beyond the first (inf without a plan)."""
+        if self.plan is None:
+            return np.inf
+        return self.seconds * _mesh_factor(len(self.plan.stages) // self.chunks)
 
     @property
     def placement(self) -> tuple[int, ...]:
@@ -279,7 +300,7 @@ def choose_pipeline(
     candidates = _simulated(candidates, space.split)
     timings["simulation"] += time.perf_counter() - clock
     order = {id(c): k for k, c in enumerate(candidates)}
-    ranked = sorted(candidates, key=lambda c: (c.seconds, c.at_least, order[id(c)]))
+    ranked = sorted(candidates, key=lambda c: (c.score if by == "simulation" else c.seconds, c.at_least, order[id(c)]))
     if by == "eq2" and ranked and ranked[0].plan is not None and ranked[0].simulated is None:
         clock = time.perf_counter()
         best = ranked[0]
@@ -345,9 +366,10 @@ class _Group:
         return min((run[0] for run in self.runs), default=np.inf)
 
     def best(self) -> Candidate:
-        """The fastest plan in simulation (the first of equal times), or why none fits. Plans
-        are simulated in the order of their bounds; one whose bound is above the best time so
-        far is not: it cannot win."""
+        """The fastest plan in simulation (`Candidate.score`: of more meshes, faster by
+        `MESH_MARGIN` a mesh; the first of equal scores), or why none fits. Plans are simulated
+        in the order of their bounds; one whose bound is above the best score so far is not:
+        it cannot win."""
         schedule, count = self.schedule, self.count
         if not self.priced:
             held = (
@@ -357,16 +379,18 @@ class _Group:
             )
             why = f"no plan of the stage DP fits {schedule.name}'s {held} in memory"
             return Candidate(schedule.name, count, None, None, np.inf, np.inf, why=why)
-        best, best_at = None, -1
+        best, best_at, best_score = None, -1, np.inf
         for k in sorted(range(len(self.runs)), key=lambda k: self.runs[k][0]):
             bound, costs, topology, comm, host = self.runs[k]
-            if best is not None and (bound, k) > (best.iteration_time, best_at):
-                if bound > best.iteration_time:
-                    break  # so are the bounds after it
+            if best is not None and (bound, k) > (best_score, best_at):
+                if bound > best_score:
+                    break  # so are the bounds after it (a score is at least its time)
                 continue
             result = simulate(build_streams(topology, schedule, count), costs, comm, host)
-            if best is None or (result.iteration_time, k) < (best.iteration_time, best_at):
-                best, best_at = result, k
+            p = self.priced[k]
+            score = result.iteration_time * _mesh_factor(len(p.plan.stages) // p.chunks)
+            if best is None or (score, k) < (best_score, best_at):
+                best, best_at, best_score = result, k, score
         p = self.priced[best_at]
         return Candidate(
             schedule.name,
@@ -395,9 +419,9 @@ def _simulated(slots: Sequence[Candidate | _Group], keep: int | None) -> list[Ca
     for k in groups:
         group = slots[k]
         if group.priced and group.count != keep and found:  # (without plans: why none fits)
-            first = min(found, key=lambda c: c.seconds)
-            second = min((c.seconds for c in found if c.schedule != first.schedule), default=None)
-            if group.bound > first.seconds and (
+            first = min(found, key=lambda c: c.score)
+            second = min((c.score for c in found if c.schedule != first.schedule), default=None)
+            if group.bound > first.score and (
                 group.schedule.name == first.schedule or (second is not None and group.bound > second)
             ):
                 why = (

@@ -10,7 +10,8 @@ prefix sums:
   over B (compute and bandwidth terms shrink with the microbatch), plus the resharding
   between the layouts of consecutive layers of the span over B, plus the launches of the
   stage's fragments (a forward and a backward per microbatch, the update once a step:
-  `LayerArrays.launch_s`, the preset's `executable_launch_s`);
+  `LayerArrays.launch_s`, the preset's `executable_launch_s`; one launch for the span of
+  every layer at one microbatch, which runs as one executable: `codegen.one_program`);
 - beyond Alpa (its §7): the bytes the stage receives from other stages (activations going
   forward, their gradients coming back) over the link between meshes, over B, and, where the
   transport is calibrated, its cost per value moved (`LayerArrays.transfer_latency_s`);
@@ -314,6 +315,8 @@ def _spans(layers: LayerArrays, received_bytes: np.ndarray, B: float, remat: str
         # A stage launches a forward and a backward fragment per microbatch and its update
         # once per step, whatever its layers: what many small stages or microbatches cost.
         lat_span = lat_span + (2.0 + 1.0 / B) * layers.launch_s
+        if B == 1:  # every layer in one stage, one microbatch: one executable, one launch (`codegen.one_program`)
+            lat_span[:, 0, -1] -= 2.0 * layers.launch_s
         if forward_span is not None:
             forward_span = forward_span + layers.launch_s
     if layers.transfer_latency_s and layers.received_values is not None:

@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from hlopar.analysis.schedules import PLANNED_SCHEDULES, SCHEDULES, get_schedule
-from hlopar.analysis.stages.pipeline_choice import HostLaunches, PipelineSpace, choose_pipeline, simulated_step
+from hlopar.analysis.stages.pipeline_choice import (
+    MESH_MARGIN,
+    HostLaunches,
+    PipelineSpace,
+    choose_pipeline,
+    simulated_step,
+)
 from hlopar.analysis.stages.span_costs import LayerArrays
 
 L = 4  # layers, stages and devices
@@ -111,7 +117,8 @@ def test_the_microbatch_count_trades_the_bubble_for_start_up_costs(fixed, count)
     assert choice.best.microbatches == count
     assert choice.best.seconds == pytest.approx(expected[count], rel=1e-9)
     # The counts whose lower bound (each microbatch's compute, one after another on a mesh)
-    # is above the best are not simulated; the others are, exactly.
+    # is above the best's score (its time, 5% more a mesh beyond the first: x 1.05^3) are not
+    # simulated; the others are, exactly.
     for c in choice.candidates[1:]:
         if c.plan is None:
             bound = float(c.why.split("at least ")[1].split(" s")[0])
@@ -119,7 +126,7 @@ def test_the_microbatch_count_trades_the_bubble_for_start_up_costs(fixed, count)
         else:
             assert c.seconds == pytest.approx(expected[c.microbatches], rel=1e-9)
     pruned = sorted(c.microbatches for c in choice.candidates if c.plan is None)
-    assert pruned == {16: [1, 2, 4], 4: [16]}[count]
+    assert pruned == {16: [1, 2], 4: [16]}[count]
 
 
 def test_a_split_step_prices_other_counts_as_the_whole_step_would():
@@ -227,6 +234,22 @@ def test_a_host_thread_that_pays_each_launch_makes_fewer_microbatches_win():
     # 0.25 s for the 5 values its one layer hands over (forward and backward alike).
     parts = HostLaunches(launch_s=0.25, device_s=0.5, values=np.full((2, L), 5.0), value_s=0.05, devices=L)
     assert choose_pipeline(replace(space(layers()), host=parts), one, [2]).best.seconds == pytest.approx(20.0)
+
+
+def test_more_meshes_must_be_faster_by_a_margin():
+    """Simulated candidates rank by `score`: the time, 5% more a mesh beyond the first. 4
+    stages of one mesh each at 16 s score 16 x 1.05^3 = 18.52 s: a one-mesh plan of 18.5 s
+    ranks first, one of 18.6 s after; stages on one mesh (chunks) count once."""
+    assert MESH_MARGIN == 0.05
+    choice = choose_pipeline(space(layers()), [get_schedule("1f1b")], [1])
+    four = choice.best
+    assert (len(four.plan.stages), four.seconds) == (4, pytest.approx(16.0))
+    assert four.score == pytest.approx(16.0 * 1.05**3)
+    one_mesh = replace(four.plan, stages=four.plan.stages[:1])
+    assert (
+        replace(four, plan=one_mesh, seconds=18.5).score < four.score < replace(four, plan=one_mesh, seconds=18.6).score
+    )
+    assert replace(four, chunks=4).score == four.seconds and replace(four, plan=None).score == np.inf
 
 
 def test_interleaving_two_chunks_per_mesh_wins_on_uniform_layers():

@@ -136,6 +136,16 @@ def test_fragment_launches_are_paid_per_stage_not_per_layer():
     forward = launched.forward[..., 0, 0][upper] - bare.forward[..., 0, 0][upper]
     np.testing.assert_allclose(forward, 0.25, rtol=1e-12)
     assert dataclasses.replace(layers, launch_s=0.25).scaled(2.0).launch_s == 0.25
+    # One microbatch: the span of every layer is one stage run as one executable, one launch;
+    # every shorter span still three (its forward, its backward, its update).
+    options["microbatches"] = 1
+    bare = span_table(*args, **options)
+    launched = span_table(dataclasses.replace(layers, launch_s=0.25), *args[1:], **options)
+    added = launched.latency[..., 0, 0] - bare.latency[..., 0, 0]
+    whole = np.zeros((L, L), bool)
+    whole[0, L - 1] = True
+    np.testing.assert_allclose(added[whole], 0.25, rtol=1e-12)
+    np.testing.assert_allclose(added[upper & ~whole], 3 * 0.25, rtol=1e-12)
 
 
 def test_values_a_span_receives_are_counted_once_each():
