@@ -270,7 +270,7 @@ class StageConstructionPass(ModulePass):
             host = HostLaunches(
                 preset.dispatch_s,
                 preset.device_dispatch_s,
-                handed[:2],
+                handed,
                 preset.value_dispatch_s,
                 devices,
                 preset.devices_share_host_cores,

@@ -65,8 +65,8 @@ class StageCost:
 @dataclass(frozen=True)
 class HostThread:
     """One host thread that plays every mesh (the in-process runtime): it launches each
-    fragment run in turn, `launch[stage]` seconds for that stage's forward and backward runs
-    (`(forward, backward)`; a W run and an update pay the backward's), and makes every
+    fragment run in turn, `launch[stage]` seconds for that stage's forward, backward and update
+    runs (`(forward, backward, update)`; a W run pays the backward's), and makes every
     transfer itself (a copy through host memory: the SEND's duration). So a step takes at
     least the sum of its launches and transfers, whatever the meshes overlap. With
     `share` (mesh -> its fraction of the devices of the process), the devices compute on the
@@ -76,7 +76,7 @@ class HostThread:
     seconds a microbatch's forward and backward times already hold (a stage's latency prices
     its launches: the host thread's work, not the devices'), left out of the devices' work."""
 
-    launch: Mapping[int, tuple[float, float]]
+    launch: Mapping[int, tuple[float, float, float]]
     share: Mapping[str, float] | None = None
     counted: Mapping[int, tuple[float, float]] = field(default_factory=dict)
 

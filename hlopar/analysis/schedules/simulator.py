@@ -301,9 +301,11 @@ def _host_bound(
             stream = stream_of[inst.mesh]
             stages = stream.stages if inst.op == UPDATE else (stream.stage_of(inst),)
             for stage in stages:
-                forward, backward = host.launch.get(stage, (0.0, 0.0))
-                launch = forward if inst.op == RUN and inst.kind == FORWARD else backward
-                host_work += launch * max(1, len(inst.executables)) if inst.op == RUN else launch
+                forward, backward, update = host.launch.get(stage, (0.0, 0.0, 0.0))
+                if inst.op == UPDATE:
+                    host_work += update
+                else:
+                    host_work += (forward if inst.kind == FORWARD else backward) * max(1, len(inst.executables))
         if host.share is not None and inst.op in (RUN, ACCUMULATE, UPDATE):
             share = host.share.get(inst.mesh, 1.0)
             device_work += (finish[i] - start[i]) * share

@@ -125,8 +125,8 @@ class PipelineSpace:
 class HostLaunches:
     """What one host thread pays to launch a stage's fragment runs (`schedules.HostThread`,
     `ClusterPreset.dispatch_s`): `launch_s` each, `device_s` per device the fragment spans,
-    and `value_s` per value: per layer of the stage `values[0 | 1, l]`, the values its
-    forward | backward hands over (`layer_costs.boundary_values`: from above, as the
+    and `value_s` per value: per layer of the stage `values[0 | 1 | 2, l]`, the values its
+    forward | backward | update hands over (`layer_costs.boundary_values`: from above, as the
     latencies count them); with `shares_cores`, the `devices` of the process (every device
     of the cluster, used or not) compute on that host's cores (CPU devices), and the launches
     their latencies price (`LayerArrays.launch_s` per run, `counted_value_s` per value) are
@@ -134,7 +134,7 @@ class HostLaunches:
 
     launch_s: float
     device_s: float
-    values: np.ndarray  # (2, L)
+    values: np.ndarray  # (3, L)
     value_s: float
     devices: int
     shares_cores: bool = False
@@ -652,21 +652,29 @@ def _simulation_of(space, count, table, plan, received, per_microbatch, placemen
 
 
 def _host_thread(space: PipelineSpace, count: int, plan: Slicing, size_of: dict[str, int]) -> HostThread | None:
-    """The host thread of `space.host` for `plan`: each stage's launches, each mesh's share
-    of the devices. None where not priced, or for one stage of one microbatch: that plan runs
-    as one executable (`codegen.one_program`), its one launch in its latency."""
+    """The host thread of `space.host` for `plan`: each stage's launches (a forward, a
+    backward, an update), each mesh's share of the devices, the launches the latencies hold.
+    One stage of one microbatch runs as one executable (`codegen.one_program`): one launch
+    with every value its layers hand over, its latency holding one launch."""
     host = space.host
-    if host is None or (len(plan.stages) == 1 and count == 1):
+    if host is None:
         return None
-    launch, counted = {}, {}
     each = space.layers.launch_s  # a run's launch in the latencies: (2 + 1/B) a microbatch (`span_costs`)
+    launch, counted = {}, {}
     for k, stage in enumerate(plan.stages):
         fixed = host.launch_s + host.device_s * space.submesh_sizes[stage.submesh_index]
-        values = host.values[:, stage.start_layer : stage.end_layer + 1].sum(axis=1)
-        launch[k] = (fixed + float(values[0]) * host.value_s, fixed + float(values[1]) * host.value_s)
+        forward, backward, update = (
+            float(v) for v in host.values[:, stage.start_layer : stage.end_layer + 1].sum(axis=1)
+        )
+        if len(plan.stages) == 1 and count == 1:
+            handed = forward + backward + update
+            launch[k] = (fixed + handed * host.value_s, 0.0, 0.0)
+            counted[k] = (each + handed * host.counted_value_s, 0.0)
+            continue
+        launch[k] = tuple(fixed + values * host.value_s for values in (forward, backward, update))
         counted[k] = (
-            each + float(values[0]) * host.counted_value_s,
-            each * (1 + 1 / count) + float(values[1]) * host.counted_value_s,
+            each + forward * host.counted_value_s,
+            each * (1 + 1 / count) + (backward + update / count) * host.counted_value_s,
         )
     share = {mesh: size / host.devices for mesh, size in size_of.items()} if host.shares_cores else None
     return HostThread(launch, share, counted)

@@ -224,16 +224,29 @@ def test_a_host_thread_that_pays_each_launch_makes_fewer_microbatches_win():
     microbatches, 68 s at 8: the fewer win, priced at the thread's work."""
     one = [get_schedule("1f1b")]
     assert choose_pipeline(space(layers()), one, [2, 8]).best.microbatches == 8
-    host = HostLaunches(launch_s=1.0, device_s=0.0, values=np.zeros((2, L)), value_s=0.0, devices=L)
+    host = HostLaunches(launch_s=1.0, device_s=0.0, values=np.zeros((3, L)), value_s=0.0, devices=L)
     choice = choose_pipeline(replace(space(layers()), host=host), one, [2, 8])
     assert [(c.microbatches, c.seconds) for c in choice.candidates] == [
         (2, pytest.approx(20.0)),
         (8, pytest.approx(68.0)),
     ]
     # The same 1 s a launch from its three parts: 0.25 s, 0.5 s for the stage's one device,
-    # 0.25 s for the 5 values its one layer hands over (forward and backward alike).
-    parts = HostLaunches(launch_s=0.25, device_s=0.5, values=np.full((2, L), 5.0), value_s=0.05, devices=L)
+    # 0.25 s for the 5 values its one layer hands over (forward, backward, update alike).
+    parts = HostLaunches(launch_s=0.25, device_s=0.5, values=np.full((3, L), 5.0), value_s=0.05, devices=L)
     assert choose_pipeline(replace(space(layers()), host=parts), one, [2]).best.seconds == pytest.approx(20.0)
+
+
+def test_one_stage_of_one_microbatch_is_one_launch_of_every_value():
+    """Every layer on one device, one microbatch: one executable, 16 s on the device. Its one
+    launch: 1 s, and 0.1 s for each of the 12 values the layers hand over (a forward, a
+    backward, an update value each), 2.2 s; on the device's cores, 18.2 s in all; on a device
+    of its own, the device's 16 s."""
+    host = HostLaunches(launch_s=1.0, device_s=0.0, values=np.ones((3, L)), value_s=0.1, devices=1)
+    sp = replace(space(layers()), num_devices=1, host=replace(host, shares_cores=True))
+    best = choose_pipeline(sp, [get_schedule("1f1b")], [1]).best
+    assert (len(best.plan.stages), best.seconds) == (1, pytest.approx(18.2))
+    best = choose_pipeline(replace(sp, host=host), [get_schedule("1f1b")], [1]).best
+    assert best.seconds == pytest.approx(16.0)
 
 
 def test_more_meshes_must_be_faster_by_a_margin():
