@@ -654,10 +654,12 @@ def _simulation_of(space, count, table, plan, received, per_microbatch, placemen
 def _host_thread(space: PipelineSpace, count: int, plan: Slicing, size_of: dict[str, int]) -> HostThread | None:
     """The host thread of `space.host` for `plan`: each stage's launches (a forward, a
     backward, an update), each mesh's share of the devices, the launches the latencies hold.
-    One stage of one microbatch runs as one executable (`codegen.one_program`): one launch
-    with every value its layers hand over, its latency holding one launch."""
+    None where not priced, or for one stage of one microbatch: that plan runs as one
+    executable (`codegen.one_program`), its one launch in its latency. (Priced as one launch
+    with every value its layers hand over, it came out dearer than two meshes at one
+    microbatch, which then ran 1.1-1.2x slower: docs/performance.md, "One host thread".)"""
     host = space.host
-    if host is None:
+    if host is None or (len(plan.stages) == 1 and count == 1):
         return None
     each = space.layers.launch_s  # a run's launch in the latencies: (2 + 1/B) a microbatch (`span_costs`)
     launch, counted = {}, {}
@@ -666,11 +668,6 @@ def _host_thread(space: PipelineSpace, count: int, plan: Slicing, size_of: dict[
         forward, backward, update = (
             float(v) for v in host.values[:, stage.start_layer : stage.end_layer + 1].sum(axis=1)
         )
-        if len(plan.stages) == 1 and count == 1:
-            handed = forward + backward + update
-            launch[k] = (fixed + handed * host.value_s, 0.0, 0.0)
-            counted[k] = (each + handed * host.counted_value_s, 0.0)
-            continue
         launch[k] = tuple(fixed + values * host.value_s for values in (forward, backward, update))
         counted[k] = (
             each + forward * host.counted_value_s,

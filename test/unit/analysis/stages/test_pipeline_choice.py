@@ -236,17 +236,17 @@ def test_a_host_thread_that_pays_each_launch_makes_fewer_microbatches_win():
     assert choose_pipeline(replace(space(layers()), host=parts), one, [2]).best.seconds == pytest.approx(20.0)
 
 
-def test_one_stage_of_one_microbatch_is_one_launch_of_every_value():
-    """Every layer on one device, one microbatch: one executable, 16 s on the device. Its one
-    launch: 1 s, and 0.1 s for each of the 12 values the layers hand over (a forward, a
-    backward, an update value each), 2.2 s; on the device's cores, 18.2 s in all; on a device
-    of its own, the device's 16 s."""
+def test_one_stage_of_one_microbatch_is_its_latency_whatever_the_host():
+    """Every layer on one device, one microbatch: one executable, its one launch in its
+    latency; the host thread is not priced for it: 16 s, launches dear or not."""
     host = HostLaunches(launch_s=1.0, device_s=0.0, values=np.ones((3, L)), value_s=0.1, devices=1)
     sp = replace(space(layers()), num_devices=1, host=replace(host, shares_cores=True))
     best = choose_pipeline(sp, [get_schedule("1f1b")], [1]).best
-    assert (len(best.plan.stages), best.seconds) == (1, pytest.approx(18.2))
-    best = choose_pipeline(replace(sp, host=host), [get_schedule("1f1b")], [1]).best
-    assert best.seconds == pytest.approx(16.0)
+    assert (len(best.plan.stages), best.seconds) == (1, pytest.approx(16.0))
+    # Two microbatches: 2 forwards, 2 backwards, 1 update, each 1 s + 4 values x 0.1 s, and
+    # the device's 16 s on the same cores: 23 s.
+    best = choose_pipeline(sp, [get_schedule("1f1b")], [2]).best
+    assert (len(best.plan.stages), best.seconds) == (1, pytest.approx(23.0))
 
 
 def test_more_meshes_must_be_faster_by_a_margin():
