@@ -72,8 +72,10 @@ class DeviceExecutable:
     def place(self, number: int, value) -> jax.Array:
         """Argument `number` on the devices, laid out as the executable reads it."""
         sharding = self.spmd.input_shardings[number]
-        if isinstance(value, jax.Array) and value.sharding == sharding:
-            return value
+        if isinstance(value, jax.Array) and (
+            value.sharding == sharding or value.sharding.is_equivalent_to(sharding, value.ndim)
+        ):
+            return value  # the same pieces on the same devices (`P('d')` and `P('d', None)`)
         shape, dtype = self.spmd.input_types[number]
         if not isinstance(value, jax.Array) or _in_host_memory(value):
             # From host memory each device's piece is copied out as it is; a jax.Array placed

@@ -113,3 +113,30 @@ def test_arrays_in_host_memory_are_placed_without_compiling(monkeypatch):
     assert [s.device for s in placed.addressable_shards] == list(jax.devices()[2:4])
     np.testing.assert_array_equal(np.asarray(placed), np.asarray(g))
     assert executable.place(0, placed) is placed  # already laid out: as it is
+
+
+def test_an_equivalent_layout_is_read_as_it_is(monkeypatch):
+    """`P("x")` and `P("x", None)` on a (8, 4) array are the same pieces on the same devices:
+    the executable reads the array as it is, no copy through host memory (what
+    `fragment_calls.Placements` expects of it); its results are those of the array placed
+    from host memory, to the bit."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from hlopar.codegen import executables
+
+    executable = compile_executable(parse_module(SHARDED), jax.devices()[:2])
+    layout = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("x",)), PartitionSpec("x"))
+    g = jax.device_put(np.arange(32, dtype=np.float32).reshape(8, 4) / 32, layout)
+    assert g.sharding != executable.input_shardings[0]
+    assert g.sharding.is_equivalent_to(executable.input_shardings[0], 2)
+    puts = []
+    original = executables.jax.device_put
+    monkeypatch.setattr(executables.jax, "device_put", lambda *a, **k: puts.append(1) or original(*a, **k))
+    assert executable.place(0, g) is g
+    assert puts == []
+    w = np.ones(4, np.float32)
+    as_it_is = executable.run([g, w])
+    from_host = executable.run([np.asarray(g), w])  # laid out from host memory, as before
+    for a, b in zip(as_it_is, from_host):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
